@@ -1,0 +1,258 @@
+"""The one place that knows TransformerLens: hook names, ``W_O``/``b_O``, tokens and padding.
+
+Everything else in the package works on plain tensors (`contribution_lens.decomposition`)
+or goes through the functions here. The hooks read, per layer ``l``:
+
+* ``blocks.{l}.attn.hook_pattern`` -- ``[batch head query key]``;
+* ``blocks.{l}.attn.hook_v`` -- ``[batch key kv_head d_head]`` (fewer heads under GQA);
+* ``blocks.{l}.attn.hook_out`` -- the o-projection output, ``sum_h z^h W_O^h + b_O``. This is
+  the hook the head outputs reconstruct: with Gemma-style post-attention norms,
+  ``blocks.{l}.hook_attn_out`` is that output *after* the norm.
+
+Inputs get the tokenizer's BOS token prepended (``model.to_tokens(..., prepend_bos=True)``;
+for SmolLM2 that is ``<|im_start|>``, id 1), so position 0 is always the same token: the
+attention sink. Token tensors are used as given. Batches of texts are right-padded, so
+causal attention of the real tokens is the same as for each text alone.
+"""
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import einops
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+Model = Any  # a TransformerBridge; typed loosely so tests can pass any bridge-like object
+HookFn = Callable[[Tensor, Any], Tensor | None]
+
+
+def pattern_hook(layer: int) -> str:
+    return f"blocks.{layer}.attn.hook_pattern"
+
+
+def value_hook(layer: int) -> str:
+    return f"blocks.{layer}.attn.hook_v"
+
+
+def output_hook(layer: int) -> str:
+    """The hook that equals ``sum_h o^h + b_O`` (before any post-attention norm)."""
+    return f"blocks.{layer}.attn.hook_out"
+
+
+def n_layers(model: Model) -> int:
+    if getattr(model, "hook_dict", None) is None or getattr(model, "cfg", None) is None:
+        raise TypeError(f"{type(model).__name__} has no hook_dict: expected a TransformerLens TransformerBridge")
+    return int(model.cfg.n_layers)
+
+
+def check_layers(model: Model, layers: int | Sequence[int] | None) -> list[int]:
+    """Normalise ``layers`` (None = all; negative indices count from the end) and check them."""
+    total = n_layers(model)
+    if layers is None:
+        return list(range(total))
+    requested = [layers] if isinstance(layers, int) else list(layers)
+    if not requested:
+        raise ValueError("layers is empty; pass None for all layers")
+    resolved = []
+    for layer in requested:
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise TypeError(f"layers must be integers, got {layer!r}")
+        if not -total <= layer < total:
+            raise ValueError(f"layer {layer} does not exist: the model has {total} layers (0..{total - 1})")
+        resolved.append(layer % total)
+    return sorted(set(resolved))
+
+
+def check_hooks(model: Model, layers: Sequence[int]) -> None:
+    """Raise if the model lacks the hooks that contribution weights need."""
+    hook_dict = getattr(model, "hook_dict", None)
+    if hook_dict is None:
+        raise TypeError(f"{type(model).__name__} has no hook_dict: expected a TransformerLens TransformerBridge")
+    for layer in layers:
+        for name in (pattern_hook(layer), value_hook(layer)):
+            if name not in hook_dict:
+                raise ValueError(
+                    f"model has no hook {name!r}; contribution weights need hook_pattern and hook_v "
+                    "on every attention layer (is this an attention model booted as a TransformerBridge?)"
+                )
+
+
+def output_weights(model: Model, layer: int) -> tuple[Float[Tensor, "head d_head d_model"], Tensor | None]:
+    """``W_O`` of one layer and its bias ``b_O`` (None when the model has none)."""
+    attn = model.blocks[layer].attn
+    W_O = attn.W_O.detach()
+    b_O = getattr(attn, "b_O", None)
+    return W_O, None if b_O is None else b_O.detach()
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """Tokens of a right-padded batch, with the mask of real positions and string labels."""
+
+    tokens: Int[Tensor, "batch pos"]
+    attention_mask: Bool[Tensor, "batch pos"]
+    str_tokens: list[list[str]]
+    """Per text, one string per real token (padding excluded)."""
+
+    def __post_init__(self) -> None:
+        if self.tokens.shape != self.attention_mask.shape:
+            raise ValueError(
+                f"tokens {tuple(self.tokens.shape)} and attention_mask {tuple(self.attention_mask.shape)} differ"
+            )
+        if len(self.str_tokens) != self.tokens.shape[0]:
+            raise ValueError(f"{len(self.str_tokens)} token label lists for a batch of {self.tokens.shape[0]}")
+
+    @property
+    def lengths(self) -> Int[Tensor, " batch"]:
+        return self.attention_mask.sum(-1)
+
+    @property
+    def padded(self) -> bool:
+        return not bool(self.attention_mask.all())
+
+
+def _context_length(model: Model) -> int | None:
+    n_ctx = getattr(model.cfg, "n_ctx", None)
+    return None if n_ctx is None else int(n_ctx)
+
+
+def _check_length(model: Model, length: int, what: str) -> None:
+    n_ctx = _context_length(model)
+    if n_ctx is not None and length > n_ctx:
+        raise ValueError(f"{what} is {length} tokens long, more than the model's context of {n_ctx} tokens")
+
+
+def _labels(model: Model, ids: Sequence[int]) -> list[str]:
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        return [f"<{i}>" for i in ids]
+    return [tokenizer.decode([i]) for i in ids]
+
+
+def _pad_id(model: Model) -> int:
+    tokenizer = getattr(model, "tokenizer", None)
+    pad = None if tokenizer is None else tokenizer.pad_token_id
+    if pad is None:
+        pad = None if tokenizer is None else tokenizer.eos_token_id
+    return 0 if pad is None else int(pad)
+
+
+def to_token_batch(
+    model: Model,
+    inputs: str | Sequence[str] | Tensor,
+    *,
+    attention_mask: Tensor | None = None,
+    prepend_bos: bool = True,
+) -> TokenBatch:
+    """Tokenise text(s) with BOS and right padding, or wrap a token tensor.
+
+    Args:
+        inputs: one text, a list of texts, or token ids ``[pos]`` / ``[batch pos]``.
+        attention_mask: only with token ids: 1 for real tokens, 0 for padding.
+        prepend_bos: prepend the tokenizer's BOS to texts (token ids are never changed).
+    """
+    device = _model_device(model)
+    if isinstance(inputs, Tensor):
+        tokens = inputs
+        if tokens.ndim == 1:
+            tokens = einops.rearrange(tokens, "pos -> 1 pos")
+        if tokens.ndim != 2 or tokens.dtype.is_floating_point:
+            raise ValueError(f"token ids must be an integer tensor [pos] or [batch pos], got {tuple(inputs.shape)}")
+        if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+            raise ValueError(f"token tensor is empty: shape {tuple(tokens.shape)}")
+        _check_length(model, tokens.shape[1], "the token sequence")
+        if attention_mask is None:
+            mask = torch.ones_like(tokens, dtype=torch.bool)
+        else:
+            mask = attention_mask.reshape(tokens.shape).to(torch.bool)
+            if not bool(mask[:, 0].all()):
+                raise ValueError("attention_mask marks position 0 as padding: pad on the right")
+            if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+                raise ValueError("attention_mask is not right-padded (a real token follows padding)")
+        labels = [_labels(model, row[m].tolist()) for row, m in zip(tokens, mask, strict=True)]
+        return TokenBatch(tokens.to(device), mask.to(device), labels)
+
+    if attention_mask is not None:
+        raise ValueError("attention_mask is only accepted with token ids; texts are padded here")
+    texts = [inputs] if isinstance(inputs, str) else list(inputs)
+    if not texts:
+        raise ValueError("no input texts given")
+    if getattr(model, "tokenizer", None) is None:
+        raise ValueError("this model has no tokenizer: pass token ids instead of text")
+    rows = []
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"input {index} is a {type(text).__name__}, not a str")
+        if not text.strip():
+            raise ValueError(f"input text {index} is empty")
+        ids = model.to_tokens(text, prepend_bos=prepend_bos, truncate=False)[0]
+        _check_length(model, ids.shape[0], f"input text {index}")
+        rows.append(ids.to(device))
+    length = max(row.shape[0] for row in rows)
+    tokens = torch.full((len(rows), length), _pad_id(model), dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), length), dtype=torch.bool, device=device)
+    for index, row in enumerate(rows):
+        tokens[index, : row.shape[0]] = row
+        mask[index, : row.shape[0]] = True
+    return TokenBatch(tokens, mask, [_labels(model, row.tolist()) for row in rows])
+
+
+def _model_device(model: Model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
+
+
+def model_dtype(model: Model) -> torch.dtype:
+    try:
+        return next(model.parameters()).dtype
+    except (AttributeError, StopIteration):
+        return torch.float32
+
+
+LayerFn = Callable[[int, Tensor, Tensor], None]
+
+
+@contextmanager
+def layer_hooks(model: Model, layers: Sequence[int], fn: LayerFn) -> Iterator[None]:
+    """Call ``fn(layer, pattern, v)`` inside the forward pass, once per layer.
+
+    ``hook_v`` fires before ``hook_pattern`` within a layer, but the order is not relied
+    upon: whichever of the two comes second triggers ``fn``. Nothing is kept afterwards,
+    so only one layer's activations are alive at a time.
+    """
+    check_hooks(model, layers)
+    pending: dict[int, dict[str, Tensor]] = {}
+
+    def capture(layer: int, kind: str) -> HookFn:
+        def hook(tensor: Tensor, hook: Any) -> None:
+            slot = pending.setdefault(layer, {})
+            slot[kind] = tensor.detach()
+            if len(slot) == 2:
+                del pending[layer]
+                fn(layer, slot["pattern"], slot["v"])
+
+        return hook
+
+    fwd_hooks = []
+    for layer in layers:
+        fwd_hooks.append((value_hook(layer), capture(layer, "v")))
+        fwd_hooks.append((pattern_hook(layer), capture(layer, "pattern")))
+    with model.hooks(fwd_hooks=fwd_hooks):
+        yield
+    pending.clear()
+
+
+def forward(
+    model: Model,
+    batch: TokenBatch,
+    fwd_hooks: Sequence[tuple[str, HookFn]] = (),
+) -> Float[Tensor, "batch pos d_vocab"]:
+    """Logits of one forward pass without autograd, with optional extra hooks."""
+    kwargs = {"attention_mask": batch.attention_mask.long()} if batch.padded else {}
+    with torch.inference_mode(), model.hooks(fwd_hooks=list(fwd_hooks)):
+        return model(batch.tokens, **kwargs)

@@ -1,0 +1,346 @@
+"""Contribution weights of one attention layer: pure tensor maths, no TransformerLens.
+
+Notation, for one layer, batch element and query position ``i``:
+
+* ``alpha_ij^h`` -- attention pattern of head ``h`` (``hook_pattern``);
+* ``vt_j^h = v_j^h W_O^h`` -- the *projected value* of key ``j`` in head ``h``
+  (``hook_v`` times ``W_O``; ``b_O`` belongs to no token and is left out);
+* ``o_i^h = sum_j alpha_ij^h vt_j^h`` -- the head output, ``o_i = sum_h o_i^h`` the layer output.
+
+The contribution weight of key ``j`` through head ``h`` is the share of the output that
+its weighted value carries along the output direction:
+
+    c_ij^h = <o, alpha_ij^h vt_j^h> / ||o||^2
+           = alpha_ij^h * (||vt_j^h|| / ||o||) * cos(o, vt_j^h)
+
+with ``o = o_i^h`` (``scope="intra"``: weights sum to 1 over keys, per head) or
+``o = o_i`` (``scope="inter"``: weights sum to 1 over heads and keys together).
+
+Nothing of shape ``[batch head query key d_model]`` is built: every inner product is
+contracted through ``d_head`` (``<o, v W_O^h> = <o W_O^h^T, v>``; intra-head through the
+Gram matrix ``W_O^h W_O^h^T``), so the largest intermediate has the size of the pattern.
+"""
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+import einops
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+Scope = Literal["intra", "inter"]
+Method = Literal["attention", "value_weighted", "output_normalized", "contribution"]
+SCOPES: tuple[str, ...] = get_args(Scope)
+METHODS: tuple[str, ...] = get_args(Method)
+
+
+@dataclass(frozen=True)
+class Decomposition:
+    """The three factors of the contribution weights of one layer.
+
+    ``contribution == attention * relative_norm * cosine`` everywhere. Positions that are
+    masked (future keys, padding) hold exactly 0 in every factor. Where ``||o|| = 0`` there
+    is nothing to decompose: ``relative_norm``, ``cosine`` and ``contribution`` are 0 there.
+
+    ``relative_norm`` is derived on access from ``value_norm / output_norm``, so a result
+    stores three pattern-sized tensors, not four.
+
+    Example:
+        >>> import torch
+        >>> pattern = torch.tensor([[[[1.0, 0.0], [0.5, 0.5]]]])  # one head, two tokens
+        >>> v = torch.tensor([[[[1.0, 0.0]], [[-3.0, 0.0]]]])  # [batch key kv_head d_head]
+        >>> W_O = torch.eye(2)[None]  # [head d_head d_model]
+        >>> d = decompose(pattern, v, W_O, scope="intra")
+        >>> d.contribution[0, 0, 1].tolist()  # token 0 is destructive interference
+        [-0.5, 1.5]
+    """
+
+    attention: Float[Tensor, "batch head query key"]
+    cosine: Float[Tensor, "batch head query key"]
+    contribution: Float[Tensor, "batch head query key"]
+    value_norm: Float[Tensor, "batch head key"]
+    """``||vt_j^h||``, zero at padded keys."""
+    output_norm: Float[Tensor, "batch head query"]
+    """``||o_i^h||`` (intra) or ``||o_i||`` repeated over heads (inter); zero at padding."""
+    valid: Bool[Tensor, "batch query key"]
+    """True where key ``j`` is visible from query ``i`` (causal and not padding)."""
+    scope: str
+
+    def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+        shape = self.attention.shape
+        for name in ("cosine", "contribution"):
+            if getattr(self, name).shape != shape:
+                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected {tuple(shape)}")
+        batch, head, query, key = shape
+        if self.value_norm.shape != (batch, head, key):
+            raise ValueError(f"value_norm has shape {tuple(self.value_norm.shape)}, expected {(batch, head, key)}")
+        if self.output_norm.shape != (batch, head, query):
+            raise ValueError(
+                f"output_norm has shape {tuple(self.output_norm.shape)}, expected {(batch, head, query)}"
+            )
+        if self.valid.shape != (batch, query, key):
+            raise ValueError(f"valid has shape {tuple(self.valid.shape)}, expected {(batch, query, key)}")
+
+    @property
+    def relative_norm(self) -> Float[Tensor, "batch head query key"]:
+        """``||vt_j^h|| / ||o||``, 0 where the position is masked or ``||o|| = 0``."""
+        ratio = _safe_divide(
+            einops.rearrange(self.value_norm, "batch head key -> batch head 1 key"),
+            einops.rearrange(self.output_norm, "batch head query -> batch head query 1"),
+        )
+        return torch.where(einops.rearrange(self.valid, "batch query key -> batch 1 query key"), ratio, 0)
+
+    def factor(self, name: str) -> Float[Tensor, "batch head query key"]:
+        """One of ``attention``, ``relative_norm``, ``cosine``, ``contribution`` by name."""
+        if name not in FACTORS:
+            raise ValueError(f"unknown factor {name!r}; expected one of {FACTORS}")
+        return getattr(self, name)
+
+    def sum_over_heads(self) -> Float[Tensor, "batch query key"]:
+        """Token-level contribution ``sum_h c_ij^h`` (sums to 1 over keys for ``scope="inter"``)."""
+        return einops.reduce(self.contribution, "batch head query key -> batch query key", "sum")
+
+    def to(self, device: torch.device | str) -> "Decomposition":
+        """A copy with every tensor moved to ``device``."""
+        return Decomposition(
+            attention=self.attention.to(device),
+            cosine=self.cosine.to(device),
+            contribution=self.contribution.to(device),
+            value_norm=self.value_norm.to(device),
+            output_norm=self.output_norm.to(device),
+            valid=self.valid.to(device),
+            scope=self.scope,
+        )
+
+
+FACTORS: tuple[str, ...] = ("attention", "relative_norm", "cosine", "contribution")
+
+
+def _safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
+    """``numerator / denominator`` with 0 where the denominator is 0 (never NaN or inf)."""
+    nonzero = denominator != 0
+    return torch.where(nonzero, numerator / torch.where(nonzero, denominator, 1), 0)
+
+
+def _accumulation_dtype(dtype: torch.dtype | None, *tensors: Tensor) -> torch.dtype:
+    if dtype is not None:
+        if not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
+        return dtype
+    # Half precision loses too much in ||o||^2 and the Gram contractions: float32 at least.
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def valid_positions(
+    query: int,
+    key: int,
+    *,
+    attention_mask: Bool[Tensor, "batch key"] | None = None,
+    batch: int = 1,
+    causal: bool = True,
+    device: torch.device | str | None = None,
+) -> Bool[Tensor, "batch query key"]:
+    """Where key ``j`` is visible from query ``i``: ``j <= i`` (if causal) and neither is padding.
+
+    Queries are taken to be the last ``query`` of the ``key`` positions, as in a KV cache.
+    """
+    positions_q = torch.arange(key - query, key, device=device)
+    positions_k = torch.arange(key, device=device)
+    if causal:
+        visible = positions_k[None, :] <= positions_q[:, None]
+    else:
+        visible = torch.ones(query, key, dtype=torch.bool, device=device)
+    visible = einops.repeat(visible, "query key -> batch query key", batch=batch)
+    if attention_mask is not None:
+        if attention_mask.shape != (batch, key):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, key)}")
+        keep = attention_mask.to(device=visible.device, dtype=torch.bool)
+        visible = visible & keep[:, None, :] & keep[:, key - query :, None]
+    return visible
+
+
+def decompose(
+    pattern: Float[Tensor, "batch head query key"],
+    v: Float[Tensor, "batch key kv_head d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    *,
+    scope: Scope = "inter",
+    attention_mask: Bool[Tensor, "batch key"] | None = None,
+    causal: bool = True,
+    dtype: torch.dtype | None = None,
+) -> Decomposition:
+    """Decompose each token's share of an attention output into three factors.
+
+    ``c_ij^h = alpha_ij^h * (||vt_j^h|| / ||o||) * cos(o, vt_j^h)`` with ``vt_j^h = v_j^h W_O^h``
+    and ``o`` the head output ``o_i^h`` (``scope="intra"``) or the layer output
+    ``o_i = sum_h o_i^h`` (``scope="inter"``), ``b_O`` excluded.
+
+    Grouped-query attention needs no copy of ``v``: head ``h`` reads kv head
+    ``h // (head / kv_head)``, the ``repeat_interleave`` order TransformerLens and HF use.
+
+    Args:
+        pattern: attention probabilities, ``hook_pattern``.
+        v: values, ``hook_v``; ``kv_head`` must divide ``head``.
+        W_O: output projection per head.
+        scope: ``"intra"`` or ``"inter"`` (see above).
+        attention_mask: 1/True for real tokens, 0/False for padding; padded rows and columns
+            come out as exactly 0.
+        causal: zero every factor at future keys (``j > i``).
+        dtype: accumulation dtype; float32 by default (float64 if an input is float64),
+            whatever the model dtype.
+
+    Returns:
+        A `Decomposition` in the accumulation dtype. Where ``||o|| = 0`` every factor is 0,
+        so weights then sum to 0, not 1.
+
+    Example:
+        >>> import torch
+        >>> pattern = torch.softmax(torch.randn(1, 4, 5, 5), -1).tril()  # [batch head query key]
+        >>> d = decompose(pattern, torch.randn(1, 5, 2, 8), torch.randn(4, 8, 16))
+        >>> d.sum_over_heads().sum(-1)  # inter-head weights sum to 1 for every query
+        tensor([[1.0000, 1.0000, 1.0000, 1.0000, 1.0000]])
+    """
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    batch, n_heads, n_query, n_key = pattern.shape
+    _, v_key, n_kv_heads, d_head = v.shape
+    if v.shape[0] != batch or v_key != n_key:
+        raise ValueError(
+            f"v has shape {tuple(v.shape)} but pattern {tuple(pattern.shape)} needs [batch={batch}, key={n_key}, ...]"
+        )
+    if W_O.shape[:2] != (n_heads, d_head):
+        raise ValueError(f"W_O has shape {tuple(W_O.shape)}, expected [head={n_heads}, d_head={d_head}, d_model]")
+    if n_heads % n_kv_heads != 0:
+        raise ValueError(f"kv_head={n_kv_heads} does not divide head={n_heads}")
+    if n_query > n_key:
+        raise ValueError(f"more queries ({n_query}) than keys ({n_key})")
+
+    acc = _accumulation_dtype(dtype, pattern, v, W_O)
+    device = pattern.device
+    valid = valid_positions(
+        n_query, n_key, attention_mask=attention_mask, batch=batch, causal=causal, device=device
+    )
+    valid_hqk = einops.rearrange(valid, "batch query key -> batch 1 query key")
+    # Zero masked entries first: a model may leave NaN rows for fully padded queries.
+    alpha = torch.where(valid_hqk, pattern.to(acc), 0)
+    values = v.to(device=device, dtype=acc)
+    if attention_mask is not None:
+        real = einops.rearrange(attention_mask.to(device=device, dtype=torch.bool), "batch key -> batch key 1 1")
+        values = torch.where(real, values, 0)
+    weights = W_O.to(device=device, dtype=acc)
+
+    grouped = "batch (kv_head group) query key -> batch kv_head group query key"
+    alpha_g = einops.rearrange(alpha, grouped, kv_head=n_kv_heads)
+    W_O_g = einops.rearrange(weights, "(kv_head group) d_head d_model -> kv_head group d_head d_model", kv_head=n_kv_heads)
+    # Head outputs in d_head space: z_i^h = sum_j alpha_ij^h v_j^h, so o_i^h = z_i^h W_O^h.
+    z = einops.einsum(
+        alpha_g, values, "batch kv_head group query key, batch key kv_head d_head -> batch kv_head group query d_head"
+    )
+    gram = einops.einsum(
+        W_O_g, W_O_g, "kv_head group d_head d_model, kv_head group e_head d_model -> kv_head group d_head e_head"
+    )
+    v_gram = einops.einsum(
+        values, gram, "batch key kv_head d_head, kv_head group d_head e_head -> batch kv_head group key e_head"
+    )
+    value_norm_sq = einops.einsum(
+        v_gram, values, "batch kv_head group key e_head, batch key kv_head e_head -> batch kv_head group key"
+    )
+
+    if scope == "intra":
+        # <o_i^h, vt_j^h> = z_i^h G^h v_j^h and ||o_i^h||^2 = z_i^h G^h z_i^h.
+        dot = einops.einsum(
+            z, v_gram, "batch kv_head group query e_head, batch kv_head group key e_head -> batch kv_head group query key"
+        )
+        z_gram = einops.einsum(
+            z, gram, "batch kv_head group query d_head, kv_head group d_head e_head -> batch kv_head group query e_head"
+        )
+        output_norm_sq = einops.einsum(
+            z_gram, z, "batch kv_head group query e_head, batch kv_head group query e_head -> batch kv_head group query"
+        )
+    else:
+        # o_i lives in d_model once per query; pull it back through each head's W_O.
+        output = einops.einsum(
+            z, W_O_g, "batch kv_head group query d_head, kv_head group d_head d_model -> batch query d_model"
+        )
+        output_back = einops.einsum(
+            output, W_O_g, "batch query d_model, kv_head group d_head d_model -> batch kv_head group query d_head"
+        )
+        dot = einops.einsum(
+            output_back, values, "batch kv_head group query d_head, batch key kv_head d_head -> batch kv_head group query key"
+        )
+        output_norm_sq = einops.repeat(
+            einops.einsum(output, output, "batch query d_model, batch query d_model -> batch query"),
+            "batch query -> batch kv_head group query",
+            kv_head=n_kv_heads,
+            group=n_heads // n_kv_heads,
+        )
+
+    heads = "batch kv_head group ... -> batch (kv_head group) ..."
+    dot = einops.rearrange(dot, heads)
+    # Rounding can push a squared norm of a zero vector slightly below 0.
+    value_norm = einops.rearrange(value_norm_sq, heads).clamp_min(0).sqrt()
+    output_norm_sq = einops.rearrange(output_norm_sq, heads).clamp_min(0)
+    output_norm = output_norm_sq.sqrt()
+
+    norms = einops.rearrange(output_norm, "batch head query -> batch head query 1") * einops.rearrange(
+        value_norm, "batch head key -> batch head 1 key"
+    )
+    cosine = torch.where(valid_hqk, _safe_divide(dot, norms).clamp(-1, 1), 0)
+    contribution = torch.where(
+        valid_hqk, _safe_divide(alpha * dot, einops.rearrange(output_norm_sq, "batch head query -> batch head query 1")), 0
+    )
+    return Decomposition(
+        attention=alpha,
+        cosine=cosine,
+        contribution=contribution,
+        value_norm=value_norm,
+        output_norm=output_norm,
+        valid=valid,
+        scope=scope,
+    )
+
+
+def importance(
+    pattern: Float[Tensor, "batch head query key"],
+    v: Float[Tensor, "batch key kv_head d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    *,
+    method: Method,
+    scope: Scope = "inter",
+    attention_mask: Bool[Tensor, "batch key"] | None = None,
+    causal: bool = True,
+    dtype: torch.dtype | None = None,
+) -> Float[Tensor, "batch head query key"]:
+    """Per-head token importance scores by one of four measures.
+
+    * ``"attention"``: ``alpha_ij^h``;
+    * ``"value_weighted"``: ``alpha_ij^h ||vt_j^h||``;
+    * ``"output_normalized"``: ``alpha_ij^h ||vt_j^h|| / ||o||``;
+    * ``"contribution"``: ``c_ij^h`` (see `decompose`).
+
+    Example:
+        >>> import torch
+        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3), -1).tril()
+        >>> importance(pattern, torch.randn(1, 3, 2, 4), torch.randn(2, 4, 8), method="value_weighted").shape
+        torch.Size([1, 2, 3, 3])
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    d = decompose(pattern, v, W_O, scope=scope, attention_mask=attention_mask, causal=causal, dtype=dtype)
+    return scores_from(d, method)
+
+
+def scores_from(d: Decomposition, method: str) -> Float[Tensor, "batch head query key"]:
+    """The `importance` scores of ``method`` read off an existing `Decomposition`."""
+    if method == "attention":
+        return d.attention
+    if method == "value_weighted":
+        return d.attention * einops.rearrange(d.value_norm, "batch head key -> batch head 1 key")
+    if method == "output_normalized":
+        return d.attention * d.relative_norm
+    if method == "contribution":
+        return d.contribution
+    raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")

@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random bridges for fast invariants, the bundled model for real runs."""
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from jaxtyping import TypeCheckError
+from transformer_lens.config import TransformerBridgeConfig
+from transformer_lens.model_bridge import TransformerBridge
+
+import contribution_lens as cl
+
+# boot_native is attached to TransformerBridge when this module is imported.
+import transformer_lens.model_bridge.sources.native  # noqa: F401  isort: skip
+
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+ARTIFACTS = Path(os.environ.get("CONTRIBUTION_LENS_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
+
+# (n_heads, n_key_value_heads) per attention variant, ids readable in the test report.
+VARIANTS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(actual, expected.to(actual.dtype), rtol=rtol, atol=atol)
+
+
+@contextmanager
+def raises_bad_input(message: str) -> Iterator[None]:
+    """Expect our ``ValueError`` with ``message``, or jaxtyping/beartype refusing the call first.
+
+    Runtime type checking is on only under pytest; users get the ``ValueError``.
+    """
+    with pytest.raises((ValueError, TypeCheckError)) as error:
+        yield
+    if error.type is ValueError:
+        assert message in str(error.value), f"{message!r} not in {str(error.value)!r}"
+
+
+def tiny_bridge(variant: str = "gqa", *, biases: bool = False, seed: int = 0, n_layers: int = 2) -> TransformerBridge:
+    """A random 2-layer bridge; ``biases=True`` gives every attention projection a random bias."""
+    n_heads, n_kv = VARIANTS[variant]
+    cfg = TransformerBridgeConfig(
+        d_model=32,
+        d_head=8,
+        n_heads=n_heads,
+        n_layers=n_layers,
+        n_ctx=64,
+        d_vocab=50,
+        n_key_value_heads=n_kv,
+        act_fn="gelu",
+        normalization_type="LN",
+        positional_embedding_type="rotary",
+        seed=seed,
+    )
+    model = TransformerBridge.boot_native(cfg)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") and ".attn." in name:
+                # boot_native zero-initialises biases; random ones exercise b_O and hook_v offsets.
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5 if biases else torch.zeros_like(param))
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def bundled_model() -> TransformerBridge:
+    """The real SmolLM2-135M (float32). Shared by the session: never mutate it."""
+    try:
+        return cl.load_model()
+    except ModuleNotFoundError as error:  # pragma: no cover - depends on the install
+        pytest.skip(f"bundled model unavailable: {error}")
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"real evaluation data not found at {SHARED_DATA} (see shared/data/README.md)")
+    return SHARED_DATA
