@@ -1,6 +1,7 @@
 """Shared fixtures: tiny random bridges for fast invariants, the bundled model for real runs."""
 
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,6 +38,13 @@ def raises_bad_input(message: str) -> Iterator[None]:
         yield
     if error.type is ValueError:
         assert message in str(error.value), f"{message!r} not in {str(error.value)!r}"
+
+
+def assert_self_contained(html: str) -> None:
+    """plotly.js is embedded (the page must render offline): no script is loaded from a URL."""
+    assert "Plotly.newPlot" in html
+    assert not re.search(r"<script[^>]+src=[\"']https?://", html), "a script is loaded from the network"
+    assert len(re.findall(r"plotly\.js v\d", html)) == 1, "plotly.js must be embedded exactly once"
 
 
 def tiny_bridge(variant: str = "gqa", *, biases: bool = False, seed: int = 0, n_layers: int = 2) -> TransformerBridge:

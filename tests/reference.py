@@ -7,10 +7,10 @@ import torch
 
 
 def reference_contributions(
-    pattern: torch.Tensor, v: torch.Tensor, W_O: torch.Tensor, scope: str
+    pattern: torch.Tensor, v: torch.Tensor, W_O: torch.Tensor, scope: str, dtype: torch.dtype = torch.float64
 ) -> dict[str, torch.Tensor]:
-    pattern, v, W_O = pattern.double(), v.double(), W_O.double()
-    batch, n_heads, n_query, n_key = pattern.shape
+    pattern, v, W_O = pattern.to(dtype), v.to(dtype), W_O.to(dtype)
+    _, n_heads, n_query, n_key = pattern.shape
     group = n_heads // v.shape[2]
     # vt[b, h, k, m] = v[b, k, h // group] @ W_O[h]
     vt = torch.stack([v[:, :, h // group, :] @ W_O[h] for h in range(n_heads)], dim=1)

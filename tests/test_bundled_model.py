@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from conftest import assert_close, raises_bad_input
-from reference import reference_contributions
 
 import contribution_lens as cl
+from conftest import assert_close, raises_bad_input
 from contribution_lens import adapter
+from reference import reference_contributions
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog because it was in a hurry.",

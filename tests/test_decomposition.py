@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from conftest import assert_close, raises_bad_input
-from reference import reference_contributions
 
 import contribution_lens as cl
+from conftest import assert_close, raises_bad_input
+from reference import reference_contributions
 
 SHAPES = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
 
@@ -36,7 +36,9 @@ def test_float32_close_to_oracle(variant: str) -> None:
     pattern, v, W_O = random_layer(variant, seed=3)
     d = cl.decompose(pattern, v, W_O)
     assert d.contribution.dtype == torch.float32
-    assert_close(d.contribution, reference_contributions(pattern, v, W_O, "inter")["contribution"], rtol=1e-4, atol=1e-5)
+    assert_close(
+        d.contribution, reference_contributions(pattern, v, W_O, "inter")["contribution"], rtol=1e-4, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("variant", list(SHAPES))

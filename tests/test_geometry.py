@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from conftest import VARIANTS, assert_close, raises_bad_input, tiny_bridge
-from reference import reference_contributions
 
 import contribution_lens as cl
+from conftest import VARIANTS, assert_close, raises_bad_input, tiny_bridge
 from contribution_lens import adapter
+from reference import reference_contributions
 
 ARCHS = [pytest.param(v, b, id=f"{v}-{'bias' if b else 'nobias'}") for v in VARIANTS for b in (False, True)]
 
@@ -127,8 +127,9 @@ def test_model_without_attention_hooks_is_refused() -> None:
     model = tiny_bridge("mha")
 
     class NoHooks:
-        cfg = model.cfg
-        hook_dict = {k: v for k, v in model.hook_dict.items() if not k.endswith("hook_v")}
+        def __init__(self) -> None:
+            self.cfg = model.cfg
+            self.hook_dict = {k: v for k, v in model.hook_dict.items() if not k.endswith("hook_v")}
 
     with raises_bad_input("model has no hook 'blocks.0.attn.hook_v'"):
         cl.attention_geometry(NoHooks(), tokens())

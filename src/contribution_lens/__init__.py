@@ -8,6 +8,7 @@ The contribution weight of key ``j`` to the attention output ``o_i`` through hea
 splits into selection (attention), magnitude (relative norm) and direction (cosine).
 """
 
+from contribution_lens import plot
 from contribution_lens.adapter import TokenBatch, to_token_batch
 from contribution_lens.decomposition import (
     FACTORS,
@@ -21,6 +22,8 @@ from contribution_lens.decomposition import (
 )
 from contribution_lens.geometry import Geometry, attention_geometry
 from contribution_lens.loading import load_model
+from contribution_lens.sink_intervention import SinkIntervention, sink_intervention
+from contribution_lens.sinks import SinkAnalysis, SinkLayer, sink_analysis
 
 __all__ = [
     "FACTORS",
@@ -30,11 +33,17 @@ __all__ = [
     "Geometry",
     "Method",
     "Scope",
+    "SinkAnalysis",
+    "SinkIntervention",
+    "SinkLayer",
     "TokenBatch",
     "attention_geometry",
     "decompose",
     "importance",
     "load_model",
+    "plot",
+    "sink_analysis",
+    "sink_intervention",
     "to_token_batch",
 ]
 __version__ = "0.1.0"

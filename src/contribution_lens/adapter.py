@@ -214,27 +214,36 @@ def model_dtype(model: Model) -> torch.dtype:
         return torch.float32
 
 
-LayerFn = Callable[[int, Tensor, Tensor], None]
+def z_hook(layer: int) -> str:
+    return f"blocks.{layer}.attn.hook_z"
+
+
+LayerFn = Callable[..., None]
 
 
 @contextmanager
-def layer_hooks(model: Model, layers: Sequence[int], fn: LayerFn) -> Iterator[None]:
-    """Call ``fn(layer, pattern, v)`` inside the forward pass, once per layer.
+def layer_hooks(model: Model, layers: Sequence[int], fn: LayerFn, *, with_z: bool = False) -> Iterator[None]:
+    """Call ``fn(layer, pattern, v)`` (``fn(layer, pattern, v, z)`` with ``with_z``) in the forward pass.
 
-    ``hook_v`` fires before ``hook_pattern`` within a layer, but the order is not relied
-    upon: whichever of the two comes second triggers ``fn``. Nothing is kept afterwards,
-    so only one layer's activations are alive at a time.
+    ``z`` is ``hook_z`` ``[batch query head d_head]``, or None where the model has no such
+    hook. The hooks' firing order is not relied upon: whichever arrives last triggers ``fn``.
+    Nothing is kept afterwards, so only one layer's activations are alive at a time.
     """
     check_hooks(model, layers)
     pending: dict[int, dict[str, Tensor]] = {}
+    use_z = with_z and all(z_hook(layer) in model.hook_dict for layer in layers)
+    needed = 3 if use_z else 2
 
     def capture(layer: int, kind: str) -> HookFn:
         def hook(tensor: Tensor, hook: Any) -> None:
             slot = pending.setdefault(layer, {})
             slot[kind] = tensor.detach()
-            if len(slot) == 2:
+            if len(slot) == needed:
                 del pending[layer]
-                fn(layer, slot["pattern"], slot["v"])
+                if with_z:
+                    fn(layer, slot["pattern"], slot["v"], slot.get("z"))
+                else:
+                    fn(layer, slot["pattern"], slot["v"])
 
         return hook
 
@@ -242,6 +251,8 @@ def layer_hooks(model: Model, layers: Sequence[int], fn: LayerFn) -> Iterator[No
     for layer in layers:
         fwd_hooks.append((value_hook(layer), capture(layer, "v")))
         fwd_hooks.append((pattern_hook(layer), capture(layer, "pattern")))
+        if use_z:
+            fwd_hooks.append((z_hook(layer), capture(layer, "z")))
     with model.hooks(fwd_hooks=fwd_hooks):
         yield
     pending.clear()

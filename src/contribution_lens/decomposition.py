@@ -22,6 +22,7 @@ Gram matrix ``W_O^h W_O^h^T``), so the largest intermediate has the size of the 
 """
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal, get_args
 
 import einops
@@ -43,8 +44,11 @@ class Decomposition:
     masked (future keys, padding) hold exactly 0 in every factor. Where ``||o|| = 0`` there
     is nothing to decompose: ``relative_norm``, ``cosine`` and ``contribution`` are 0 there.
 
-    ``relative_norm`` is derived on access from ``value_norm / output_norm``, so a result
-    stores three pattern-sized tensors, not four.
+    Only ``attention`` (the pattern itself, uncopied where possible) and ``cosine`` are stored
+    pattern-sized; ``relative_norm = value_norm / output_norm`` is derived on access and
+    ``contribution = attention * cosine * value_norm / output_norm`` is computed on first
+    access and then kept. A layer costs two pattern-sized tensors until its contribution is
+    read, three after.
 
     Example:
         >>> import torch
@@ -58,7 +62,6 @@ class Decomposition:
 
     attention: Float[Tensor, "batch head query key"]
     cosine: Float[Tensor, "batch head query key"]
-    contribution: Float[Tensor, "batch head query key"]
     value_norm: Float[Tensor, "batch head key"]
     """``||vt_j^h||``, zero at padded keys."""
     output_norm: Float[Tensor, "batch head query"]
@@ -71,16 +74,13 @@ class Decomposition:
         if self.scope not in SCOPES:
             raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
         shape = self.attention.shape
-        for name in ("cosine", "contribution"):
-            if getattr(self, name).shape != shape:
-                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected {tuple(shape)}")
+        if self.cosine.shape != shape:
+            raise ValueError(f"cosine has shape {tuple(self.cosine.shape)}, expected {tuple(shape)}")
         batch, head, query, key = shape
         if self.value_norm.shape != (batch, head, key):
             raise ValueError(f"value_norm has shape {tuple(self.value_norm.shape)}, expected {(batch, head, key)}")
         if self.output_norm.shape != (batch, head, query):
-            raise ValueError(
-                f"output_norm has shape {tuple(self.output_norm.shape)}, expected {(batch, head, query)}"
-            )
+            raise ValueError(f"output_norm has shape {tuple(self.output_norm.shape)}, expected {(batch, head, query)}")
         if self.valid.shape != (batch, query, key):
             raise ValueError(f"valid has shape {tuple(self.valid.shape)}, expected {(batch, query, key)}")
 
@@ -92,6 +92,16 @@ class Decomposition:
             einops.rearrange(self.output_norm, "batch head query -> batch head query 1"),
         )
         return torch.where(einops.rearrange(self.valid, "batch query key -> batch 1 query key"), ratio, 0)
+
+    @cached_property
+    def contribution(self) -> Float[Tensor, "batch head query key"]:
+        """``c_ij^h = alpha_ij^h * (||vt_j^h|| / ||o||) * cos(o, vt_j^h)``; 0 where masked or ``||o|| = 0``."""
+        inv_out = _safe_divide(torch.ones_like(self.output_norm), self.output_norm)
+        return (
+            torch.mul(self.attention, self.cosine)
+            .mul_(einops.rearrange(self.value_norm, "batch head key -> batch head 1 key"))
+            .mul_(einops.rearrange(inv_out, "batch head query -> batch head query 1"))
+        )
 
     def factor(self, name: str) -> Float[Tensor, "batch head query key"]:
         """One of ``attention``, ``relative_norm``, ``cosine``, ``contribution`` by name."""
@@ -108,7 +118,6 @@ class Decomposition:
         return Decomposition(
             attention=self.attention.to(device),
             cosine=self.cosine.to(device),
-            contribution=self.contribution.to(device),
             value_norm=self.value_norm.to(device),
             output_norm=self.output_norm.to(device),
             valid=self.valid.to(device),
@@ -171,6 +180,7 @@ def decompose(
     attention_mask: Bool[Tensor, "batch key"] | None = None,
     causal: bool = True,
     dtype: torch.dtype | None = None,
+    z: Float[Tensor, "batch query head d_head"] | None = None,
 ) -> Decomposition:
     """Decompose each token's share of an attention output into three factors.
 
@@ -191,6 +201,12 @@ def decompose(
         causal: zero every factor at future keys (``j > i``).
         dtype: accumulation dtype; float32 by default (float64 if an input is float64),
             whatever the model dtype.
+        z: the head outputs before ``W_O``, ``hook_z`` (``= pattern @ v`` per head). Passing
+            what the model already computed saves one ``[head query key d_head]`` contraction.
+
+    Without ``attention_mask``, a pattern already in the accumulation dtype is kept as the
+    ``attention`` field without a copy; its future entries are those of the pattern (exact
+    zeros for a causal softmax). Every other factor is exactly 0 there regardless.
 
     Returns:
         A `Decomposition` in the accumulation dtype. Where ``||o|| = 0`` every factor is 0,
@@ -220,12 +236,14 @@ def decompose(
 
     acc = _accumulation_dtype(dtype, pattern, v, W_O)
     device = pattern.device
-    valid = valid_positions(
-        n_query, n_key, attention_mask=attention_mask, batch=batch, causal=causal, device=device
-    )
+    valid = valid_positions(n_query, n_key, attention_mask=attention_mask, batch=batch, causal=causal, device=device)
     valid_hqk = einops.rearrange(valid, "batch query key -> batch 1 query key")
-    # Zero masked entries first: a model may leave NaN rows for fully padded queries.
-    alpha = torch.where(valid_hqk, pattern.to(acc), 0)
+    if attention_mask is None and pattern.dtype == acc:
+        # A causal softmax already holds exact zeros at future keys: no copy of the pattern.
+        alpha = pattern
+    else:
+        # Zero masked entries first: a model may leave NaN rows for fully padded queries.
+        alpha = torch.where(valid_hqk, pattern.to(acc), 0)
     values = v.to(device=device, dtype=acc)
     if attention_mask is not None:
         real = einops.rearrange(attention_mask.to(device=device, dtype=torch.bool), "batch key -> batch key 1 1")
@@ -234,11 +252,25 @@ def decompose(
 
     grouped = "batch (kv_head group) query key -> batch kv_head group query key"
     alpha_g = einops.rearrange(alpha, grouped, kv_head=n_kv_heads)
-    W_O_g = einops.rearrange(weights, "(kv_head group) d_head d_model -> kv_head group d_head d_model", kv_head=n_kv_heads)
-    # Head outputs in d_head space: z_i^h = sum_j alpha_ij^h v_j^h, so o_i^h = z_i^h W_O^h.
-    z = einops.einsum(
-        alpha_g, values, "batch kv_head group query key, batch key kv_head d_head -> batch kv_head group query d_head"
+    W_O_g = einops.rearrange(
+        weights, "(kv_head group) d_head d_model -> kv_head group d_head d_model", kv_head=n_kv_heads
     )
+    # Head outputs in d_head space: z_i^h = sum_j alpha_ij^h v_j^h, so o_i^h = z_i^h W_O^h.
+    if z is None:
+        z = einops.einsum(
+            alpha_g,
+            values,
+            "batch kv_head group query key, batch key kv_head d_head -> batch kv_head group query d_head",
+        )
+    else:
+        z = einops.rearrange(
+            z.to(device=device, dtype=acc),
+            "batch query (kv_head group) d_head -> batch kv_head group query d_head",
+            kv_head=n_kv_heads,
+        )
+        if attention_mask is not None:
+            real_q = attention_mask.to(device=device, dtype=torch.bool)[:, n_key - n_query :]
+            z = torch.where(einops.rearrange(real_q, "batch query -> batch 1 1 query 1"), z, 0)
     gram = einops.einsum(
         W_O_g, W_O_g, "kv_head group d_head d_model, kv_head group e_head d_model -> kv_head group d_head e_head"
     )
@@ -252,7 +284,9 @@ def decompose(
     if scope == "intra":
         # <o_i^h, vt_j^h> = z_i^h G^h v_j^h and ||o_i^h||^2 = z_i^h G^h z_i^h.
         dot = einops.einsum(
-            z, v_gram, "batch kv_head group query e_head, batch kv_head group key e_head -> batch kv_head group query key"
+            z,
+            v_gram,
+            "batch kv_head group query e_head, batch kv_head group key e_head -> batch kv_head group query key",
         )
         z_gram = einops.einsum(
             z, gram, "batch kv_head group query d_head, kv_head group d_head e_head -> batch kv_head group query e_head"
@@ -269,7 +303,9 @@ def decompose(
             output, W_O_g, "batch query d_model, kv_head group d_head d_model -> batch kv_head group query d_head"
         )
         dot = einops.einsum(
-            output_back, values, "batch kv_head group query d_head, batch key kv_head d_head -> batch kv_head group query key"
+            output_back,
+            values,
+            "batch kv_head group query d_head, batch key kv_head d_head -> batch kv_head group query key",
         )
         output_norm_sq = einops.repeat(
             einops.einsum(output, output, "batch query d_model, batch query d_model -> batch query"),
@@ -285,17 +321,19 @@ def decompose(
     output_norm_sq = einops.rearrange(output_norm_sq, heads).clamp_min(0)
     output_norm = output_norm_sq.sqrt()
 
-    norms = einops.rearrange(output_norm, "batch head query -> batch head query 1") * einops.rearrange(
-        value_norm, "batch head key -> batch head 1 key"
-    )
-    cosine = torch.where(valid_hqk, _safe_divide(dot, norms).clamp(-1, 1), 0)
-    contribution = torch.where(
-        valid_hqk, _safe_divide(alpha * dot, einops.rearrange(output_norm_sq, "batch head query -> batch head query 1")), 0
-    )
+    # Reciprocals on the small [batch head query] / [batch head key] tensors, then in-place
+    # products on the pattern-sized ones: each full-size pass (and allocation) costs as much
+    # as the contractions themselves.
+    inv_out = einops.rearrange(_safe_divide(torch.ones_like(output_norm), output_norm), "b h q -> b h q 1")
+    inv_value = einops.rearrange(_safe_divide(torch.ones_like(value_norm), value_norm), "b h k -> b h 1 k")
+    cosine = dot.mul_(inv_out).mul_(inv_value).clamp_(-1, 1)
+    if attention_mask is None and causal and n_query == n_key:
+        cosine.tril_()  # several times faster than a broadcast boolean fill
+    else:
+        cosine.masked_fill_(~valid_hqk, 0)
     return Decomposition(
         attention=alpha,
         cosine=cosine,
-        contribution=contribution,
         value_norm=value_norm,
         output_norm=output_norm,
         valid=valid,

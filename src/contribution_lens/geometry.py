@@ -4,6 +4,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import einops
+import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -59,6 +60,35 @@ class Geometry:
             rows.append(total / valid.sum().clamp_min(1))
         return torch.stack(rows)
 
+    def layer_summary(self) -> pd.DataFrame:
+        """One row per layer: how far attention and contribution disagree, token level.
+
+        Columns: ``sink_attention`` and ``sink_contribution`` (mean over real queries
+        ``i > 0`` of the head-averaged attention to, and the summed contribution of, key 0),
+        ``negative_share`` (share of attended (head, query, key) triples whose weight is
+        negative) and ``top1_agreement`` (share of queries whose most-attended key is also
+        the key of largest contribution).
+        """
+        rows = []
+        for layer in sorted(self.layers):
+            d = self.layers[layer]
+            real_query = self.attention_mask.to(d.attention.device).clone()
+            real_query[:, 0] = False  # query 0 can only see itself
+            attention = d.attention.mean(1)  # [batch query key]
+            contribution = d.sum_over_heads()
+            attended = d.attention > 0
+            agree = attention.argmax(-1) == contribution.argmax(-1)
+            rows.append(
+                {
+                    "layer": layer,
+                    "sink_attention": attention[..., 0][real_query].mean().item(),
+                    "sink_contribution": contribution[..., 0][real_query].mean().item(),
+                    "negative_share": ((d.contribution < 0) & attended).sum().item() / max(1, attended.sum().item()),
+                    "top1_agreement": agree[real_query].float().mean().item(),
+                }
+            )
+        return pd.DataFrame(rows).set_index("layer")
+
 
 def attention_geometry(
     model: adapter.Model,
@@ -107,10 +137,10 @@ def attention_geometry(
     mask = batch.attention_mask if batch.padded else None
     results: dict[int, Decomposition] = {}
 
-    def on_layer(layer: int, pattern: Tensor, v: Tensor) -> None:
-        results[layer] = decompose(pattern, v, weights[layer], scope=scope, attention_mask=mask, dtype=dtype)
+    def on_layer(layer: int, pattern: Tensor, v: Tensor, z: Tensor | None) -> None:
+        results[layer] = decompose(pattern, v, weights[layer], scope=scope, attention_mask=mask, dtype=dtype, z=z)
 
-    with adapter.layer_hooks(model, wanted, on_layer):
+    with adapter.layer_hooks(model, wanted, on_layer, with_z=True):
         adapter.forward(model, batch)
     return Geometry(results, batch.tokens, batch.attention_mask, batch.str_tokens, scope)
 

