@@ -21,6 +21,7 @@ from contribution_lens.decomposition import (
     importance,
 )
 from contribution_lens.geometry import Geometry, attention_geometry
+from contribution_lens.inspector import inspect
 from contribution_lens.loading import load_model
 from contribution_lens.sink_intervention import SinkIntervention, sink_intervention
 from contribution_lens.sinks import SinkAnalysis, SinkLayer, sink_analysis
@@ -40,6 +41,7 @@ __all__ = [
     "attention_geometry",
     "decompose",
     "importance",
+    "inspect",
     "load_model",
     "plot",
     "sink_analysis",

@@ -100,6 +100,100 @@ def _faithfulness(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sinks(args: argparse.Namespace) -> int:
+    import json
+
+    import pandas as pd
+
+    from contribution_lens import data, load_model, plot, report, sink_analysis, sink_intervention
+
+    model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
+    chunks = []
+    for spec in args.data:
+        texts = data.load_texts(spec)
+        bos = int(model.tokenizer.bos_token_id)
+        chunks.append(
+            data.chunk_tokens(
+                model.tokenizer, texts, length=args.chunk_length, bos_token_id=bos, max_chunks=args.max_chunks
+            )
+        )
+    tokens = torch.cat(chunks)
+    analysis = sink_analysis(model, tokens, k=args.k)
+    heads = analysis.head_table()
+    claims = analysis.claims()
+    interventions = {
+        v: sink_intervention(model, tokens, variant=v, k=args.k, batch_size=args.batch_size)
+        for v in ("zero", "mean_tail")
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    heads.to_csv(out / "sink_heads.csv")
+    effect = pd.DataFrame(
+        [
+            {"variant": v, "ppl_clean": r.ppl_clean, "ppl": r.ppl, "delta_ppl": r.delta_ppl, "delta_loss": r.delta_loss}
+            for v, r in interventions.items()
+        ]
+    ).set_index("variant")
+    per_layer = pd.concat({v: r.per_layer for v, r in interventions.items()}, names=["variant"])
+    per_layer.to_csv(out / "sink_intervention_layers.csv")
+    claims |= {f"{v}_{k}": float(x) for v, r in effect.iterrows() for k, x in r.items()}
+    (out / "sink_claims.json").write_text(json.dumps(claims, indent=2))
+    layer_means = heads.groupby("layer").mean()
+    top = heads["sink_ratio"].idxmax()
+    queries = [q for q in (8, 64, 128, args.chunk_length - 1) if q < args.chunk_length]
+    sections: list = [
+        ("Claims: the numbers", pd.DataFrame({"value": claims})),
+        ("Sink-norm intervention", effect),
+        (
+            "Per layer: sink ratio, sink contribution, interior minima",
+            plot.lines(
+                {
+                    c: layer_means[c].tolist()
+                    for c in (
+                        "sink_ratio",
+                        "intra_sink_contribution",
+                        "inter_sink_contribution",
+                        "interior_minimum_share",
+                        "negative_sink_tail_share",
+                    )
+                },
+                title="per-layer means over heads",
+                x=list(layer_means.index),
+            ),
+        ),
+    ]
+    for part in ("sink", "tail"):
+        for factor in ("attention", "relative_norm", "cosine", "contribution"):
+            sections.append((f"{part} {factor} (intra-head)", plot.sink_head_grid(heads, f"intra_{part}_{factor}")))
+    sections += [
+        (f"beta curves, L{top[0]}H{top[1]}", plot.beta_curves(analysis.layers[top[0]], head=top[1], queries=queries)),
+        ("Sink ratio vs output norm", plot.sink_ratio_scatter(analysis.per_query())),
+        (
+            "Output norm and cone cosine, clean vs intervened",
+            plot.lines(
+                {
+                    f"{c} ({v})": per_layer.loc[v][c].tolist()
+                    for v in interventions
+                    for c in (
+                        "output_norm_clean",
+                        "output_norm_intervened",
+                        "low_norm_cone_cosine_clean",
+                        "low_norm_cone_cosine_intervened",
+                    )
+                },
+                title="per layer",
+                x=list(range(model.cfg.n_layers)),
+            ),
+        ),
+        ("Per head", heads),
+    ]
+    report.write_html(out / "sinks.html", f"Attention sinks: {args.model}", sections)
+    with pd.option_context("display.width", 160, "display.float_format", "{:.4f}".format):
+        print(pd.Series(claims).to_string())
+    print(f"wrote {out}/sinks.html, sink_heads.csv, sink_claims.json")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="contribution-lens", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -136,6 +230,18 @@ def build_parser() -> argparse.ArgumentParser:
     faith.add_argument("--device", default=None)
     faith.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     faith.set_defaults(run=_faithfulness)
+
+    sinks = commands.add_parser("sinks", help="attention-sink analysis and the sink-norm intervention")
+    sinks.add_argument("--model", default="smollm2-135m")
+    sinks.add_argument("--data", action="append", required=True, help="NAME=PATH or NAME of a text set; repeatable")
+    sinks.add_argument("--k", type=int, default=1, help="number of sink positions")
+    sinks.add_argument("--chunk-length", type=int, default=256)
+    sinks.add_argument("--max-chunks", type=int, default=16)
+    sinks.add_argument("--batch-size", type=int, default=8)
+    sinks.add_argument("--out", required=True)
+    sinks.add_argument("--device", default=None)
+    sinks.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    sinks.set_defaults(run=_sinks)
     return parser
 
 

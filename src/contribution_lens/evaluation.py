@@ -238,27 +238,34 @@ def run_faithfulness(
     mine = units[rank::world]
     lm_conditions = _conditions(protocol, protocol.ratios)
     choice_conditions = _conditions(protocol, config.choice_ratios or protocol.ratios)
-    with open(part, "a", encoding="utf-8") as stream:
-        for unit in tqdm(mine, desc=f"faithfulness (rank {rank})", disable=not progress or rank != 0):
-            conditions = choice_conditions if unit.kind == "choice" else lm_conditions
-            keys = _unit_keys(unit)
-            todo = [c for c in conditions if any((unit.task, k, *c) not in done for k in keys)]
-            if not todo:
-                continue
+    plan = []
+    for unit in mine:
+        conditions = choice_conditions if unit.kind == "choice" else lm_conditions
+        keys = _unit_keys(unit)
+        todo = [c for c in conditions if any((unit.task, k, *c) not in done for k in keys)]
+        if todo:
+            plan.append((unit, todo))
+    passes = sum(1 + len({c for c in todo if c[2] > 0}) + any(c[2] == 0 for c in todo) for _, todo in plan)
+    bar = tqdm(total=passes, desc=f"faithfulness passes (rank {rank})", unit="pass", disable=not progress or rank != 0)
+    with open(part, "a", encoding="utf-8") as stream, bar:
+        for unit, todo in plan:
             batch = _pad(model, unit.tokens)
             clean = clean_run(model, batch, unit.ids, protocol)
             clean_records = _unit_records(unit, clean.logits, batch)
+            bar.update()
             zero_logits = None
             for method, mode, ratio in todo:
                 if ratio == 0:
                     # Nothing removed: the hooks multiply by 1; computed once for all methods.
                     if zero_logits is None:
                         zero_logits = masked_logits(model, batch, clean, method=method, mode=mode, ratio=0.0)
+                        bar.update()
                     logits = zero_logits
                 else:
                     logits = masked_logits(
                         model, batch, clean, method=method, mode=mode, ratio=ratio, rank_by=protocol.rank_by
                     )
+                    bar.update()
                 records = []
                 for masked, base in zip(_unit_records(unit, logits, batch), clean_records, strict=True):
                     record = {"task": unit.task, "kind": unit.kind, "method": method, "mode": mode, "ratio": ratio}

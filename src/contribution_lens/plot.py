@@ -7,12 +7,14 @@ unique ``"{position}:{token}"`` strings so repeated tokens stay apart.
 from collections.abc import Sequence
 
 import numpy as np
+import pandas as pd
 import plotly.graph_objects as go
 import torch
 from torch import Tensor
 
 from contribution_lens.decomposition import FACTORS, METHODS, Decomposition, scores_from
 from contribution_lens.geometry import Geometry
+from contribution_lens.sinks import SinkLayer
 
 SIGNED = {"cosine", "contribution"}
 DIVERGING = "RdBu_r"
@@ -230,4 +232,75 @@ def lines(
         xs = list(range(len(values))) if x is None else [float(v) for v in x]
         figure.add_scatter(x=xs, y=[float(v) for v in values], mode="lines+markers", name=name)
     figure.update_layout(title=title, xaxis={"title": xaxis_title}, yaxis={"title": yaxis_title})
+    return figure
+
+
+def sink_head_grid(table: pd.DataFrame, column: str, *, title: str | None = None) -> go.Figure:
+    """Layer x head heatmap of one column of `SinkAnalysis.head_table` (e.g. ``intra_sink_cosine``)."""
+    if column not in table:
+        raise ValueError(f"unknown column {column!r}; the table has {list(table.columns)}")
+    grid = table[column].unstack("head")
+    return head_grid(
+        torch.tensor(grid.to_numpy()),
+        title=title or column,
+        layers=[int(layer) for layer in grid.index],
+        colorbar_title=column,
+    )
+
+
+def beta_curves(
+    layer: "SinkLayer", *, head: int, queries: Sequence[int], index: int = 0, points: int = 101
+) -> go.Figure:
+    """``||o(beta)||`` against the sink share ``beta`` for chosen queries of one head.
+
+    Markers: the actual sink ratio (where the curve equals the real output norm) and the
+    exact minimiser ``beta*``.
+    """
+    betas = torch.linspace(0, 1, points)
+    curve = layer.curve(betas)[:, index, head]  # [beta query]
+    figure = go.Figure()
+    for query in queries:
+        if not bool(layer.queries[index, query]):
+            raise ValueError(f"query {query} is padding or a sink position")
+        line = figure.add_scatter(x=_numpy(betas), y=_numpy(curve[:, query]), mode="lines", name=f"query {query}")
+        color = line.data[-1].line.color
+        ratio = layer.sink_ratio[index, head, query].item()
+        star = layer.beta_star[index, head, query].item()
+        figure.add_scatter(
+            x=[ratio], y=[layer.output_norm[index, head, query].item()], mode="markers", showlegend=False,
+            marker={"symbol": "circle", "size": 9, "color": color}, hovertext=f"actual sink ratio {ratio:.3f}",
+        )  # fmt: skip
+        figure.add_scatter(
+            x=[star], y=[layer.curve(torch.tensor([star]))[0, index, head, query].item()], mode="markers",
+            showlegend=False, marker={"symbol": "x", "size": 10, "color": color}, hovertext=f"beta* {star:.3f}",
+        )  # fmt: skip
+    figure.update_layout(
+        title=f"||o(beta)|| for head {head} (circle: actual sink ratio, cross: minimiser)",
+        xaxis={"title": "sink share beta"},
+        yaxis={"title": "output norm"},
+    )
+    return figure
+
+
+def sink_ratio_scatter(per_query: pd.DataFrame, *, layer: int | None = None, max_points: int = 5000) -> go.Figure:
+    """Sink ratio against output norm, one point per (head, query), from `SinkAnalysis.per_query`."""
+    frame = per_query if layer is None else per_query[per_query["layer"] == layer]
+    if frame.empty:
+        raise ValueError(f"no rows for layer {layer}")
+    if len(frame) > max_points:
+        frame = frame.sample(max_points, random_state=0)
+    figure = go.Figure(
+        go.Scattergl(
+            x=frame["sink_ratio"],
+            y=frame["output_norm"],
+            mode="markers",
+            marker={"size": 4, "color": frame["layer"], "colorscale": SEQUENTIAL, "colorbar": {"title": "layer"}},
+            text=[f"L{lay}H{h} q{q}" for lay, h, q in zip(frame["layer"], frame["head"], frame["query"], strict=True)],
+            hovertemplate="%{text}<br>sink ratio %{x:.3f}<br>output norm %{y:.3f}<extra></extra>",
+        )
+    )
+    where = "all layers" if layer is None else f"layer {layer}"
+    figure.update_layout(
+        title=f"Sink ratio vs output norm ({where})", xaxis={"title": "sink ratio"}, yaxis={"title": "||o||"}
+    )
     return figure
