@@ -142,7 +142,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, bundled SmolLM2-135M, all 30 layers")
     print(
         "| tokens | (a) cached patterns s | geometry s | geometry + contribution s | (b) naive s "
-        "| geometry / (a) | geometry+c / (a) | (b) / geometry+c | (a) MB | geometry MB | geometry+c MB | (b) MB, 6 layers |"
+        "| geometry / (a) | geometry+c / (a) | (b) / geometry+c | (a) MB | geometry MB | geometry+c MB | (b) MB |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     rows = {}

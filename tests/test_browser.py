@@ -4,9 +4,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import ARTIFACTS, assert_self_contained
 
 import contribution_lens as cl
+from conftest import ARTIFACTS, assert_self_contained
 from contribution_lens import report
 
 CHROMIUM = shutil.which("chromium")

