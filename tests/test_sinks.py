@@ -114,7 +114,7 @@ def test_zero_intervention_is_removing_the_sink_column() -> None:
 def test_mean_tail_rescale_gives_the_sink_the_mean_tail_norm() -> None:
     model = tiny_bridge("mha", biases=True, seed=3)
     ids = torch.randint(0, 50, (1, 8), generator=torch.Generator().manual_seed(1))
-    from contribution_lens.interventions import pattern_scaling_hook
+    from contribution_lens.interventions import pattern_scaling_hooks
     from contribution_lens.sink_intervention import sink_scale
 
     W_O, _ = adapter.output_weights(model, 0)
@@ -124,7 +124,7 @@ def test_mean_tail_rescale_gives_the_sink_the_mean_tail_norm() -> None:
     def grab(tensor, hook):
         seen["pattern"] = tensor.detach().clone()
 
-    hooks = [*pattern_scaling_hook(sink_scale("mean_tail", 1, W_O), 0), (adapter.pattern_hook(0), grab)]
+    hooks = [*pattern_scaling_hooks(sink_scale("mean_tail", 1, W_O), 0), (adapter.pattern_hook(0), grab)]
     adapter.forward(model, adapter.to_token_batch(model, ids), hooks)
     norms = reference_contributions(cache[adapter.pattern_hook(0)], cache[adapter.value_hook(0)], W_O, "intra")[
         "value_norm"

@@ -114,25 +114,25 @@ class TokenBatch:
         return not bool(self.attention_mask.all())
 
 
-def _context_length(model: Model) -> int | None:
+def context_length(model: Model) -> int | None:
     n_ctx = getattr(model.cfg, "n_ctx", None)
     return None if n_ctx is None else int(n_ctx)
 
 
-def _check_length(model: Model, length: int, what: str) -> None:
-    n_ctx = _context_length(model)
+def check_length(model: Model, length: int, what: str) -> None:
+    n_ctx = context_length(model)
     if n_ctx is not None and length > n_ctx:
         raise ValueError(f"{what} is {length} tokens long, more than the model's context of {n_ctx} tokens")
 
 
-def _labels(model: Model, ids: Sequence[int]) -> list[str]:
+def token_labels(model: Model, ids: Sequence[int]) -> list[str]:
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         return [f"<{i}>" for i in ids]
     return [tokenizer.decode([i]) for i in ids]
 
 
-def _pad_id(model: Model) -> int:
+def pad_id(model: Model) -> int:
     tokenizer = getattr(model, "tokenizer", None)
     pad = None if tokenizer is None else tokenizer.pad_token_id
     if pad is None:
@@ -163,7 +163,7 @@ def to_token_batch(
             raise ValueError(f"token ids must be an integer tensor [pos] or [batch pos], got {tuple(inputs.shape)}")
         if tokens.shape[0] == 0 or tokens.shape[1] == 0:
             raise ValueError(f"token tensor is empty: shape {tuple(tokens.shape)}")
-        _check_length(model, tokens.shape[1], "the token sequence")
+        check_length(model, tokens.shape[1], "the token sequence")
         if attention_mask is None:
             mask = torch.ones_like(tokens, dtype=torch.bool)
         else:
@@ -172,7 +172,7 @@ def to_token_batch(
                 raise ValueError("attention_mask marks position 0 as padding: pad on the right")
             if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
                 raise ValueError("attention_mask is not right-padded (a real token follows padding)")
-        labels = [_labels(model, row[m].tolist()) for row, m in zip(tokens, mask, strict=True)]
+        labels = [token_labels(model, row[m].tolist()) for row, m in zip(tokens, mask, strict=True)]
         return TokenBatch(tokens.to(device), mask.to(device), labels)
 
     if attention_mask is not None:
@@ -189,15 +189,15 @@ def to_token_batch(
         if not text.strip():
             raise ValueError(f"input text {index} is empty")
         ids = model.to_tokens(text, prepend_bos=prepend_bos, truncate=False)[0]
-        _check_length(model, ids.shape[0], f"input text {index}")
+        check_length(model, ids.shape[0], f"input text {index}")
         rows.append(ids.to(device))
     length = max(row.shape[0] for row in rows)
-    tokens = torch.full((len(rows), length), _pad_id(model), dtype=torch.long, device=device)
+    tokens = torch.full((len(rows), length), pad_id(model), dtype=torch.long, device=device)
     mask = torch.zeros((len(rows), length), dtype=torch.bool, device=device)
     for index, row in enumerate(rows):
         tokens[index, : row.shape[0]] = row
         mask[index, : row.shape[0]] = True
-    return TokenBatch(tokens, mask, [_labels(model, row.tolist()) for row in rows])
+    return TokenBatch(tokens, mask, [token_labels(model, row.tolist()) for row in rows])
 
 
 def _model_device(model: Model) -> torch.device:

@@ -79,8 +79,8 @@ def _faithfulness(args: argparse.Namespace) -> int:
         rank_by=args.rank_by,
         seed=args.seed,
     )
-    lm = tuple(spec for spec in args.data if evaluation._task_name(spec) not in evaluation.data.CHOICE_TASKS)
-    choice = tuple(spec for spec in args.data if evaluation._task_name(spec) in evaluation.data.CHOICE_TASKS)
+    lm = tuple(spec for spec in args.data if evaluation.task_name(spec) not in evaluation.data.CHOICE_TASKS)
+    choice = tuple(spec for spec in args.data if evaluation.task_name(spec) in evaluation.data.CHOICE_TASKS)
     config = evaluation.RunConfig(
         lm=lm,
         choice=choice,

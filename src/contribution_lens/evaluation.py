@@ -73,8 +73,8 @@ class Unit:
     items: list[tuple[str, int, list[int]]]  # (item id, label, row indices) ("choice" only)
 
 
-def _task_name(spec: str) -> str:
-    return data._split_spec(spec)[0]
+def task_name(spec: str) -> str:
+    return data.split_spec(spec)[0]
 
 
 def build_units(model: adapter.Model, config: RunConfig) -> list[Unit]:
@@ -83,8 +83,8 @@ def build_units(model: adapter.Model, config: RunConfig) -> list[Unit]:
     bos = int(tokenizer.bos_token_id)
     units: list[Unit] = []
     for spec in config.lm:
-        task = _task_name(spec)
-        adapter._check_length(model, config.chunk_length, "the chunk length")
+        task = task_name(spec)
+        adapter.check_length(model, config.chunk_length, "the chunk length")
         texts = data.load_texts(spec)
         chunks = data.chunk_tokens(
             tokenizer, texts, length=config.chunk_length, bos_token_id=bos, max_chunks=config.max_chunks
@@ -93,7 +93,7 @@ def build_units(model: adapter.Model, config: RunConfig) -> list[Unit]:
             rows = list(range(start, min(start + config.batch_size, chunks.shape[0])))
             units.append(Unit(task, "lm", [str(r) for r in rows], [chunks[r] for r in rows], [], []))
     for spec in config.choice:
-        task = _task_name(spec)
+        task = task_name(spec)
         items = data.load_choices(spec)
         kept: list[tuple[data.Choice, list[torch.Tensor], list[tuple[int, int]]]] = []
         for item in items:
@@ -125,7 +125,7 @@ def build_units(model: adapter.Model, config: RunConfig) -> list[Unit]:
 
 def _pad(model: adapter.Model, rows: list[torch.Tensor]) -> adapter.TokenBatch:
     length = max(len(r) for r in rows)
-    tokens = torch.full((len(rows), length), adapter._pad_id(model), dtype=torch.long)
+    tokens = torch.full((len(rows), length), adapter.pad_id(model), dtype=torch.long)
     mask = torch.zeros((len(rows), length), dtype=torch.long)
     for i, row in enumerate(rows):
         tokens[i, : len(row)] = row

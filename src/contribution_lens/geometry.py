@@ -178,7 +178,7 @@ def _from_cache(
         str_tokens = [[f"<{i}>" for i in range(length)] for _ in range(batch)]
     else:
         token_ids = tokens.reshape(batch, length)
-        str_tokens = [adapter._labels(model, row.tolist()) for row in token_ids]
+        str_tokens = [adapter.token_labels(model, row.tolist()) for row in token_ids]
     full_mask = (
         torch.ones(batch, length, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool).cpu()
     )

@@ -33,7 +33,7 @@ def key_removal_hooks(
     return [(adapter.pattern_hook(layer), make(mask)) for layer, mask in keep.items()]
 
 
-def pattern_scaling_hook(
+def pattern_scaling_hooks(
     scale: Callable[[int, Tensor, Tensor], Float[Tensor, "batch head query key"]],
     layer: int,
 ) -> list[tuple[str, Callable[[Tensor, Any], Tensor | None]]]:

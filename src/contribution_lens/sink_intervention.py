@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from contribution_lens import adapter
 from contribution_lens.faithfulness import perplexity, token_nll
-from contribution_lens.interventions import pattern_scaling_hook
+from contribution_lens.interventions import pattern_scaling_hooks
 from contribution_lens.sinks import SinkLayer, sink_layer
 
 VARIANTS = ("zero", "mean_tail")
@@ -115,7 +115,7 @@ def sink_intervention(
         intervened: dict[int, SinkLayer] = {}
         hooks = []
         for layer in wanted:
-            hooks += pattern_scaling_hook(sink_scale(variant, k, weights[layer]), layer)
+            hooks += pattern_scaling_hooks(sink_scale(variant, k, weights[layer]), layer)
         # Registered first, the scaling runs before the measuring hook on the same hook point.
         with model.hooks(fwd_hooks=hooks), adapter.layer_hooks(model, all_layers, _recorder(intervened, weights, k)):
             logits = adapter.forward(model, batch)
