@@ -120,10 +120,12 @@ def attention_geometry(
 
     Example:
         >>> import contribution_lens as cl
-        >>> model = cl.load_model()  # doctest: +SKIP
-        >>> g = cl.attention_geometry(model, "The cat sat on the mat.", layers=[0, 5])  # doctest: +SKIP
-        >>> g[5].sum_over_heads()[0, -1].sum()  # doctest: +SKIP
-        tensor(1.0000)
+        >>> model = cl.load_model()
+        >>> g = cl.attention_geometry(model, "The cat sat on the mat.", layers=[0, 5])
+        >>> g.str_tokens[0][:3]
+        ['<|im_start|>', 'The', ' cat']
+        >>> round(g[5].sum_over_heads()[0, -1].sum().item(), 4)
+        1.0
     """
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")

@@ -76,8 +76,10 @@ def inspect(
 
     Example:
         >>> import contribution_lens as cl
-        >>> model = cl.load_model()  # doctest: +SKIP
-        >>> cl.inspect(model, "The cat sat on the mat.").write_html("inspect.html")  # doctest: +SKIP
+        >>> model = cl.load_model()
+        >>> figure = cl.inspect(model, "The cat sat on the mat.", layers=[0, 1])
+        >>> len(figure.data)  # 2 layers x (9 heads + all heads) x 7 factor/scope views
+        140
     """
     wanted = adapter.check_layers(model, layers)
     adapter.check_hooks(model, wanted)

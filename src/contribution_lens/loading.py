@@ -104,8 +104,8 @@ def load_model(
         boot_kwargs: passed to ``boot_transformers``.
 
     Example:
-        >>> model = load_model()  # doctest: +SKIP
-        >>> model.cfg.n_layers, model.cfg.n_heads, model.cfg.n_key_value_heads  # doctest: +SKIP
+        >>> model = load_model()
+        >>> model.cfg.n_layers, model.cfg.n_heads, model.cfg.n_key_value_heads
         (30, 9, 3)
     """
     from transformer_lens.model_bridge import TransformerBridge

@@ -298,8 +298,12 @@ def sink_analysis(
 
     Example:
         >>> import contribution_lens as cl
-        >>> model = cl.load_model()  # doctest: +SKIP
-        >>> cl.sink_analysis(model, "The cat sat on the mat.").claims()  # doctest: +SKIP
+        >>> model = cl.load_model()
+        >>> analysis = cl.sink_analysis(model, "The cat sat on the mat.", layers=[10])
+        >>> analysis.head_table().shape[0]  # one row per head of layer 10
+        9
+        >>> 0 <= analysis.claims()["share_queries_interior_minimum"] <= 1
+        True
     """
     wanted = adapter.check_layers(model, layers)
     adapter.check_hooks(model, wanted)
