@@ -46,6 +46,7 @@ def _check_index(geometry: Geometry, index: int) -> int:
 
 
 def _numpy(tensor: Tensor) -> np.ndarray:
+    """A NumPy view where possible: copy before writing to it."""
     return tensor.detach().to("cpu", torch.float32).numpy()
 
 
@@ -118,7 +119,7 @@ def token_heatmap(
     _check_head(d, head)
     n = _check_index(geometry, index)
     factors = token_factors(d, head, index, n)
-    values = _numpy(factors[factor])
+    values = _numpy(factors[factor]).copy()  # .numpy() shares memory with the result
     values[np.triu_indices(n, k=1)] = np.nan  # causal: nothing to show above the diagonal
     labels = geometry.labels(index)
     where = f"L{layer}H{head}" if head is not None else f"L{layer}, all heads"
@@ -179,41 +180,39 @@ def factor_bars(
     """For one query, the three factors and their product per key: what makes this token count?"""
     d = geometry[layer]
     _check_head(d, head)
-    n = _check_index(geometry, index)
-    if not 0 <= query < n:
-        raise ValueError(f"query {query} is outside the text of {n} tokens")
-    factors = token_factors(d, head, index, n)
-    keys = geometry.labels(index)[: query + 1]
-    figure = go.Figure()
-    for name in FACTORS:
-        figure.add_bar(name=name, x=keys, y=_numpy(factors[name][query, : query + 1]))
+    keys = _query_keys(geometry, index, query)
+    factors = token_factors(d, head, index, len(geometry.str_tokens[index]))
+    bars = {name: factors[name][query, : query + 1] for name in FACTORS}
     where = f"L{layer}H{head}" if head is not None else f"L{layer}, all heads"
-    figure.update_layout(
-        barmode="group",
-        title=f"Factors of the contribution of each key to query {keys[-1]!r}, {where}",
-        xaxis={"title": "key", "tickangle": -60},
-        yaxis={"title": "value"},
-    )
-    return figure
+    return _grouped_bars(bars, keys, f"Factors of the contribution of each key to query {keys[-1]!r}, {where}", "value")
 
 
 def compare_measures(geometry: Geometry, *, layer: int, query: int, index: int = 0) -> go.Figure:
     """The four importance measures for one query, each scaled to unit total |score|."""
     d = geometry[layer]
+    keys = _query_keys(geometry, index, query)
+    bars = {}
+    for method in METHODS:
+        score = scores_from(d, method)[index, :, query, : query + 1].sum(0)
+        bars[MEASURE_NAMES[method]] = score / score.abs().sum().clamp_min(1e-30)
+    title = f"Importance of each key for query {keys[-1]!r} at layer {layer} (sum over heads, scaled)"
+    return _grouped_bars(bars, keys, title, "share of total |score|")
+
+
+def _query_keys(geometry: Geometry, index: int, query: int) -> list[str]:
+    """Labels of the keys query ``query`` sees, after checking the query exists."""
     n = _check_index(geometry, index)
     if not 0 <= query < n:
         raise ValueError(f"query {query} is outside the text of {n} tokens")
-    keys = geometry.labels(index)[: query + 1]
+    return geometry.labels(index)[: query + 1]
+
+
+def _grouped_bars(bars: dict[str, Tensor], keys: list[str], title: str, yaxis_title: str) -> go.Figure:
     figure = go.Figure()
-    for method in METHODS:
-        score = scores_from(d, method)[index, :, query, : query + 1].sum(0)
-        score = score / score.abs().sum().clamp_min(1e-30)
-        figure.add_bar(name=MEASURE_NAMES[method], x=keys, y=_numpy(score))
+    for name, values in bars.items():
+        figure.add_bar(name=name, x=keys, y=_numpy(values))
     figure.update_layout(
-        barmode="group",
-        title=f"Importance of each key for query {keys[-1]!r} at layer {layer} (sum over heads, scaled)",
-        xaxis={"title": "key", "tickangle": -60},
-        yaxis={"title": "share of total |score|"},
+        barmode="group", title=title, xaxis={"title": "key", "tickangle": -60}, yaxis={"title": yaxis_title}
     )
     return figure
 

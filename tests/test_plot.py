@@ -1,0 +1,85 @@
+"""Figures: what they show is the numbers of the decomposition, labelled and coloured as promised."""
+
+import numpy as np
+import plotly.graph_objects as go
+import pytest
+import torch
+
+import contribution_lens as cl
+from conftest import assert_close, raises_bad_input, tiny_bridge
+from contribution_lens.inspector import VIEWS
+
+
+@pytest.fixture(scope="module")
+def geometry() -> cl.Geometry:
+    model = tiny_bridge("gqa", biases=True)
+    ids = torch.tensor([[3, 7, 7, 7, 2, 9, 7, 1]])  # repeated tokens: labels must stay unique
+    return cl.attention_geometry(model, ids)
+
+
+def test_token_heatmap_shows_the_factor_with_all_four_on_hover(geometry) -> None:
+    figure = cl.plot.token_heatmap(geometry, layer=1, head=2, factor="contribution")
+    assert isinstance(figure, go.Figure)
+    heatmap = figure.data[0]
+    assert len(set(heatmap.x)) == 8 and heatmap.x[2] == "2:<7>"
+    assert heatmap.zmid == 0 and heatmap.colorscale[0][1] != heatmap.colorscale[-1][1]
+    z = np.asarray(heatmap.z, dtype=float)
+    assert np.isnan(z[np.triu_indices(8, 1)]).all()
+    d = geometry[1]
+    assert_close(torch.tensor(np.tril(np.nan_to_num(z))), d.contribution[0, 2].double(), atol=1e-6)
+    hover = np.asarray(heatmap.customdata, dtype=float)
+    for channel, name in enumerate(cl.FACTORS):
+        assert_close(torch.tensor(hover[..., channel]), d.factor(name)[0, 2].double(), atol=1e-6)
+    assert "cosine" in heatmap.hovertemplate and "relative norm" in heatmap.hovertemplate
+    unsigned = cl.plot.token_heatmap(geometry, layer=1, head=2, factor="attention").data[0]
+    assert unsigned.zmid is None
+
+
+def test_token_level_heatmap_sums_contributions_over_heads(geometry) -> None:
+    z = np.asarray(cl.plot.token_heatmap(geometry, layer=0).data[0].z, dtype=float)
+    assert_close(torch.tensor(np.nansum(z, axis=1)), torch.ones(8, dtype=torch.float64), atol=1e-5)
+
+
+def test_head_grid_factor_bars_and_measures(geometry) -> None:
+    grid = cl.plot.head_grid(geometry.head_summary("cosine"), title="cos", signed=True).data[0]
+    assert np.asarray(grid.z).shape == (2, 4) and grid.zmid == 0 and grid.text[1][3] == "L1H3"
+    bars = cl.plot.factor_bars(geometry, layer=1, query=5, head=0)
+    assert [trace.name for trace in bars.data] == list(cl.FACTORS)
+    assert_close(torch.tensor(bars.data[3].y), geometry[1].contribution[0, 0, 5, :6].double(), atol=1e-6)
+    measures = cl.plot.compare_measures(geometry, layer=1, query=7)
+    assert len(measures.data) == 4
+    for trace in measures.data:
+        assert np.abs(trace.y).sum() == pytest.approx(1.0, abs=1e-5)
+
+
+def test_plot_errors(geometry) -> None:
+    with raises_bad_input("head 4 does not exist: the layer has 4 heads"):
+        cl.plot.token_heatmap(geometry, layer=0, head=4)
+    with raises_bad_input("unknown factor 'norm'"):
+        cl.plot.token_heatmap(geometry, layer=0, factor="norm")
+    with raises_bad_input("query 8 is outside the text of 8 tokens"):
+        cl.plot.factor_bars(geometry, layer=0, query=8)
+    with pytest.raises(KeyError, match="layer 5 was not computed"):
+        cl.plot.token_heatmap(geometry, layer=5)
+
+
+def test_inspector_controls_cover_every_combination() -> None:
+    model = tiny_bridge("mha", biases=True)
+    ids = torch.randint(0, 50, (1, 30), generator=torch.Generator().manual_seed(0))
+    figure = cl.inspect(model, ids, max_tokens=6, head=1)
+    assert len(figure.data) == 2 * (4 + 1) * len(VIEWS)
+    heads_menu, views_menu = figure.layout.updatemenus
+    assert len(heads_menu.buttons) == 5 and len(views_menu.buttons) == len(VIEWS)
+    assert [step.label for step in figure.layout.sliders[0].steps] == ["0", "1"]
+    # Queries 24..29 are shown, keys are the sink plus the same positions.
+    assert figure.layout.yaxis.ticktext[0].startswith("24:")
+    assert list(figure.layout.xaxis.ticktext)[:2] == [
+        "0:<" + str(int(ids[0, 0])) + ">",
+        figure.layout.yaxis.ticktext[0],
+    ]
+    # The head menu only moves x-axes, the view menu only y-axes, the slider only visibility.
+    assert all(key.startswith("xaxis") for key in heads_menu.buttons[0].args[0])
+    assert all(key.startswith(("yaxis", "coloraxis")) for key in views_menu.buttons[0].args[0])
+    assert list(figure.layout.sliders[0].steps[0].args[0]) == ["visible"]
+    with raises_bad_input("max_tokens must be at least 2"):
+        cl.inspect(model, ids, max_tokens=1)
