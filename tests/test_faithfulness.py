@@ -252,3 +252,22 @@ def test_torchrun_two_processes_merge_to_the_single_process_result(shared_data, 
             assert a["nll"] == pytest.approx(b["nll"], rel=1e-5)
         else:
             assert a["pred"] == b["pred"]
+
+
+def test_inter_scope_output_normalisation_does_not_change_the_ranking() -> None:
+    """Per query, ||o_i|| is shared by every (head, key) in the inter scope; per head it is not."""
+    from contribution_lens.decomposition import decompose, scores_from
+
+    g = torch.Generator().manual_seed(5)
+    pattern = torch.randn(1, 4, 9, 9, generator=g).masked_fill(~torch.ones(9, 9).tril().bool(), -torch.inf).softmax(-1)
+    v, W_O = torch.randn(1, 9, 2, 6, generator=g), torch.randn(4, 6, 16, generator=g)
+    masks = {}
+    for scope in ("inter", "intra"):
+        d = decompose(pattern, v, W_O, scope=scope)
+        for method in ("value_weighted", "output_normalized"):
+            token_scores = scores_from(d, method).sum(1)
+            masks[scope, method] = faithfulness.removal_keep_mask(
+                token_scores, d.valid, ratio=0.5, mode="comprehensiveness"
+            )
+    assert torch.equal(masks["inter", "value_weighted"], masks["inter", "output_normalized"])
+    assert not torch.equal(masks["intra", "value_weighted"], masks["intra", "output_normalized"])

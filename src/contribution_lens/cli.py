@@ -77,6 +77,7 @@ def _faithfulness(args: argparse.Namespace) -> int:
         ratios=args.ratios,
         layers=None if args.layers is None else tuple(int(x) for x in args.layers.split(",")),
         rank_by=args.rank_by,
+        scope=args.scope,
         seed=args.seed,
     )
     lm = tuple(spec for spec in args.data if evaluation.task_name(spec) not in evaluation.data.CHOICE_TASKS)
@@ -220,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     faith.add_argument("--choice-ratios", type=_ratios, default=None, help="ratios for multiple-choice sets")
     faith.add_argument("--layers", default=None, help="comma-separated layers to mask (default: all)")
     faith.add_argument("--rank-by", choices=("abs", "signed"), default="abs")
+    faith.add_argument(
+        "--scope",
+        choices=("inter", "intra"),
+        default="inter",
+        help="||o|| of the layer (inter) or of each head (intra) in the scores",
+    )
     faith.add_argument("--seed", type=int, default=0)
     faith.add_argument("--chunk-length", type=int, default=256)
     faith.add_argument("--max-chunks", type=int, default=200)

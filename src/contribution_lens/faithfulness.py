@@ -47,6 +47,8 @@ class Protocol:
     """Layers to mask (scores always come from the same layer); None = all."""
     rank_by: Literal["abs", "signed"] = "abs"
     scope: str = "inter"
+    """``||o||`` of the layer or of each head. Under ``"inter"`` every (head, key) of a query
+    shares ``||o_i||``, so ``output_normalized`` ranks exactly as ``value_weighted``."""
     seed: int = 0
     """Seed of the random control (combined with each sequence's id)."""
 
@@ -62,6 +64,8 @@ class Protocol:
         for ratio in self.ratios:
             if not 0 <= ratio < 1:
                 raise ValueError(f"ratio {ratio} is outside [0, 1)")
+        if self.scope not in ("inter", "intra"):
+            raise ValueError(f"scope must be 'inter' or 'intra', got {self.scope!r}")
         if self.rank_by not in ("abs", "signed"):
             raise ValueError(f"rank_by must be 'abs' or 'signed', got {self.rank_by!r}")
 
