@@ -43,5 +43,8 @@ def write_html(path: str | os.PathLike, title: str, sections: Sequence[Section])
     handle, staging = tempfile.mkstemp(prefix=".report-", suffix=".html", dir=target.parent)
     with os.fdopen(handle, "w", encoding="utf-8") as stream:
         stream.write(text)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o666 & ~umask)  # mkstemp makes the file private; a report is not
     os.replace(staging, target)
     return target
