@@ -155,6 +155,7 @@ def test_run_writes_records_summary_and_report(small_run: Path) -> None:
     assert_self_contained(html)
     assert "delta_ppl" in html and "comprehensiveness" in html
     assert (small_run / "summary.csv").is_file()
+    assert (small_run / "report.html").stat().st_mode & 0o600 == 0o600
 
 
 def test_interrupted_run_resumes_without_loss_or_repeats(
