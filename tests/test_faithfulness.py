@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -155,7 +156,9 @@ def test_run_writes_records_summary_and_report(small_run: Path) -> None:
     assert_self_contained(html)
     assert "delta_ppl" in html and "comprehensiveness" in html
     assert (small_run / "summary.csv").is_file()
-    assert (small_run / "report.html").stat().st_mode & 0o600 == 0o600
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (small_run / "report.html").stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's private 0600
 
 
 def test_interrupted_run_resumes_without_loss_or_repeats(
