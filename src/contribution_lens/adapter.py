@@ -191,7 +191,16 @@ def to_token_batch(
         ids = model.to_tokens(text, prepend_bos=prepend_bos, truncate=False)[0]
         check_length(model, ids.shape[0], f"input text {index}")
         rows.append(ids.to(device))
+    return pad_rows(model, rows)
+
+
+def pad_rows(model: Model, rows: Sequence[Tensor]) -> TokenBatch:
+    """Right-pad token sequences of different lengths into one batch."""
+    if not rows:
+        raise ValueError("no token sequences given")
+    device = _model_device(model)
     length = max(row.shape[0] for row in rows)
+    check_length(model, length, "the longest token sequence")
     tokens = torch.full((len(rows), length), pad_id(model), dtype=torch.long, device=device)
     mask = torch.zeros((len(rows), length), dtype=torch.bool, device=device)
     for index, row in enumerate(rows):

@@ -143,6 +143,11 @@ def _accumulation_dtype(dtype: torch.dtype | None, *tensors: Tensor) -> torch.dt
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
+def head_gram(W_O: Float[Tensor, "head d_head d_model"]) -> Float[Tensor, "head d_head e_head"]:
+    """``W_O^h W_O^h^T`` per head: ``<x W_O^h, y W_O^h> = x G^h y`` without going to d_model."""
+    return einops.einsum(W_O, W_O, "head d_head d_model, head e_head d_model -> head d_head e_head")
+
+
 def valid_positions(
     query: int,
     key: int,
@@ -271,8 +276,8 @@ def decompose(
         if attention_mask is not None:
             real_q = attention_mask.to(device=device, dtype=torch.bool)[:, n_key - n_query :]
             z = torch.where(einops.rearrange(real_q, "batch query -> batch 1 1 query 1"), z, 0)
-    gram = einops.einsum(
-        W_O_g, W_O_g, "kv_head group d_head d_model, kv_head group e_head d_model -> kv_head group d_head e_head"
+    gram = einops.rearrange(
+        head_gram(weights), "(kv_head group) d_head e_head -> kv_head group d_head e_head", kv_head=n_kv_heads
     )
     v_gram = einops.einsum(
         values, gram, "batch key kv_head d_head, kv_head group d_head e_head -> batch kv_head group key e_head"

@@ -123,16 +123,6 @@ def build_units(model: adapter.Model, config: RunConfig) -> list[Unit]:
     return units
 
 
-def _pad(model: adapter.Model, rows: list[torch.Tensor]) -> adapter.TokenBatch:
-    length = max(len(r) for r in rows)
-    tokens = torch.full((len(rows), length), adapter.pad_id(model), dtype=torch.long)
-    mask = torch.zeros((len(rows), length), dtype=torch.long)
-    for i, row in enumerate(rows):
-        tokens[i, : len(row)] = row
-        mask[i, : len(row)] = 1
-    return adapter.to_token_batch(model, tokens, attention_mask=mask)
-
-
 def _conditions(protocol: Protocol, ratios: Sequence[float]) -> list[tuple[str, str, float]]:
     return [(m, mode, r) for m in protocol.methods for mode in protocol.modes for r in ratios]
 
@@ -249,7 +239,7 @@ def run_faithfulness(
     bar = tqdm(total=passes, desc=f"faithfulness passes (rank {rank})", unit="pass", disable=not progress or rank != 0)
     with open(part, "a", encoding="utf-8") as stream, bar:
         for unit, todo in plan:
-            batch = _pad(model, unit.tokens)
+            batch = adapter.pad_rows(model, unit.tokens)
             clean = clean_run(model, batch, unit.ids, protocol)
             clean_records = _unit_records(unit, clean.logits, batch)
             bar.update()

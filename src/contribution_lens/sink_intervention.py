@@ -17,6 +17,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from contribution_lens import adapter
+from contribution_lens.decomposition import head_gram
 from contribution_lens.faithfulness import perplexity, token_nll
 from contribution_lens.interventions import pattern_scaling_hooks
 from contribution_lens.sinks import SinkLayer, sink_layer
@@ -28,7 +29,7 @@ def sink_scale(variant: str, k: int, W_O: Tensor) -> Callable[[int, Tensor, Tens
     """The pattern multiplier of one layer for a variant (1 outside the sink columns)."""
     if variant not in VARIANTS:
         raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
-    gram = einops.einsum(W_O.float(), W_O.float(), "head d_head d_model, head e_head d_model -> head d_head e_head")
+    gram = head_gram(W_O.float())
 
     def scale(layer: int, pattern: Tensor, v: Tensor) -> Tensor:
         factor = torch.ones((*pattern.shape[:2], 1, pattern.shape[-1]), dtype=torch.float32, device=pattern.device)

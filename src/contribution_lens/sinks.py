@@ -25,7 +25,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.decomposition import FACTORS, decompose
+from contribution_lens.decomposition import FACTORS, decompose, head_gram
 
 PARTS = ("sink", "tail")
 
@@ -77,10 +77,6 @@ def unclipped_beta_star(layer: SinkLayer) -> Tensor:
     return torch.where(safe, numerator / torch.where(safe, denominator, 1), 0)
 
 
-def _gram_dot(x: Tensor, gram: Tensor, y: Tensor, pattern: str) -> Tensor:
-    return einops.einsum(x, gram, y, pattern)
-
-
 def sink_layer(
     pattern: Float[Tensor, "batch head query key"],
     v: Float[Tensor, "batch key kv_head d_head"],
@@ -108,7 +104,7 @@ def sink_layer(
     group = n_heads // v.shape[2]
     values = torch.where(einops.rearrange(real, "batch key -> batch key 1 1"), v.float(), 0)
     values = einops.repeat(values, "batch key kv_head d_head -> batch (kv_head group) key d_head", group=group)
-    gram = einops.einsum(W_O.float(), W_O.float(), "head d_head d_model, head e_head d_model -> head d_head e_head")
+    gram = head_gram(W_O.float())
 
     sink_ratio = alpha[..., :k].sum(-1)
     z_sink = einops.einsum(alpha[..., :k], values[:, :, :k], "b h q k, b h k d -> b h q d")
@@ -117,17 +113,17 @@ def sink_layer(
     sink_mean = z_sink / sink_ratio.clamp_min(1e-30)[..., None]
     tail_mean = z_tail / (1 - sink_ratio).clamp_min(1e-30)[..., None]
     quad = "b h q d, h d e, b h q e -> b h q"
-    sink_sq = _gram_dot(sink_mean, gram, sink_mean, quad)
-    tail_sq = _gram_dot(tail_mean, gram, tail_mean, quad)
-    cross = _gram_dot(sink_mean, gram, tail_mean, quad)
-    out_sq = _gram_dot(z_out, gram, z_out, quad).clamp_min(0)
+    sink_sq = einops.einsum(sink_mean, gram, sink_mean, quad)
+    tail_sq = einops.einsum(tail_mean, gram, tail_mean, quad)
+    cross = einops.einsum(sink_mean, gram, tail_mean, quad)
+    out_sq = einops.einsum(z_out, gram, z_out, quad).clamp_min(0)
 
     def cosine(dot: Tensor, sq_x: Tensor, sq_y: Tensor) -> Tensor:
         norms = (sq_x.clamp_min(0) * sq_y.clamp_min(0)).sqrt()
         return torch.where(norms > 0, dot / norms.clamp_min(1e-30), 0).clamp(-1, 1)
 
-    s_t = _gram_dot(z_sink, gram, z_tail, quad)
-    sink_tail_cosine = cosine(s_t, _gram_dot(z_sink, gram, z_sink, quad), _gram_dot(z_tail, gram, z_tail, quad))
+    s_t = einops.einsum(z_sink, gram, z_tail, quad)
+    sink_tail_cosine = cosine(s_t, einops.einsum(z_sink, gram, z_sink, quad), einops.einsum(z_tail, gram, z_tail, quad))
 
     sink_value = values[:, :, :k].mean(2)  # [b h d]
     token_dot = einops.einsum(sink_value, gram, values, "b h d, h d e, b h k e -> b h k")
