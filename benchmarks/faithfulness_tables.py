@@ -49,9 +49,9 @@ def main() -> None:
             for mode, part in frame.groupby("mode"):
                 n = int(part["n"].max())
                 if "delta_loss" in part and part["delta_loss"].notna().any():
-                    print(
-                        f"\n**{task}, {mode}** ({n} chunks): Δloss (nats/token); {ordering(part, 'delta_loss', mode)}\n"
-                    )
+                    clean = part.loc[part["ratio"] == 0, "ppl"].mean()
+                    verdict = ordering(part, "delta_loss", mode)
+                    print(f"\n**{task}, {mode}** ({n} chunks, clean PPL {clean:.2f}): Δloss (nats/token); {verdict}\n")
                     print(table(part, "delta_loss"))
                     print(f"\n**{task}, {mode}**: ΔPPL\n")
                     print(table(part, "delta_ppl"))

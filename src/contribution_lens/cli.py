@@ -138,6 +138,20 @@ def _sinks(args: argparse.Namespace) -> int:
     per_layer = pd.concat({v: r.per_layer for v, r in interventions.items()}, names=["variant"])
     per_layer.to_csv(out / "sink_intervention_layers.csv")
     claims |= {f"{v}_{k}": float(x) for v, r in effect.iterrows() for k, x in r.items()}
+    for scope in ("intra", "inter"):
+        claims[f"share_heads_negative_{scope}_sink_contribution"] = float(
+            (heads[f"{scope}_sink_contribution"] < 0).mean()
+        )
+    for part in ("sink", "tail"):
+        for factor in ("attention", "relative_norm", "cosine", "contribution"):
+            claims[f"mean_intra_{part}_{factor}"] = float(heads[f"intra_{part}_{factor}"].mean())
+    for v in interventions:
+        layer_rows = per_layer.loc[v]
+        for column in ("output_norm", "low_norm_cone_cosine"):
+            for run in ("clean", "intervened"):
+                claims[f"{v}_mean_{column}_{run}"] = float(layer_rows[f"{column}_{run}"].mean())
+        rises = layer_rows["low_norm_cone_cosine_intervened"] > layer_rows["low_norm_cone_cosine_clean"]
+        claims[f"{v}_layers_where_low_norm_cone_cosine_rises"] = float(rises.sum())
     (out / "sink_claims.json").write_text(json.dumps(claims, indent=2))
     layer_means = heads.groupby("layer").mean()
     top = heads["sink_ratio"].idxmax()
