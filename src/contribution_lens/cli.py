@@ -106,7 +106,7 @@ def _sinks(args: argparse.Namespace) -> int:
 
     import pandas as pd
 
-    from contribution_lens import data, load_model, plot, report, sink_analysis, sink_intervention
+    from contribution_lens import data, load_model, plot, report, run_sink_intervention, sink_analysis
 
     model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
     chunks = []
@@ -123,7 +123,7 @@ def _sinks(args: argparse.Namespace) -> int:
     heads = analysis.head_table()
     claims = analysis.claims()
     interventions = {
-        v: sink_intervention(model, tokens, variant=v, k=args.k, batch_size=args.batch_size)
+        v: run_sink_intervention(model, tokens, variant=v, k=args.k, batch_size=args.batch_size)
         for v in ("zero", "mean_tail")
     }
     out = Path(args.out)

@@ -240,7 +240,7 @@ def run_faithfulness(
     with open(part, "a", encoding="utf-8") as stream, bar:
         for unit, todo in plan:
             batch = adapter.pad_rows(model, unit.tokens)
-            clean = clean_run(model, batch, unit.ids, protocol)
+            clean = clean_run(model, batch, protocol)
             clean_records = _unit_records(unit, clean.logits, batch)
             bar.update()
             zero_logits = None

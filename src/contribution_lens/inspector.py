@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.decomposition import Decomposition, decompose
+from contribution_lens.decomposition import Decomposition
+from contribution_lens.engine import map_layers
 from contribution_lens.plot import DIVERGING, SEQUENTIAL, SIGNED, token_factors
 
 # (factor, scope) pairs; attention does not depend on the scope.
@@ -95,17 +96,15 @@ def inspect(
     if shown not in wanted:
         raise ValueError(f"layer {layer} is not among the embedded layers {wanted}")
 
-    weights = {layer_: adapter.output_weights(model, layer_)[0] for layer_ in wanted}
     # values[(layer, head_option, view)] -> [query key]; decomposed inside the hooks, then cut
     # to the window so a 512-token text never holds more than one layer's full tensors.
     values: dict[tuple[int, int, int], np.ndarray] = {}
     q_index, k_index = torch.tensor(queries), torch.tensor(keys)
     causal = np.asarray(keys)[None, :] <= np.asarray(queries)[:, None]
 
-    def on_layer(layer_: int, pattern: Tensor, v: Tensor, z: Tensor | None) -> None:
-        by_scope: dict[str, Decomposition] = {
-            scope: decompose(pattern, v, weights[layer_], scope=scope, z=z) for scope in ("inter", "intra")
-        }
+    def on_layer(inputs: adapter.LayerInputs) -> None:
+        layer_ = inputs.layer
+        by_scope: dict[str, Decomposition] = {scope: inputs.decompose(scope) for scope in ("inter", "intra")}
         for head_option in range(n_heads + 1):
             h = None if head_option == n_heads else head_option
             factors = {scope: token_factors(d, h, 0, n) for scope, d in by_scope.items()}
@@ -114,8 +113,7 @@ def inspect(
                 cut = full[q_index][:, k_index].to(torch.float32).numpy()
                 values[(layer_, head_option, view)] = np.where(causal, cut, np.nan).astype(np.float32)
 
-    with adapter.layer_hooks(model, wanted, on_layer, with_z=True):
-        adapter.forward(model, batch)
+    map_layers(model, batch, on_layer, layers=wanted)
 
     labels = [f"{i}:{t}" for i, t in enumerate(batch.str_tokens[0])]
     x_labels, y_labels = [labels[j] for j in keys], [labels[i] for i in queries]
