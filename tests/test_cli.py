@@ -122,7 +122,7 @@ FAITH = ["faithfulness", "--data", "{text}"]
         ),
         ([*FAITH, "--device", "gpu"], "--device: expected a torch device such as cpu, cuda or cuda:1, got 'gpu'"),
         (
-            ["demo", "--model", "./no-such-checkpoint", "--layer", "1"],
+            ["sinks", "--data", "{text}", "--model", "./no-such-checkpoint"],
             "--model: expected 'smollm2-135m', a checkpoint folder or a Hugging Face id, got './no-such-checkpoint' "
             "(no config.json)",
         ),

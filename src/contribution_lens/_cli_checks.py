@@ -134,6 +134,12 @@ def layers(option: str, values: Sequence[int], model: str) -> tuple[int, ...]:
     return tuple(layer % total for layer in values)
 
 
+def model(option: str, name: str) -> str:
+    """A model whose config can be read (the bundled one, a checkpoint folder or a Hugging Face id)."""
+    n_layers(name)
+    return name
+
+
 @lru_cache
 def n_layers(model: str) -> int:
     """The number of layers of ``model``, from its config file; no weight is read."""

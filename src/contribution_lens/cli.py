@@ -39,6 +39,7 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _check_demo(args: argparse.Namespace) -> None:
+    args.model = check.model("--model", args.model)
     if not args.text.strip():
         raise check.UsageError(f"--text: expected some text, got {args.text!r}")
     if args.layer is not None:
@@ -94,6 +95,7 @@ def _demo(args: argparse.Namespace) -> int:
 def _check_faithfulness(args: argparse.Namespace) -> None:
     from contribution_lens import faithfulness
 
+    args.model = check.model("--model", args.model)
     # The lead's method registry will replace ALL_METHODS here (contribution_lens.methods).
     args.methods = check.choose("--methods", args.methods, faithfulness.ALL_METHODS, all_means=faithfulness.ALL_METHODS)
     args.modes = check.choose("--modes", args.modes, faithfulness.MODES)
@@ -147,6 +149,7 @@ def _faithfulness(args: argparse.Namespace) -> int:
 
 
 def _check_sinks(args: argparse.Namespace) -> None:
+    args.model = check.model("--model", args.model)
     args.data = check.data_specs("--data", args.data, LM_TASKS)
     for spec in args.data:
         if spec.partition("=")[0].strip().lower() in CHOICE_TASKS:
