@@ -39,13 +39,14 @@ def _load(args: argparse.Namespace) -> Any:
 
 
 def _check_demo(args: argparse.Namespace) -> None:
-    args.model = check.model("--model", args.model)
+    """Cheap checks first; the model's config and the device (they import torch) last."""
     if not args.text.strip():
         raise check.UsageError(f"--text: expected some text, got {args.text!r}")
+    args.out = check.out_folder("--out", args.out)
+    args.model = check.model("--model", args.model)
     if args.layer is not None:
         (args.layer,) = check.layers("--layer", (args.layer,), args.model)
     args.device = check.device("--device", args.device)
-    args.out = check.out_folder("--out", args.out)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -93,12 +94,6 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _check_faithfulness(args: argparse.Namespace) -> None:
-    from contribution_lens import faithfulness
-
-    args.model = check.model("--model", args.model)
-    # The lead's method registry will replace ALL_METHODS here (contribution_lens.methods).
-    args.methods = check.choose("--methods", args.methods, faithfulness.ALL_METHODS, all_means=faithfulness.ALL_METHODS)
-    args.modes = check.choose("--modes", args.modes, faithfulness.MODES)
     args.ratios = check.ratios("--ratios", args.ratios)
     if args.choice_ratios is not None:
         args.choice_ratios = check.ratios("--choice-ratios", args.choice_ratios)
@@ -107,10 +102,16 @@ def _check_faithfulness(args: argparse.Namespace) -> None:
     for option in ("--max-chunks", "--max-items", "--max-item-tokens", "--batch-size"):
         name = option[2:].replace("-", "_")
         setattr(args, name, check.at_least(option, getattr(args, name)))
-    if args.layers is not None:
-        args.layers = check.layers("--layers", check.integers("--layers", args.layers), args.model)
-    args.device = check.device("--device", args.device)
+    layers = None if args.layers is None else check.integers("--layers", args.layers)
     args.out = check.out_folder("--out", args.out)
+    from contribution_lens import faithfulness
+
+    # The method registry (contribution_lens.methods) will replace ALL_METHODS here.
+    args.methods = check.choose("--methods", args.methods, faithfulness.ALL_METHODS, all_means=faithfulness.ALL_METHODS)
+    args.modes = check.choose("--modes", args.modes, faithfulness.MODES)
+    args.model = check.model("--model", args.model)
+    args.layers = None if layers is None else check.layers("--layers", layers, args.model)
+    args.device = check.device("--device", args.device)
 
 
 def _faithfulness(args: argparse.Namespace) -> int:
@@ -149,7 +150,6 @@ def _faithfulness(args: argparse.Namespace) -> int:
 
 
 def _check_sinks(args: argparse.Namespace) -> None:
-    args.model = check.model("--model", args.model)
     args.data = check.data_specs("--data", args.data, LM_TASKS)
     for spec in args.data:
         if spec.partition("=")[0].strip().lower() in CHOICE_TASKS:
@@ -161,8 +161,9 @@ def _check_sinks(args: argparse.Namespace) -> None:
         )
     args.max_chunks = check.at_least("--max-chunks", args.max_chunks)
     args.batch_size = check.at_least("--batch-size", args.batch_size)
-    args.device = check.device("--device", args.device)
     args.out = check.out_folder("--out", args.out)
+    args.model = check.model("--model", args.model)
+    args.device = check.device("--device", args.device)
 
 
 def _sinks(args: argparse.Namespace) -> int:
