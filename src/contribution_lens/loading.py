@@ -153,12 +153,18 @@ def local_checkpoint(name: str) -> Path | None:
 
 
 def _fill_missing(hf: Any, missing: set[str]) -> None:
-    """Give weights the checkpoint lacks fixed values instead of a random init.
+    """Give head weights the checkpoint lacks fixed values instead of a random init.
 
     Square matrices become the identity, other weights (norm scales) ones, biases zeros: a
     sentence-embedding BERT ships no masked-LM head, and a random one would make every load
-    give different logits.
+    give different logits. Missing weights of the model body are an error.
     """
+    body = f"{hf.base_model_prefix}."
+    missing_body = sorted(name for name in missing if name.startswith(body))
+    if missing_body:
+        raise ValueError(
+            f"the checkpoint lacks {len(missing_body)} weights of the model itself, e.g. {missing_body[0]}"
+        )
     params = dict(hf.named_parameters())
     with torch.no_grad():
         for name in sorted(missing & params.keys()):
@@ -193,7 +199,10 @@ def _hf_from_directory(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     model_class = AutoModelForMaskedLM if config.model_type in _MASKED_LM_TYPES else AutoModelForCausalLM
     # The load report calls the absent masked-LM head "newly initialized"; _fill_missing fixes it.
     with _quiet_transformers():
-        hf, info = model_class.from_pretrained(path, dtype=dtype, attn_implementation="eager", output_loading_info=True)
+        loaded: Any = model_class.from_pretrained(
+            path, dtype=dtype, attn_implementation="eager", output_loading_info=True
+        )
+    hf, info = loaded
     _fill_missing(hf, set(info["missing_keys"]))
     hf.config.architectures = [type(hf).__name__]
     return hf, AutoTokenizer.from_pretrained(path)
