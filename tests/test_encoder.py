@@ -85,7 +85,7 @@ def test_tiny_encoder_decompose_takes_the_pattern_as_the_truth(variant: str) -> 
 def test_tiny_encoder_attention_geometry_sums_to_one_for_every_query(scope: str) -> None:
     model = tiny_encoder("gqa", biases=True, seed=7)
     g = cl.attention_geometry(model, TOKENS, scope=scope)
-    for d in g.layers.values():
+    for d in g.values():
         sums = per_query_sums(d, scope)
         assert_close(sums, torch.ones_like(sums), atol=1e-5)
 
@@ -198,7 +198,7 @@ def test_encoder_decompose_matches_the_float64_oracle(encoder_model, scope: str)
 def test_encoder_attention_geometry_sums_to_one_for_every_query(encoder_model, scope: str) -> None:
     g = cl.attention_geometry(encoder_model, TEXT, scope=scope)
     assert sorted(g.layers) == list(range(6))
-    for layer, d in g.layers.items():
+    for layer, d in g.items():
         sums = per_query_sums(d, scope)
         assert bool(torch.isfinite(d.contribution).all()), layer
         assert_close(sums, torch.ones_like(sums), atol=1e-4)
