@@ -213,9 +213,13 @@ def summarise_decomposition(d: Decomposition, attention_mask: Tensor, sink: int 
     * ``top1_agreement``: share of those queries whose most-attended key is also the key of
       largest contribution.
 
-    Averages over no queries (a one-token text) are NaN: there is nothing to average, and
-    the row says so rather than inventing a number.
+    Raises for a batch whose texts all have one token: no query then sees another key.
     """
+    if int(attention_mask.sum(-1).max()) < 2:
+        raise ValueError(
+            "a layer summary compares each query's attention with its contributions over the keys it sees: "
+            "it needs a text of at least two tokens (with prepend_bos=False a one-word text has one)"
+        )
     real_query = attention_mask.to(d.attention.device).clone() & d.valid[:, :, sink]
     real_query[:, sink] = False  # the sink attending to itself says nothing
     attention = d.attention.mean(1)  # [batch query key]
