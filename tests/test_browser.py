@@ -1,6 +1,7 @@
 """The HTML the package writes, opened in headless Chromium: what is drawn is what the library computes."""
 
 import base64
+import json
 import re
 import shutil
 from pathlib import Path
@@ -152,7 +153,7 @@ def contribution_bound(d: cl.Decomposition, head) -> np.ndarray:
     return rn * (da * cos + (a + da) * D_COS)
 
 
-def wait_ready(browser) -> dict:
+def wait_ready(browser, *, hash_too: bool = True) -> dict:
     from selenium.webdriver.support.ui import WebDriverWait
 
     WebDriverWait(browser, 60).until(
@@ -160,7 +161,10 @@ def wait_ready(browser) -> dict:
             b.execute_script("const r = document.getElementById('cl-root'); return r && r.dataset.ready") == "true"
         )
     )
-    return browser.execute_script(DRAWN)
+    drawn = browser.execute_script(DRAWN)
+    if not hash_too:
+        drawn.pop("hash")
+    return drawn
 
 
 def open_view(browser, page: Path, fragment: str) -> dict:
@@ -277,3 +281,75 @@ def test_inspector_page_is_self_contained(browser, page) -> None:
         "return performance.getEntriesByType('resource').map(e => e.name).filter(n => !n.startsWith('file:'))"
     )
     assert remote == []
+
+
+WIDGET_HOST = """<!DOCTYPE html><html><head><meta charset='utf-8'></head><body><div id='cl-root'></div>
+<script type='application/json' id='state'>STATE</script>
+<script type='application/json' id='esm'>ESM</script>
+<script type='application/json' id='plotly'>PLOTLY</script>
+<script type='module'>
+// A minimal anywidget host: the model interface render() uses, and a kernel that answers need_plotly.
+const state = JSON.parse(document.getElementById('state').textContent);
+const listeners = {};
+const emit = (name, value) => (listeners[name] || []).forEach((f) => f(value));
+window.host = { sent: [], saved: [], state };
+const model = {
+  get: (k) => state[k],
+  set: (k, v) => { state[k] = v; emit('change:' + k); },
+  on: (e, f) => (listeners[e] = listeners[e] || []).push(f),
+  off: (e, f) => (listeners[e] = (listeners[e] || []).filter((g) => g !== f)),
+  save_changes: () => window.host.saved.push(JSON.stringify(state)),
+  send: (message) => {
+    window.host.sent.push(message.type);
+    const source = JSON.parse(document.getElementById('plotly').textContent);
+    setTimeout(() => emit('msg:custom', { type: 'plotly', source }), 0);
+  },
+};
+window.host.model = model;
+const esm = JSON.parse(document.getElementById('esm').textContent);
+const widget = await import(URL.createObjectURL(new Blob([esm], { type: 'text/javascript' })));
+const root = document.getElementById('cl-root');
+await widget.default.render({ model, el: root });
+root.dataset.ready = 'true';
+</script></body></html>"""
+
+
+def widget_state(inspector) -> dict:
+    return {name: getattr(inspector, name) for name in ("layer", "head", "factor", "scope", "query", "meta", "payload")}
+
+
+def script_json(value) -> str:
+    return json.dumps(value).replace("</", "<\\/")
+
+
+@pytest.mark.slow
+def test_widget_front_end_draws_the_library_numbers(browser, bundled_model, library, tmp_path, monkeypatch) -> None:
+    inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS, layer=2)
+    plotly_message = []
+    monkeypatch.setattr(inspector, "send", plotly_message.append)
+    inspector._on_message(inspector, {"type": "need_plotly"}, [])
+    host = tmp_path / "widget.html"
+    host.write_text(
+        WIDGET_HOST.replace("STATE", script_json(widget_state(inspector)))
+        .replace("ESM", script_json(inspector._esm))
+        .replace("PLOTLY", script_json(plotly_message[0]["source"]))
+    )
+    browser.get(host.resolve().as_uri())
+    check_drawn(wait_ready(browser, hash_too=False), library, 2, None, "contribution", "inter")
+    assert browser.execute_script("return window.host.sent") == ["need_plotly"]
+    from selenium.webdriver.support.ui import Select
+
+    for name, value in [("head", "3"), ("factor", "cosine"), ("scope", "intra")]:
+        Select(browser.find_element("id", f"cl-{name}")).select_by_value(value)
+    check_drawn(wait_ready(browser, hash_too=False), library, 2, 3, "cosine", "intra")
+    saved = json.loads(browser.execute_script("return window.host.saved.at(-1)"))
+    assert (saved["head"], saved["factor"], saved["scope"]) == (3, "cosine", "intra")
+    # A new layer: the front-end asks the kernel (a trait change) and draws when the payload arrives.
+    Select(browser.find_element("id", "cl-layer")).select_by_value("9")
+    assert json.loads(browser.execute_script("return window.host.saved.at(-1)"))["layer"] == 9
+    assert browser.execute_script("return document.querySelector('.cl-status').textContent") == "computing layer 9…"
+    inspector.layer = 9
+    browser.execute_script("window.host.model.set('payload', arguments[0])", inspector.payload)
+    check_drawn(wait_ready(browser, hash_too=False), library, 9, 3, "cosine", "intra")
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors

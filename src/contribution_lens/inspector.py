@@ -92,6 +92,16 @@ def token_window(n: int, *, start: int = 0, tokens: int = DEFAULT_TOKENS, causal
     return Window(queries, keys, causal)
 
 
+def token_label(position: int, token: str) -> str:
+    """``"{position}:{token}"`` with line breaks and tabs shown as ``\\n``, ``\\r``, ``\\t``.
+
+    Example:
+        >>> token_label(3, "\\n")
+        '3:\\\\n'
+    """
+    return f"{position}:" + token.replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+
+
 def _b64(array: np.ndarray, dtype: str) -> str:
     return base64.b64encode(np.ascontiguousarray(array, dtype=dtype).tobytes()).decode("ascii")
 
@@ -217,7 +227,7 @@ class Inspector(anywidget.AnyWidget):
         self._model = model
         self._layers = adapter.check_layers(model, layers)
         self._batch = batch
-        self._labels = [f"{i}:{t}" for i, t in enumerate(batch.str_tokens[0])]
+        self._labels = [token_label(i, t) for i, t in enumerate(batch.str_tokens[0])]
         self._ready = False
         self._computed: dict[str, dict[str, str]] = {}
         self._n_heads = int(model.cfg.n_heads)

@@ -228,8 +228,9 @@ const ContributionLens = (() => {
       const signed = SIGNED.has(state.factor);
       const where = "L" + state.layer + (state.head === "all" ? ", all heads" : "H" + state.head);
       const scopeText = state.factor === "attention" ? "" : " (" + state.scope + ")";
-      const cell = nk > 128 ? 8 : nk > 64 ? 11 : 16;
-      const font = nk > 128 ? 7 : nk > 64 ? 9 : 11;
+      // Every label readable up to 128 tokens: one tick per row and column, sized to the cell.
+      const cell = nk > 129 ? 8 : nk > 65 ? 13 : nk > 33 ? 15 : 18;
+      const font = nk > 129 ? 7 : nk > 65 ? 10 : nk > 33 ? 11 : 12;
       const axis = (title, names) => ({
         title: { text: title },
         type: "category",
@@ -252,7 +253,7 @@ const ContributionLens = (() => {
         hoverongaps: false,
       };
       const layout = {
-        title: { text: FACTOR_LABELS[state.factor] + scopeText + ", " + where },
+        title: { text: FACTOR_LABELS[state.factor] + scopeText + ", " + where, x: 0.02, xanchor: "left" },
         xaxis: Object.assign(axis("key", kLabels), { tickangle: -60 }),
         yaxis: Object.assign(axis("query", qLabels), { autorange: "reversed" }),
         width: Math.max(560, cell * nk + 260),
@@ -295,10 +296,14 @@ const ContributionLens = (() => {
         });
       });
       const layout = {
-        title: { text: "query " + state.query + ": per-key factors (" + state.scope + "), their product is the contribution" },
+        title: {
+          text: "query " + state.query + ": per-key factors (" + state.scope + "), their product is the contribution",
+          x: 0.02,
+          xanchor: "left",
+        },
         showlegend: false,
-        yaxis: { autorange: "reversed", type: "category", tickfont: { size: keys.length > 64 ? 8 : 10 }, automargin: true },
-        height: Math.max(300, 12 * keys.length + 140),
+        yaxis: { autorange: "reversed", type: "category", tickfont: { size: keys.length > 129 ? 7 : 10 }, automargin: true },
+        height: Math.max(300, (keys.length > 129 ? 8 : 13) * keys.length + 140),
         width: 1000,
         margin: { t: 60 },
       };
