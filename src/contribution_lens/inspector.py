@@ -170,7 +170,8 @@ def compute_payloads(
 
     def on_layer(layer: int, pattern: Tensor, v: Tensor, z: Tensor | None) -> None:
         inter, intra = (
-            decompose(pattern, v, weights[layer], scope=scope, z=z, causal=window.causal) for scope in ("inter", "intra")
+            decompose(pattern, v, weights[layer], scope=scope, z=z, causal=window.causal)
+            for scope in ("inter", "intra")
         )
         payloads[layer] = layer_payload(inter, intra, window)
         if len(payloads) == len(set(layers)):
