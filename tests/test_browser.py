@@ -173,21 +173,32 @@ def open_view(browser, page: Path, fragment: str) -> dict:
     return wait_ready(browser)
 
 
-def check_drawn(drawn: dict, library, layer: int, head: int | None, factor: str, scope: str) -> None:
-    """The one visible heatmap shows ``factor`` of this view, and every hover label all eight numbers."""
+def check_drawn(
+    drawn: dict, library, layer: int, head: int | None, factor: str, scope: str, window: ins.Window | None = None
+) -> None:
+    """The one visible heatmap shows ``factor`` of this view, and every hover label all eight numbers.
+
+    ``window``: the token window drawn (default: the whole text).
+    """
     assert drawn["visible"] == 1, f"{drawn['visible']} visible heatmap traces"
-    values, tolerance = expected(library, layer, head, scope)
+    n = library[scope][layer].attention.shape[-1]
+    window = window or ins.token_window(n)
+    cut = np.ix_(window.queries, window.keys)
     other = "inter" if scope == "intra" else "intra"
-    values_other, tolerance_other = expected(library, layer, head, other)
-    n = values["attention"].shape[0]
-    assert drawn["y"] == [f"{i}:{t}" for i, t in enumerate(library[scope].str_tokens[0])]
+    by_scope = {}
+    for s in (scope, other):
+        values, tolerance = expected(library, layer, head, s)
+        by_scope[s] = ({k: v[cut] for k, v in values.items()}, {k: v[cut] for k, v in tolerance.items()})
+    values, tolerance = by_scope[scope]
+    labels = [f"{i}:{t}" for i, t in enumerate(library[scope].str_tokens[0])]
+    assert drawn["y"] == [labels[i] for i in window.queries] and drawn["x"] == [labels[j] for j in window.keys]
     z = np.array([[np.nan if v is None else v for v in row] for row in drawn["z"]], dtype=float)
-    causal = np.tril(np.ones((n, n), dtype=bool))
+    causal = window.mask
     assert np.isnan(z[~causal]).all(), "future keys must be blank"
     error = np.abs(z - values[factor])[causal]
     assert np.all(error <= tolerance[factor][causal]), f"{factor}: worst error {error.max():.3g}"
-    by_scope = {scope: (values, tolerance), other: (values_other, tolerance_other)}
-    for i, j in [(n - 1, 0), (n - 1, n - 2), (n // 2, 1), (3, 3)]:
+    nq, nk = causal.shape
+    for i, j in [(nq - 1, 0), (nq - 1, nk - 2), (nq // 2, 1), (3, 3)]:
         match = HOVER.match(drawn["text"][i][j])
         assert match, drawn["text"][i][j]
         assert (match[1], match[2]) == (drawn["y"][i], drawn["x"][j])
@@ -225,6 +236,18 @@ def test_inspector_draws_the_view_named_in_the_fragment(browser, page, library, 
     check_drawn(drawn, library, *view)
     errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
     assert not errors, errors
+
+
+@pytest.mark.slow
+def test_inspector_page_with_a_token_window(browser, bundled_model, library, tmp_path) -> None:
+    inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS)
+    page = inspector.write_html(tmp_path / "window.html", layers=[9], start=5, tokens=6)
+    window = ins.token_window(15, start=5, tokens=6)
+    assert window.keys == [0, 5, 6, 7, 8, 9, 10]
+    for view in [(9, 4, "contribution", "intra"), (9, None, "relative_norm", "inter")]:
+        check_drawn(open_view(browser, page, fragment(*view)), library, *view, window)
+    # A layer the page does not hold falls back to the one it does.
+    assert open_view(browser, page, "#layer=2&head=1")["hash"].startswith("#layer=9&head=1&")
 
 
 @pytest.mark.slow
@@ -315,28 +338,36 @@ root.dataset.ready = 'true';
 
 
 def widget_state(inspector) -> dict:
-    return {name: getattr(inspector, name) for name in ("layer", "head", "factor", "scope", "query", "meta", "payload")}
+    names = ("layer", "head", "factor", "scope", "query", "start", "tokens", "meta", "payload")
+    return {name: getattr(inspector, name) for name in names}
 
 
 def script_json(value) -> str:
     return json.dumps(value).replace("</", "<\\/")
 
 
-@pytest.mark.slow
-def test_widget_front_end_draws_the_library_numbers(browser, bundled_model, library, tmp_path, monkeypatch) -> None:
-    inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS, layer=2)
+def widget_page(inspector, folder: Path, monkeypatch) -> Path:
+    """The widget's ESM in `WIDGET_HOST`, with the widget's state and the kernel's plotly.js reply."""
     plotly_message = []
     monkeypatch.setattr(inspector, "send", plotly_message.append)
     inspector._on_message(inspector, {"type": "need_plotly"}, [])
-    host = tmp_path / "widget.html"
+    host = folder / "widget.html"
     host.write_text(
         WIDGET_HOST.replace("STATE", script_json(widget_state(inspector)))
         .replace("ESM", script_json(inspector._esm))
         .replace("PLOTLY", script_json(plotly_message[0]["source"]))
     )
-    browser.get(host.resolve().as_uri())
+    return host
+
+
+@pytest.mark.slow
+def test_widget_front_end_draws_the_library_numbers(browser, bundled_model, library, tmp_path, monkeypatch) -> None:
+    inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS, layer=2)
+    browser.get(widget_page(inspector, tmp_path, monkeypatch).resolve().as_uri())
     check_drawn(wait_ready(browser, hash_too=False), library, 2, None, "contribution", "inter")
     assert browser.execute_script("return window.host.sent") == ["need_plotly"]
+    # 15 tokens fit the 128-token window: no window menu.
+    assert browser.execute_script("return document.getElementById('cl-window').parentNode.style.display") == "none"
     from selenium.webdriver.support.ui import Select
 
     for name, value in [("head", "3"), ("factor", "cosine"), ("scope", "intra")]:
@@ -353,3 +384,23 @@ def test_widget_front_end_draws_the_library_numbers(browser, bundled_model, libr
     check_drawn(wait_ready(browser, hash_too=False), library, 9, 3, "cosine", "intra")
     errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
     assert not errors, errors
+
+
+@pytest.mark.slow
+def test_widget_token_window_menu(browser, bundled_model, library, tmp_path, monkeypatch) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS, layer=9, tokens=8)
+    browser.get(widget_page(inspector, tmp_path, monkeypatch).resolve().as_uri())
+    check_drawn(wait_ready(browser, hash_too=False), library, 9, None, "contribution", "inter", inspector.window)
+    menu = Select(browser.find_element("id", "cl-window"))
+    assert [option.text for option in menu.options] == ["tokens 0–7", "tokens 4–11", "tokens 8–14"]
+    menu.select_by_value("4")
+    assert json.loads(browser.execute_script("return window.host.saved.at(-1)"))["start"] == 4
+    inspector.start = 4  # what the kernel does with that trait change
+    browser.execute_script(
+        "for (const [k, v] of Object.entries(arguments[0])) window.host.model.set(k, v)",
+        {"meta": inspector.meta, "query": inspector.query, "payload": inspector.payload},
+    )
+    check_drawn(wait_ready(browser, hash_too=False), library, 9, None, "contribution", "inter", inspector.window)
+    assert inspector.window.keys == [0, *range(4, 12)]

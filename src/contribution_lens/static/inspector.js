@@ -163,6 +163,8 @@ const ContributionLens = (() => {
     for (const name of ["layer", "head", "factor", "scope", "query"]) {
       controls[name] = select(bar, name, (value) => host.set({ [name]: (parse[name] || String)(value) }));
     }
+    // The token window is a control only where the host can recompute it (the widget).
+    if (host.windows) controls.window = select(bar, "window", (value) => host.set({ start: Number(value) }));
     const status = element("span", { className: "cl-status" }, bar);
     const heatmap = element("div", { id: "cl-heatmap" }, root);
     const bars = element("div", { id: "cl-bars" }, root);
@@ -195,6 +197,11 @@ const ContributionLens = (() => {
       setOptions(controls.factor, FACTORS.map((f) => [f, FACTOR_LABELS[f]]), state.factor);
       setOptions(controls.scope, SCOPES.map((s) => [s, s]), state.scope);
       setOptions(controls.query, meta.queries.map((q, i) => [q, qLabels[i]]), state.query);
+      if (controls.window) {
+        const starts = host.windows();
+        setOptions(controls.window, starts.map(([start, end]) => [start, "tokens " + start + "–" + end]), meta.queries[0]);
+        controls.window.parentNode.style.display = starts.length > 1 ? "" : "none";
+      }
       const payload = host.layer(state.layer);
       if (!payload) {
         status.textContent = "computing layer " + state.layer + "…";

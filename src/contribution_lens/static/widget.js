@@ -18,7 +18,7 @@ function ensurePlotly(model) {
   return globalThis.__contributionLensPlotly;
 }
 
-const TRAITS = ["layer", "head", "factor", "scope", "query"];
+const TRAITS = ["layer", "head", "factor", "scope", "query", "start"];
 
 async function render({ model, el }) {
   await ensurePlotly(model);
@@ -32,6 +32,19 @@ async function render({ model, el }) {
       const state = Object.fromEntries(TRAITS.map((name) => [name, model.get(name)]));
       state.head = state.head < 0 ? "all" : state.head;
       return state;
+    },
+    // Windows of the widget's size, half-overlapping, over the whole text.
+    windows: () => {
+      const n = model.get("meta").n_tokens;
+      const size = model.get("tokens");
+      const starts = [];
+      for (let start = 0; start < n; start += Math.max(1, Math.floor(size / 2))) {
+        starts.push([start, Math.min(n, start + size) - 1]);
+        if (start + size >= n) break;
+      }
+      const current = model.get("start");
+      if (!starts.some(([s]) => s === current)) starts.push([current, Math.min(n, current + size) - 1]);
+      return starts.sort((a, b) => a[0] - b[0]);
     },
     set(partial) {
       for (const [name, value] of Object.entries(partial)) model.set(name, name === "head" && value === "all" ? -1 : value);
