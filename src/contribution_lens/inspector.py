@@ -20,13 +20,15 @@ and displayable (query, key) cell, three uint16 codes, and three small float32 v
 ``relative_norm = value_norm / output_norm`` is then exact and
 ``|c_hat - c| <= relative_norm * (|a_hat - a| + a |cos_hat - cos|)`` for the contribution.
 The drawing code is one JS file, ``static/inspector.js``, shared by the widget and the page.
+The page embeds plotly.js (from the installed plotly package) once. The widget's module is
+``inspector.js`` + ``static/widget.js``; it loads plotly.js once per notebook page: the first
+widget that finds no ``globalThis.Plotly`` asks the kernel for it in one custom message.
 """
 
 import base64
 import html
 import json
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -49,6 +51,7 @@ from contribution_lens.plot import DIVERGING, SEQUENTIAL
 ATTENTION_CODES = 65535
 COSINE_CODES = 32767
 DEFAULT_TOKENS = 128
+RECENT_LAYERS = 4
 
 
 def _asset(name: str) -> str:
@@ -220,7 +223,6 @@ class Inspector(anywidget.AnyWidget):
     tokens = traitlets.Int(DEFAULT_TOKENS).tag(sync=True)
     meta = traitlets.Dict().tag(sync=True)
     payload = traitlets.Dict().tag(sync=True)
-    compute_seconds = traitlets.Float(0.0)
 
     def __init__(
         self, model: adapter.Model, batch: adapter.TokenBatch, layers: Sequence[int] | None = None, **kwargs: Any
@@ -252,17 +254,13 @@ class Inspector(anywidget.AnyWidget):
             )
         return proposal["value"]
 
-    @traitlets.validate("factor")
-    def _valid_factor(self, proposal: dict) -> str:
-        if proposal["value"] not in FACTORS:
-            raise traitlets.TraitError(f"unknown factor {proposal['value']!r}; expected one of {FACTORS}")
-        return proposal["value"]
-
-    @traitlets.validate("scope")
-    def _valid_scope(self, proposal: dict) -> str:
-        if proposal["value"] not in SCOPES:
-            raise traitlets.TraitError(f"scope must be one of {SCOPES}, got {proposal['value']!r}")
-        return proposal["value"]
+    @traitlets.validate("factor", "scope")
+    def _valid_choice(self, proposal: dict) -> str:
+        name, value = proposal["trait"].name, proposal["value"]
+        allowed = FACTORS if name == "factor" else SCOPES
+        if value not in allowed:
+            raise traitlets.TraitError(f"unknown {name} {value!r}; expected one of {allowed}")
+        return value
 
     @property
     def window(self) -> Window:
@@ -287,13 +285,13 @@ class Inspector(anywidget.AnyWidget):
         self._compute()
 
     def _compute(self) -> None:
-        began = time.perf_counter()
         key = f"{self.meta['key']}/{self.layer}"
         if key not in self._computed:
-            # Compact (about 0.6 MB a layer at 128 tokens): a layer seen once is shown again at once.
             self._computed[key] = compute_payloads(self._model, self._batch, [self.layer], self.window)[self.layer]
+            # The last few layers shown (about 0.6 MB each at 128 tokens) come back without the model.
+            while len(self._computed) > RECENT_LAYERS:
+                del self._computed[next(iter(self._computed))]
         self.payload = {**self._computed[key], "layer": self.layer, "key": key}
-        self.compute_seconds = time.perf_counter() - began
 
     def _on_message(self, widget: Any, content: dict, buffers: list) -> None:
         if content.get("type") == "need_plotly":
