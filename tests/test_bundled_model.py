@@ -30,7 +30,7 @@ def test_bundled_model_loads_offline(bundled_model) -> None:
 def test_invariants_on_every_layer(bundled_model, scope: str) -> None:
     g = cl.attention_geometry(bundled_model, TEXTS[0], scope=scope)
     assert sorted(g.layers) == list(range(30))
-    for layer, d in g.layers.items():
+    for layer, d in g.items():
         sums = d.contribution.sum(-1) if scope == "intra" else d.sum_over_heads().sum(-1)
         assert_close(sums, torch.ones_like(sums), atol=1e-4)
         assert_close(d.attention * d.relative_norm * d.cosine, d.contribution, atol=1e-5)

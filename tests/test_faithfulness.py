@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import contribution_lens as cl
 from conftest import assert_close, assert_self_contained, raises_bad_input, tiny_bridge
 from contribution_lens import adapter, evaluation, faithfulness
-from contribution_lens.interventions import key_removal_hooks
+from contribution_lens.interventions import remove_keys
 from reference import reference_contributions
 
 
@@ -22,28 +23,16 @@ def test_removal_is_exactly_the_sum_of_the_remaining_terms() -> None:
     ids = torch.randint(0, 50, (2, 8), generator=torch.Generator().manual_seed(0))
     batch = adapter.to_token_batch(model, ids)
     keep = torch.rand(2, 8, 8, generator=torch.Generator().manual_seed(1)) > 0.4
-    captured = {}
-
-    def grab(name):
-        def hook(tensor, hook):
-            captured[name] = tensor.detach().clone()
-
-        return hook
-
     layer = 1
-    hooks = [
-        *key_removal_hooks({layer: keep}),
-        (adapter.value_hook(layer), grab("v")),
-        (adapter.pattern_hook(layer), grab("pattern")),  # runs after the removal hook
-        (adapter.output_hook(layer), grab("out")),
+    captured = cl.map_layers(model, batch, lambda inputs: inputs, layers=[layer], edit=remove_keys({layer: keep}))[
+        layer
     ]
-    adapter.forward(model, batch, hooks)
-    # The pattern seen after the removal hook holds only the surviving terms.
-    W_O, b_O = adapter.output_weights(model, layer)
-    pattern = captured["pattern"]
+    # The pattern the layer used after the edit holds only the surviving terms.
+    W_O, b_O = captured.W_O, captured.b_O
+    pattern = captured.pattern
     assert bool((pattern[~keep[:, None].expand_as(pattern)] == 0).all())
-    remaining = reference_contributions(pattern, captured["v"], W_O, "inter")["layer_output"]
-    assert_close(remaining + b_O.double(), captured["out"].double(), rtol=1e-5, atol=1e-5)
+    remaining = reference_contributions(pattern, captured.v, W_O, "inter")["layer_output"]
+    assert_close(remaining + b_O.double(), captured.hook_out.double(), rtol=1e-5, atol=1e-5)
 
 
 def test_removal_keeps_the_other_weights_unrenormalised() -> None:
@@ -52,13 +41,12 @@ def test_removal_keeps_the_other_weights_unrenormalised() -> None:
     batch = adapter.to_token_batch(model, ids)
     keep = torch.ones(1, 6, 6, dtype=torch.bool)
     keep[0, 5, 0] = False
-    seen = {}
-
-    def grab(tensor, hook):
-        seen["pattern"] = tensor.detach().clone()
-
     _, cache = model.run_with_cache(ids)
-    adapter.forward(model, batch, [*key_removal_hooks({0: keep}), (adapter.pattern_hook(0), grab)])
+    seen = {
+        "pattern": cl.map_layers(model, batch, lambda inputs: inputs.pattern, layers=[0], edit=remove_keys({0: keep}))[
+            0
+        ]
+    }
     clean = cache[adapter.pattern_hook(0)]
     assert bool((seen["pattern"][0, :, 5, 0] == 0).all())
     assert_close(seen["pattern"][0, :, 5, 1:], clean[0, :, 5, 1:])  # not rescaled to sum to 1
@@ -88,14 +76,6 @@ def test_removal_mask_follows_the_ranking_rule(mode: str, rank_by: str) -> None:
                     assert value[removed].min() >= value[kept].max()
                 else:
                     assert value[removed].max() <= value[kept].min()
-
-
-def test_random_control_depends_only_on_sequence_and_layer() -> None:
-    a = faithfulness.random_scores(["x", "y"], (4, 4), seed=0, layer=3)
-    b = faithfulness.random_scores(["y"], (4, 4), seed=0, layer=3)
-    assert_close(a[1:], b)
-    assert not torch.equal(a[0], a[1])
-    assert not torch.equal(a, faithfulness.random_scores(["x", "y"], (4, 4), seed=1, layer=3))
 
 
 def test_protocol_refuses_bad_settings() -> None:

@@ -10,7 +10,7 @@ import torch
 import traitlets
 
 import contribution_lens as cl
-from conftest import tiny_bridge
+from conftest import tiny_bridge, tiny_encoder
 from contribution_lens import inspector as ins
 
 
@@ -77,11 +77,14 @@ def test_widget_sends_plotly_once_on_request(monkeypatch) -> None:
 
 
 def test_bidirectional_models_show_every_pair() -> None:
-    model = tiny_bridge("mha")
-    model.cfg.attention_dir = "bidirectional"
-    inspector = cl.inspect(model, torch.arange(6))
-    assert inspector.window.cells == 36
-    assert len(codes(inspector.payload, "attention")) == 4 * 36
+    model = tiny_encoder("mha")
+    ids = torch.arange(6)
+    inspector = cl.inspect(model, ids, layer=0)
+    assert inspector.window.cells == 36 and inspector.meta["causal"] is False
+    assert_payload(inspector, model, ids, 0)
+    # Future keys carry weight in an encoder: the payload has them.
+    attention = ins.dequantise_attention(codes(inspector.payload, "attention")).reshape(4, 6, 6)
+    assert attention[:, 0, 1:].sum() > 0.1
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ import torch
 import contribution_lens as cl
 from conftest import assert_close, raises_bad_input, tiny_bridge
 from contribution_lens import adapter
-from contribution_lens.sink_intervention import sink_intervention
+from contribution_lens.sink_intervention import run_sink_intervention
 from contribution_lens.sinks import sink_layer
 from reference import reference_contributions
 
@@ -96,17 +96,18 @@ def test_sink_parts_add_up_on_the_bundled_model(bundled_model) -> None:
 def test_zero_intervention_is_removing_the_sink_column() -> None:
     model = tiny_bridge("gqa", biases=True)
     chunks = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(0))
-    result = sink_intervention(model, chunks, variant="zero", batch_size=2, progress=False)
+    result = run_sink_intervention(model, chunks, variant="zero", batch_size=2, progress=False)
     assert result.per_layer["output_norm_clean"].gt(0).all()
     # Same forward as hand-made removal of key 0 for every query at every layer.
     keep = {layer: torch.ones(3, 10, 10, dtype=torch.bool) for layer in range(2)}
     for mask in keep.values():
         mask[..., 0] = False
     from contribution_lens.faithfulness import token_nll
-    from contribution_lens.interventions import key_removal_hooks
+    from contribution_lens.interventions import remove_keys
 
     batch = adapter.to_token_batch(model, chunks)
-    nll, count = token_nll(adapter.forward(model, batch, key_removal_hooks(keep)), batch.tokens, batch.attention_mask)
+    masked = cl.map_layers(model, batch, lambda layer: None, edit=remove_keys(keep), keep_logits=True).logits
+    nll, count = token_nll(masked, batch.tokens, batch.attention_mask)
     assert result.ppl == pytest.approx(torch.exp(nll.sum() / count.sum()).item(), rel=1e-5)
     clean_nll, _ = token_nll(adapter.forward(model, batch), batch.tokens, batch.attention_mask)
     assert result.delta_loss == pytest.approx(((nll.sum() - clean_nll.sum()) / count.sum()).item(), rel=1e-5, abs=1e-7)
@@ -115,18 +116,17 @@ def test_zero_intervention_is_removing_the_sink_column() -> None:
 def test_mean_tail_rescale_gives_the_sink_the_mean_tail_norm() -> None:
     model = tiny_bridge("mha", biases=True, seed=3)
     ids = torch.randint(0, 50, (1, 8), generator=torch.Generator().manual_seed(1))
-    from contribution_lens.interventions import pattern_scaling_hooks
+    from contribution_lens.interventions import scale_pattern
     from contribution_lens.sink_intervention import sink_scale
 
     W_O, _ = adapter.output_weights(model, 0)
     _, cache = model.run_with_cache(ids)
     seen = {}
 
-    def grab(tensor, hook):
-        seen["pattern"] = tensor.detach().clone()
+    def grab(layer):
+        seen["pattern"] = layer.pattern.clone()
 
-    hooks = [*pattern_scaling_hooks(sink_scale("mean_tail", 1, W_O), 0), (adapter.pattern_hook(0), grab)]
-    adapter.forward(model, adapter.to_token_batch(model, ids), hooks)
+    cl.map_layers(model, ids, grab, layers=[0], edit=scale_pattern(sink_scale("mean_tail", 1, W_O), {0}))
     norms = reference_contributions(cache[adapter.pattern_hook(0)], cache[adapter.value_hook(0)], W_O, "intra")[
         "value_norm"
     ]  # [b h k]
@@ -142,4 +142,4 @@ def test_bad_sink_settings() -> None:
         sink_layer(pattern, v, W_O, k=0)
     model = tiny_bridge("mha")
     with raises_bad_input("unknown variant 'half'"):
-        sink_intervention(model, torch.zeros(1, 5, dtype=torch.long), variant="half", progress=False)
+        run_sink_intervention(model, torch.zeros(1, 5, dtype=torch.long), variant="half", progress=False)

@@ -5,9 +5,10 @@ or goes through the functions here. The hooks read, per layer ``l``:
 
 * ``blocks.{l}.attn.hook_pattern`` -- ``[batch head query key]``;
 * ``blocks.{l}.attn.hook_v`` -- ``[batch key kv_head d_head]`` (fewer heads under GQA);
-* ``blocks.{l}.attn.hook_out`` -- the o-projection output, ``sum_h z^h W_O^h + b_O``. This is
-  the hook the head outputs reconstruct: with Gemma-style post-attention norms,
-  ``blocks.{l}.hook_attn_out`` is that output *after* the norm.
+* ``blocks.{l}.attn.o.hook_out`` -- the o-projection output, ``sum_h z^h W_O^h + b_O``. This is
+  the hook the head outputs reconstruct: with Gemma-style post-attention norms
+  ``blocks.{l}.hook_attn_out`` is that output *after* the norm, and in BERT-style encoders
+  ``attn.hook_out`` is ``LayerNorm(o + resid_pre)``.
 
 Inputs get the tokenizer's BOS token prepended (``model.to_tokens(..., prepend_bos=True)``;
 for SmolLM2 that is ``<|im_start|>``, id 1), so position 0 is always the same token: the
@@ -17,13 +18,15 @@ causal attention of the real tokens is the same as for each text alone.
 
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import einops
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
+
+from contribution_lens.decomposition import Decomposition, Scope, decompose_layer
 
 Model = Any  # a TransformerBridge; typed loosely so tests can pass any bridge-like object
 HookFn = Callable[[Tensor, Any], Tensor | None]
@@ -37,9 +40,16 @@ def value_hook(layer: int) -> str:
     return f"blocks.{layer}.attn.hook_v"
 
 
-def output_hook(layer: int) -> str:
-    """The hook that equals ``sum_h o^h + b_O`` (before any post-attention norm)."""
-    return f"blocks.{layer}.attn.hook_out"
+def output_hook(layer: int, model: "Model | None" = None) -> str:
+    """The hook that equals ``sum_h o^h + b_O``: the o-projection's output, before any norm.
+
+    That is ``attn.o.hook_out`` where the bridge has it. ``attn.hook_out`` is the same tensor in
+    decoders, but in BERT-style encoders it is ``LayerNorm(o + resid_pre)``.
+    """
+    name = f"blocks.{layer}.attn.o.hook_out"
+    if model is not None and name not in model.hook_dict:
+        return f"blocks.{layer}.attn.hook_out"
+    return name
 
 
 def n_layers(model: Model) -> int:
@@ -227,44 +237,155 @@ def z_hook(layer: int) -> str:
     return f"blocks.{layer}.attn.hook_z"
 
 
-LayerFn = Callable[..., None]
+def is_causal_model(model: Model) -> bool:
+    """``cfg.attention_dir``: "causal" for decoders, "bidirectional" for BERT-style encoders."""
+    direction = getattr(model.cfg, "attention_dir", "causal")
+    if direction not in ("causal", "bidirectional"):
+        raise ValueError(f"model.cfg.attention_dir is {direction!r}; expected 'causal' or 'bidirectional'")
+    return direction == "causal"
+
+
+@dataclass(frozen=True, eq=False)
+class LayerInputs:
+    """What one attention layer offers to a per-layer function, read in its hooks.
+
+    ``pattern``, ``v``, ``z`` and ``hook_out`` are the model's own (detached) activations of
+    this forward pass: read them, do not write to them. ``decompose(scope)`` is computed once
+    per scope and shared by every function that asks for it during the pass.
+    """
+
+    layer: int
+    pattern: Float[Tensor, "batch head query key"]
+    v: Float[Tensor, "batch key kv_head d_head"]
+    W_O: Float[Tensor, "head d_head d_model"]
+    b_O: Float[Tensor, " d_model"] | None
+    z: Float[Tensor, "batch query head d_head"] | None
+    """``hook_z`` where the model has it (``pattern @ v`` per head), else None."""
+    hook_out: Float[Tensor, "batch query d_model"] | None
+    """``attn.hook_out`` = ``sum_h z^h W_O^h + b_O``, before any post-attention norm; None if absent."""
+    tokens: Int[Tensor, "batch pos"]
+    attention_mask: Bool[Tensor, "batch pos"]
+    """True for real tokens (all True without padding)."""
+    str_tokens: list[list[str]]
+    cfg: Any
+    captured: dict[str, Tensor] = field(default_factory=dict)
+    """Extra per-layer hooks asked for with ``capture`` (e.g. ``"hook_resid_pre"``), by relative name."""
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def causal(self) -> bool:
+        return getattr(self.cfg, "attention_dir", "causal") == "causal"
+
+    @property
+    def padding_mask(self) -> Bool[Tensor, "batch pos"] | None:
+        """``attention_mask`` where the batch has padding, else None (the fast path)."""
+        return None if bool(self.attention_mask.all()) else self.attention_mask
+
+    def decompose(self, scope: Scope = "inter", dtype: torch.dtype | None = None) -> Decomposition:
+        """`contribution_lens.decompose` of this layer (cached per scope and dtype)."""
+        key = ("decompose", scope, dtype)
+        if key not in self._cache:
+            self._cache[key] = decompose_layer(
+                self.pattern,
+                self.v,
+                self.W_O,
+                scope=scope,
+                causal=self.causal,
+                attention_mask=self.padding_mask,
+                dtype=dtype,
+                z=self.z,
+            )
+        return self._cache[key]
+
+
+LayerFn = Callable[[LayerInputs], Any]
+PatternEdit = Callable[[int, Tensor, Tensor], Tensor | None]
+"""``edit(layer, pattern, v)`` -> a new pattern (or None to keep it), applied in ``hook_pattern``."""
+
+
+class StopForward(Exception):
+    """Raised in a hook once the last requested layer is done: nothing after it is needed."""
 
 
 @contextmanager
-def layer_hooks(model: Model, layers: Sequence[int], fn: LayerFn, *, with_z: bool = False) -> Iterator[None]:
-    """Call ``fn(layer, pattern, v)`` (``fn(layer, pattern, v, z)`` with ``with_z``) in the forward pass.
+def layer_hooks(
+    model: Model,
+    batch: TokenBatch,
+    layers: Sequence[int],
+    fn: LayerFn,
+    *,
+    edit: PatternEdit | None = None,
+    capture: Sequence[str] = (),
+    stop_after_last: bool = False,
+) -> Iterator[None]:
+    """The one place that wires hooks: call ``fn(LayerInputs)`` for each layer in the forward pass.
 
-    ``z`` is ``hook_z`` ``[batch query head d_head]``, or None where the model has no such
-    hook. The hooks' firing order is not relied upon: whichever arrives last triggers ``fn``.
-    Nothing is kept afterwards, so only one layer's activations are alive at a time.
+    Per layer the hooks read ``hook_v``, ``hook_pattern`` (after ``edit``, if given, has
+    replaced it), ``hook_z`` and ``attn.hook_out`` where the model has them, and any
+    ``capture`` names relative to ``blocks.{l}``; ``fn`` runs once all have fired, whatever
+    their order. Nothing is kept afterwards: only one layer's activations are alive at a time.
+    With ``stop_after_last``, `StopForward` is raised after the last layer's ``fn``.
     """
     check_hooks(model, layers)
+    hook_dict = model.hook_dict
+    for name in capture:
+        missing = [f"blocks.{layer}.{name}" for layer in layers if f"blocks.{layer}.{name}" not in hook_dict]
+        if missing:
+            raise ValueError(f"model has no hook {missing[0]!r} to capture")
+    optional = [("z", z_hook), ("hook_out", lambda layer: output_hook(layer, model))]
     pending: dict[int, dict[str, Tensor]] = {}
-    use_z = with_z and all(z_hook(layer) in model.hook_dict for layer in layers)
-    needed = 3 if use_z else 2
+    last = max(layers)
 
-    def capture(layer: int, kind: str) -> HookFn:
-        def hook(tensor: Tensor, hook: Any) -> None:
+    def slots(layer: int) -> list[tuple[str, str]]:
+        names = [("v", value_hook(layer)), ("pattern", pattern_hook(layer))]
+        names += [(kind, make(layer)) for kind, make in optional if make(layer) in hook_dict]
+        return names + [(f"captured:{name}", f"blocks.{layer}.{name}") for name in capture]
+
+    def fire(layer: int, slot: dict[str, Tensor]) -> None:
+        W_O, b_O = output_weights(model, layer)
+        inputs = LayerInputs(
+            layer=layer,
+            pattern=slot["pattern"],
+            v=slot["v"],
+            W_O=W_O,
+            b_O=b_O,
+            z=slot.get("z"),
+            hook_out=slot.get("hook_out"),
+            tokens=batch.tokens,
+            attention_mask=batch.attention_mask,
+            str_tokens=batch.str_tokens,
+            cfg=model.cfg,
+            captured={k.split(":", 1)[1]: t for k, t in slot.items() if k.startswith("captured:")},
+        )
+        fn(inputs)
+        if stop_after_last and layer == last:
+            raise StopForward
+
+    def capture_hook(layer: int, kind: str, needed: int) -> HookFn:
+        def hook(tensor: Tensor, hook: Any) -> Tensor | None:
+            replaced = None
+            if kind == "pattern" and edit is not None:
+                v = pending.get(layer, {}).get("v")
+                if v is None:
+                    raise RuntimeError(f"hook_pattern of layer {layer} fired before hook_v: cannot edit it")
+                replaced = edit(layer, tensor, v)
             slot = pending.setdefault(layer, {})
-            slot[kind] = tensor.detach()
+            slot[kind] = (tensor if replaced is None else replaced).detach()
             if len(slot) == needed:
-                del pending[layer]
-                if with_z:
-                    fn(layer, slot["pattern"], slot["v"], slot.get("z"))
-                else:
-                    fn(layer, slot["pattern"], slot["v"])
+                fire(layer, pending.pop(layer))
+            return replaced
 
         return hook
 
     fwd_hooks = []
     for layer in layers:
-        fwd_hooks.append((value_hook(layer), capture(layer, "v")))
-        fwd_hooks.append((pattern_hook(layer), capture(layer, "pattern")))
-        if use_z:
-            fwd_hooks.append((z_hook(layer), capture(layer, "z")))
-    with model.hooks(fwd_hooks=fwd_hooks):
-        yield
-    pending.clear()
+        names = slots(layer)
+        fwd_hooks += [(name, capture_hook(layer, kind, len(names))) for kind, name in names]
+    try:
+        with model.hooks(fwd_hooks=fwd_hooks):
+            yield
+    finally:
+        pending.clear()
 
 
 def forward(

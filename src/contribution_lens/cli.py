@@ -1,25 +1,61 @@
-"""Command line: ``contribution-lens demo`` (and the analyses registered below)."""
+"""Command line: ``contribution-lens demo | faithfulness | sinks``.
+
+Every argument, and the output folder, is checked before a model is loaded; a mistake prints one
+line ``contribution-lens: error: ...`` and exits with status 2. A run holds a lock on its output
+folder, so a second run on the same folder is refused. Only the standard library is imported at
+module level: ``--help`` and ``--version`` answer without importing torch.
+"""
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
-import torch
+from contribution_lens import _cli_checks as check
+from contribution_lens import _outdir
 
+PROG = "contribution-lens"
 DEMO_TEXT = (
     "Alice put the red ball in the box and left the room. While she was away, Bob moved the ball "
     "from the box to the basket. When Alice came back, she looked for the ball in the box."
 )
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")
+LM_TASKS = ("gsm8k", "fineweb", "text")  # data.LM_TASKS and data.CHOICE_TASKS, without importing data
+CHOICE_TASKS = ("mmlu", "winogrande", "boolq")
+
+
+def _dtype(name: str) -> Any:
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _load(args: argparse.Namespace) -> Any:
+    from contribution_lens import loading
+
+    return loading.load_model(args.model, device=args.device, dtype=_dtype(args.dtype))
+
+
+def _check_demo(args: argparse.Namespace) -> None:
+    """Cheap checks first; the model's config and the device (they import torch) last."""
+    if not args.text.strip():
+        raise check.UsageError(f"--text: expected some text, got {args.text!r}")
+    args.out = check.out_folder("--out", args.out)
+    args.model = check.model("--model", args.model)
+    if args.layer is not None:
+        (args.layer,) = check.layers("--layer", (args.layer,), args.model)
+    args.device = check.device("--device", args.device)
 
 
 def _demo(args: argparse.Namespace) -> int:
     import pandas as pd
+    import torch
 
-    from contribution_lens import attention_geometry, load_model, plot, report
+    from contribution_lens import attention_geometry, plot, report
 
-    model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
+    model = _load(args)
     geometry = attention_geometry(model, args.text, scope="inter")
     table = geometry.layer_summary()
     with pd.option_context("display.width", 120, "display.float_format", "{:.4f}".format):
@@ -57,31 +93,44 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ratios(text: str) -> tuple[float, ...]:
-    try:
-        values = tuple(float(x) for x in text.split(",") if x.strip())
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"ratios must be comma-separated numbers, got {text!r}") from error
-    return values
+def _check_faithfulness(args: argparse.Namespace) -> None:
+    args.ratios = check.ratios("--ratios", args.ratios)
+    if args.choice_ratios is not None:
+        args.choice_ratios = check.ratios("--choice-ratios", args.choice_ratios)
+    args.data = check.data_specs("--data", args.data, LM_TASKS + CHOICE_TASKS)
+    args.chunk_length = check.at_least("--chunk-length", args.chunk_length, 2)
+    for option in ("--max-chunks", "--max-items", "--max-item-tokens", "--batch-size"):
+        name = option[2:].replace("-", "_")
+        setattr(args, name, check.at_least(option, getattr(args, name)))
+    layers = None if args.layers is None else check.integers("--layers", args.layers)
+    args.out = check.out_folder("--out", args.out)
+    from contribution_lens import faithfulness
+    from contribution_lens.methods import available_methods
+
+    registered = available_methods()
+    args.methods = check.choose("--methods", args.methods, registered, all_means=registered)
+    args.modes = check.choose("--modes", args.modes, faithfulness.MODES)
+    args.model = check.model("--model", args.model)
+    args.layers = None if layers is None else check.layers("--layers", layers, args.model)
+    args.device = check.device("--device", args.device)
 
 
 def _faithfulness(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from contribution_lens import evaluation, faithfulness, load_model
+    from contribution_lens import evaluation, faithfulness
 
-    methods = faithfulness.ALL_METHODS if args.methods == "all" else tuple(args.methods.split(","))
     protocol = faithfulness.Protocol(
-        methods=methods,
-        modes=tuple(args.modes.split(",")),
+        methods=args.methods,
+        modes=args.modes,
         ratios=args.ratios,
-        layers=None if args.layers is None else tuple(int(x) for x in args.layers.split(",")),
+        layers=args.layers,
         rank_by=args.rank_by,
         scope=args.scope,
         seed=args.seed,
     )
-    lm = tuple(spec for spec in args.data if evaluation.task_name(spec) not in evaluation.data.CHOICE_TASKS)
-    choice = tuple(spec for spec in args.data if evaluation.task_name(spec) in evaluation.data.CHOICE_TASKS)
+    lm = tuple(spec for spec in args.data if evaluation.task_name(spec) not in CHOICE_TASKS)
+    choice = tuple(spec for spec in args.data if evaluation.task_name(spec) in CHOICE_TASKS)
     config = evaluation.RunConfig(
         lm=lm,
         choice=choice,
@@ -92,7 +141,7 @@ def _faithfulness(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         choice_ratios=args.choice_ratios,
     )
-    model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
+    model = _load(args)
     summary = evaluation.run_faithfulness(model, config, protocol, args.out, model_name=args.model)
     if summary is not None:
         with pd.option_context("display.width", 160, "display.max_rows", 500, "display.float_format", "{:.4f}".format):
@@ -101,14 +150,32 @@ def _faithfulness(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_sinks(args: argparse.Namespace) -> None:
+    args.data = check.data_specs("--data", args.data, LM_TASKS)
+    for spec in args.data:
+        if spec.partition("=")[0].strip().lower() in CHOICE_TASKS:
+            raise check.UsageError(f"--data: expected a text set ({', '.join(LM_TASKS)}), got {spec!r}")
+    args.chunk_length = check.at_least("--chunk-length", args.chunk_length, 2)
+    if not 1 <= args.k < args.chunk_length:
+        raise check.UsageError(
+            f"--k: expected an integer from 1 to --chunk-length - 1 ({args.chunk_length - 1}), got {args.k}"
+        )
+    args.max_chunks = check.at_least("--max-chunks", args.max_chunks)
+    args.batch_size = check.at_least("--batch-size", args.batch_size)
+    args.out = check.out_folder("--out", args.out)
+    args.model = check.model("--model", args.model)
+    args.device = check.device("--device", args.device)
+
+
 def _sinks(args: argparse.Namespace) -> int:
     import json
 
     import pandas as pd
+    import torch
 
-    from contribution_lens import data, load_model, plot, report, sink_analysis, sink_intervention
+    from contribution_lens import data, plot, report, run_sink_intervention, sink_analysis
 
-    model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
+    model = _load(args)
     chunks = []
     for spec in args.data:
         texts = data.load_texts(spec)
@@ -123,11 +190,10 @@ def _sinks(args: argparse.Namespace) -> int:
     heads = analysis.head_table()
     claims = analysis.claims()
     interventions = {
-        v: sink_intervention(model, tokens, variant=v, k=args.k, batch_size=args.batch_size)
+        v: run_sink_intervention(model, tokens, variant=v, k=args.k, batch_size=args.batch_size)
         for v in ("zero", "mean_tail")
     }
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     heads.to_csv(out / "sink_heads.csv")
     effect = pd.DataFrame(
         [
@@ -209,70 +275,157 @@ def _sinks(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="contribution-lens", description=__doc__)
-    commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="per-layer table and an HTML figure for one text")
-    demo.add_argument("--model", default="smollm2-135m", help="bundled name, HF id or checkpoint path")
-    demo.add_argument("--text", default=DEMO_TEXT)
-    demo.add_argument("--layer", type=int, default=None, help="layer for the token heatmap")
-    demo.add_argument("--out", default="demo_out", help="output folder")
-    demo.add_argument("--device", default=None)
-    demo.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    demo.set_defaults(run=_demo)
+DESCRIPTION = (
+    "Which tokens really feed an attention head's output. Every argument is checked before the model "
+    "is loaded; one run at a time per output folder; an interrupted faithfulness run resumes when the "
+    "same command is run again."
+)
 
-    faith = commands.add_parser("faithfulness", help="causal masking of projected values: ΔPPL and accuracy")
-    faith.add_argument("--model", default="smollm2-135m")
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default, unless there is none or the help already says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default is None or action.default is argparse.SUPPRESS or "default:" in text:
+            return text
+        return super()._get_help_string(action) or text
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose mistakes print one line, like the checks after it."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{PROG}: error: {message} (see {self.prog} --help)\n")
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("contribution-lens")
+    except metadata.PackageNotFoundError:  # a source tree on PYTHONPATH: read __init__.py, import nothing
+        for line in Path(__file__).with_name("__init__.py").read_text(encoding="utf-8").splitlines():
+            if line.startswith("__version__"):
+                return line.partition("=")[2].strip().strip("\"'")
+        return "unknown"
+
+
+class _VersionAction(argparse.Action):
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the version and exit")
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        print(f"{PROG} {_version()}")
+        parser.exit(0)
+
+
+def _common(command: argparse.ArgumentParser, *, out_default: str | None = None) -> None:
+    command.add_argument("--model", default=check.BUNDLED, help="bundled name, Hugging Face id or checkpoint folder")
+    if out_default is None:
+        command.add_argument("--out", required=True, help="output folder (created; one run at a time)")
+    else:
+        command.add_argument("--out", default=out_default, help="output folder (created; one run at a time)")
+    command.add_argument("--device", default=None, help="cpu, cuda, cuda:1, ... (default: TransformerLens chooses)")
+    command.add_argument("--dtype", choices=DTYPES, default="float32", help="weights' dtype")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    formatter = _Formatter
+    parser = _Parser(prog=PROG, description=DESCRIPTION, formatter_class=formatter)
+    parser.add_argument("--version", action=_VersionAction)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,faithfulness,sinks}")
+    demo = commands.add_parser(
+        "demo", help="per-layer table and an HTML figure for one text", formatter_class=formatter
+    )
+    _common(demo, out_default="demo_out")
+    demo.add_argument("--text", default=DEMO_TEXT, help="the text to analyse")
+    demo.add_argument(
+        "--layer",
+        type=int,
+        default=None,
+        help="layer of the token heatmap (negative: from the end; default: "
+        "the layer where contribution and attention to BOS differ most)",
+    )
+    demo.set_defaults(check=_check_demo, run=_demo)
+
+    faith = commands.add_parser(
+        "faithfulness", help="causal masking of projected values: ΔPPL and accuracy", formatter_class=formatter
+    )
+    _common(faith)
     faith.add_argument(
         "--data",
         action="append",
         required=True,
-        help="NAME=PATH or NAME (gsm8k, fineweb, text, mmlu, winogrande, boolq); repeatable",
+        help=f"NAME=PATH or NAME, NAME one of {', '.join(LM_TASKS + CHOICE_TASKS)}; repeatable",
     )
     faith.add_argument("--methods", default="all", help="comma-separated, or 'all' (four measures + random)")
-    faith.add_argument("--modes", default="comprehensiveness,sufficiency")
-    faith.add_argument("--ratios", type=_ratios, default=(0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9))
-    faith.add_argument("--choice-ratios", type=_ratios, default=None, help="ratios for multiple-choice sets")
+    faith.add_argument("--modes", default="comprehensiveness,sufficiency", help="comma-separated")
+    faith.add_argument("--ratios", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9", help="removal ratios in [0, 1)")
+    faith.add_argument(
+        "--choice-ratios", default=None, help="ratios for multiple-choice sets (default: those of --ratios)"
+    )
     faith.add_argument("--layers", default=None, help="comma-separated layers to mask (default: all)")
-    faith.add_argument("--rank-by", choices=("abs", "signed"), default="abs")
+    faith.add_argument("--rank-by", choices=("abs", "signed"), default="abs", help="rank keys by |score| or score")
     faith.add_argument(
         "--scope",
         choices=("inter", "intra"),
         default="inter",
         help="||o|| of the layer (inter) or of each head (intra) in the scores",
     )
-    faith.add_argument("--seed", type=int, default=0)
-    faith.add_argument("--chunk-length", type=int, default=256)
-    faith.add_argument("--max-chunks", type=int, default=200)
-    faith.add_argument("--max-items", type=int, default=200)
-    faith.add_argument("--max-item-tokens", type=int, default=512)
-    faith.add_argument("--batch-size", type=int, default=8)
-    faith.add_argument("--out", required=True)
-    faith.add_argument("--device", default=None)
-    faith.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    faith.set_defaults(run=_faithfulness)
+    faith.add_argument("--seed", type=int, default=0, help="seed of the random control")
+    faith.add_argument("--chunk-length", type=int, default=256, help="tokens per text chunk, BOS included")
+    faith.add_argument("--max-chunks", type=int, default=200, help="text chunks per data set")
+    faith.add_argument("--max-items", type=int, default=200, help="items per multiple-choice set")
+    faith.add_argument("--max-item-tokens", type=int, default=512, help="longer items are skipped")
+    faith.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass")
+    faith.set_defaults(check=_check_faithfulness, run=_faithfulness)
 
-    sinks = commands.add_parser("sinks", help="attention-sink analysis and the sink-norm intervention")
-    sinks.add_argument("--model", default="smollm2-135m")
-    sinks.add_argument("--data", action="append", required=True, help="NAME=PATH or NAME of a text set; repeatable")
+    sinks = commands.add_parser(
+        "sinks", help="attention-sink analysis and the sink-norm intervention", formatter_class=formatter
+    )
+    _common(sinks)
+    sinks.add_argument(
+        "--data",
+        action="append",
+        required=True,
+        help=f"NAME=PATH or NAME of a text set ({', '.join(LM_TASKS)}); repeatable",
+    )
     sinks.add_argument("--k", type=int, default=1, help="number of sink positions")
-    sinks.add_argument("--chunk-length", type=int, default=256)
-    sinks.add_argument("--max-chunks", type=int, default=16)
-    sinks.add_argument("--batch-size", type=int, default=8)
-    sinks.add_argument("--out", required=True)
-    sinks.add_argument("--device", default=None)
-    sinks.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    sinks.set_defaults(run=_sinks)
+    sinks.add_argument("--chunk-length", type=int, default=256, help="tokens per chunk, BOS included")
+    sinks.add_argument("--max-chunks", type=int, default=16, help="chunks per data set")
+    sinks.add_argument("--batch-size", type=int, default=8, help="chunks per forward pass")
+    sinks.set_defaults(check=_check_sinks, run=_sinks)
     return parser
 
 
+def _lock(args: argparse.Namespace) -> Any:
+    """The output folder's lock; under torchrun only rank 0 takes it (the ranks share the folder)."""
+    import contextlib
+
+    if os.environ.get("RANK", "0") != "0":
+        return contextlib.nullcontext(args.out)
+    return _outdir.locked(args.out)
+
+
+def _fail(message: str, status: int = 2) -> int:
+    print(f"{PROG}: error: {' '.join(message.split())}", file=sys.stderr)
+    return status
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, check every argument, lock the output folder, then load the model and run."""
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args))
-    except (ValueError, FileNotFoundError, ModuleNotFoundError) as error:
-        print(f"contribution-lens: error: {error}", file=sys.stderr)
-        return 2
+        args.check(args)
+        with _lock(args):
+            return int(args.run(args))
+    except _outdir.FolderInUseError as error:
+        return _fail(f"--out {error}")
+    except (ValueError, TypeError, FileNotFoundError, ModuleNotFoundError, NotADirectoryError) as error:
+        return _fail(str(error))
+    except KeyboardInterrupt:
+        return _fail("interrupted", 130)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ contracted through ``d_head`` (``<o, v W_O^h> = <o W_O^h^T, v>``; intra-head thr
 Gram matrix ``W_O^h W_O^h^T``), so the largest intermediate has the size of the pattern.
 """
 
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal, get_args
@@ -67,7 +68,7 @@ class Decomposition:
     output_norm: Float[Tensor, "batch head query"]
     """``||o_i^h||`` (intra) or ``||o_i||`` repeated over heads (inter); zero at padding."""
     valid: Bool[Tensor, "batch query key"]
-    """True where key ``j`` is visible from query ``i`` (causal and not padding)."""
+    """True where key ``j`` is visible from query ``i`` (not a future key of a causal pattern, not padding)."""
     scope: str
 
     def __post_init__(self) -> None:
@@ -113,15 +114,34 @@ class Decomposition:
         """Token-level contribution ``sum_h c_ij^h`` (sums to 1 over keys for ``scope="inter"``)."""
         return einops.reduce(self.contribution, "batch head query key -> batch query key", "sum")
 
-    def to(self, device: torch.device | str) -> "Decomposition":
-        """A copy with every tensor moved to ``device``."""
+    def to(self, target: torch.device | str | torch.dtype) -> "Decomposition":
+        """A copy with every tensor moved to a device or cast to a floating dtype (``valid`` stays bool)."""
+        if isinstance(target, torch.dtype) and not target.is_floating_point:
+            raise ValueError(f"a Decomposition holds real numbers: cannot cast it to {target}")
+
+        def move(tensor: Tensor) -> Tensor:
+            return tensor.to(target)
+
         return Decomposition(
-            attention=self.attention.to(device),
-            cosine=self.cosine.to(device),
-            value_norm=self.value_norm.to(device),
-            output_norm=self.output_norm.to(device),
-            valid=self.valid.to(device),
+            attention=move(self.attention),
+            cosine=move(self.cosine),
+            value_norm=move(self.value_norm),
+            output_norm=move(self.output_norm),
+            valid=self.valid if isinstance(target, torch.dtype) else self.valid.to(target),
             scope=self.scope,
+        )
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(batch, head, query, key)``."""
+        batch, head, query, key = self.attention.shape
+        return batch, head, query, key
+
+    def __repr__(self) -> str:
+        batch, head, query, key = self.shape
+        return (
+            f"Decomposition(scope={self.scope!r}, batch={batch}, head={head}, query={query}, key={key}, "
+            f"dtype={self.attention.dtype}, device={self.attention.device})"
         )
 
 
@@ -176,6 +196,115 @@ def valid_positions(
     return visible
 
 
+def _shape(tensor: Tensor) -> str:
+    return f"shape {tuple(tensor.shape)}"
+
+
+def check_shapes(
+    pattern: Tensor,
+    v: Tensor,
+    W_O: Tensor,
+    *,
+    z: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+) -> None:
+    """Ranks, layouts and dtypes of one layer's tensors, each error naming the argument."""
+    for name, tensor, layout in (
+        ("pattern", pattern, "[batch head query key] (hook_pattern)"),
+        ("v", v, "[batch key kv_head d_head] (hook_v)"),
+        ("W_O", W_O, "[head d_head d_model]"),
+    ):
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor {layout}, got {type(tensor).__name__}")
+        rank = len(layout.split("]")[0].split())
+        if tensor.ndim != rank:
+            hint = " (add the batch axis: tensor[None])" if tensor.ndim == rank - 1 and name != "W_O" else ""
+            raise ValueError(f"{name} must be {rank}-D {layout}, got {_shape(tensor)}{hint}")
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating point tensor, got dtype {tensor.dtype}")
+    batch, n_heads, n_query, n_key = pattern.shape
+    _, v_key, n_kv_heads, d_head = v.shape
+    if v.shape[0] != batch or v_key != n_key:
+        raise ValueError(
+            f"v has {_shape(v)} but pattern {tuple(pattern.shape)} needs [batch={batch}, key={n_key}, ...]"
+        )
+    if W_O.shape[:2] != (n_heads, d_head):
+        raise ValueError(f"W_O has {_shape(W_O)}, expected [head={n_heads}, d_head={d_head}, d_model]")
+    if n_kv_heads == 0 or n_heads % n_kv_heads != 0:
+        raise ValueError(f"v has kv_head={n_kv_heads}, which does not divide the pattern's head={n_heads}")
+    if n_query > n_key:
+        raise ValueError(f"pattern has more queries ({n_query}) than keys ({n_key})")
+    if z is not None and tuple(z.shape) != (batch, n_query, n_heads, d_head):
+        raise ValueError(
+            f"z must be [batch query head d_head] (hook_z) = {(batch, n_query, n_heads, d_head)}, got {_shape(z)}"
+        )
+    if attention_mask is not None and tuple(attention_mask.shape) != (batch, n_key):
+        raise ValueError(f"attention_mask must be [batch key] = {(batch, n_key)}, got {_shape(attention_mask)}")
+
+
+def _real_queries(pattern: Tensor, attention_mask: Tensor | None) -> Tensor | None:
+    if attention_mask is None:
+        return None
+    n_query = pattern.shape[2]
+    return attention_mask.to(device=pattern.device, dtype=torch.bool)[:, -n_query:]
+
+
+def check_finite_values(
+    pattern: Tensor,
+    v: Tensor,
+    W_O: Tensor,
+    *,
+    z: Tensor | None = None,
+    attention_mask: Tensor | None = None,
+) -> None:
+    """Every entry that enters the result is finite (padding may hold anything)."""
+    real_q = _real_queries(pattern, attention_mask)
+    real_k = None if attention_mask is None else attention_mask.to(device=v.device, dtype=torch.bool)
+    tensors: list[tuple[str, Tensor]] = [
+        ("pattern", pattern if real_q is None else pattern.transpose(1, 2)[real_q]),
+        ("v", v if real_k is None else v[real_k]),
+        ("W_O", W_O),
+    ]
+    if z is not None:
+        tensors.append(("z", z if real_q is None else z[real_q.to(z.device)]))
+    for name, tensor in tensors:
+        finite = torch.isfinite(tensor)
+        if not bool(finite.all()):
+            bad = int((~finite).sum())
+            raise ValueError(
+                f"{name} has {bad} non-finite entries (NaN or inf) at real positions; "
+                "contribution weights would be NaN there"
+            )
+
+
+def probability_tolerance(dtype: torch.dtype) -> float:
+    """How far a softmax row may sum from 1 in ``dtype`` (half precision rounds each entry)."""
+    return 2e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-3
+
+
+def check_probabilities(pattern: Tensor, *, attention_mask: Tensor | None = None) -> None:
+    """Rows of real queries hold probabilities along the key axis: in [0, 1], summing to 1."""
+    real_q = _real_queries(pattern, attention_mask)
+    rows = pattern if real_q is None else pattern.transpose(1, 2)[real_q]
+    if rows.numel() == 0:
+        return
+    tol = probability_tolerance(pattern.dtype)
+    sums = rows.float().sum(-1)
+    low, high = float(rows.min()), float(rows.max())
+    if low < -tol or high > 1 + tol or bool(((sums - 1).abs() > tol).any()):
+        raise ValueError(
+            "pattern must hold attention probabilities (hook_pattern: rows in [0, 1] summing to 1 over keys); "
+            f"got entries in [{low:.3g}, {high:.3g}] and row sums in [{float(sums.min()):.3g}, "
+            f"{float(sums.max()):.3g}]. Pre-softmax scores (hook_attn_scores)? Apply softmax over keys first"
+        )
+
+
+def is_causal(pattern: Float[Tensor, "batch head query key"]) -> bool:
+    """True when no query puts weight on a later key (every entry above the diagonal is 0)."""
+    n_query, n_key = pattern.shape[-2:]
+    return not bool(pattern.triu(n_key - n_query + 1).any())
+
+
 def decompose(
     pattern: Float[Tensor, "batch head query key"],
     v: Float[Tensor, "batch key kv_head d_head"],
@@ -183,9 +312,10 @@ def decompose(
     *,
     scope: Scope = "inter",
     attention_mask: Bool[Tensor, "batch key"] | None = None,
-    causal: bool = True,
+    causal: bool | None = None,
     dtype: torch.dtype | None = None,
     z: Float[Tensor, "batch query head d_head"] | None = None,
+    check_values: bool = True,
 ) -> Decomposition:
     """Decompose each token's share of an attention output into three factors.
 
@@ -193,58 +323,80 @@ def decompose(
     and ``o`` the head output ``o_i^h`` (``scope="intra"``) or the layer output
     ``o_i = sum_h o_i^h`` (``scope="inter"``), ``b_O`` excluded.
 
+    The pattern is the truth about which keys exist: a causal pattern (exact zeros above the
+    diagonal) gives future keys no weight, a bidirectional one gives every key its share.
     Grouped-query attention needs no copy of ``v``: head ``h`` reads kv head
     ``h // (head / kv_head)``, the ``repeat_interleave`` order TransformerLens and HF use.
 
     Args:
-        pattern: attention probabilities, ``hook_pattern``.
+        pattern: attention probabilities, ``hook_pattern`` (rows sum to 1 over keys).
         v: values, ``hook_v``; ``kv_head`` must divide ``head``.
         W_O: output projection per head.
         scope: ``"intra"`` or ``"inter"`` (see above).
         attention_mask: 1/True for real tokens, 0/False for padding; padded rows and columns
             come out as exactly 0.
-        causal: zero every factor at future keys (``j > i``).
+        causal: whether future keys (``j > i``) are invisible. None (default) reads it off the
+            pattern: causal exactly when every entry above the diagonal is 0. Models say it in
+            ``cfg.attention_dir``; `contribution_lens.map_layers` passes that.
         dtype: accumulation dtype; float32 by default (float64 if an input is float64),
             whatever the model dtype.
         z: the head outputs before ``W_O``, ``hook_z`` (``= pattern @ v`` per head). Passing
             what the model already computed saves one ``[head query key d_head]`` contraction.
-
-    Without ``attention_mask``, a pattern already in the accumulation dtype is kept as the
-    ``attention`` field without a copy; its future entries are those of the pattern (exact
-    zeros for a causal softmax). Every other factor is exactly 0 there regardless.
+        check_values: check that every tensor is finite and that the pattern holds
+            probabilities. Each check is one pass over the pattern; switch them off only for
+            inputs known to be good. Shapes are always checked.
 
     Returns:
-        A `Decomposition` in the accumulation dtype. Where ``||o|| = 0`` every factor is 0,
-        so weights then sum to 0, not 1.
+        A `Decomposition` in the accumulation dtype, holding its own copies of the inputs.
+        Where ``||o|| = 0`` every factor is 0, so weights then sum to 0, not 1.
 
     Example:
         >>> import torch
-        >>> pattern = torch.softmax(torch.randn(1, 4, 5, 5), -1).tril()  # [batch head query key]
+        >>> future = torch.ones(5, 5).triu(1).bool()
+        >>> pattern = torch.softmax(torch.randn(1, 4, 5, 5).masked_fill(future, -torch.inf), -1)  # causal
         >>> d = decompose(pattern, torch.randn(1, 5, 2, 8), torch.randn(4, 8, 16))
         >>> d.sum_over_heads().sum(-1)  # inter-head weights sum to 1 for every query
         tensor([[1.0000, 1.0000, 1.0000, 1.0000, 1.0000]])
     """
+    check_shapes(pattern, v, W_O, z=z, attention_mask=attention_mask)
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
-    batch, n_heads, n_query, n_key = pattern.shape
-    _, v_key, n_kv_heads, d_head = v.shape
-    if v.shape[0] != batch or v_key != n_key:
-        raise ValueError(
-            f"v has shape {tuple(v.shape)} but pattern {tuple(pattern.shape)} needs [batch={batch}, key={n_key}, ...]"
-        )
-    if W_O.shape[:2] != (n_heads, d_head):
-        raise ValueError(f"W_O has shape {tuple(W_O.shape)}, expected [head={n_heads}, d_head={d_head}, d_model]")
-    if n_heads % n_kv_heads != 0:
-        raise ValueError(f"kv_head={n_kv_heads} does not divide head={n_heads}")
-    if n_query > n_key:
-        raise ValueError(f"more queries ({n_query}) than keys ({n_key})")
+    if check_values:
+        check_finite_values(pattern, v, W_O, z=z, attention_mask=attention_mask)
+        check_probabilities(pattern, attention_mask=attention_mask)
+    if causal is None:
+        causal = is_causal(pattern)
+    d = decompose_layer(pattern, v, W_O, scope=scope, attention_mask=attention_mask, causal=causal, dtype=dtype, z=z)
+    if d.attention.data_ptr() == pattern.data_ptr():
+        # The result keeps the pattern: a caller who later edits theirs must not change it.
+        d = dataclasses.replace(d, attention=d.attention.clone())
+    return d
 
+
+def decompose_layer(
+    pattern: Float[Tensor, "batch head query key"],
+    v: Float[Tensor, "batch key kv_head d_head"],
+    W_O: Float[Tensor, "head d_head d_model"],
+    *,
+    scope: Scope,
+    causal: bool,
+    attention_mask: Bool[Tensor, "batch key"] | None = None,
+    dtype: torch.dtype | None = None,
+    z: Float[Tensor, "batch query head d_head"] | None = None,
+) -> Decomposition:
+    """`decompose` without input checks or copies, for tensors a model just produced.
+
+    The result may hold ``pattern`` itself as ``attention`` (no copy where no cast or mask is
+    needed): the model never writes to its hook outputs, a user may.
+    """
+    batch, n_heads, n_query, n_key = pattern.shape
+    n_kv_heads = v.shape[2]
     acc = _accumulation_dtype(dtype, pattern, v, W_O)
     device = pattern.device
     valid = valid_positions(n_query, n_key, attention_mask=attention_mask, batch=batch, causal=causal, device=device)
     valid_hqk = einops.rearrange(valid, "batch query key -> batch 1 query key")
     if attention_mask is None and pattern.dtype == acc:
-        # A causal softmax already holds exact zeros at future keys: no copy of the pattern.
+        # A causal pattern already holds exact zeros at future keys: no copy of the pattern.
         alpha = pattern
     else:
         # Zero masked entries first: a model may leave NaN rows for fully padded queries.
@@ -351,27 +503,30 @@ def importance(
     v: Float[Tensor, "batch key kv_head d_head"],
     W_O: Float[Tensor, "head d_head d_model"],
     *,
-    method: Method,
+    method: str,
     scope: Scope = "inter",
     attention_mask: Bool[Tensor, "batch key"] | None = None,
-    causal: bool = True,
+    causal: bool | None = None,
     dtype: torch.dtype | None = None,
 ) -> Float[Tensor, "batch head query key"]:
-    """Per-head token importance scores by one of four measures.
+    """Per-head token importance scores of a measure that needs only one layer's decomposition.
 
     * ``"attention"``: ``alpha_ij^h``;
-    * ``"value_weighted"``: ``alpha_ij^h ||vt_j^h||``;
+    * ``"value_weighted"``: ``alpha_ij^h ||vt_j^h||`` (Kobayashi et al.'s norm-based measure);
     * ``"output_normalized"``: ``alpha_ij^h ||vt_j^h|| / ||o||``;
     * ``"contribution"``: ``c_ij^h`` (see `decompose`).
 
+    Measures that need more than the pattern, values and ``W_O`` (gradients, the residual
+    stream) are scored on a model with `contribution_lens.map_layers`.
+
     Example:
         >>> import torch
-        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3), -1).tril()
+        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3), -1)
         >>> importance(pattern, torch.randn(1, 3, 2, 4), torch.randn(2, 4, 8), method="value_weighted").shape
         torch.Size([1, 2, 3, 3])
     """
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+        raise ValueError(f"unknown method {method!r} for importance(); expected one of {METHODS}")
     d = decompose(pattern, v, W_O, scope=scope, attention_mask=attention_mask, causal=causal, dtype=dtype)
     return scores_from(d, method)
 

@@ -191,12 +191,15 @@ def _distributed() -> tuple[int, int]:
 
 
 def _check_config(out: Path, meta: dict[str, Any], rank: int) -> None:
+    """Keep ``config.json`` unless it differs; a config with no record beside it is replaced.
+
+    (A run that failed before its first record must not block the corrected rerun.)
+    """
     path = out / "config.json"
-    if path.exists():
-        previous = json.loads(path.read_text(encoding="utf-8"))
-        if previous != meta:
-            raise ValueError(f"{out} holds a run with other settings ({path}); use another --out folder")
-    elif rank == 0:
+    previous = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+    if previous is not None and previous != meta and (read_records(out) or (out / "records.jsonl").exists()):
+        raise ValueError(f"{out} holds a run with other settings ({path}); use another --out folder")
+    if previous != meta and rank == 0:
         staging = path.with_suffix(".tmp")
         staging.write_text(json.dumps(meta, indent=2, sort_keys=True), encoding="utf-8")
         os.replace(staging, path)
@@ -240,7 +243,7 @@ def run_faithfulness(
     with open(part, "a", encoding="utf-8") as stream, bar:
         for unit, todo in plan:
             batch = adapter.pad_rows(model, unit.tokens)
-            clean = clean_run(model, batch, unit.ids, protocol)
+            clean = clean_run(model, batch, protocol)
             clean_records = _unit_records(unit, clean.logits, batch)
             bar.update()
             zero_logits = None

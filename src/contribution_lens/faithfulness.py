@@ -15,8 +15,6 @@ Protocol (each default is a `Protocol` field):
 """
 
 import math
-import zlib
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
@@ -27,11 +25,12 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.decomposition import METHODS, decompose, scores_from
-from contribution_lens.interventions import key_removal_hooks
+from contribution_lens.engine import map_layers
+from contribution_lens.interventions import remove_keys
+from contribution_lens.methods import BUILTIN_METHODS, ScoreContext, available_methods, get_method
 
 CONTROL = "random"
-ALL_METHODS: tuple[str, ...] = (*METHODS, CONTROL)
+ALL_METHODS: tuple[str, ...] = BUILTIN_METHODS
 MODES: tuple[str, ...] = ("comprehensiveness", "sufficiency")
 DEFAULT_RATIOS: tuple[float, ...] = tuple(round(0.1 * k, 1) for k in range(10))
 
@@ -53,9 +52,9 @@ class Protocol:
     """Seed of the random control (combined with each sequence's id)."""
 
     def __post_init__(self) -> None:
-        unknown = [m for m in self.methods if m not in ALL_METHODS]
+        unknown = [m for m in self.methods if m not in available_methods()]
         if unknown or not self.methods:
-            raise ValueError(f"unknown method(s) {unknown}; expected some of {ALL_METHODS}")
+            raise ValueError(f"unknown method(s) {unknown}; registered methods: {', '.join(available_methods())}")
         bad_modes = [m for m in self.modes if m not in MODES]
         if bad_modes or not self.modes:
             raise ValueError(f"unknown mode(s) {bad_modes}; expected some of {MODES}")
@@ -107,15 +106,6 @@ def removal_keep_mask(
     return ~(remove & valid)
 
 
-def random_scores(sequence_ids: Sequence[str], shape: tuple[int, ...], seed: int, layer: int) -> Tensor:
-    """Seeded uniform scores, a function of (seed, sequence id, layer) alone, so shards agree."""
-    rows = []
-    for sequence_id in sequence_ids:
-        generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{sequence_id}:{layer}".encode()))
-        rows.append(torch.rand(shape, generator=generator, dtype=torch.float64))
-    return torch.stack(rows)
-
-
 @dataclass
 class CleanRun:
     """Clean-run logits and per-layer token-level scores of every method."""
@@ -126,30 +116,32 @@ class CleanRun:
     layers: list[int] = field(default_factory=list)
 
 
-def clean_run(
-    model: adapter.Model, batch: adapter.TokenBatch, sequence_ids: Sequence[str], protocol: Protocol
-) -> CleanRun:
-    """One forward pass scoring every key at every layer for every method."""
+def clean_run(model: adapter.Model, batch: adapter.TokenBatch, protocol: Protocol) -> CleanRun:
+    """One forward pass scoring every key at every layer for every method (a per-layer function)."""
     layers = adapter.check_layers(model, list(protocol.layers) if protocol.layers is not None else None)
-    weights = {layer: adapter.output_weights(model, layer)[0] for layer in layers}
-    mask = batch.attention_mask if batch.padded else None
-    scores: dict[str, dict[int, Tensor]] = {method: {} for method in protocol.methods}
-    valid_holder: dict[str, Tensor] = {}
+    chosen = [get_method(name) for name in protocol.methods]
+    prepared = {m.name: m.prepare(model, batch, layers) for m in chosen if m.prepare is not None}
+    capture = tuple(sorted({name for m in chosen for name in m.capture}))
 
-    def on_layer(layer: int, pattern: Tensor, v: Tensor) -> None:
-        d = decompose(pattern, v, weights[layer], scope=protocol.scope, attention_mask=mask)  # type: ignore[arg-type]
-        valid_holder["valid"] = d.valid
-        for method in protocol.methods:
-            if method == CONTROL:
-                shape = tuple(d.valid.shape[1:])
-                scores[method][layer] = random_scores(sequence_ids, shape, protocol.seed, layer)
-            else:
-                per_head = scores_from(d, method)
-                scores[method][layer] = einops.reduce(per_head, "batch head query key -> batch query key", "sum")
+    def on_layer(layer: adapter.LayerInputs) -> tuple[dict[str, Tensor], Tensor]:
+        scores = {
+            m.name: m.token_scores(
+                layer,
+                ScoreContext(
+                    protocol.scope,  # type: ignore[arg-type]
+                    protocol.seed,
+                    model,
+                    prepared.get(m.name),
+                ),
+            )
+            for m in chosen
+        }
+        return scores, layer.decompose(protocol.scope).valid  # type: ignore[arg-type]
 
-    with adapter.layer_hooks(model, layers, on_layer):
-        logits = adapter.forward(model, batch)
-    return CleanRun(logits, scores, valid_holder["valid"], layers)
+    result = map_layers(model, batch, on_layer, layers=layers, capture=capture, keep_logits=True)
+    assert result.logits is not None
+    scores = {m.name: {layer: value[0][m.name] for layer, value in result.items()} for m in chosen}
+    return CleanRun(result.logits, scores, result[layers[-1]][1], layers)
 
 
 def masked_logits(
@@ -167,7 +159,9 @@ def masked_logits(
         layer: removal_keep_mask(clean.scores[method][layer], clean.valid, ratio=ratio, mode=mode, rank_by=rank_by)
         for layer in clean.layers
     }
-    return adapter.forward(model, batch, key_removal_hooks(keep))
+    result = map_layers(model, batch, lambda layer: None, layers=clean.layers, edit=remove_keys(keep), keep_logits=True)
+    assert result.logits is not None
+    return result.logits
 
 
 def token_nll(

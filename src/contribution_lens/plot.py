@@ -107,7 +107,8 @@ def token_heatmap(
 
     Example:
         >>> import torch, contribution_lens as cl
-        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3), -1).tril()
+        >>> future = torch.ones(3, 3).triu(1).bool()
+        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3).masked_fill(future, -torch.inf), -1)
         >>> d = cl.decompose(pattern, torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8))
         >>> ids, mask = torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool)
         >>> g = cl.Geometry({0: d}, ids, mask, [["<s>", "a", "b"]], "inter")

@@ -18,8 +18,9 @@ from tqdm.auto import tqdm
 
 from contribution_lens import adapter
 from contribution_lens.decomposition import head_gram
+from contribution_lens.engine import map_layers
 from contribution_lens.faithfulness import perplexity, token_nll
-from contribution_lens.interventions import pattern_scaling_hooks
+from contribution_lens.interventions import scale_pattern
 from contribution_lens.sinks import SinkLayer, sink_layer
 
 VARIANTS = ("zero", "mean_tail")
@@ -71,14 +72,14 @@ def _layer_means(s: SinkLayer, low: Tensor) -> dict[str, float]:
     }
 
 
-def _recorder(store: dict[int, SinkLayer], weights: dict[int, Tensor], k: int) -> Callable[..., None]:
-    def on_layer(layer: int, pattern: Tensor, v: Tensor) -> None:
-        store[layer] = sink_layer(pattern, v, weights[layer], k=k)
+def _measure(k: int) -> Callable[[adapter.LayerInputs], SinkLayer]:
+    def on_layer(layer: adapter.LayerInputs) -> SinkLayer:
+        return sink_layer(layer.pattern, layer.v, layer.W_O, k=k, attention_mask=layer.padding_mask)
 
     return on_layer
 
 
-def sink_intervention(
+def run_sink_intervention(
     model: adapter.Model,
     chunks: Tensor,
     *,
@@ -88,46 +89,40 @@ def sink_intervention(
     batch_size: int = 8,
     progress: bool = True,
 ) -> SinkIntervention:
-    """Run clean and intervened passes over token ``chunks [n pos]`` (each starting with BOS)."""
-    wanted = adapter.check_layers(model, layers)
-    adapter.check_hooks(model, wanted)
-    if chunks.ndim != 2 or chunks.shape[0] == 0:
-        raise ValueError(f"chunks must be a non-empty [n pos] token tensor, got shape {tuple(chunks.shape)}")
-    all_layers = adapter.check_layers(model, None)
-    weights = {layer: adapter.output_weights(model, layer)[0] for layer in all_layers}
+    """Run clean and intervened passes over token ``chunks [n pos]`` (each starting with BOS).
+
+    Both passes are `contribution_lens.map_layers` with the sink geometry as the per-layer
+    function; the intervened one edits the pattern of ``layers`` (default all) with `sink_scale`.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+    if not isinstance(chunks, Tensor) or chunks.ndim != 2 or chunks.shape[0] == 0:
+        shape = tuple(chunks.shape) if isinstance(chunks, Tensor) else type(chunks).__name__
+        raise ValueError(f"chunks must be a non-empty [n pos] token tensor, got {shape}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    wanted = set(adapter.check_layers(model, layers))
+    weights = {layer: adapter.output_weights(model, layer)[0] for layer in wanted}
+    scales = {layer: sink_scale(variant, k, weights[layer]) for layer in wanted}
+    edit = scale_pattern(lambda layer, pattern, v: scales[layer](layer, pattern, v), wanted)
     sums = {"clean": [0.0, 0], "intervened": [0.0, 0]}
     rows: dict[tuple[str, int], list[dict[str, float]]] = {}
     for start in tqdm(range(0, chunks.shape[0], batch_size), desc=f"sink {variant}", disable=not progress):
         batch = adapter.to_token_batch(model, chunks[start : start + batch_size])
-        clean: dict[int, SinkLayer] = {}
         low: dict[int, Tensor] = {}
-        with adapter.layer_hooks(model, all_layers, _recorder(clean, weights, k)):
-            logits = adapter.forward(model, batch)
-        nll, count = token_nll(logits, batch.tokens, batch.attention_mask)
-        sums["clean"][0] += nll.sum().item()
-        sums["clean"][1] += int(count.sum().item())
-        for layer, s in clean.items():
-            norms = torch.where(einops.rearrange(s.queries, "b q -> b 1 q"), s.output_norm, float("inf"))
-            real = norms[torch.isfinite(norms)]
-            threshold = torch.quantile(real, 0.25) if real.numel() else torch.tensor(0.0)
-            low[layer] = norms <= threshold
-            rows.setdefault(("clean", layer), []).append(_layer_means(s, low[layer]))
-
-        intervened: dict[int, SinkLayer] = {}
-        hooks = []
-        for layer in wanted:
-            hooks += pattern_scaling_hooks(sink_scale(variant, k, weights[layer]), layer)
-        # Registered first, the scaling runs before the measuring hook on the same hook point.
-        with model.hooks(fwd_hooks=hooks), adapter.layer_hooks(model, all_layers, _recorder(intervened, weights, k)):
-            logits = adapter.forward(model, batch)
-        nll, count = token_nll(logits, batch.tokens, batch.attention_mask)
-        sums["intervened"][0] += nll.sum().item()
-        sums["intervened"][1] += int(count.sum().item())
-        for layer, s in intervened.items():
-            rows.setdefault(("intervened", layer), []).append(_layer_means(s, low[layer]))
+        for run, run_edit in (("clean", None), ("intervened", edit)):
+            result = map_layers(model, batch, _measure(k), edit=run_edit, keep_logits=True)
+            assert result.logits is not None
+            nll, count = token_nll(result.logits, batch.tokens, batch.attention_mask)
+            sums[run][0] += nll.sum().item()
+            sums[run][1] += int(count.sum().item())
+            for layer, s in result.items():
+                if run == "clean":
+                    low[layer] = _low_norm(s)
+                rows.setdefault((run, layer), []).append(_layer_means(s, low[layer]))
 
     table = []
-    for layer in all_layers:
+    for layer in adapter.check_layers(model, None):
         row: dict[str, float | int | bool] = {"layer": layer, "intervened_layer": layer in wanted}
         for run in ("clean", "intervened"):
             frame = pd.DataFrame(rows[(run, layer)])
@@ -143,3 +138,11 @@ def sink_intervention(
         ppl=perplexity(sums["intervened"][0], int(sums["intervened"][1])),
         delta_loss=loss - clean_loss,
     )
+
+
+def _low_norm(s: SinkLayer) -> Tensor:
+    """The outputs in the lowest quarter of norms (per layer) in the clean run."""
+    norms = torch.where(einops.rearrange(s.queries, "b q -> b 1 q"), s.output_norm, float("inf"))
+    real = norms[torch.isfinite(norms)]
+    threshold = torch.quantile(real, 0.25) if real.numel() else torch.tensor(0.0)
+    return norms <= threshold

@@ -25,7 +25,8 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.decomposition import FACTORS, decompose, head_gram
+from contribution_lens.decomposition import FACTORS, SCOPES, Decomposition, head_gram, is_causal
+from contribution_lens.engine import map_layers
 
 PARTS = ("sink", "tail")
 
@@ -52,6 +53,8 @@ class SinkLayer:
     """Real queries that see at least one tail key (``i >= k``)."""
     keys: Bool[Tensor, "batch key"]
     """Real tail (semantic) keys."""
+    sinks: Bool[Tensor, "batch key"]
+    """The sink keys."""
 
     @property
     def beta_star(self) -> Float[Tensor, "batch head query"]:
@@ -77,38 +80,105 @@ def unclipped_beta_star(layer: SinkLayer) -> Tensor:
     return torch.where(safe, numerator / torch.where(safe, denominator, 1), 0)
 
 
+def sink_mask(
+    sinks: Sequence[int] | Tensor | None,
+    k: int,
+    batch: int,
+    n_key: int,
+    device: torch.device,
+) -> Bool[Tensor, "batch key"]:
+    """Which keys are the sink: given positions, a ``[batch key]`` mask, or the first ``k``."""
+    if sinks is None:
+        if not 1 <= k < n_key:
+            raise ValueError(f"the sink needs 1 <= k < sequence length ({n_key}), got k={k}")
+        mask = torch.zeros(batch, n_key, dtype=torch.bool, device=device)
+        mask[:, :k] = True
+        return mask
+    if isinstance(sinks, Tensor) and sinks.dtype == torch.bool:
+        if tuple(sinks.shape) != (batch, n_key):
+            raise ValueError(f"a sink mask must be [batch key] = {(batch, n_key)}, got {tuple(sinks.shape)}")
+        return sinks.to(device)
+    positions = [int(p) for p in sinks]
+    if not positions:
+        raise ValueError("sinks is empty: give at least one sink position")
+    bad = [p for p in positions if not -n_key <= p < n_key]
+    if bad:
+        raise ValueError(f"sink position {bad[0]} is outside the sequence of {n_key} tokens")
+    mask = torch.zeros(batch, n_key, dtype=torch.bool, device=device)
+    mask[:, [p % n_key for p in positions]] = True
+    if bool(mask.all()):
+        raise ValueError("every position is a sink: nothing is left for the tail")
+    return mask
+
+
+def detect_sinks(
+    pattern: Float[Tensor, "batch head query key"],
+    *,
+    epsilon: float = 0.3,
+    attention_mask: Bool[Tensor, "batch key"] | None = None,
+) -> Bool[Tensor, "batch key"]:
+    """Sink keys by the attention-share threshold of Gu et al. (2024): mean share ``> epsilon``.
+
+    A key's share is its attention averaged over heads and over the real queries that can see
+    it (for a causal pattern, the queries at or after it). Where no key passes the threshold the
+    key of largest share is the sink, so every text has one.
+    """
+    if not 0 < epsilon < 1:
+        raise ValueError(f"epsilon must lie in (0, 1), got {epsilon}")
+    batch, _, n_query, n_key = pattern.shape
+    real = (
+        torch.ones(batch, n_key, dtype=torch.bool, device=pattern.device)
+        if attention_mask is None
+        else attention_mask.to(pattern.device, torch.bool)
+    )
+    alpha = torch.where(real[:, None, None, :] & real[:, None, -n_query:, None], pattern.float(), 0)
+    received = einops.reduce(alpha, "batch head query key -> batch key", "mean") * n_query
+    seen_by = einops.reduce((alpha > 0).float(), "batch head query key -> batch key", "max")
+    viewers = einops.reduce((alpha > 0).float(), "batch head query key -> batch head key", "sum").amax(1).clamp_min(1)
+    share = torch.where(seen_by > 0, received / viewers, 0)
+    sinks = (share > epsilon) & real
+    fallback = torch.zeros_like(sinks)
+    fallback[torch.arange(batch), share.argmax(-1)] = True
+    return torch.where(sinks.any(-1, keepdim=True), sinks, fallback)
+
+
 def sink_layer(
     pattern: Float[Tensor, "batch head query key"],
     v: Float[Tensor, "batch key kv_head d_head"],
     W_O: Float[Tensor, "head d_head d_model"],
     *,
     k: int = 1,
+    sinks: Sequence[int] | Tensor | None = None,
     attention_mask: Bool[Tensor, "batch key"] | None = None,
 ) -> SinkLayer:
-    """Sink geometry of one layer from its pattern, values and ``W_O`` (see the module doc)."""
+    """Sink geometry of one layer from its pattern, values and ``W_O`` (see the module doc).
+
+    The sink is ``sinks`` (positions, or a ``[batch key]`` mask) or else the first ``k`` positions.
+    """
     batch, n_heads, n_query, n_key = pattern.shape
-    if not 1 <= k < n_key:
-        raise ValueError(f"the sink needs 1 <= k < sequence length ({n_key}), got k={k}")
     if n_query != n_key:
         raise ValueError("sink analysis needs the full square pattern")
+    is_sink = sink_mask(sinks, k, batch, n_key, pattern.device)
     real = (
         torch.ones(batch, n_key, dtype=torch.bool, device=pattern.device)
         if attention_mask is None
         else attention_mask.to(pattern.device, torch.bool)
     )
-    alpha = pattern.float()
+    is_sink = is_sink & real
     valid = einops.rearrange(real, "batch key -> batch 1 1 key") & einops.rearrange(
         real, "batch query -> batch 1 query 1"
     )
-    alpha = torch.where(valid, alpha, 0)
+    alpha = torch.where(valid, pattern.float(), 0)
+    alpha_sink = alpha * einops.rearrange(is_sink, "batch key -> batch 1 1 key")
+    alpha_tail = alpha - alpha_sink
     group = n_heads // v.shape[2]
     values = torch.where(einops.rearrange(real, "batch key -> batch key 1 1"), v.float(), 0)
     values = einops.repeat(values, "batch key kv_head d_head -> batch (kv_head group) key d_head", group=group)
     gram = head_gram(W_O.float())
 
-    sink_ratio = alpha[..., :k].sum(-1)
-    z_sink = einops.einsum(alpha[..., :k], values[:, :, :k], "b h q k, b h k d -> b h q d")
-    z_tail = einops.einsum(alpha[..., k:], values[:, :, k:], "b h q k, b h k d -> b h q d")
+    sink_ratio = alpha_sink.sum(-1)
+    z_sink = einops.einsum(alpha_sink, values, "b h q k, b h k d -> b h q d")
+    z_tail = einops.einsum(alpha_tail, values, "b h q k, b h k d -> b h q d")
     z_out = z_sink + z_tail
     sink_mean = z_sink / sink_ratio.clamp_min(1e-30)[..., None]
     tail_mean = z_tail / (1 - sink_ratio).clamp_min(1e-30)[..., None]
@@ -125,15 +195,20 @@ def sink_layer(
     s_t = einops.einsum(z_sink, gram, z_tail, quad)
     sink_tail_cosine = cosine(s_t, einops.einsum(z_sink, gram, z_sink, quad), einops.einsum(z_tail, gram, z_tail, quad))
 
-    sink_value = values[:, :, :k].mean(2)  # [b h d]
+    sink_weight = einops.rearrange(is_sink.float(), "b k -> b 1 k 1")
+    sink_value = (values * sink_weight).sum(2) / sink_weight.sum(2).clamp_min(1)  # [b h d]
     token_dot = einops.einsum(sink_value, gram, values, "b h d, h d e, b h k e -> b h k")
     token_sq = einops.einsum(values, gram, values, "b h k d, h d e, b h k e -> b h k")
     sink_value_sq = einops.einsum(sink_value, gram, sink_value, "b h d, h d e, b h e -> b h")
     sink_token_cosine = cosine(token_dot, sink_value_sq[..., None], token_sq)
 
-    queries = real.clone()
-    queries[:, :k] = False
-    keys = queries.clone()
+    keys = real & ~is_sink
+    # Queries that see at least one sink key and one tail key (in a causal model, the first
+    # sink and tail keys must not lie after the query).
+    visible = valid[:, 0]
+    if is_causal(pattern):
+        visible = visible & torch.ones(n_query, n_key, dtype=torch.bool, device=pattern.device).tril()
+    queries = real & ~is_sink & (visible & is_sink[:, None, :]).any(-1) & (visible & keys[:, None, :]).any(-1)
     # The semantic cone's axis: mean unit tail direction over real queries, in d_head coordinates.
     unit_tail = tail_mean / tail_sq.clamp_min(1e-30).sqrt()[..., None]
     q_weight = einops.rearrange(queries.float(), "b q -> b 1 q 1")
@@ -155,45 +230,41 @@ def sink_layer(
         cone_cosine=torch.where(q_mask, cone_cosine, zero),
         queries=queries,
         keys=keys,
+        sinks=is_sink,
     )
 
 
 def part_factors(
-    pattern: Tensor, v: Tensor, W_O: Tensor, *, k: int, scope: str, attention_mask: Tensor | None
+    d: Decomposition, is_sink: Bool[Tensor, "batch key"], queries: Bool[Tensor, "batch query"]
 ) -> dict[str, Float[Tensor, " head"]]:
-    """Sink vs tail factors per head, each a mean over real queries ``i >= k``.
+    """Sink vs tail factors per head, each a mean over the sink layer's ``queries``.
 
     Attention and contribution are summed over the part's keys; relative norm and cosine are
     their attention-weighted mean over the part's keys. Keys ``sink_*`` and ``tail_*``, plus
     ``tail_cosine_q10/q50/q90`` and ``tail_relative_norm_q10/q50/q90`` (distribution over
     (query, tail key) pairs).
     """
-    d = decompose(pattern, v, W_O, scope=scope, attention_mask=attention_mask)  # type: ignore[arg-type]
-    batch, _, n_query, _ = d.attention.shape
-    queries = torch.ones(batch, n_query, dtype=torch.bool, device=d.attention.device)
-    if attention_mask is not None:
-        queries &= attention_mask.to(queries.device, torch.bool)
-    queries[:, :k] = False
     q_weight = einops.rearrange(queries.float(), "b q -> b 1 q")
     n_queries = q_weight.sum((0, 2)).clamp_min(1)
     out: dict[str, Tensor] = {}
-    for part, keys in (("sink", slice(0, k)), ("tail", slice(k, None))):
-        attention = d.attention[..., keys]
+    for part, keys in (("sink", is_sink), ("tail", ~is_sink)):
+        key_weight = einops.rearrange(keys.to(d.attention.dtype), "b k -> b 1 1 k")
+        attention = d.attention * key_weight
         mass = attention.sum(-1)
         for name in FACTORS:
-            values = d.factor(name)[..., keys]
+            values = d.factor(name) * key_weight
             if name in ("attention", "contribution"):
                 per_query = values.sum(-1)
             else:
                 per_query = (attention * values).sum(-1) / mass.clamp_min(1e-30)
             out[f"{part}_{name}"] = (per_query * q_weight).sum((0, 2)) / n_queries
-    tail_valid = d.valid[:, None, :, k:] & d.attention[..., k:].gt(0)
+    tail_pairs = d.valid & (~is_sink)[:, None, :] & queries[:, :, None]  # [b q k]
     for name in ("cosine", "relative_norm"):
-        values = d.factor(name)[..., k:]
+        values = d.factor(name)
         for q in (10, 50, 90):
             per_head = []
             for head in range(values.shape[1]):
-                selected = values[:, head][tail_valid[:, 0]]
+                selected = values[:, head][tail_pairs & (d.attention[:, head] > 0)]
                 per_head.append(torch.quantile(selected, q / 100) if selected.numel() else torch.tensor(0.0))
             out[f"tail_{name}_q{q}"] = torch.stack(per_head)
     return out
@@ -286,11 +357,20 @@ def sink_analysis(
     inputs: str | Sequence[str] | Tensor,
     *,
     k: int = 1,
+    sinks: Sequence[int] | str | None = None,
+    epsilon: float = 0.3,
     layers: int | Sequence[int] | None = None,
     scopes: Sequence[str] = ("intra", "inter"),
     attention_mask: Tensor | None = None,
 ) -> SinkAnalysis:
     """Sink geometry and sink/tail factors of every requested layer in one forward pass.
+
+    Args:
+        k: the sink is the first ``k`` positions (BOS for decoders), unless ``sinks`` is given.
+        sinks: sink positions, or ``"auto"``: per layer and text, the keys whose mean attention
+            share exceeds ``epsilon`` (Gu et al.'s threshold; see `detect_sinks`), which finds
+            an encoder's ``[CLS]``/``[SEP]``.
+        epsilon: the threshold for ``sinks="auto"``.
 
     Example:
         >>> import contribution_lens as cl
@@ -301,19 +381,24 @@ def sink_analysis(
         >>> 0 <= analysis.claims()["share_queries_interior_minimum"] <= 1
         True
     """
-    wanted = adapter.check_layers(model, layers)
-    adapter.check_hooks(model, wanted)
-    batch = adapter.to_token_batch(model, inputs, attention_mask=attention_mask)
-    mask = batch.attention_mask if batch.padded else None
-    weights = {layer: adapter.output_weights(model, layer)[0] for layer in wanted}
-    results: dict[int, SinkLayer] = {}
-    factors: dict[str, dict[int, dict[str, Tensor]]] = {scope: {} for scope in scopes}
+    if isinstance(sinks, str) and sinks != "auto":
+        raise ValueError(f"sinks must be positions, a mask or 'auto', got {sinks!r}")
+    bad_scopes = [scope for scope in scopes if scope not in SCOPES]
+    if bad_scopes or not scopes:
+        raise ValueError(f"scopes must be some of {SCOPES}, got {list(scopes)}")
 
-    def on_layer(layer: int, pattern: Tensor, v: Tensor) -> None:
-        results[layer] = sink_layer(pattern, v, weights[layer], k=k, attention_mask=mask)
-        for scope in scopes:
-            factors[scope][layer] = part_factors(pattern, v, weights[layer], k=k, scope=scope, attention_mask=mask)
+    def on_layer(layer: adapter.LayerInputs) -> tuple[SinkLayer, dict[str, dict[str, Tensor]]]:
+        mask = layer.padding_mask
+        chosen = detect_sinks(layer.pattern, epsilon=epsilon, attention_mask=mask) if isinstance(sinks, str) else sinks
+        geometry = sink_layer(layer.pattern, layer.v, layer.W_O, k=k, sinks=chosen, attention_mask=mask)
+        factors = {
+            scope: part_factors(layer.decompose(scope), geometry.sinks, geometry.queries)  # type: ignore[arg-type]
+            for scope in scopes
+        }
+        return geometry, factors
 
-    with adapter.layer_hooks(model, wanted, on_layer):
-        adapter.forward(model, batch)
-    return SinkAnalysis(results, factors, k, batch.str_tokens)
+    results = map_layers(model, inputs, on_layer, layers=layers, attention_mask=attention_mask)
+    factors: dict[str, dict[int, dict[str, Tensor]]] = {
+        scope: {layer: value[1][scope] for layer, value in results.items()} for scope in scopes
+    }
+    return SinkAnalysis({layer: value[0] for layer, value in results.items()}, factors, k, results.str_tokens)

@@ -1,0 +1,217 @@
+"""The streaming primitive: one forward pass, a per-layer function at every requested layer.
+
+Every model-level analysis in this package is a function ``fn(layer: LayerInputs) -> T`` run by
+`map_layers`; what ``fn`` returns is all that is kept, so memory follows what the caller keeps:
+
+    >>> import contribution_lens as cl
+    >>> model = cl.load_model()
+    >>> def sink_share(layer):  # token-level contribution of key 0, averaged over queries 1..
+    ...     return layer.decompose("inter").sum_over_heads()[0, 1:, 0].mean().item()
+    >>> shares = cl.map_layers(model, "The cat sat on the mat.", sink_share, layers=[0, -1])
+    >>> shares.layers
+    [0, 29]
+    >>> isinstance(shares[-1], float)
+    True
+"""
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from contribution_lens import adapter
+
+T = TypeVar("T")
+
+
+class LayerResults(Mapping[int, T], Generic[T]):
+    """Per-layer results of one batch: a read-only mapping ``layer -> value``, with its tokens.
+
+    Negative indices count from the model's last layer, as in Python: ``results[-1]`` is layer
+    ``n_layers - 1`` (if it was computed). Iteration is in layer order.
+    """
+
+    def __init__(
+        self,
+        values: Mapping[int, T],
+        *,
+        tokens: Int[Tensor, "batch pos"],
+        attention_mask: Bool[Tensor, "batch pos"],
+        str_tokens: list[list[str]],
+        n_layers: int | None = None,
+        logits: Float[Tensor, "batch pos d_vocab"] | None = None,
+    ) -> None:
+        if not values:
+            raise ValueError("no layers: a result needs at least one computed layer")
+        if tokens.shape != attention_mask.shape:
+            raise ValueError(f"tokens {tuple(tokens.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
+        if len(str_tokens) != tokens.shape[0]:
+            raise ValueError(f"{len(str_tokens)} token label lists for a batch of {tokens.shape[0]}")
+        self._values = dict(sorted(values.items()))
+        self.tokens = tokens
+        self.attention_mask = attention_mask
+        self.str_tokens = str_tokens
+        self.n_layers = max(self._values) + 1 if n_layers is None else int(n_layers)
+        self.logits = logits
+
+    @property
+    def layers(self) -> list[int]:
+        """The computed layers, ascending."""
+        return list(self._values)
+
+    def resolve(self, layer: int) -> int:
+        """The non-negative index of ``layer`` (negative counts from ``n_layers``)."""
+        if not isinstance(layer, int) or isinstance(layer, bool):
+            raise TypeError(f"layers are indexed by int, got {type(layer).__name__} {layer!r}")
+        resolved = layer + self.n_layers if layer < 0 else layer
+        if resolved not in self._values:
+            given = f"{layer} (= {resolved})" if layer < 0 else str(layer)
+            raise KeyError(f"layer {given} was not computed; computed layers: {self.layers}")
+        return resolved
+
+    def __getitem__(self, layer: int) -> T:
+        return self._values[self.resolve(layer)]
+
+    def __contains__(self, layer: object) -> bool:
+        if not isinstance(layer, int):
+            return False
+        return (layer + self.n_layers if layer < 0 else layer) in self._values
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def labels(self, index: int = 0) -> list[str]:
+        """Unique axis labels ``"{position}:{token}"`` for batch element ``index``."""
+        if not 0 <= index < len(self.str_tokens):
+            raise IndexError(f"index {index} is outside the batch of {len(self.str_tokens)}")
+        return [f"{i}:{token}" for i, token in enumerate(self.str_tokens[index])]
+
+    def map(self, fn: Callable[[T], Any]) -> "LayerResults[Any]":
+        """A new result with ``fn`` applied to every layer's value."""
+        return LayerResults(
+            {layer: fn(value) for layer, value in self._values.items()},
+            tokens=self.tokens,
+            attention_mask=self.attention_mask,
+            str_tokens=self.str_tokens,
+            n_layers=self.n_layers,
+            logits=self.logits,
+        )
+
+    def _describe_value(self) -> str:
+        first = next(iter(self._values.values()))
+        if isinstance(first, Tensor):
+            return f"Tensor{tuple(first.shape)}"
+        return type(first).__name__
+
+    def _layer_span(self) -> str:
+        layers = self.layers
+        if layers == list(range(layers[0], layers[-1] + 1)) and len(layers) > 2:
+            return f"{layers[0]}..{layers[-1]}"
+        return ", ".join(map(str, layers))
+
+    def __repr__(self) -> str:
+        batch, pos = self.tokens.shape
+        return (
+            f"{type(self).__name__}(layers=[{self._layer_span()}] of {self.n_layers}, batch={batch}, "
+            f"pos={pos}, value={self._describe_value()})"
+        )
+
+    def _repr_html_(self) -> str:
+        batch, pos = self.tokens.shape
+        preview = " ".join(self.str_tokens[0][:12]) + (" …" if len(self.str_tokens[0]) > 12 else "")
+        rows = [
+            ("layers", f"[{self._layer_span()}] of {self.n_layers}"),
+            ("batch × pos", f"{batch} × {pos}"),
+            ("value", self._describe_value()),
+            ("text 0", preview),
+        ]
+        body = "".join(
+            f"<tr><th style='text-align:left'>{k}</th><td style='text-align:left'>{_escape(v)}</td></tr>"
+            for k, v in rows
+        )
+        return f"<b>{type(self).__name__}</b><table>{body}</table>"
+
+    def to(self, target: torch.device | str | torch.dtype) -> "LayerResults[T]":
+        """Every value with a ``.to`` moved to a device or cast to a dtype (others kept)."""
+        moved = self.map(lambda value: value.to(target) if hasattr(value, "to") else value)
+        if not isinstance(target, torch.dtype):
+            moved.tokens, moved.attention_mask = self.tokens.to(target), self.attention_mask.to(target)
+        return moved
+
+
+def _escape(text: str) -> str:
+    import html
+
+    return html.escape(text)
+
+
+def map_layers(
+    model: adapter.Model,
+    inputs: str | Sequence[str] | Tensor | adapter.TokenBatch,
+    fn: Callable[[adapter.LayerInputs], T],
+    *,
+    layers: int | Sequence[int] | None = None,
+    attention_mask: Tensor | None = None,
+    prepend_bos: bool = True,
+    edit: adapter.PatternEdit | None = None,
+    capture: Sequence[str] = (),
+    keep_logits: bool = False,
+    extra_hooks: Sequence[tuple[str, adapter.HookFn]] = (),
+) -> LayerResults[T]:
+    """Run ``fn`` on every requested layer during one forward pass; keep only what it returns.
+
+    ``fn`` receives an `contribution_lens.adapter.LayerInputs` (layer index, pattern, ``v``,
+    ``W_O``, ``b_O``, ``z``, ``hook_out``, tokens, padding mask, model config, and a cached
+    ``decompose(scope)``). Unless the logits are kept, the forward pass stops after the last
+    requested layer.
+
+    Args:
+        model: a TransformerLens ``TransformerBridge`` (decoder or encoder).
+        inputs: a text, a list of texts (right-padded), token ids ``[pos]``/``[batch pos]``,
+            or a `contribution_lens.adapter.TokenBatch`.
+        fn: the per-layer function.
+        layers: layer indices (negative ones count from the end); None for all.
+        attention_mask: padding mask for token ids (1 = real token).
+        prepend_bos: prepend the tokenizer's BOS to texts.
+        edit: ``edit(layer, pattern, v)`` returning a replacement pattern, applied in the hook
+            before ``fn`` sees it (an intervention); the rest of the pass uses the edited one.
+        capture: extra hooks per layer, relative to ``blocks.{l}`` (e.g. ``"hook_resid_pre"``).
+        keep_logits: run the whole pass and keep its logits in ``.logits``.
+        extra_hooks: further ``(hook name, function)`` pairs active during the pass.
+    """
+    wanted = adapter.check_layers(model, layers)
+    batch = (
+        inputs
+        if isinstance(inputs, adapter.TokenBatch)
+        else adapter.to_token_batch(model, inputs, attention_mask=attention_mask, prepend_bos=prepend_bos)
+    )
+    adapter.is_causal_model(model)  # an unknown attention_dir fails before the pass
+    results: dict[int, T] = {}
+
+    def on_layer(layer: adapter.LayerInputs) -> None:
+        results[layer.layer] = fn(layer)
+
+    logits = None
+    with adapter.layer_hooks(
+        model, batch, wanted, on_layer, edit=edit, capture=capture, stop_after_last=not keep_logits
+    ):
+        try:
+            logits = adapter.forward(model, batch, extra_hooks)
+        except adapter.StopForward:
+            pass
+    missing = [layer for layer in wanted if layer not in results]
+    if missing:
+        raise RuntimeError(f"the forward pass never reached the hooks of layers {missing}")
+    return LayerResults(
+        results,
+        tokens=batch.tokens,
+        attention_mask=batch.attention_mask,
+        str_tokens=batch.str_tokens,
+        n_layers=adapter.n_layers(model),
+        logits=logits if keep_logits else None,
+    )
