@@ -126,6 +126,25 @@ const ContributionLens = (() => {
 
   const fmt = (x) => Number(x.toPrecision(4)).toString();
 
+  // Query and key labels and all four numbers in both scopes (attention has no scope), per cell.
+  function hoverText(index, both, qLabels, kLabels) {
+    const nk = kLabels.length;
+    return qLabels.map((qLabel, qi) => {
+      const row = new Array(nk).fill("");
+      for (let ki = 0; ki < nk; ki++) {
+        const c = index[qi * nk + ki];
+        if (c < 0) continue;
+        row[ki] =
+          "query " + qLabel + "<br>key " + kLabels[ki] +
+          "<br>attention " + fmt(both.inter.attention[c]) +
+          "<br>relative norm intra " + fmt(both.intra.relative_norm[c]) + ", inter " + fmt(both.inter.relative_norm[c]) +
+          "<br>cosine intra " + fmt(both.intra.cosine[c]) + ", inter " + fmt(both.inter.cosine[c]) +
+          "<br>contribution intra " + fmt(both.intra.contribution[c]) + ", inter " + fmt(both.inter.contribution[c]);
+      }
+      return row;
+    });
+  }
+
   // --- the view -------------------------------------------------------------------------------
 
   function element(tag, attrs, parent) {
@@ -214,24 +233,18 @@ const ContributionLens = (() => {
       const nq = meta.queries.length;
       const nk = meta.keys.length;
       const z = [];
-      const text = [];
       for (let qi = 0; qi < nq; qi++) {
         const zRow = new Array(nk).fill(null);
-        const tRow = new Array(nk).fill("");
         for (let ki = 0; ki < nk; ki++) {
           const c = entry.d.index[qi * nk + ki];
-          if (c < 0) continue;
-          zRow[ki] = shown[c];
-          tRow[ki] =
-            "query " + qLabels[qi] + "<br>key " + kLabels[ki] +
-            "<br>attention " + fmt(both.inter.attention[c]) +
-            "<br>relative norm intra " + fmt(both.intra.relative_norm[c]) + ", inter " + fmt(both.inter.relative_norm[c]) +
-            "<br>cosine intra " + fmt(both.intra.cosine[c]) + ", inter " + fmt(both.inter.cosine[c]) +
-            "<br>contribution intra " + fmt(both.intra.contribution[c]) + ", inter " + fmt(both.inter.contribution[c]);
+          if (c >= 0) zRow[ki] = shown[c];
         }
         z.push(zRow);
-        text.push(tRow);
       }
+      // The hover text depends on the head only: built once per (layer, head), reused by every factor and scope.
+      const textKey = "text/" + state.head;
+      if (!entry.views.has(textKey)) entry.views.set(textKey, hoverText(entry.d.index, both, qLabels, kLabels));
+      const text = entry.views.get(textKey);
       const signed = SIGNED.has(state.factor);
       const where = "L" + state.layer + (state.head === "all" ? ", all heads" : "H" + state.head);
       const scopeText = state.factor === "attention" ? "" : " (" + state.scope + ")";
