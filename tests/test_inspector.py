@@ -48,6 +48,10 @@ def test_widget_traits_select_what_is_sent() -> None:
     assert inspector.window.queries == list(range(10, 18)) and inspector.window.keys == [0, *range(10, 18)]
     assert inspector.meta["key_labels"][1].startswith("10:") and inspector.query == 17
     assert_payload(inspector, model, ids, 1)
+    assert repr(inspector) == (
+        "Inspector(layer=1, head=all, factor=contribution, scope=inter, tokens 10..17 of 20); "
+        "display it, or .write_html(path)"
+    )
     inspector.layer = 2
     assert_payload(inspector, model, ids, 2)
     # Head, factor and scope are drawn by the front-end from the payload already sent.

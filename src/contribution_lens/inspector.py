@@ -248,6 +248,14 @@ class Inspector(anywidget.AnyWidget):
             raise traitlets.TraitError(f"unknown {name} {value!r}; expected one of {allowed}")
         return value
 
+    def __repr__(self) -> str:
+        head = "all" if self.head < 0 else self.head
+        queries = self.meta["queries"]
+        return (
+            f"Inspector(layer={self.layer}, head={head}, factor={self.factor}, scope={self.scope}, "
+            f"tokens {queries[0]}..{queries[-1]} of {len(self._labels)}); display it, or .write_html(path)"
+        )
+
     @property
     def window(self) -> Window:
         return token_window(len(self._labels), start=self.start, tokens=self.tokens, causal=self._causal)
