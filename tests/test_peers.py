@@ -32,7 +32,7 @@ def method_scores(model, batch, name: str, layers: list[int]) -> dict[int, torch
 
 
 def test_peer_methods_are_registered() -> None:
-    for name in ("alti", "value_zeroing", "grad_attention"):
+    for name in ("alti", "alti_rollout", "value_zeroing", "grad_attention"):
         assert name in cl.available_methods(), f"{name} missing from {cl.available_methods()}"
     assert get_method("grad_attention").signed, "alpha * grad is signed"
     assert get_method("alti").capture == ("hook_resid_pre",)
@@ -117,6 +117,18 @@ def test_alti_chunking_over_queries_changes_nothing() -> None:
     sums = all_at_once.sum(-1)[batch.attention_mask]
     assert_close(sums, torch.ones_like(sums))
     assert bool((all_at_once[1, 4:] == 0).all()), "padded queries score 0"
+
+
+def test_alti_rollout_is_the_product_of_the_naive_layers() -> None:
+    model = tiny_bridge("gqa", biases=True, n_layers=3)
+    batch = tiny_batch(model)
+    got = method_scores(model, batch, "alti_rollout", [0, 2])
+    per_layer = [naive_alti(model, batch, layer)[0] for layer in range(3)]
+    expected = per_layer[2] @ per_layer[1] @ per_layer[0]
+    assert_close(got[0].double(), per_layer[0], rtol=1e-4, atol=1e-5)
+    assert_close(got[2].double(), expected, rtol=1e-4, atol=1e-5)
+    sums = got[2].sum(-1)[batch.attention_mask]
+    assert_close(sums, torch.ones_like(sums))
 
 
 # --- value zeroing -------------------------------------------------------------------------

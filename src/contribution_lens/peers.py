@@ -1,4 +1,4 @@
-"""Peer measures from the literature, registered as methods: ``alti``, ``value_zeroing``, ``grad_attention``.
+"""Peer measures as registered methods: ``alti``, ``alti_rollout``, ``value_zeroing``, ``grad_attention``.
 
 Notation as in `contribution_lens.decomposition`: at layer ``l``, ``alpha_ij^h`` is the pattern,
 ``vt_j^h = v_j^h W_O^h`` the projected value (``hook_v`` times ``W_O``), ``x_i`` the residual
@@ -19,9 +19,11 @@ that follows the block. In a pre-LN decoder (Llama, SmolLM2) the norm comes *bef
 attention: it acts on ``x_j`` on the way to ``W_V`` and is already inside ``vt_j`` (its scale
 ``1 / rms(x_j)`` is taken as given with the input, as in the reference implementation's
 ``pre_layer_norm`` branch), and nothing follows the residual sum, so ``T_i(x_j)`` is used as it
-is. For a post-LN encoder this form is the split of the sum *before* its LayerNorm. Scores are
-per layer (no rollout) and token level ``[batch query key]``. Queries are processed in chunks
-so that ``[batch query key d_model]`` never exceeds `ALTI_MAX_ELEMENTS` numbers.
+is. For a post-LN encoder this form is the split of the sum *before* its LayerNorm. ``alti``
+scores are per layer and token level ``[batch query key]``; ``alti_rollout`` multiplies them
+through the layers, ``R^l = C^l R^{l-1}`` (``R^0 = C^0``): the share of each *input* token.
+Queries are processed in chunks so that ``[batch query key d_model]`` never exceeds
+`ALTI_MAX_ELEMENTS` numbers.
 
 **value_zeroing** (Mohebbi et al. 2023). With ``y_i`` the block output (``hook_resid_post``,
 attention and MLP) and ``y_i^{(-j)}`` the same block rerun from the same ``x`` with ``v_j`` zeroed
@@ -64,6 +66,7 @@ from torch import Tensor
 
 from contribution_lens import adapter
 from contribution_lens.decomposition import valid_positions
+from contribution_lens.engine import map_layers
 from contribution_lens.methods import Method, ScoreContext, register_method
 
 ALTI_MAX_ELEMENTS = 2**24
@@ -140,6 +143,33 @@ def alti_score(layer: adapter.LayerInputs, context: ScoreContext) -> Float[Tenso
     """Registered ``alti``: `alti_contributions` of the layer, reading ``hook_resid_pre``."""
     valid = layer.decompose(context.scope).valid
     return alti_contributions(layer.pattern, layer.v, layer.W_O, layer.b_O, layer.captured["hook_resid_pre"], valid)
+
+
+def alti_rollout_scores(
+    model: adapter.Model, batch: adapter.TokenBatch, layers: Sequence[int]
+) -> dict[int, Float[Tensor, "batch query key"]]:
+    """ALTI rolled out over layers ``0..l`` for every requested ``l``: ``R^l = C^l R^{l-1}``, ``R^0 = C^0``.
+
+    ``R^l_ij`` is the share of input token ``j`` in the residual stream at position ``i`` after
+    block ``l`` (the MLP acts on each position alone, so it mixes nothing). One forward pass runs
+    ALTI on every layer up to the last requested one.
+    """
+    wanted = set(layers)
+    out: dict[int, Tensor] = {}
+    rollout: list[Tensor] = []
+
+    def step(layer: adapter.LayerInputs) -> None:
+        contributions = alti_score(layer, ScoreContext())
+        if rollout:
+            contributions = einops.einsum(
+                contributions, rollout.pop(), "batch query mid, batch mid key -> batch query key"
+            )
+        rollout.append(contributions)
+        if layer.layer in wanted:
+            out[layer.layer] = contributions
+
+    map_layers(model, batch, step, layers=list(range(max(layers) + 1)), capture=("hook_resid_pre",))
+    return out
 
 
 # --- value zeroing -------------------------------------------------------------------------
@@ -265,15 +295,11 @@ def value_zeroing_scores(
     return out
 
 
-def _prepared_layer(layer: adapter.LayerInputs, context: ScoreContext) -> Tensor:
+def prepared_score(layer: adapter.LayerInputs, context: ScoreContext) -> Tensor:
+    """The scores the method's ``prepare`` computed for this layer (``value_zeroing``, ``alti_rollout``)."""
     if not isinstance(context.prepared, dict) or layer.layer not in context.prepared:
         raise ValueError(f"no prepared scores for layer {layer.layer}: run the method's prepare on this batch first")
     return context.prepared[layer.layer].to(layer.pattern.device)
-
-
-def value_zeroing_score(layer: adapter.LayerInputs, context: ScoreContext) -> Float[Tensor, "batch query key"]:
-    """Registered ``value_zeroing``: the scores `value_zeroing_scores` prepared for this layer."""
-    return _prepared_layer(layer, context)
 
 
 # --- gradient x attention ------------------------------------------------------------------
@@ -321,12 +347,12 @@ def attention_gradients(
 
 def grad_attention_score(layer: adapter.LayerInputs, context: ScoreContext) -> Float[Tensor, "batch head query key"]:
     """Registered ``grad_attention``: ``alpha * dL/dalpha`` per head, 0 where a key is not visible."""
-    grad = _prepared_layer(layer, context)
+    grad = prepared_score(layer, context)
     valid = einops.rearrange(layer.decompose(context.scope).valid, "batch query key -> batch 1 query key")
     return torch.where(valid, layer.pattern.float() * grad.float(), 0)
 
 
-PEER_METHODS: tuple[str, ...] = ("alti", "value_zeroing", "grad_attention")
+PEER_METHODS: tuple[str, ...] = ("alti", "alti_rollout", "value_zeroing", "grad_attention")
 for _method in (
     Method(
         "alti",
@@ -335,8 +361,14 @@ for _method in (
         capture=("hook_resid_pre",),
     ),
     Method(
+        "alti_rollout",
+        prepared_score,
+        "ALTI rolled out from the input tokens through every layer up to this one (Ferrando et al.)",
+        prepare=alti_rollout_scores,
+    ),
+    Method(
         "value_zeroing",
-        value_zeroing_score,
+        prepared_score,
         "value zeroing: cosine distance of the block output with v_j zeroed (Mohebbi et al.)",
         prepare=lambda model, batch, layers: value_zeroing_scores(model, batch, layers),
     ),
