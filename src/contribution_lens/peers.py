@@ -34,7 +34,8 @@ in every head:
 (scores below ``1e-5`` count as 0, as in inseq). The block is rerun on its own, from the
 arguments it got in one clean forward (captured by a PyTorch forward hook on ``model.blocks[l]``),
 with the zeroed variants of many ``(text, j)`` stacked along the batch axis: one block call per
-chunk, not one model pass per token. This runs in the method's ``prepare``.
+chunk, not one model pass per token. This runs in the method's ``prepare``. (The bridge's
+``forward(start_at_layer=l)`` still runs blocks ``0..l-1``, so it would cost a pass per layer.)
 
 **grad_attention**. With ``L`` the mean next-token negative log-likelihood of the batch (real
 tokens only) and one backward pass through the unmodified forward:
@@ -43,6 +44,17 @@ tokens only) and one backward pass through the unmodified forward:
 
 The derivative is the total one: it follows ``alpha^l``'s effect through every later layer,
 their patterns included.
+
+How they relate to the built-ins (`contribution_lens.methods`): ``attention`` is ``alpha_ij^h``;
+``value_weighted``, ``alpha_ij^h ||vt_j^h||``, is the norm-based measure of Kobayashi et al.
+(2020); ALTI goes one step further, adding the residual ``x_i`` and comparing whole vectors
+with the block output rather than taking norms; value zeroing and ``grad_attention`` are causal
+(an intervention, a derivative) instead of read from the decomposition.
+
+Cross-check: `benchmarks/bench_value_zeroing.py` runs inseq 0.7.1's value zeroing on the same
+model and tokens. Spearman rank agreement over keys is >= 0.9996 per query on layers 0..28 and
+0.99 on the last layer (where inseq reads the states after the final norm), and ours is 3.8x
+faster on one CPU thread.
 
 Example (ALTI on tensors: one head, two tokens):
     >>> import torch
