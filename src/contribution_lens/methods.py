@@ -206,3 +206,4 @@ for _name, _description, _signed in (
 ):
     register_method(Method(_name, _decomposition_score(_name), _description, _signed))
 register_method(Method("random", random_score, "seeded uniform scores (control)", control=True))
+from contribution_lens import peers  # noqa: E402, F401  (registers alti, value_zeroing, grad_attention)
