@@ -149,7 +149,9 @@ def register_method(
 
 def unregister_method(name: str) -> None:
     """Remove a user's method (built-ins stay)."""
-    if name in BUILTIN_METHODS:
+    from contribution_lens.peers import PEER_METHODS
+
+    if name in BUILTIN_METHODS or name in PEER_METHODS:
         raise ValueError(f"{name!r} is built in and cannot be unregistered")
     if name not in _REGISTRY:
         raise KeyError(f"no method named {name!r} is registered")
