@@ -113,7 +113,10 @@ def bootstrap_tables(records: pd.DataFrame, *, resamples: int = 1000, seed: int 
     Texts missing a condition are left out of their task (the pairing needs every condition).
     """
     frame = records if "protocol" in records else records.assign(protocol="every_layer")
-    loss, aopc, verdicts, accuracy = [], [], [], []
+    loss: list[pd.DataFrame] = []
+    aopc: list[pd.DataFrame] = []
+    verdicts: list[pd.DataFrame] = []
+    accuracy: list[pd.DataFrame] = []
     for (protocol, task, kind), group in frame.groupby(["protocol", "task", "kind"], sort=True):
         if kind == "lm":
             parts = _lm_tables(group, resamples=resamples, seed=seed, level=level)
