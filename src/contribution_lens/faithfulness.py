@@ -195,7 +195,7 @@ def _hash32(x: Tensor) -> Tensor:
 
 
 def random_scores(
-    tokens: Sequence[Int[Tensor, " pos"]], *, seed: int, layer: int, shape: tuple[int, ...]
+    tokens: Sequence[Int[Tensor, " _pos"]], *, seed: int, layer: int, shape: tuple[int, ...]
 ) -> Float[Tensor, "batch *head query key"]:
     """Uniform scores in [0, 1): a hash of (seed, the text's token ids, layer, head, query, key).
 
