@@ -106,7 +106,7 @@ def test_random_control_records_do_not_depend_on_the_batch_size(bundled_model, s
     runs = []
     for size in (1, 3):
         config = small_config(shared_data, lm=(), max_items=3, batch_size=size)
-        evaluation.run_faithfulness(bundled_model, config, protocol, tmp_path / str(size), progress=False, resamples=10)
+        evaluation.run_faithfulness(bundled_model, config, protocol, tmp_path / str(size), progress=False)
         runs.append(read_merged(tmp_path / str(size)))
     assert [r["seq"] for r in runs[0]] == [r["seq"] for r in runs[1]]
     for alone, batched in zip(*runs, strict=True):
@@ -355,7 +355,7 @@ def test_input_deletion_renormalises_over_the_remaining_keys_at_every_layer() ->
 
 def test_head_granularity_ranks_each_heads_keys() -> None:
     protocol = faithfulness.Protocol(methods=("output_normalized", "random"), granularity="head", scope="intra")
-    model, batch, clean = tiny_clean(protocol)
+    *_, clean = tiny_clean(protocol)
     assert clean.scores["output_normalized"][0].shape == (2, 4, 8, 8)
     assert clean.scores["random"][1].shape == (2, 4, 8, 8)
     condition = faithfulness.Condition("output_normalized", "abs", "comprehensiveness", 0.5)
@@ -372,11 +372,15 @@ FULL = faithfulness.Protocol(
 )
 
 
+def full_config(shared_data: Path) -> evaluation.RunConfig:
+    winogrande = f"winogrande={shared_data / 'winogrande' / 'dev_partial_scoring_llmfoundry.jsonl'}"
+    return small_config(shared_data, choice=(winogrande,), max_chunks=2, max_items=2)
+
+
 @pytest.fixture(scope="module")
 def full_run(bundled_model, shared_data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("full") / "run"
-    config = small_config(shared_data, max_chunks=2, max_items=2)
-    evaluation.run_faithfulness(bundled_model, config, FULL, out, progress=False, resamples=200)
+    evaluation.run_faithfulness(bundled_model, full_config(shared_data), FULL, out, progress=False, resamples=200)
     return out
 
 
@@ -387,10 +391,12 @@ def test_every_protocol_writes_intervals_aopc_and_verdicts(full_run: Path) -> No
     assert set(summary["protocol"]) == set(faithfulness.PROTOCOLS)
     text = summary[summary["task"] == "gsm8k"]
     assert text[["delta_loss", "ci_low", "ci_high"]].notna().all().all()
-    assert (text["ci_low"] <= text["delta_loss"] + 1e-12).all() and (text["delta_loss"] <= text["ci_high"] + 1e-12).all()
+    assert (text["ci_low"] <= text["delta_loss"] + 1e-12).all() and (
+        text["delta_loss"] <= text["ci_high"] + 1e-12
+    ).all()
     at_zero = text[text["ratio"] == 0]
     assert len(at_zero) == 3 * 5 * 2 and (at_zero["delta_loss"].abs() < 1e-6).all(), "ratio 0 removes nothing"
-    choice = summary[summary["task"] == "boolq"]
+    choice = summary[summary["task"] == "winogrande"]
     assert choice[["accuracy", "ci_low", "ci_high", "chance"]].notna().all().all() and (choice["chance"] == 0.5).all()
     aopc = pd.read_csv(full_run / "aopc.csv")
     assert list(aopc.columns) == ["protocol", "task", "mode", "method", "aopc", "ci_low", "ci_high", "ratios"]
@@ -409,17 +415,17 @@ def test_every_protocol_writes_intervals_aopc_and_verdicts(full_run: Path) -> No
     html = (full_run / "report.html").read_text()
     assert_self_contained(html)
     assert html.index("<h2>Verdicts</h2>") < html.index("Plotly.newPlot"), "the report leads with the verdicts"
-    assert "(comprehensiveness, input-token deletion, gsm8k): Δloss difference" in html
+    assert "(comprehensiveness, input-token deletion): Δloss difference" in html
     assert "chance is 0.500" in html
 
 
 def test_dry_run_counts_the_passes_and_writes_nothing(bundled_model, shared_data, full_run: Path, tmp_path) -> None:
-    config = small_config(shared_data, max_chunks=2, max_items=2)
+    config = full_config(shared_data)
     plan = evaluation.plan_run(bundled_model, config, FULL, out=tmp_path / "new")
     # 2 units (1 of chunks, 1 of items); per unit 1 clean + 1 at ratio 0 + 5 ranked methods x 2 modes
     # x 2 ratios for every_layer and input_deletion, and twice that for one_layer (2 layers).
     assert plan.passes == 2 * (2 + 20 + 20 + 40)
     assert plan.seconds > plan.forward_seconds > 0
-    assert "82" not in plan.describe() and f"{plan.passes} forward passes" in plan.describe()
+    assert f"{plan.passes} forward passes" in plan.describe()
     assert not (tmp_path / "new").exists()
     assert evaluation.plan_run(bundled_model, config, FULL, out=full_run).passes == 0, "a finished run has no work"
