@@ -342,7 +342,7 @@ def test_input_deletion_renormalises_over_the_remaining_keys_at_every_layer() ->
 
         return hook
 
-    hooks = removal_hooks = faithfulness.removal_hooks(clean, removal, [condition])
+    removal_hooks = faithfulness.removal_hooks(clean, removal, [condition])
     hooks = [*removal_hooks, *[(adapter.pattern_hook(layer), grab(layer)) for layer in (0, 1)]]
     adapter.forward(model, batch, hooks)
     valid = batch.attention_mask

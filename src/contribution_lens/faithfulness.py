@@ -163,6 +163,13 @@ def removal_keep_mask(
     For each query the ``floor(ratio * n_valid)`` valid keys with the highest
     (comprehensiveness) or lowest (sufficiency) rank value are removed. Ties keep the key order.
     """
+    return keep_from_rank(removal_rank(scores, valid, mode=mode, rank_by=rank_by), valid, ratio)
+
+
+def removal_rank(
+    scores: Float[Tensor, "*batch query key"], valid: Bool[Tensor, "*batch query key"], *, mode: str, rank_by: str
+) -> Int[Tensor, "*batch query key"]:
+    """Each key's place in its query's removal order (0 = removed first); the same for every ratio."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; expected one of {MODES}")
     value = (scores.abs() if rank_by == "abs" else scores).double()
@@ -171,6 +178,12 @@ def removal_keep_mask(
     value = torch.where(valid, value, -math.inf if descending else math.inf)
     order = torch.argsort(value, dim=-1, descending=descending, stable=True)
     rank = torch.argsort(order, dim=-1, stable=True)
+    return rank.to(torch.int16 if rank.shape[-1] < 2**15 else torch.int32)  # kept across ratios: keep it small
+
+
+def keep_from_rank(
+    rank: Int[Tensor, "*batch query key"], valid: Bool[Tensor, "*batch query key"], ratio: float
+) -> Bool[Tensor, "*batch query key"]:
     remove = rank < n_removed(ratio, valid.sum(-1))[..., None]
     return ~(remove & valid)
 
@@ -225,7 +238,7 @@ class CleanRun:
     layers: list[int] = field(default_factory=list)
     n_layers: int = 0
     cache: dict[Any, Tensor] = field(default_factory=dict)
-    """Keep masks computed once per condition (input deletion)."""
+    """Rankings reused across ratios, and input deletion's keep mask per condition."""
 
 
 def clean_run(model: adapter.Model, batch: adapter.TokenBatch, protocol: Protocol) -> CleanRun:
@@ -279,9 +292,17 @@ class RemovalProtocol:
         """Keep mask ``[batch (head) query key]`` at ``layer``, or None for no change there."""
         raise NotImplementedError
 
-    def _ranked(self, clean: CleanRun, condition: Condition, scores: Tensor) -> Tensor:
+    def _ranked(self, clean: CleanRun, condition: Condition, scores: Tensor, where: Any) -> Tensor:
+        """Keep mask of ``condition`` from ``scores``; the ranking is cached across ratios."""
         valid = clean.valid if scores.ndim == 3 else clean.valid[:, None].expand_as(scores)
-        return removal_keep_mask(scores, valid, ratio=condition.ratio, mode=condition.mode, rank_by=condition.rank_by)
+        key = ("rank", where, condition.method, condition.rank_by, condition.mode)
+        if key not in clean.cache:
+            # Conditions come ratio after ratio: a few rankings per place are enough.
+            stale = [k for k in clean.cache if isinstance(k, tuple) and k[:2] == ("rank", where)]
+            for old in stale[: max(0, len(stale) - 3)]:
+                del clean.cache[old]
+            clean.cache[key] = removal_rank(scores, valid, mode=condition.mode, rank_by=condition.rank_by)
+        return keep_from_rank(clean.cache[key], valid, condition.ratio)
 
 
 class EveryLayer(RemovalProtocol):
@@ -290,7 +311,7 @@ class EveryLayer(RemovalProtocol):
     def keep(self, clean: CleanRun, condition: Condition, layer: int) -> Tensor | None:
         if condition.ratio == 0:
             return None
-        return self._ranked(clean, condition, clean.scores[condition.method][layer])
+        return self._ranked(clean, condition, clean.scores[condition.method][layer], layer)
 
 
 class OneLayer(RemovalProtocol):
@@ -302,7 +323,7 @@ class OneLayer(RemovalProtocol):
     def keep(self, clean: CleanRun, condition: Condition, layer: int) -> Tensor | None:
         if condition.ratio == 0 or condition.layer != layer:
             return None
-        return self._ranked(clean, condition, clean.scores[condition.method][layer])
+        return self._ranked(clean, condition, clean.scores[condition.method][layer], layer)
 
 
 class InputDeletion(RemovalProtocol):
@@ -315,9 +336,11 @@ class InputDeletion(RemovalProtocol):
         if condition.ratio == 0:
             return None
         if condition not in clean.cache:
-            per_layer = clean.scores[condition.method]
-            mean = torch.stack([per_layer[layer] for layer in clean.layers]).mean(0)
-            clean.cache[condition] = self._ranked(clean, condition, mean)
+            mean_key = ("mean", condition.method)
+            if mean_key not in clean.cache:
+                per_layer = clean.scores[condition.method]
+                clean.cache[mean_key] = torch.stack([per_layer[layer] for layer in clean.layers]).mean(0)
+            clean.cache[condition] = self._ranked(clean, condition, clean.cache[mean_key], "mean")
         return clean.cache[condition]
 
 

@@ -19,7 +19,7 @@ def describe(protocol: str) -> str:
 
 
 def verdict_sentence(row: Any, *, with_task: bool = False) -> str:
-    """One verdict row in words, e.g. ``contribution is more faithful than attention (...): ...``.
+    r"""One verdict row in words, e.g. ``contribution is more faithful than attention (...): ...``.
 
     Example:
         >>> row = pd.Series({"better": "contribution", "worse": "attention", "mode": "sufficiency",
