@@ -259,7 +259,7 @@ def test_torchrun_two_processes_merge_to_the_single_process_result(shared_data, 
         "-m", "contribution_lens.cli", "faithfulness",
         "--data", f"gsm8k={shared_data / 'gsm8k' / 'test.jsonl'}",
         "--data", f"boolq={shared_data / 'boolq' / 'val.jsonl'}",
-        "--methods", "attention,contribution,random", "--ratios", "0,0.5",
+        "--methods", "attention,contribution,random", "--ratios", "0,0.5", "--rank-by", "abs",
         "--chunk-length", "32", "--max-chunks", "4", "--max-items", "2", "--max-item-tokens", "256",
         "--batch-size", "2", "--out", str(out),
     ]  # fmt: skip

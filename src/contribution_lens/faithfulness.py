@@ -404,10 +404,16 @@ def masked_forward(
     removal: RemovalProtocol,
     todo: Sequence[Condition],
     *,
-    rows_per_pass: int = 16,
+    rows_per_pass: int | None = None,
 ) -> Iterator[tuple[Condition, Float[Tensor, "batch pos d_vocab"]]]:
-    """Logits of each condition; conditions are stacked along the batch, ``rows_per_pass`` rows a pass."""
+    """Logits of each condition; conditions are stacked along the batch, ``rows_per_pass`` rows a pass.
+
+    ``None`` stacks 64 rows on a GPU and none on a CPU, where a bigger batch is no faster per row
+    and its logits (``rows x pos x d_vocab``) crowd the memory.
+    """
     size = batch.tokens.shape[0]
+    if rows_per_pass is None:
+        rows_per_pass = 64 if batch.tokens.device.type == "cuda" else size
     per_pass = max(1, rows_per_pass // size)
     for start in range(0, len(todo), per_pass):
         stacked = list(todo[start : start + per_pass])
