@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -59,7 +60,9 @@ def test_help_shows_defaults_without_importing_torch() -> None:
 def test_version() -> None:
     result = python("from contribution_lens import cli\ncli.main(['--version'])")
     assert result.returncode == 0, result.stderr
-    assert result.stdout == "contribution-lens 0.1.0\n"
+    from importlib.metadata import version
+
+    assert result.stdout == f"contribution-lens {version('contribution-lens')}\n"
 
 
 def test_the_module_prints_one_line_without_traceback(tmp_path) -> None:
@@ -97,6 +100,17 @@ FAITH = ["faithfulness", "--data", "{text}"]
             "--methods: expected 'all' or a comma-separated subset of attention, value_weighted, output_normalized, "
             "contribution, random, alti, alti_rollout, value_zeroing, grad_attention, got 'attention,saliency'",
         ),
+        (
+            [*FAITH, "--protocol", "every_layer,leave_one_out"],
+            "--protocol: expected 'all' or a comma-separated subset of every_layer, one_layer, input_deletion, "
+            "got 'every_layer,leave_one_out'",
+        ),
+        ([*FAITH, "--rank-by", "rank"], "--rank-by: expected a comma-separated subset of abs, signed, got 'rank'"),
+        (
+            [*FAITH, "--protocol", "input_deletion", "--granularity", "head"],
+            "--granularity: expected 'token' with --protocol input_deletion (it ranks tokens), got 'head'",
+        ),
+        ([*FAITH, "--bootstrap", "0"], "--bootstrap: expected a positive integer, got 0"),
         (
             [*FAITH, "--modes", "both"],
             "--modes: expected a comma-separated subset of comprehensiveness, sufficiency, got 'both'",
@@ -262,3 +276,14 @@ def test_a_failed_run_does_not_block_the_corrected_rerun(text_file, tmp_path, ca
         f"contribution-lens: error: {out} holds a run with other settings ({out / 'config.json'}); "
         "use another --out folder\n"
     )
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(text_file, tmp_path, capsys, fast_model) -> None:
+    out = tmp_path / "plan"
+    status = cli.main(
+        ["faithfulness", "--data", f"text={text_file}", *FAST, "--protocol", "all", "--dry-run", "--out", str(out)]
+    )
+    printed = capsys.readouterr().out
+    assert status == 0
+    assert re.search(r"\d+ forward passes .*; estimated [\d.]+ (s|min|h)", printed), printed
+    assert not out.exists()

@@ -110,6 +110,17 @@ def _check_faithfulness(args: argparse.Namespace) -> None:
     registered = available_methods()
     args.methods = check.choose("--methods", args.methods, registered, all_means=faithfulness.ALL_METHODS)
     args.modes = check.choose("--modes", args.modes, faithfulness.MODES)
+    args.protocol = check.choose(
+        "--protocol", args.protocol, tuple(faithfulness.PROTOCOLS), all_means=tuple(faithfulness.PROTOCOLS)
+    )
+    args.rank_by = check.choose("--rank-by", args.rank_by, faithfulness.RANKINGS)
+    if args.granularity == "head" and "input_deletion" in args.protocol:
+        raise check.UsageError(
+            "--granularity: expected 'token' with --protocol input_deletion (it ranks tokens), got 'head'"
+        )
+    args.bootstrap = check.at_least("--bootstrap", args.bootstrap)
+    if args.rows_per_pass is not None:
+        args.rows_per_pass = check.at_least("--rows-per-pass", args.rows_per_pass)
     args.model = check.model("--model", args.model)
     args.layers = None if layers is None else check.layers("--layers", layers, args.model)
     args.device = check.device("--device", args.device)
@@ -128,6 +139,8 @@ def _faithfulness(args: argparse.Namespace) -> int:
         rank_by=args.rank_by,
         scope=args.scope,
         seed=args.seed,
+        protocols=args.protocol,
+        granularity=args.granularity,
     )
     lm = tuple(spec for spec in args.data if evaluation.task_name(spec) not in CHOICE_TASKS)
     choice = tuple(spec for spec in args.data if evaluation.task_name(spec) in CHOICE_TASKS)
@@ -142,11 +155,25 @@ def _faithfulness(args: argparse.Namespace) -> int:
         choice_ratios=args.choice_ratios,
     )
     model = _load(args)
-    summary = evaluation.run_faithfulness(model, config, protocol, args.out, model_name=args.model)
+    if args.dry_run:
+        print(evaluation.plan_run(model, config, protocol, out=args.out).describe())
+        return 0
+    summary = evaluation.run_faithfulness(
+        model,
+        config,
+        protocol,
+        args.out,
+        model_name=args.model,
+        resamples=args.bootstrap,
+        rows_per_pass=args.rows_per_pass,
+    )
     if summary is not None:
-        with pd.option_context("display.width", 160, "display.max_rows", 500, "display.float_format", "{:.4f}".format):
-            print(evaluation.mean_over_ratios(summary).to_string())
-        print(f"wrote {args.out}/records.jsonl, summary.csv and report.html")
+        from contribution_lens.faithfulness_report import verdict_sentence
+
+        verdicts = pd.read_csv(Path(args.out) / "verdicts.csv")
+        for _, row in verdicts.iterrows():
+            print(verdict_sentence(row, with_task=True))
+        print(f"wrote {args.out}/records.jsonl, summary.csv, aopc.csv, verdicts.csv and report.html")
     return 0
 
 
@@ -361,12 +388,39 @@ def build_parser() -> argparse.ArgumentParser:
         "alti_rollout, value_zeroing (about one block pass per token and layer) and grad_attention by name",
     )
     faith.add_argument("--modes", default="comprehensiveness,sufficiency", help="comma-separated")
-    faith.add_argument("--ratios", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9", help="removal ratios in [0, 1)")
+    faith.add_argument("--ratios", default="0,0.01,0.05,0.1,0.2,0.5", help="removal ratios in [0, 1)")
     faith.add_argument(
         "--choice-ratios", default=None, help="ratios for multiple-choice sets (default: those of --ratios)"
     )
     faith.add_argument("--layers", default=None, help="comma-separated layers to mask (default: all)")
-    faith.add_argument("--rank-by", choices=("abs", "signed"), default="abs", help="rank keys by |score| or score")
+    faith.add_argument(
+        "--rank-by", default="abs,signed", help="rank keys by |score|, by the signed score, or both (comma-separated)"
+    )
+    faith.add_argument(
+        "--protocol",
+        default="every_layer",
+        help="comma-separated removal protocols, or 'all': every_layer (mask values at every scored layer), "
+        "one_layer (one scored layer at a time), input_deletion (delete keys from each query's view at every "
+        "layer, softmax renormalised)",
+    )
+    faith.add_argument(
+        "--granularity",
+        choices=("token", "head"),
+        default="token",
+        help="rank tokens (heads summed) or each head's keys (masking protocols only)",
+    )
+    faith.add_argument(
+        "--bootstrap", type=int, default=1000, help="paired bootstrap resamples over texts for the 95%% intervals"
+    )
+    faith.add_argument(
+        "--rows-per-pass",
+        type=int,
+        default=None,
+        help="rows stacked in one forward pass (default: 64 on a GPU, none on a CPU)",
+    )
+    faith.add_argument(
+        "--dry-run", action="store_true", help="print the number of passes and an estimated time, then stop"
+    )
     faith.add_argument(
         "--scope",
         choices=("inter", "intra"),

@@ -140,9 +140,11 @@ def bootstrap_tables(records: pd.DataFrame, *, resamples: int = 1000, seed: int 
 
 
 def _concat(parts: list[pd.DataFrame], columns: list[str]) -> pd.DataFrame:
-    if not parts:
+    # A task can contribute no row (no pair of methods to compare): it must not drop the columns.
+    filled = [part for part in parts if not part.empty]
+    if not filled:
         return pd.DataFrame(columns=columns)
-    return pd.concat(parts, ignore_index=True)[columns]
+    return pd.concat(filled, ignore_index=True).reindex(columns=columns)
 
 
 def _complete(group: pd.DataFrame, value: str) -> pd.DataFrame:
