@@ -13,7 +13,9 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-BUNDLED = "smollm2-135m"  # loading.BUNDLED, repeated so that --help imports nothing heavy
+BUNDLED = "smollm2-135m"  # loading.BUNDLED, ENCODER and GEMMA, repeated so that --help imports nothing heavy
+BUNDLED_NAMES = (BUNDLED, "minilm-l6", "gemma3-270m")
+NAMES = ", ".join(map(repr, BUNDLED_NAMES))
 
 
 class UsageError(ValueError):
@@ -151,25 +153,31 @@ def n_layers(model: str) -> int:
 
 
 def _model_config(model: str) -> dict[str, Any]:
-    if model == BUNDLED:
-        return _bundled_config()
+    if model in BUNDLED_NAMES:
+        return _bundled_config(model)
     folder = Path(model)
     if (folder / "config.json").is_file():
         return json.loads((folder / "config.json").read_text(encoding="utf-8"))
     if folder.exists() or model.startswith((".", "/", "~")):
-        raise _expected("--model", f"{BUNDLED!r}, a checkpoint folder or a Hugging Face id", model, "no config.json")
+        raise _expected("--model", f"{NAMES}, a checkpoint folder or a Hugging Face id", model, "no config.json")
     try:
         from transformers import AutoConfig
 
         return dict(AutoConfig.from_pretrained(model).to_dict())
     except (OSError, ValueError) as error:
         why = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise _expected("--model", f"{BUNDLED!r}, a checkpoint folder or a Hugging Face id", model, why) from None
+        raise _expected("--model", f"{NAMES}, a checkpoint folder or a Hugging Face id", model, why) from None
 
 
-def _bundled_config() -> dict[str, Any]:
+def _bundled_config(name: str) -> dict[str, Any]:
     from contribution_lens import loading
 
+    if name == loading.ENCODER:
+        return json.loads((loading.bundled_encoder_dir() / "config.json").read_text(encoding="utf-8"))
+    if name != BUNDLED:
+        # A chunked GGUF has no readable header until joined: dequantise once (load_model would).
+        checkpoint = loading._dequantised_checkpoint(name) / "config.json"
+        return json.loads(checkpoint.read_text(encoding="utf-8"))
     gguf = loading.bundled_gguf()
     checkpoint = loading._checkpoint_for(gguf) / "config.json"
     if checkpoint.is_file():
