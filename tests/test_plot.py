@@ -7,7 +7,6 @@ import torch
 
 import contribution_lens as cl
 from conftest import assert_close, raises_bad_input, tiny_bridge
-from contribution_lens.inspector import VIEWS
 
 
 @pytest.fixture(scope="module")
@@ -61,25 +60,3 @@ def test_plot_errors(geometry) -> None:
         cl.plot.factor_bars(geometry, layer=0, query=8)
     with pytest.raises(KeyError, match="layer 5 was not computed"):
         cl.plot.token_heatmap(geometry, layer=5)
-
-
-def test_inspector_controls_cover_every_combination() -> None:
-    model = tiny_bridge("mha", biases=True)
-    ids = torch.randint(0, 50, (1, 30), generator=torch.Generator().manual_seed(0))
-    figure = cl.inspect(model, ids, max_tokens=6, head=1)
-    assert len(figure.data) == 2 * (4 + 1) * len(VIEWS)
-    heads_menu, views_menu = figure.layout.updatemenus
-    assert len(heads_menu.buttons) == 5 and len(views_menu.buttons) == len(VIEWS)
-    assert [step.label for step in figure.layout.sliders[0].steps] == ["0", "1"]
-    # Queries 24..29 are shown, keys are the sink plus the same positions.
-    assert figure.layout.yaxis.ticktext[0].startswith("24:")
-    assert list(figure.layout.xaxis.ticktext)[:2] == [
-        "0:<" + str(int(ids[0, 0])) + ">",
-        figure.layout.yaxis.ticktext[0],
-    ]
-    # The head menu only moves x-axes, the view menu only y-axes, the slider only visibility.
-    assert all(key.startswith("xaxis") for key in heads_menu.buttons[0].args[0])
-    assert all(key.startswith(("yaxis", "coloraxis")) for key in views_menu.buttons[0].args[0])
-    assert list(figure.layout.sliders[0].steps[0].args[0]) == ["visible"]
-    with raises_bad_input("max_tokens must be at least 2"):
-        cl.inspect(model, ids, max_tokens=1)

@@ -143,3 +143,37 @@ def test_bad_sink_settings() -> None:
     model = tiny_bridge("mha")
     with raises_bad_input("unknown variant 'half'"):
         run_sink_intervention(model, torch.zeros(1, 5, dtype=torch.long), variant="half", progress=False)
+
+
+def test_a_sink_at_the_last_position_of_a_bidirectional_pattern() -> None:
+    g = torch.Generator().manual_seed(4)
+    pos, n_heads = 7, 4
+    scores = torch.randn(2, n_heads, pos, pos, generator=g)
+    scores[..., -1] += 4.0  # every query parks most of its attention on the last token ([SEP]-like)
+    pattern = scores.softmax(-1)
+    v, W_O = torch.randn(2, pos, 2, 6, generator=g), torch.randn(n_heads, 6, 16, generator=g)
+    from contribution_lens.sinks import detect_sinks
+
+    found = detect_sinks(pattern, epsilon=0.3)
+    assert found[:, -1].all() and found.sum().item() == 2
+    s = sink_layer(pattern, v, W_O, sinks=found)
+    # The closed forms, checked by brute force with the sink moved to the front.
+    order = [pos - 1, *range(pos - 1)]
+    moved = sink_layer(pattern[..., order][:, :, order], v[:, order], W_O, k=1)
+    assert_close(s.sink_ratio[..., :-1], moved.sink_ratio[..., 1:], atol=1e-6)
+    assert_close(s.cross[..., :-1], moved.cross[..., 1:], rtol=1e-4, atol=1e-5)
+    assert bool(s.queries[:, :-1].all()) and not bool(s.queries[:, -1].any())
+
+
+@pytest.mark.slow
+def test_the_encoders_sink_is_found_and_its_parts_add_up(encoder_model) -> None:
+    text = "The quick brown fox jumps over the lazy dog near the river bank."
+    analysis = cl.sink_analysis(encoder_model, text, sinks="auto", layers=[1, 2, 3])
+    n = len(analysis.str_tokens[0])
+    for layer, s in analysis.layers.items():
+        positions = s.sinks[0].nonzero()[:, 0].tolist()
+        assert positions == [0], f"layer {layer}: sinks at {positions}, [CLS] expected"
+        assert s.queries[0].sum().item() == n - 1  # every other token sees the sink: no causal mask
+    table = analysis.head_table()
+    parts = table["intra_sink_contribution"] + table["intra_tail_contribution"]
+    assert_close(torch.tensor(parts.values), torch.ones(len(parts), dtype=torch.float64), atol=1e-4)

@@ -135,6 +135,17 @@ def check_length(model: Model, length: int, what: str) -> None:
         raise ValueError(f"{what} is {length} tokens long, more than the model's context of {n_ctx} tokens")
 
 
+def check_token_ids(model: Model, tokens: Tensor) -> None:
+    """Every id lies in the model's vocabulary ``[0, d_vocab)``."""
+    d_vocab = getattr(model.cfg, "d_vocab", None)
+    if tokens.numel() == 0 or d_vocab is None:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low < 0 or high >= int(d_vocab):
+        bad = low if low < 0 else high
+        raise ValueError(f"token id {bad} is outside the model's vocabulary of {d_vocab} ids (0..{int(d_vocab) - 1})")
+
+
 def token_labels(model: Model, ids: Sequence[int]) -> list[str]:
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
@@ -174,6 +185,8 @@ def to_token_batch(
         if tokens.shape[0] == 0 or tokens.shape[1] == 0:
             raise ValueError(f"token tensor is empty: shape {tuple(tokens.shape)}")
         check_length(model, tokens.shape[1], "the token sequence")
+        real_ids = tokens if attention_mask is None else tokens[attention_mask.reshape(tokens.shape).bool()]
+        check_token_ids(model, real_ids)
         if attention_mask is None:
             mask = torch.ones_like(tokens, dtype=torch.bool)
         else:

@@ -104,6 +104,17 @@ class Decomposition:
             .mul_(einops.rearrange(inv_out, "batch head query -> batch head query 1"))
         )
 
+    def head_contribution(self, head: int) -> Float[Tensor, "batch query key"]:
+        """``c_ij^h`` of one head, without building every head's (unless already computed)."""
+        if "contribution" in self.__dict__:
+            return self.contribution[:, head]
+        inv_out = _safe_divide(torch.ones_like(self.output_norm[:, head]), self.output_norm[:, head])
+        return (
+            torch.mul(self.attention[:, head], self.cosine[:, head])
+            .mul_(einops.rearrange(self.value_norm[:, head], "batch key -> batch 1 key"))
+            .mul_(einops.rearrange(inv_out, "batch query -> batch query 1"))
+        )
+
     def factor(self, name: str) -> Float[Tensor, "batch head query key"]:
         """One of ``attention``, ``relative_norm``, ``cosine``, ``contribution`` by name."""
         if name not in FACTORS:

@@ -213,20 +213,32 @@ def summarise_decomposition(d: Decomposition, attention_mask: Tensor, sink: int 
     * ``top1_agreement``: share of those queries whose most-attended key is also the key of
       largest contribution.
 
-    Averages over no queries (a one-token text) are NaN: there is nothing to average, and
-    the row says so rather than inventing a number.
+    Raises for a batch whose texts all have one token: no query then sees another key.
     """
+    if int(attention_mask.sum(-1).max()) < 2:
+        raise ValueError(
+            "a layer summary compares each query's attention with its contributions over the keys it sees: "
+            "it needs a text of at least two tokens (with prepend_bos=False a one-word text has one)"
+        )
     real_query = attention_mask.to(d.attention.device).clone() & d.valid[:, :, sink]
     real_query[:, sink] = False  # the sink attending to itself says nothing
-    attention = d.attention.mean(1)  # [batch query key]
-    contribution = d.sum_over_heads()
-    attended = d.attention > 0
+    # Head by head: a long text's summary never holds a second full [batch head query key] tensor.
+    attention = torch.zeros_like(d.attention[:, 0])
+    contribution = torch.zeros_like(attention)
+    negative, attended = 0, 0
+    for head in range(d.shape[1]):
+        alpha, weight = d.attention[:, head], d.head_contribution(head)
+        attention += alpha
+        contribution += weight
+        seen = alpha > 0
+        attended += int(seen.sum())
+        negative += int(seen.logical_and_(weight < 0).sum())
+    attention /= d.shape[1]
     agree = attention.argmax(-1) == contribution.argmax(-1)
-    n_attended = int(attended.sum())
     return {
         "sink_attention": _mean(attention[..., sink][real_query]),
         "sink_contribution": _mean(contribution[..., sink][real_query]),
-        "negative_share": int(((d.contribution < 0) & attended).sum()) / n_attended if n_attended else float("nan"),
+        "negative_share": negative / attended if attended else float("nan"),
         "top1_agreement": _mean(agree[real_query].float()),
     }
 
