@@ -404,3 +404,53 @@ def test_widget_token_window_menu(browser, bundled_model, library, tmp_path, mon
     )
     check_drawn(wait_ready(browser, hash_too=False), library, 9, None, "contribution", "inter", inspector.window)
     assert inspector.window.keys == [0, *range(4, 12)]
+
+
+def figure_page(figures: dict[str, "object"], folder: Path) -> Path:
+    from contribution_lens import report
+
+    return report.write_html(folder / "figures.html", "figures", list(figures.items()))
+
+
+def drawn(browser, index: int, selector: str) -> list[dict]:
+    """Bounding boxes and text of the elements ``selector`` inside the ``index``-th plot."""
+    return browser.execute_script(
+        "const plot = document.querySelectorAll('.js-plotly-plot')[arguments[0]];"
+        "return [...plot.querySelectorAll(arguments[1])].map(e => {const r = e.getBoundingClientRect();"
+        "return {text: e.textContent, left: r.left, right: r.right, width: r.width, dash: e.style.strokeDasharray};});",
+        index,
+        selector,
+    )
+
+
+@pytest.mark.slow
+def test_figures_draw_every_label_a_clear_colour_bar_separate_scales_and_distinct_lines(
+    browser, bundled_model, tmp_path
+) -> None:
+    text = "One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen."
+    g = cl.attention_geometry(bundled_model, text, layers=[4])
+    n = len(g.str_tokens[0])
+    same = [0.1 * k for k in range(5)]
+    figures = {
+        "heatmap": cl.plot.token_heatmap(g, layer=4, head=2),
+        "bars": cl.plot.factor_bars(g, layer=4, query=n - 1, head=2),
+        "lines": cl.plot.lines({"a": same, "b": same, "c": [0.5] * 5}, title="three lines"),
+    }
+    open_and_check(browser, figure_page(figures, tmp_path), "figures.png", min_plots=3)
+    # Every token label is drawn on both axes (plotly would otherwise thin them out).
+    assert [t["text"] for t in drawn(browser, 0, ".ytick text")] == g.labels()
+    assert len(drawn(browser, 0, ".xtick text")) == n
+    # The colour bar starts right of the heatmap's last column.
+    cells = drawn(browser, 0, ".heatmaplayer image")[0]
+    colorbar = drawn(browser, 0, ".colorbar .cbfills")[0]
+    assert colorbar["left"] >= cells["right"]
+    # One panel per factor: the contribution bars get their own scale and a visible length.
+    contribution = g[4].contribution[0, 2, n - 1].abs().max().item()
+    relative = g[4].relative_norm[0, 2, n - 1].max().item()
+    assert relative / contribution > 5  # on one shared axis the contribution bars would be 5x shorter
+    bars = drawn(browser, 1, ".trace.bars .point path")
+    longest = [max(b["width"] for b in bars[k * n : (k + 1) * n]) for k in range(4)]
+    assert min(longest) > 0.5 * max(longest), longest
+    # Identical series stay distinguishable: each line has its own dash pattern.
+    dashes = [line["dash"] for line in drawn(browser, 2, ".scatterlayer .js-line")]
+    assert len(dashes) == 3 and len(set(dashes)) == 3, dashes

@@ -175,3 +175,25 @@ def test_importing_the_package_does_not_import_torch() -> None:
     code = "import sys, contribution_lens; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def readme_block(marker: str) -> str:
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = readme.split("```python\n")[1:]
+    return next(block.split("```")[0] for block in blocks if marker in block)
+
+
+def test_the_readmes_examples_run(bundled_model) -> None:
+    namespace = {"cl": cl, "model": bundled_model}
+    exec(readme_block("def sink_vs_rest"), namespace)
+    assert set(namespace["shares"][-1]) == {"sink", "negative"} and namespace["shares"].layers == [0, 10, 29]
+    registration = readme_block("@cl.register_method").split("from contribution_lens import")[0]
+    try:
+        exec(registration, namespace)
+        method = cl.get_method("value_norm_only")
+        scores = cl.map_layers(bundled_model, "a b c", lambda layer: method.token_scores(layer, cl.ScoreContext()))
+        assert scores[0].shape == (1, 4, 4) and bool((scores[0].triu(1) == 0).all())
+    finally:
+        cl.unregister_method("value_norm_only")

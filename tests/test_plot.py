@@ -44,7 +44,8 @@ def test_head_grid_factor_bars_and_measures(geometry) -> None:
     assert np.asarray(grid.z).shape == (2, 4) and grid.zmid == 0 and grid.text[1][3] == "L1H3"
     bars = cl.plot.factor_bars(geometry, layer=1, query=5, head=0)
     assert [trace.name for trace in bars.data] == list(cl.FACTORS)
-    assert_close(torch.tensor(bars.data[3].y), geometry[1].contribution[0, 0, 5, :6].double(), atol=1e-6)
+    assert_close(torch.tensor(bars.data[3].x), geometry[1].contribution[0, 0, 5, :6].double(), atol=1e-6)
+    assert len({trace.xaxis for trace in bars.data}) == 4  # one scale per factor
     measures = cl.plot.compare_measures(geometry, layer=1, query=7)
     assert len(measures.data) == 4
     for trace in measures.data:

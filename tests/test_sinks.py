@@ -177,3 +177,31 @@ def test_the_encoders_sink_is_found_and_its_parts_add_up(encoder_model) -> None:
     table = analysis.head_table()
     parts = table["intra_sink_contribution"] + table["intra_tail_contribution"]
     assert_close(torch.tensor(parts.values), torch.ones(len(parts), dtype=torch.float64), atol=1e-4)
+
+
+def test_claim_verdicts_state_each_claim_against_its_threshold() -> None:
+    from contribution_lens.sinks import claim_verdicts
+
+    claims = {
+        "share_queries_sink_anti_aligned_with_tail": 0.585,
+        "share_queries_interior_minimum": 0.91,
+        "mean_sink_contribution_intra": 0.22,
+        "zero_delta_ppl": 6.97,
+        "zero_layers_where_low_norm_cone_cosine_rises": 28.0,
+        "zero_mean_low_norm_cone_cosine_clean": 0.377,
+        "zero_mean_low_norm_cone_cosine_intervened": 0.756,
+        "n_layers": 30.0,
+    }
+    table = claim_verdicts(claims)
+    assert list(table.columns) == ["claim", "measured here", "threshold", "verdict"]
+    assert table["verdict"].tolist() == [
+        "partly (a majority, not a rule)",
+        "supported",
+        "not supported: the sink adds to the output on average",
+        "supported",
+    ]
+    assert "58.5% of (head, query) pairs" in table["measured here"][0]
+    assert "0.377 -> 0.756 (rises in 28 of 30 layers)" in table["measured here"][3]
+    flipped = claim_verdicts(claims | {"mean_sink_contribution_intra": -0.1, "zero_delta_ppl": -1.0})
+    assert flipped["verdict"][2] == "supported" and flipped["verdict"][3] == "not supported"
+    assert len(claim_verdicts({k: v for k, v in claims.items() if not k.startswith("zero")})) == 3

@@ -174,6 +174,7 @@ def _sinks(args: argparse.Namespace) -> int:
     import torch
 
     from contribution_lens import data, plot, report, run_sink_intervention, sink_analysis
+    from contribution_lens.sinks import claim_verdicts
 
     model = _load(args)
     chunks = []
@@ -218,12 +219,14 @@ def _sinks(args: argparse.Namespace) -> int:
                 claims[f"{v}_mean_{column}_{run}"] = float(layer_rows[f"{column}_{run}"].mean())
         rises = layer_rows["low_norm_cone_cosine_intervened"] > layer_rows["low_norm_cone_cosine_clean"]
         claims[f"{v}_layers_where_low_norm_cone_cosine_rises"] = float(rises.sum())
+    claims["n_layers"] = float(model.cfg.n_layers)
     (out / "sink_claims.json").write_text(json.dumps(claims, indent=2))
+    verdicts = claim_verdicts(claims)
     layer_means = heads.groupby("layer").mean()
     top = heads["sink_ratio"].idxmax()
     queries = [q for q in (8, 64, 128, args.chunk_length - 1) if q < args.chunk_length]
     sections: list = [
-        ("Claims: the numbers", pd.DataFrame({"value": claims})),
+        ("The claims, measured on this model", verdicts),
         ("Sink-norm intervention", effect),
         (
             "Per layer: sink ratio, sink contribution, interior minima",
@@ -249,31 +252,23 @@ def _sinks(args: argparse.Namespace) -> int:
     sections += [
         (f"beta curves, L{top[0]}H{top[1]}", plot.beta_curves(analysis.layers[top[0]], head=top[1], queries=queries)),
         ("Sink ratio vs output norm", plot.sink_ratio_scatter(analysis.per_query())),
-        (
-            "Output norm and cone cosine, clean vs intervened",
-            plot.lines(
-                {
-                    f"{c} ({v})": per_layer.loc[v][c].tolist()
-                    for v in interventions
-                    for c in (
-                        "output_norm_clean",
-                        "output_norm_intervened",
-                        "low_norm_cone_cosine_clean",
-                        "low_norm_cone_cosine_intervened",
-                    )
-                },
-                title="per layer",
-                x=list(range(model.cfg.n_layers)),
-            ),
-        ),
+        ("Every number behind the claims", pd.DataFrame({"value": claims})),
         ("Per head", heads),
     ]
+    # Norms and cosines live on different scales: one figure each.
+    for column, title in (("output_norm", "mean output norm"), ("low_norm_cone_cosine", "cone cosine")):
+        series = {f"{run} ({v})": per_layer.loc[v][f"{column}_{run}"].tolist() for v in interventions for run in RUNS}
+        figure = plot.lines(series, title=f"{title} per layer", x=list(range(model.cfg.n_layers)), yaxis_title=title)
+        sections.insert(-2, (f"{title.capitalize()}, clean vs intervened", figure))
     report.write_html(out / "sinks.html", f"Attention sinks: {args.model}", sections)
     with pd.option_context("display.width", 160, "display.float_format", "{:.4f}".format):
         print(pd.Series(claims).to_string())
+        print(verdicts.to_string(index=False))
     print(f"wrote {out}/sinks.html, sink_heads.csv, sink_claims.json")
     return 0
 
+
+RUNS = ("clean", "intervened")
 
 DESCRIPTION = (
     "Which tokens really feed an attention head's output. Every argument is checked before the model "

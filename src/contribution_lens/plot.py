@@ -10,6 +10,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import torch
+from plotly.subplots import make_subplots
 from torch import Tensor
 
 from contribution_lens.decomposition import FACTORS, METHODS, Decomposition, scores_from
@@ -88,7 +89,8 @@ def _heatmap(values: np.ndarray, labels: list[str], factor: str, customdata: np.
         y=labels,
         customdata=customdata,
         hovertemplate=HOVER_TEMPLATE,
-        colorbar={"title": factor},
+        # Left-anchored just right of the plot area: the colour bar never covers the last column.
+        colorbar={"title": factor, "x": 1.02, "xanchor": "left"},
         **kwargs,
     )
 
@@ -125,10 +127,12 @@ def token_heatmap(
     labels = geometry.labels(index)
     where = f"L{layer}H{head}" if head is not None else f"L{layer}, all heads"
     figure = go.Figure(_heatmap(values, labels, factor, _hover(factors)))
+    # Every label, not every other one: plotly thins category ticks unless told which to draw.
+    ticks = {"tickmode": "array", "tickvals": labels, "ticktext": labels, "tickfont": {"size": 10}}
     figure.update_layout(
         title=f"{factor} ({geometry.scope}-head), {where}",
-        xaxis={"title": "key", "tickangle": -60},
-        yaxis={"title": "query", "autorange": "reversed"},
+        xaxis={"title": "key", "tickangle": -60, **ticks},
+        yaxis={"title": "query", "autorange": "reversed", **ticks},
         height=max(400, 14 * n + 200),
         width=max(500, 14 * n + 260),
     )
@@ -183,9 +187,22 @@ def factor_bars(
     _check_head(d, head)
     keys = _query_keys(geometry, index, query)
     factors = token_factors(d, head, index, len(geometry.str_tokens[index]))
-    bars = {name: factors[name][query, : query + 1] for name in FACTORS}
     where = f"L{layer}H{head}" if head is not None else f"L{layer}, all heads"
-    return _grouped_bars(bars, keys, f"Factors of the contribution of each key to query {keys[-1]!r}, {where}", "value")
+    # One panel and one scale per factor: on a shared axis the contribution bars (~0.01) vanish
+    # beside relative norms (~1-5).
+    figure = make_subplots(rows=1, cols=len(FACTORS), shared_yaxes=True, subplot_titles=[*FACTORS])
+    for column, name in enumerate(FACTORS, start=1):
+        values = _numpy(factors[name][query, : query + 1])
+        figure.add_bar(
+            x=values, y=keys, orientation="h", name=name, showlegend=False, row=1, col=column,
+            hovertemplate="key %{y}<br>" + name + " %{x:.4f}<extra></extra>",
+        )  # fmt: skip
+    figure.update_yaxes(autorange="reversed", tickmode="array", tickvals=keys, ticktext=keys, row=1, col=1)
+    figure.update_layout(
+        title=f"Factors of the contribution of each key to query {keys[-1]!r}, {where}",
+        height=max(360, 16 * len(keys) + 160),
+    )
+    return figure
 
 
 def compare_measures(geometry: Geometry, *, layer: int, query: int, index: int = 0) -> go.Figure:
@@ -228,11 +245,32 @@ def lines(
 ) -> go.Figure:
     """One line per named series, over layers (default ``x = 0, 1, ...``) or any other axis."""
     figure = go.Figure()
-    for name, values in series.items():
+    for number, (name, values) in enumerate(series.items()):
         xs = list(range(len(values))) if x is None else [float(v) for v in x]
-        figure.add_scatter(x=xs, y=[float(v) for v in values], mode="lines+markers", name=name)
+        # Dash and marker differ per line, so identical series stay visible on top of each other.
+        figure.add_scatter(
+            x=xs, y=[float(v) for v in values], mode="lines+markers", name=name,
+            line={"dash": DASHES[number % len(DASHES)], "width": 2 + (number % 3)},
+            marker={"symbol": SYMBOLS[number % len(SYMBOLS)], "size": 7 + 2 * (number % 3)}, opacity=0.85,
+        )  # fmt: skip
     figure.update_layout(title=title, xaxis={"title": xaxis_title}, yaxis={"title": yaxis_title})
     return figure
+
+
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "cross", "star")
+
+
+def use_in_notebook() -> None:
+    """Show figures as HTML in notebooks, plotly.js embedded once per notebook, offline.
+
+    Plotly's default Jupyter renderer writes a MIME bundle that only a live Jupyter front end
+    draws: exported notebooks (``jupyter nbconvert --to html``) and static viewers show nothing.
+    The ``"notebook"`` renderer writes plain HTML, with plotly.js in the first figure's output.
+    """
+    import plotly.io as pio
+
+    pio.renderers.default = "notebook"
 
 
 def sink_head_grid(table: pd.DataFrame, column: str, *, title: str | None = None) -> go.Figure:
