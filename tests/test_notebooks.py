@@ -87,11 +87,17 @@ def test_notebook_uses_public_names_only(path: Path) -> None:
     assert not private, f"{path.name} uses private names: {private}"
 
 
+def is_figure(output: nbformat.NotebookNode) -> bool:
+    """A plotly figure: its MIME bundle, or the HTML that `cl.plot.use_in_notebook` makes plotly write."""
+    data = output.get("data", {})
+    return PLOTLY_MIME in data or 'class="plotly-graph-div"' in data.get("text/html", "")
+
+
 def figure_cells(notebook: nbformat.NotebookNode) -> list[int]:
     return [
         i
         for i, cell in enumerate(notebook.cells)
-        if cell.cell_type == "code" and any(PLOTLY_MIME in out.get("data", {}) for out in cell.get("outputs", []))
+        if cell.cell_type == "code" and any(is_figure(out) for out in cell.get("outputs", []))
     ]
 
 
@@ -142,7 +148,7 @@ def test_notebook_runs_and_exports_with_every_figure(path: Path) -> None:
             f"{path.name}: the notice after cell {notebook.cells[i].id} names no number"
         )
 
-    n_figures = sum(PLOTLY_MIME in out.get("data", {}) for i in figures for out in notebook.cells[i].outputs)
+    n_figures = sum(is_figure(out) for i in figures for out in notebook.cells[i].outputs)
     divs = re.findall(r'<div class="plotly-graph-div" id="([\w-]+)"', html)
     drawn = [div for div in divs if re.search(rf'Plotly\.newPlot\(\s*"{div}",\s*\[\{{', html)]
     assert len(drawn) == n_figures, f"{path.name}: {n_figures} figures, {len(drawn)} drawn with data in the HTML"
