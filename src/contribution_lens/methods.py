@@ -149,7 +149,9 @@ def register_method(
 
 def unregister_method(name: str) -> None:
     """Remove a user's method (built-ins stay)."""
-    if name in BUILTIN_METHODS:
+    from contribution_lens.peers import PEER_METHODS
+
+    if name in BUILTIN_METHODS or name in PEER_METHODS:
         raise ValueError(f"{name!r} is built in and cannot be unregistered")
     if name not in _REGISTRY:
         raise KeyError(f"no method named {name!r} is registered")
@@ -206,3 +208,4 @@ for _name, _description, _signed in (
 ):
     register_method(Method(_name, _decomposition_score(_name), _description, _signed))
 register_method(Method("random", random_score, "seeded uniform scores (control)", control=True))
+from contribution_lens import peers  # noqa: E402, F401  (registers alti, value_zeroing, grad_attention)
