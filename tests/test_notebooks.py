@@ -76,6 +76,8 @@ def test_exercises_each_have_a_collapsed_solution(path: Path) -> None:
         assert solution is not None and is_solution(solution), f"{path.name}: {title!r} is not followed by a solution"
         assert solution.metadata.get("jupyter", {}).get("source_hidden"), f"{path.name}: {title!r} solution is shown"
         assert "assert " in solution.source, f"{path.name}: {title!r} solution checks nothing"
+    orphans = [cells[i].id for i, c in enumerate(cells) if is_solution(c) and i - 1 not in exercises]
+    assert not orphans, f"{path.name}: solution cells {orphans} follow no '### Exercise' cell"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
