@@ -1,15 +1,18 @@
-"""Cost of the faithfulness protocol per evaluated chunk, against one clean forward pass.
+"""Cost of a faithfulness sweep against ``passes x one forward`` (the batching benchmark ratio).
 
-A chunk costs 1 scoring pass (clean logits + every method's scores at every layer), 1 pass at
-ratio 0 (shared by all methods) and one masked pass per (method, mode, nonzero ratio): with the
-defaults 5 x 2 x 9 = 90, so 92 passes. This script measures, on the bundled model with 256-token
-chunks in batches of 4: a plain forward, the scoring pass and one masked pass, counts the passes
-of a real run (ratios 0 and 0.5, all methods), and prints the ratios.
-Run: ``python benchmarks/bench_faithfulness.py``.
+A sweep of one unit is 1 scoring pass (clean logits + every method's scores) and one masked
+copy of the unit per condition; `faithfulness.masked_forward` stacks conditions along the batch
+(``rows_per_pass`` rows a call), so a sweep should cost about ``passes x`` one plain forward:
+
+    benchmark ratio = time(sweep) / (passes x time(plain forward of the unit)).
+
+It also prints the pass count of the default grid (every protocol) and `evaluation.plan_run`'s
+estimate beside the measured time. Run:
+``python benchmarks/bench_faithfulness.py [--chunks 4] [--length 256] [--rows-per-pass N] [--device cuda]``.
 """
 
+import argparse
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,51 +28,80 @@ def timed(fn, repeats: int = 3) -> float:
     fn()
     times = []
     for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         start = time.perf_counter()
         fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 
 
+def sweep(model, batch, protocol: faithfulness.Protocol, rows_per_pass: int | None) -> int:
+    """Every condition of ``protocol`` on one unit; returns the number of passes."""
+    clean = faithfulness.clean_run(model, batch, protocol)
+    passes = 1
+    for name in protocol.protocols:
+        removal = faithfulness.PROTOCOLS[name]
+        todo = faithfulness.conditions(protocol, protocol.ratios, removal.variants(clean.layers))
+        for _condition, logits in faithfulness.masked_forward(
+            model, batch, clean, removal, todo, rows_per_pass=rows_per_pass
+        ):
+            faithfulness.token_nll(logits, batch.tokens, batch.attention_mask)
+            passes += 1
+    return passes
+
+
 def main() -> None:
-    model = cl.load_model()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunks", type=int, default=4)
+    parser.add_argument("--length", type=int, default=256)
+    parser.add_argument("--rows-per-pass", type=int, default=None, help="default: 64 on a GPU, the unit on a CPU")
+    parser.add_argument("--device", default=None)
+    args = parser.parse_args()
+    model = cl.load_model(device=args.device)
     spec = f"gsm8k={SHARED}" if SHARED.is_file() else "gsm8k"
     chunks = data.chunk_tokens(
-        model.tokenizer, data.load_texts(spec), length=256, bos_token_id=model.tokenizer.bos_token_id, max_chunks=4
+        model.tokenizer,
+        data.load_texts(spec),
+        length=args.length,
+        bos_token_id=model.tokenizer.bos_token_id,
+        max_chunks=args.chunks,
     )
     batch = adapter.to_token_batch(model, chunks)
-    protocol = faithfulness.Protocol()
+    protocol = faithfulness.Protocol(ratios=(0.05, 0.2), protocols=("every_layer",))
     plain = timed(lambda: adapter.forward(model, batch))
     scoring = timed(lambda: faithfulness.clean_run(model, batch, protocol))
-    clean = faithfulness.clean_run(model, batch, protocol)
-    masked = timed(
-        lambda: faithfulness.masked_logits(model, batch, clean, method="contribution", mode="sufficiency", ratio=0.5)
+    passes = sweep(model, batch, protocol, args.rows_per_pass)
+    start = time.perf_counter()  # the first sweep was the warm-up
+    sweep(model, batch, protocol, args.rows_per_pass)
+    swept = time.perf_counter() - start
+    plain = min(plain, timed(lambda: adapter.forward(model, batch)))  # again: other load shifts timings
+    rows = args.rows_per_pass or (64 if torch.cuda.is_available() else batch.tokens.shape[0])
+    copies = max(1, rows // batch.tokens.shape[0])
+    tiled = adapter.pad_rows(model, list(batch.tokens) * copies)
+    stacked = timed(lambda: adapter.forward(model, tiled))
+    device = next(model.parameters()).device
+    print(
+        f"bundled SmolLM2-135M on {device}, {chunks.shape[0]} chunks x {args.length} tokens, "
+        f"{torch.get_num_threads()} threads"
     )
-
-    calls = {"n": 0}
-    original = adapter.forward
-
-    def counting(*args, **kwargs):
-        calls["n"] += 1
-        return original(*args, **kwargs)
-
-    adapter.forward = counting
-    try:
-        small = faithfulness.Protocol(ratios=(0.0, 0.5))
-        config = evaluation.RunConfig(lm=(spec,), chunk_length=256, max_chunks=4, batch_size=4)
-        with tempfile.TemporaryDirectory() as out:
-            evaluation.run_faithfulness(model, config, small, out, progress=False)
-    finally:
-        adapter.forward = original
-    full_passes = 2 + len(protocol.methods) * len(protocol.modes) * sum(r > 0 for r in protocol.ratios)
-    per_chunk_full = (scoring + masked * (full_passes - 1)) / chunks.shape[0]
-    print(f"bundled SmolLM2-135M, {chunks.shape[0]} chunks x 256 tokens per batch, {torch.get_num_threads()} threads")
-    print(f"plain forward per batch:          {plain:.2f} s")
+    print(f"plain forward of the unit:        {plain:.3f} s")
     print(f"scoring pass / plain forward:     {scoring / plain:.2f}x")
-    print(f"masked pass / plain forward:      {masked / plain:.2f}x")
-    print(f"passes counted in a run (ratios 0, 0.5; 5 methods, 2 modes): {calls['n']} for 1 batch (expected 12)")
-    print(f"full protocol: {full_passes} passes per batch, {per_chunk_full:.1f} s per chunk")
-    print(f"  = {per_chunk_full * chunks.shape[0] / plain:.0f}x one clean forward of the chunk")
+    print(f"sweep (every_layer, {passes} passes, {rows} rows a pass): {swept:.2f} s")
+    print(f"plain forward of {copies} stacked copies / ({copies} x plain forward): {stacked / (copies * plain):.2f}")
+    print(f"benchmark ratio sweep / (passes x forward): {swept / (passes * plain):.2f}")
+
+    full = faithfulness.Protocol(protocols=tuple(faithfulness.PROTOCOLS))
+    config = evaluation.RunConfig(lm=(spec,), chunk_length=args.length, max_chunks=args.chunks, batch_size=args.chunks)
+    units = evaluation.build_units(model, config)
+    for name in faithfulness.PROTOCOLS:
+        one = faithfulness.Protocol(protocols=(name,))
+        work = evaluation.plan_units(model, units, config, one)
+        print(f"default grid, {name}: {sum(w.passes for w in work)} passes per unit of {args.chunks} chunks")
+    plan = evaluation.plan_run(model, config, full)
+    print(f"dry run, every protocol, default grid: {plan.describe()}")
 
 
 if __name__ == "__main__":

@@ -137,7 +137,10 @@ def test_a_registered_method_runs_through_the_faithfulness_scoring() -> None:
         d = cl.attention_geometry(model, IDS)[0]
         expected = (d.value_norm[:, :, None, :] * d.valid[:, None]).sum(1)
         assert_close(clean.scores["value_norm_only"][0], expected)
-        faithfulness.masked_logits(model, batch, clean, method="value_norm_only", mode="sufficiency", ratio=0.5)
+        condition = faithfulness.Condition("value_norm_only", "abs", "sufficiency", 0.5)
+        removal = faithfulness.PROTOCOLS["every_layer"]
+        [(_, logits)] = faithfulness.masked_forward(model, batch, clean, removal, [condition])
+        assert logits.shape[:2] == IDS.shape
     finally:
         cl.unregister_method("value_norm_only")
     assert "value_norm_only" not in cl.available_methods()

@@ -6,7 +6,12 @@ Layout of ``out``:
 * ``part-{rank}.jsonl`` -- records appended (and flushed) as each forward pass finishes, one
   line per (task, sequence, method, mode, ratio); an interrupted run skips what is there;
 * ``records.jsonl`` -- all parts merged, deduplicated and sorted;
-* ``summary.csv`` and ``report.html`` -- written by rank 0 at the end.
+* ``summary.csv`` -- per (task, protocol, method, mode, ratio): Δloss, ΔPPL or accuracy, with
+  the 95% paired-bootstrap interval of Δloss (text) or accuracy (multiple choice) in
+  ``ci_low``/``ci_high``;
+* ``aopc.csv`` -- the area over the perturbation curve per protocol, task, mode and method;
+* ``verdicts.csv`` -- the claimed ordering judged pair by pair (`contribution_lens.stats`);
+* ``report.html`` -- the verdicts in words, then the curves; written by rank 0 at the end.
 
 Under ``torchrun --nproc_per_node N`` each rank takes every N-th unit of work (a batch of
 chunks or items, in a fixed order) and rank 0 merges once all ranks are done.
@@ -14,6 +19,7 @@ chunks or items, in a fixed order) and rank 0 merges once all ranks are done.
 
 import json
 import os
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,18 +30,21 @@ import torch
 import torch.distributed as dist
 from tqdm.auto import tqdm
 
-from contribution_lens import adapter, data, plot, report
+from contribution_lens import adapter, data, faithfulness_report, stats
 from contribution_lens.faithfulness import (
-    MODES,
+    NOTHING_REMOVED,
+    PROTOCOLS,
+    Condition,
     Protocol,
     clean_run,
+    conditions,
     continuation_logprob,
-    masked_logits,
+    masked_forward,
     perplexity,
     token_nll,
 )
 
-Key = tuple[str, str, str, str, float]
+Key = tuple[str, str, str, str, str, float]
 
 
 @dataclass(frozen=True)
@@ -123,10 +132,6 @@ def build_units(model: adapter.Model, config: RunConfig) -> list[Unit]:
     return units
 
 
-def _conditions(protocol: Protocol, ratios: Sequence[float]) -> list[tuple[str, str, float]]:
-    return [(m, mode, r) for m in protocol.methods for mode in protocol.modes for r in ratios]
-
-
 def _item_records(unit: Unit, logits: torch.Tensor, batch: adapter.TokenBatch) -> list[dict[str, Any]]:
     device = batch.tokens.device
     starts = torch.tensor([s for s, _ in unit.spans], device=device)
@@ -152,7 +157,8 @@ def _unit_keys(unit: Unit) -> list[str]:
 
 
 def _key(record: dict[str, Any]) -> Key:
-    return (record["task"], record["seq"], record["method"], record["mode"], float(record["ratio"]))
+    protocol = record.get("protocol", "every_layer")
+    return (protocol, record["task"], record["seq"], record["method"], record["mode"], float(record["ratio"]))
 
 
 def read_records(out: Path) -> list[dict[str, Any]]:
@@ -213,8 +219,15 @@ def run_faithfulness(
     *,
     model_name: str = "",
     progress: bool = True,
+    resamples: int = 1000,
+    rows_per_pass: int | None = None,
 ) -> pd.DataFrame | None:
-    """Run (or resume) the protocol on every data set; returns the summary on rank 0."""
+    """Run (or resume) the protocol on every data set; returns the summary on rank 0.
+
+    ``resamples`` bootstrap replicates give the intervals; ``rows_per_pass`` bounds how many
+    rows (conditions x sequences of one unit) share one forward pass (None: 64 on a GPU, no
+    stacking on a CPU; see `faithfulness.masked_forward`).
+    """
     out_dir = Path(out)
     rank, world = _distributed()
     units = build_units(model, config)  # before writing anything: bad data fails early
@@ -228,55 +241,202 @@ def run_faithfulness(
     part = out_dir / f"part-{rank}.jsonl"
     _repair_tail(part)
     done = {_key(r) for r in read_records(out_dir)}
-    mine = units[rank::world]
-    lm_conditions = _conditions(protocol, protocol.ratios)
-    choice_conditions = _conditions(protocol, config.choice_ratios or protocol.ratios)
-    plan = []
-    for unit in mine:
-        conditions = choice_conditions if unit.kind == "choice" else lm_conditions
-        keys = _unit_keys(unit)
-        todo = [c for c in conditions if any((unit.task, k, *c) not in done for k in keys)]
-        if todo:
-            plan.append((unit, todo))
-    passes = sum(1 + len({c for c in todo if c[2] > 0}) + any(c[2] == 0 for c in todo) for _, todo in plan)
-    bar = tqdm(total=passes, desc=f"faithfulness passes (rank {rank})", unit="pass", disable=not progress or rank != 0)
+    plan = plan_units(model, units[rank::world], config, protocol, done)
+    bar = tqdm(
+        total=sum(work.passes for work in plan),
+        desc=f"faithfulness passes (rank {rank})",
+        unit="pass",
+        disable=not progress or rank != 0,
+    )  # tqdm's "<remaining" field is the ETA
     with open(part, "a", encoding="utf-8") as stream, bar:
-        for unit, todo in plan:
-            batch = adapter.pad_rows(model, unit.tokens)
-            clean = clean_run(model, batch, protocol)
-            clean_records = _unit_records(unit, clean.logits, batch)
-            bar.update()
-            zero_logits = None
-            for method, mode, ratio in todo:
-                if ratio == 0:
-                    # Nothing removed: the hooks multiply by 1; computed once for all methods.
-                    if zero_logits is None:
-                        zero_logits = masked_logits(model, batch, clean, method=method, mode=mode, ratio=0.0)
-                        bar.update()
-                    logits = zero_logits
-                else:
-                    logits = masked_logits(
-                        model, batch, clean, method=method, mode=mode, ratio=ratio, rank_by=protocol.rank_by
-                    )
-                    bar.update()
-                records = []
-                for masked, base in zip(_unit_records(unit, logits, batch), clean_records, strict=True):
-                    record = {"task": unit.task, "kind": unit.kind, "method": method, "mode": mode, "ratio": ratio}
-                    record.update(masked)
-                    record["clean"] = base.get("nll", base.get("correct"))
-                    records.append(record)
-                _append(stream, records)
-                done.update(_key(r) for r in records)
+        for work in plan:
+            for records, passes in _run_unit(model, work, protocol, rows_per_pass=rows_per_pass):
+                if records:
+                    _append(stream, records)
+                bar.update(passes)
     if world > 1:
         dist.barrier()
     if rank != 0:
         return None
+    return _finish(out_dir, model_name, protocol, resamples)
+
+
+@dataclass
+class Work:
+    """What one unit still needs: ratio-0 records and, per removal protocol, conditions to run."""
+
+    unit: Unit
+    zero: list[tuple[str, str, str]]  # (protocol, method label, mode)
+    todo: dict[str, list[Condition]]
+
+    @property
+    def passes(self) -> int:
+        """Forward passes, counted in copies of the unit: 1 clean, 1 at ratio 0, 1 per condition."""
+        return 1 + bool(self.zero) + sum(len(todo) for todo in self.todo.values())
+
+
+def plan_units(
+    model: adapter.Model, units: Sequence[Unit], config: RunConfig, protocol: Protocol, done: set[Key] | None = None
+) -> list[Work]:
+    """The work left on ``units`` given the records already ``done``."""
+    done = done or set()
+    layers = adapter.check_layers(model, list(protocol.layers) if protocol.layers is not None else None)
+    plan = []
+    for unit in units:
+        ratios = (config.choice_ratios or protocol.ratios) if unit.kind == "choice" else protocol.ratios
+        keys = _unit_keys(unit)
+
+        def missing(name: str, condition: Condition) -> bool:
+            label, mode, ratio = condition.label, condition.mode, float(condition.ratio)
+            return any((name, unit.task, key, label, mode, ratio) not in done for key in keys)  # noqa: B023
+
+        zero = [
+            (name, c.label, c.mode)
+            for name in protocol.protocols
+            for method, rank in protocol.variants()
+            for c in [Condition(method, rank, mode, 0.0) for mode in protocol.modes]
+            if 0 in ratios and missing(name, c)
+        ]
+        todo = {
+            name: [c for c in conditions(protocol, ratios, PROTOCOLS[name].variants(layers)) if missing(name, c)]
+            for name in protocol.protocols
+        }
+        work = Work(unit, zero, {name: c for name, c in todo.items() if c})
+        if work.zero or work.todo:
+            plan.append(work)
+    return plan
+
+
+def _run_unit(
+    model: adapter.Model, work: Work, protocol: Protocol, *, rows_per_pass: int | None
+) -> Iterator[tuple[list[dict[str, Any]], int]]:
+    """Records of one unit as they complete, with the passes each took."""
+    unit = work.unit
+    batch = adapter.pad_rows(model, unit.tokens)
+    clean = clean_run(model, batch, protocol)
+    base = _unit_records(unit, clean.logits, batch)
+    yield [], 1
+    if work.zero:
+        # Nothing removed: no mask applies; one pass serves every method, mode and protocol.
+        ((_, logits),) = masked_forward(model, batch, clean, PROTOCOLS["every_layer"], [NOTHING_REMOVED])
+        rows = _unit_records(unit, logits, batch)
+        yield [r for name, label, mode in work.zero for r in _records(unit, name, label, mode, 0.0, rows, base)], 1
+    for name, todo in work.todo.items():
+        removal = PROTOCOLS[name]
+        n_variants = len(removal.variants(clean.layers))
+        pending: dict[tuple[str, str, float], dict[int | None, list[dict[str, Any]]]] = {}
+        for condition, logits in masked_forward(model, batch, clean, removal, todo, rows_per_pass=rows_per_pass):
+            group_key = (condition.label, condition.mode, condition.ratio)
+            group = pending.setdefault(group_key, {})
+            group[condition.layer] = _unit_records(unit, logits, batch)
+            records: list[dict[str, Any]] = []
+            if len(group) == n_variants:
+                rows = _combine_layers(pending.pop(group_key))
+                records = _records(unit, name, condition.label, condition.mode, condition.ratio, rows, base)
+            yield records, 1
+
+
+def _records(
+    unit: Unit, protocol: str, label: str, mode: str, ratio: float, rows: list[dict], base: list[dict]
+) -> list[dict[str, Any]]:
+    condition = {"protocol": protocol, "task": unit.task, "kind": unit.kind, "method": label, "mode": mode}
+    return [
+        {**condition, "ratio": ratio, **row, "clean": clean.get("nll", clean.get("correct"))}
+        for row, clean in zip(rows, base, strict=True)
+    ]
+
+
+def _combine_layers(per_layer: dict[int | None, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One record per sequence: the mean over the layers masked one at a time (kept per layer too)."""
+    if list(per_layer) == [None]:
+        return per_layer[None]
+    layers = sorted(layer for layer in per_layer if layer is not None)
+    combined = []
+    for index, first in enumerate(per_layer[layers[0]]):
+        rows = [per_layer[layer][index] for layer in layers]
+        if "nll" in first:
+            nll = [row["nll"] for row in rows]
+            combined.append(
+                {**first, "nll": sum(nll) / len(nll), "nll_per_layer": dict(zip(map(str, layers), nll, strict=True))}
+            )
+            continue
+        correct = [float(row["correct"]) for row in rows]
+        logprobs = [sum(values) / len(values) for values in zip(*(row["logprobs"] for row in rows), strict=True)]
+        combined.append(
+            {
+                "seq": first["seq"],
+                "logprobs": logprobs,
+                "pred": max(range(len(logprobs)), key=logprobs.__getitem__),
+                "correct": sum(correct) / len(correct),
+                "correct_per_layer": dict(zip(map(str, layers), correct, strict=True)),
+            }
+        )
+    return combined
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run will cost before it starts (`plan_run`)."""
+
+    units: int
+    passes: int
+    forward_seconds: float
+    """One plain forward pass of the first unit."""
+    seconds: float
+
+    def describe(self) -> str:
+        minutes = self.seconds / 60
+        return (
+            f"{self.units} units, {self.passes} forward passes (one plain pass of a unit: "
+            f"{self.forward_seconds:.2f} s); estimated {minutes:.1f} min on one process"
+        )
+
+
+def plan_run(
+    model: adapter.Model,
+    config: RunConfig,
+    protocol: Protocol,
+    *,
+    out: str | os.PathLike | None = None,
+    time_passes: bool = True,
+) -> RunPlan:
+    """Passes and estimated time of a run (what is left of it, if ``out`` holds records); writes nothing.
+
+    The estimate times one plain forward and one scoring pass of the first unit and scales
+    both by each unit's number of tokens: ``sum_u (t_score + (passes_u - 1) t_forward) T_u / T_0``.
+    """
+    units = build_units(model, config)
+    done = {_key(r) for r in read_records(Path(out))} if out is not None and Path(out).is_dir() else set()
+    plan = plan_units(model, units, config, protocol, done)
+    passes = sum(work.passes for work in plan)
+    if not plan or not time_passes:
+        return RunPlan(len(plan), passes, 0.0, 0.0)
+    first = adapter.pad_rows(model, plan[0].unit.tokens)
+    adapter.forward(model, first)  # warm-up
+    forward = _timed(lambda: adapter.forward(model, first))
+    scoring = _timed(lambda: clean_run(model, first, protocol))
+    size0 = sum(len(t) for t in plan[0].unit.tokens)
+    seconds = sum(
+        (scoring + (work.passes - 1) * forward) * sum(len(t) for t in work.unit.tokens) / size0 for work in plan
+    )
+    return RunPlan(len(plan), passes, forward, seconds)
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _finish(out_dir: Path, model_name: str, protocol: Protocol, resamples: int) -> pd.DataFrame:
     records = merge_records(out_dir)
-    summary = summarise(records)
-    staging = out_dir / "summary.csv.tmp"
-    summary.to_csv(staging, index=False)
-    os.replace(staging, out_dir / "summary.csv")
-    write_report(summary, out_dir / "report.html", title=f"Faithfulness of importance measures: {model_name}")
+    summary, tables = analyse(records, resamples=resamples, seed=protocol.seed)
+    for name, frame in (("summary", summary), ("aopc", tables.aopc), ("verdicts", tables.verdicts)):
+        staging = out_dir / f"{name}.csv.tmp"
+        frame.to_csv(staging, index=False)
+        os.replace(staging, out_dir / f"{name}.csv")
+    title = f"Faithfulness of importance measures: {model_name}"
+    write_report(summary, out_dir / "report.html", title=title, tables=tables)
     return summary
 
 
@@ -303,58 +463,57 @@ def merge_records(out: Path) -> list[dict[str, Any]]:
     return records
 
 
-def summarise(records: list[dict[str, Any]]) -> pd.DataFrame:
-    """Per (task, method, mode, ratio): PPL, ΔPPL and Δloss (text) or accuracy (choice)."""
+GROUP = ["task", "protocol", "method", "mode", "ratio"]
+
+
+def analyse(
+    records: list[dict[str, Any]], *, resamples: int = 1000, seed: int = 0
+) -> tuple[pd.DataFrame, stats.Tables]:
+    """The summary (point values and 95% intervals) and the bootstrap tables of a run's records."""
     if not records:
         raise ValueError("no records to summarise")
     frame = pd.DataFrame(records)
+    if "protocol" not in frame:
+        frame["protocol"] = "every_layer"
+    tables = stats.bootstrap_tables(frame, resamples=resamples, seed=seed)
     rows = []
-    for (task, kind, method, mode, ratio), group in frame.groupby(["task", "kind", "method", "mode", "ratio"]):
-        row: dict[str, Any] = {"task": task, "method": method, "mode": mode, "ratio": ratio, "n": len(group)}
+    for (task, protocol, method, mode, ratio, kind), group in frame.groupby([*GROUP, "kind"]):
+        row: dict[str, Any] = dict(zip(GROUP, (task, protocol, method, mode, ratio), strict=True)) | {"n": len(group)}
         if kind == "lm":
             tokens = int(group["tokens"].sum())
             clean_loss, loss = group["clean"].sum() / tokens, group["nll"].sum() / tokens
-            row.update(
-                ppl=perplexity(group["nll"].sum(), tokens),
-                delta_ppl=perplexity(group["nll"].sum(), tokens) - perplexity(group["clean"].sum(), tokens),
-                delta_loss=loss - clean_loss,
-            )
+            ppl = perplexity(group["nll"].sum(), tokens)
+            row.update(ppl=ppl, delta_ppl=ppl - perplexity(group["clean"].sum(), tokens), delta_loss=loss - clean_loss)
         else:
-            row.update(accuracy=group["correct"].mean(), clean_accuracy=group["clean"].astype(float).mean())
+            row.update(
+                accuracy=group["correct"].astype(float).mean(), clean_accuracy=group["clean"].astype(float).mean()
+            )
         rows.append(row)
-    return pd.DataFrame(rows)
+    intervals = pd.concat(
+        [
+            tables.delta_loss[[*GROUP, "ci_low", "ci_high"]],
+            tables.accuracy[[*GROUP, "ci_low", "ci_high", "clean_ci_low", "clean_ci_high", "chance"]],
+        ]
+    )
+    summary = pd.DataFrame(rows).merge(intervals.astype({"ratio": float}), on=GROUP, how="left")
+    return summary, tables
+
+
+def summarise(records: list[dict[str, Any]], *, resamples: int = 1000, seed: int = 0) -> pd.DataFrame:
+    """Per (task, protocol, method, mode, ratio): PPL, ΔPPL, Δloss (text) or accuracy (choice), with intervals."""
+    return analyse(records, resamples=resamples, seed=seed)[0]
 
 
 def mean_over_ratios(summary: pd.DataFrame) -> pd.DataFrame:
-    """Area under each curve: the mean over the run's ratios, per task, method and mode."""
+    """Mean over the run's nonzero ratios (the AOPC for Δloss), per task, protocol, method and mode."""
     value_columns = [c for c in ("delta_ppl", "delta_loss", "accuracy") if c in summary]
-    table = summary.groupby(["task", "mode", "method"])[value_columns].mean()
+    keys = ["task", "protocol", "mode", "method"] if "protocol" in summary else ["task", "mode", "method"]
+    table = summary[summary["ratio"] > 0].groupby(keys)[value_columns].mean()
     return table.dropna(how="all")
 
 
+write_report = faithfulness_report.write_report
+
+
 def _curves(summary: pd.DataFrame, task: str, column: str) -> Iterator[tuple[str, Any]]:
-    subset = summary[summary["task"] == task]
-    for mode in MODES:
-        rows = subset[subset["mode"] == mode]
-        if rows.empty or column not in rows or rows[column].isna().all():
-            continue
-        series = {m: g.sort_values("ratio")[column].tolist() for m, g in rows.groupby("method")}
-        ratios = sorted(rows["ratio"].unique())
-        figure = plot.lines(
-            series,
-            title=f"{task}: {column} vs removal ratio ({mode})",
-            x=ratios,
-            xaxis_title="removal ratio",
-            yaxis_title=column,
-        )
-        yield f"{task} — {mode} — {column}", figure
-
-
-def write_report(summary: pd.DataFrame, path: Path, *, title: str) -> Path:
-    """HTML with the ΔPPL / Δloss curves of both modes, accuracy curves and the summary tables."""
-    sections: list[report.Section] = [("Mean over ratios (area under the curve)", mean_over_ratios(summary))]
-    for task in sorted(summary["task"].unique()):
-        for column in ("delta_ppl", "delta_loss", "accuracy"):
-            sections.extend(_curves(summary, task, column))
-    sections.append(("All numbers", summary.set_index(["task", "mode", "method", "ratio"]).sort_index()))
-    return report.write_html(path, title, sections)
+    return faithfulness_report.curves(summary, task, column)

@@ -87,15 +87,21 @@ class Method:
 
     def token_scores(self, layer: LayerInputs, context: ScoreContext) -> Float[Tensor, "batch query key"]:
         """Scores summed over heads, float32 at least, exactly 0 where a key is not visible."""
+        scores = self._checked(layer, context)
+        return einops.reduce(scores, "batch head query key -> batch query key", "sum") if scores.ndim == 4 else scores
+
+    def head_scores(self, layer: LayerInputs, context: ScoreContext) -> Float[Tensor, "batch head query key"]:
+        """Per-head scores; refused for a method that scores tokens only."""
+        scores = self._checked(layer, context)
+        if scores.ndim != 4:
+            raise ValueError(f"method {self.name!r} scores tokens, not heads: per-head ranking needs per-head scores")
+        return scores
+
+    def _checked(self, layer: LayerInputs, context: ScoreContext) -> Tensor:
         scores = self.score_fn(layer, context)
         batch, n_heads, n_query, n_key = layer.pattern.shape
-        if scores.ndim == 4:
-            if tuple(scores.shape) != (batch, n_heads, n_query, n_key):
-                raise ValueError(
-                    f"method {self.name!r} returned {tuple(scores.shape)}, expected {tuple(layer.pattern.shape)}"
-                )
-            scores = einops.reduce(scores, "batch head query key -> batch query key", "sum")
-        elif tuple(scores.shape) != (batch, n_query, n_key):
+        shapes = {(batch, n_heads, n_query, n_key), (batch, n_query, n_key)}
+        if tuple(scores.shape) not in shapes:
             raise ValueError(
                 f"method {self.name!r} returned {tuple(scores.shape)}, expected [batch head query key] "
                 f"{tuple(layer.pattern.shape)} or [batch query key] {(batch, n_query, n_key)}"
@@ -186,16 +192,16 @@ def text_seed(seed: int, token_ids: list[int], layer: int) -> int:
 
 
 def random_score(layer: LayerInputs, context: ScoreContext) -> Tensor:
-    """Uniform scores per (text, layer, query, key), padding-free and batch-free."""
-    batch, _, n_query, n_key = layer.pattern.shape
-    out = torch.zeros(batch, n_query, n_key, dtype=torch.float64)
+    """Uniform scores per (text, layer, head, query, key), padding-free and batch-free."""
+    batch, n_heads, n_query, n_key = layer.pattern.shape
+    out = torch.zeros(batch, n_heads, n_query, n_key, dtype=torch.float64)
     lengths = layer.attention_mask.sum(-1).tolist()
     for row, length in enumerate(lengths):
         ids = layer.tokens[row, :length].tolist()
         generator = torch.Generator().manual_seed(text_seed(context.seed, ids, layer.layer))
-        out[row, :length, :length] = torch.rand(length, length, generator=generator, dtype=torch.float64)
+        out[row, :, :length, :length] = torch.rand(n_heads, length, length, generator=generator, dtype=torch.float64)
     out = out.to(layer.pattern.device)
-    valid = layer.decompose(context.scope).valid
+    valid = einops.rearrange(layer.decompose(context.scope).valid, "batch query key -> batch 1 query key")
     return torch.where(valid, out, 0)
 
 
