@@ -61,3 +61,15 @@ def test_plot_errors(geometry) -> None:
         cl.plot.factor_bars(geometry, layer=0, query=8)
     with pytest.raises(KeyError, match="layer 5 was not computed"):
         cl.plot.token_heatmap(geometry, layer=5)
+
+
+def test_an_encoders_heatmap_and_bars_show_every_key() -> None:
+    from conftest import tiny_bridge
+
+    model = tiny_bridge("gqa", attention_dir="bidirectional")
+    g = cl.attention_geometry(model, torch.randint(0, 50, (1, 6), generator=torch.Generator().manual_seed(0)))
+    z = np.asarray(cl.plot.token_heatmap(g, layer=0, head=1).data[0].z, dtype=float)
+    assert not np.isnan(z).any(), "a bidirectional pattern has no future keys to blank"
+    bars = cl.plot.factor_bars(g, layer=0, query=2, head=1)
+    assert len(bars.data[0].y) == 6
+    assert len(cl.plot.compare_measures(g, layer=0, query=2).data[0].x) == 6

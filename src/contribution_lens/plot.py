@@ -123,7 +123,8 @@ def token_heatmap(
     n = _check_index(geometry, index)
     factors = token_factors(d, head, index, n)
     values = _numpy(factors[factor]).copy()  # .numpy() shares memory with the result
-    values[np.triu_indices(n, k=1)] = np.nan  # causal: nothing to show above the diagonal
+    # Blank what the query cannot see: future keys of a causal model (an encoder sees every key).
+    values[~d.valid[index, :n, :n].cpu().numpy()] = np.nan
     labels = geometry.labels(index)
     where = f"L{layer}H{head}" if head is not None else f"L{layer}, all heads"
     figure = go.Figure(_heatmap(values, labels, factor, _hover(factors)))
@@ -186,20 +187,21 @@ def factor_bars(
     d = geometry[layer]
     _check_head(d, head)
     keys = _query_keys(geometry, index, query)
+    seen = len(keys)
     factors = token_factors(d, head, index, len(geometry.str_tokens[index]))
     where = f"L{layer}H{head}" if head is not None else f"L{layer}, all heads"
     # One panel and one scale per factor: on a shared axis the contribution bars (~0.01) vanish
     # beside relative norms (~1-5).
     figure = make_subplots(rows=1, cols=len(FACTORS), shared_yaxes=True, subplot_titles=[*FACTORS])
     for column, name in enumerate(FACTORS, start=1):
-        values = _numpy(factors[name][query, : query + 1])
+        values = _numpy(factors[name][query, :seen])
         figure.add_bar(
             x=values, y=keys, orientation="h", name=name, showlegend=False, row=1, col=column,
             hovertemplate="key %{y}<br>" + name + " %{x:.4f}<extra></extra>",
         )  # fmt: skip
     figure.update_yaxes(autorange="reversed", tickmode="array", tickvals=keys, ticktext=keys, row=1, col=1)
     figure.update_layout(
-        title=f"Factors of the contribution of each key to query {keys[-1]!r}, {where}",
+        title=f"Factors of the contribution of each key to query {geometry.labels(index)[query]!r}, {where}",
         height=max(360, 16 * len(keys) + 160),
     )
     return figure
@@ -211,18 +213,25 @@ def compare_measures(geometry: Geometry, *, layer: int, query: int, index: int =
     keys = _query_keys(geometry, index, query)
     bars = {}
     for method in METHODS:
-        score = scores_from(d, method)[index, :, query, : query + 1].sum(0)
+        score = scores_from(d, method)[index, :, query, : len(keys)].sum(0)
         bars[MEASURE_NAMES[method]] = score / score.abs().sum().clamp_min(1e-30)
-    title = f"Importance of each key for query {keys[-1]!r} at layer {layer} (sum over heads, scaled)"
+    title = (
+        f"Importance of each key for query {geometry.labels(index)[query]!r} at layer {layer} (sum over heads, scaled)"
+    )
     return _grouped_bars(bars, keys, title, "share of total |score|")
 
 
 def _query_keys(geometry: Geometry, index: int, query: int) -> list[str]:
-    """Labels of the keys query ``query`` sees, after checking the query exists."""
+    """Labels of the keys query ``query`` sees, after checking the query exists.
+
+    That is up to the query itself in a decoder, the whole text in an encoder.
+    """
     n = _check_index(geometry, index)
     if not 0 <= query < n:
         raise ValueError(f"query {query} is outside the text of {n} tokens")
-    return geometry.labels(index)[: query + 1]
+    d = next(iter(geometry.values()))
+    last = int(d.valid[index, query].nonzero().max()) if bool(d.valid[index, query].any()) else query
+    return geometry.labels(index)[: last + 1]
 
 
 def _grouped_bars(bars: dict[str, Tensor], keys: list[str], title: str, yaxis_title: str) -> go.Figure:
