@@ -170,7 +170,8 @@ def test_value_zeroing_batched_equals_one_token_loop(variant: str) -> None:
     batched = peers.value_zeroing_scores(model, batch, [0, 1])
     looped = peers.value_zeroing_scores(model, batch, [0, 1], chunk_size=1)
     for layer in (0, 1):
-        assert_close(batched[layer], looped[layer], rtol=1e-5, atol=1e-6)
+        # float32 kernels round differently for other batch shapes and thread counts (seen: 1e-5 at 2 threads)
+        assert_close(batched[layer], looped[layer], rtol=1e-4, atol=1e-5)
         assert_close(batched[layer], naive_value_zeroing(model, batch, layer), rtol=1e-4, atol=1e-5)
 
 

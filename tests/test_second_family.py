@@ -163,8 +163,11 @@ def test_clean_run_scores_every_layer_with_the_built_in_methods(gemma) -> None:
             assert bool(torch.isfinite(scores[clean.valid]).all()), (method, layer)
     nll, count = faithfulness.token_nll(clean.logits, batch.tokens, batch.attention_mask)
     assert int(count) == n - 1 and faithfulness.perplexity(float(nll), int(count)) < 100
-    kept = faithfulness.masked_logits(gemma, batch, clean, method="contribution", mode="comprehensiveness", ratio=0.0)
+    removal = faithfulness.PROTOCOLS["every_layer"]
+    nothing = faithfulness.NOTHING_REMOVED
+    half = faithfulness.Condition("contribution", "abs", "comprehensiveness", 0.5)
+    passes = dict(faithfulness.masked_forward(gemma, batch, clean, removal, [nothing, half], rows_per_pass=1))
+    kept, masked = passes[nothing], passes[half]
     assert_close(kept, clean.logits, rtol=1e-4, atol=1e-3)
-    masked = faithfulness.masked_logits(gemma, batch, clean, method="contribution", mode="comprehensiveness", ratio=0.5)
     masked_nll, _ = faithfulness.token_nll(masked, batch.tokens, batch.attention_mask)
     assert float(masked_nll) > float(nll), "removing the top half of the keys should hurt"
