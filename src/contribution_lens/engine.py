@@ -14,6 +14,7 @@ Every model-level analysis in this package is a function ``fn(layer: LayerInputs
     True
 """
 
+import html
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -131,7 +132,7 @@ class LayerResults(Mapping[int, T], Generic[T]):
             ("text 0", preview),
         ]
         body = "".join(
-            f"<tr><th style='text-align:left'>{k}</th><td style='text-align:left'>{_escape(v)}</td></tr>"
+            f"<tr><th style='text-align:left'>{k}</th><td style='text-align:left'>{html.escape(v)}</td></tr>"
             for k, v in rows
         )
         return f"<b>{type(self).__name__}</b><table>{body}</table>"
@@ -142,12 +143,6 @@ class LayerResults(Mapping[int, T], Generic[T]):
         if not isinstance(target, torch.dtype):
             moved.tokens, moved.attention_mask = self.tokens.to(target), self.attention_mask.to(target)
         return moved
-
-
-def _escape(text: str) -> str:
-    import html
-
-    return html.escape(text)
 
 
 def map_layers(

@@ -220,7 +220,7 @@ def summarise_decomposition(d: Decomposition, attention_mask: Tensor, sink: int 
             "a layer summary compares each query's attention with its contributions over the keys it sees: "
             "it needs a text of at least two tokens (with prepend_bos=False a one-word text has one)"
         )
-    real_query = attention_mask.to(d.attention.device).clone() & d.valid[:, :, sink]
+    real_query = attention_mask.to(d.attention.device) & d.valid[:, :, sink]  # a new tensor
     real_query[:, sink] = False  # the sink attending to itself says nothing
     # Head by head: a long text's summary never holds a second full [batch head query key] tensor.
     attention = torch.zeros_like(d.attention[:, 0])

@@ -142,15 +142,14 @@ def register_method(
     if isinstance(name, Method):
         return add(name)
 
+    def method_of(fn: ScoreFn) -> Method:
+        return Method(name, fn, description, signed, tuple(capture), prepare, control)
+
     def build(fn: ScoreFn) -> ScoreFn:
-        add(Method(name, fn, description, signed, tuple(capture), prepare, control))
+        add(method_of(fn))
         return fn
 
-    return (
-        build
-        if score_fn is None
-        else add(Method(name, score_fn, description, signed, tuple(capture), prepare, control))
-    )
+    return build if score_fn is None else add(method_of(score_fn))
 
 
 def unregister_method(name: str) -> None:
