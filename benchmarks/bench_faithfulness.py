@@ -6,7 +6,7 @@ copy of the unit per condition; `faithfulness.masked_forward` stacks conditions 
 
     benchmark ratio = time(sweep) / (passes x time(plain forward of the unit)).
 
-It also prints the pass count of the default grid (every protocol) and `evaluation.plan_run`'s
+It also prints the pass count of the default grid (every protocol) and `faithfulness.plan_run`'s
 estimate beside the measured time. Run:
 ``python benchmarks/bench_faithfulness.py [--chunks 4] [--length 256] [--rows-per-pass N] [--device cuda]``.
 """
@@ -19,7 +19,9 @@ from pathlib import Path
 import torch
 
 import contribution_lens as cl
-from contribution_lens import adapter, data, evaluation, faithfulness
+from contribution_lens import adapter, faithfulness
+from contribution_lens.faithfulness import data, runner
+from contribution_lens.losses import token_nll
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k" / "test.jsonl"
 
@@ -38,7 +40,7 @@ def timed(fn, repeats: int = 3) -> float:
     return statistics.median(times)
 
 
-def sweep(model, batch, protocol: faithfulness.Protocol, rows_per_pass: int | None) -> int:
+def sweep(model, batch, protocol: faithfulness.Settings, rows_per_pass: int | None) -> int:
     """Every condition of ``protocol`` on one unit; returns the number of passes."""
     clean = faithfulness.clean_run(model, batch, protocol)
     passes = 1
@@ -48,7 +50,7 @@ def sweep(model, batch, protocol: faithfulness.Protocol, rows_per_pass: int | No
         for _condition, logits in faithfulness.masked_forward(
             model, batch, clean, removal, todo, rows_per_pass=rows_per_pass
         ):
-            faithfulness.token_nll(logits, batch.tokens, batch.attention_mask)
+            token_nll(logits, batch.tokens, batch.attention_mask)
             passes += 1
     return passes
 
@@ -70,7 +72,7 @@ def main() -> None:
         max_chunks=args.chunks,
     )
     batch = adapter.to_token_batch(model, chunks)
-    protocol = faithfulness.Protocol(ratios=(0.05, 0.2), protocols=("every_layer",))
+    protocol = faithfulness.Settings(ratios=(0.05, 0.2), protocols=("every_layer",))
     plain = timed(lambda: adapter.forward(model, batch))
     scoring = timed(lambda: faithfulness.clean_run(model, batch, protocol))
     passes = sweep(model, batch, protocol, args.rows_per_pass)
@@ -93,14 +95,16 @@ def main() -> None:
     print(f"plain forward of {copies} stacked copies / ({copies} x plain forward): {stacked / (copies * plain):.2f}")
     print(f"benchmark ratio sweep / (passes x forward): {swept / (passes * plain):.2f}")
 
-    full = faithfulness.Protocol(protocols=tuple(faithfulness.PROTOCOLS))
-    config = evaluation.RunConfig(lm=(spec,), chunk_length=args.length, max_chunks=args.chunks, batch_size=args.chunks)
-    units = evaluation.build_units(model, config)
+    full = faithfulness.Settings(protocols=tuple(faithfulness.PROTOCOLS))
+    config = faithfulness.DataSettings(
+        data=(spec,), chunk_length=args.length, max_chunks=args.chunks, batch_size=args.chunks
+    )
+    units = runner.build_units(model, config)
     for name in faithfulness.PROTOCOLS:
-        one = faithfulness.Protocol(protocols=(name,))
-        work = evaluation.plan_units(model, units, config, one)
+        one = faithfulness.Settings(protocols=(name,))
+        work = runner.plan_units(model, units, config, one)
         print(f"default grid, {name}: {sum(w.passes for w in work)} passes per unit of {args.chunks} chunks")
-    plan = evaluation.plan_run(model, config, full)
+    plan = faithfulness.plan_run(model, full, config)
     print(f"dry run, every protocol, default grid: {plan.describe()}")
 
 

@@ -2,7 +2,7 @@
 
 inseq's value zeroing (Mohebbi et al. 2023) runs one full model pass per zeroed token and compares
 each block's output with and without the zeroed value; ours reruns each block alone with the
-zeroed variants stacked along the batch axis (`contribution_lens.peers.value_zeroing_scores`).
+zeroed variants stacked along the batch axis (`contribution_lens.methods.value_zeroing.value_zeroing_scores`).
 Both threshold distances below 1e-5 and normalise each query's row to sum to 1. This script runs
 both on the same token ids (no BOS: inseq's tokenisation of each text) and prints, per layer, the
 Spearman rank correlation over the keys of each query (mean over every query inseq returns, i.e.
@@ -126,13 +126,14 @@ def run_ours(ids: list[int]) -> tuple[Any, float]:
     """Our scores ``[layer query key]`` for one text's ids, and the seconds they took."""
     import torch
 
-    from contribution_lens import adapter, peers
+    from contribution_lens import adapter
+    from contribution_lens.methods import value_zeroing
 
     model = bundled_model()
     batch = adapter.to_token_batch(model, torch.tensor([ids]))
     layers = list(range(model.cfg.n_layers))
     start = time.perf_counter()
-    scores = peers.value_zeroing_scores(model, batch, layers)
+    scores = value_zeroing.value_zeroing_scores(model, batch, layers)
     return torch.stack([scores[layer][0] for layer in layers]), time.perf_counter() - start
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from contribution_lens.faithfulness_report import chance_sentences, verdict_sentence
+from contribution_lens.faithfulness.report import chance_sentences, verdict_sentence
 
 ORDER = ["attention", "value_weighted", "output_normalized", "contribution", "contribution:signed", "random"]
 

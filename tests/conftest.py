@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import jaxtyping
 import pytest
 import torch
 from jaxtyping import TypeCheckError
@@ -26,6 +27,17 @@ VARIANTS = {"mha": (4, 4), "gqa": (4, 2), "mqa": (4, 1)}
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = 1e-5, atol: float = 1e-6) -> None:
     torch.testing.assert_close(actual, expected.to(actual.dtype), rtol=rtol, atol=atol)
+
+
+@pytest.fixture
+def as_a_user() -> Iterator[None]:
+    """Switch jaxtyping's runtime checks off, so a test sees exactly what a user sees.
+
+    (They run only under pytest.) For tests of bad input: ``@pytest.mark.usefixtures("as_a_user")``.
+    """
+    jaxtyping.config.update("jaxtyping_disable", True)
+    yield
+    jaxtyping.config.update("jaxtyping_disable", False)
 
 
 @contextmanager

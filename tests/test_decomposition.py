@@ -5,20 +5,8 @@ import torch
 
 import contribution_lens as cl
 from conftest import assert_close, raises_bad_input
+from helpers import PATTERN, SCORES, SHAPES, W_O, V, random_layer
 from reference import reference_contributions
-
-SHAPES = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
-
-
-def random_layer(variant: str, *, batch: int = 2, pos: int = 7, d_head: int = 5, d_model: int = 12, seed: int = 0):
-    n_heads, n_kv = SHAPES[variant]
-    g = torch.Generator().manual_seed(seed)
-    scores = torch.randn(batch, n_heads, pos, pos, generator=g)
-    causal = torch.ones(pos, pos, dtype=torch.bool).tril()
-    pattern = scores.masked_fill(~causal, float("-inf")).softmax(-1)
-    v = torch.randn(batch, pos, n_kv, d_head, generator=g)
-    W_O = torch.randn(n_heads, d_head, d_model, generator=g)
-    return pattern, v, W_O
 
 
 @pytest.mark.parametrize("scope", ["intra", "inter"])
@@ -118,20 +106,6 @@ def test_half_precision_inputs_accumulate_in_float32() -> None:
     assert_close(d16.contribution, ref, rtol=1e-4, atol=1e-5)
 
 
-def test_importance_methods_follow_their_definitions() -> None:
-    pattern, v, W_O = random_layer("gqa", seed=4)
-    d = cl.decompose(pattern, v, W_O)
-    vn = d.value_norm[:, :, None, :]
-    expected = {
-        "attention": pattern,
-        "value_weighted": pattern * vn,
-        "output_normalized": pattern * vn / d.output_norm[..., None],
-        "contribution": d.contribution,
-    }
-    for method in cl.METHODS:
-        assert_close(cl.importance(pattern, v, W_O, method=method), expected[method].tril(), atol=1e-6)
-
-
 def test_bad_input_messages() -> None:
     pattern, v, W_O = random_layer("gqa")
     with raises_bad_input("scope must be one of"):
@@ -154,3 +128,85 @@ def test_shape_mismatch_is_refused(case: str, message: str) -> None:
     args = {"W_O": (pattern, v, W_O[:, :3]), "v": (pattern, v[:, :5], W_O), "mask": (pattern, v, W_O)}[case]
     with raises_bad_input(message):
         cl.decompose(*args, **kwargs)
+
+
+@pytest.mark.usefixtures("as_a_user")
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (
+            {"pattern": PATTERN[0]},
+            "pattern must be 4-D [batch head query key] (hook_pattern), got shape (2, 4, 4) "
+            "(add the batch axis: tensor[None])",
+        ),
+        (
+            {"v": V[0]},
+            "v must be 4-D [batch key kv_head d_head] (hook_v), got shape (4, 2, 3) (add the batch axis: tensor[None])",
+        ),
+        ({"W_O": W_O[0]}, "W_O must be 3-D [head d_head d_model], got shape (3, 5)"),
+        (
+            {"z": torch.zeros(1, 2, 4, 3)},
+            "z must be [batch query head d_head] (hook_z) = (1, 4, 2, 3), got shape (1, 2, 4, 3)",
+        ),
+        ({"v": V.long()}, "v must be a floating point tensor, got dtype torch.int64"),
+        ({"attention_mask": torch.ones(1, 3)}, "attention_mask must be [batch key] = (1, 4), got shape (1, 3)"),
+    ],
+    ids=["pattern-3d", "v-3d", "W_O-2d", "z-layout", "v-int", "mask-shape"],
+)
+def test_ranks_layouts_and_dtypes(arguments: dict, message: str) -> None:
+    inputs = {"pattern": PATTERN, "v": V, "W_O": W_O} | arguments
+    pattern, v, w = inputs.pop("pattern"), inputs.pop("v"), inputs.pop("W_O")
+    with pytest.raises(ValueError) as error:
+        cl.decompose(pattern, v, w, **inputs)
+    assert str(error.value) == message
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_pre_softmax_scores_are_not_a_pattern() -> None:
+    with pytest.raises(ValueError, match=r"pattern must hold attention probabilities .* row sums in \[") as error:
+        cl.decompose(SCORES, V, W_O)
+    assert "Pre-softmax scores (hook_attn_scores)? Apply softmax over keys first" in str(error.value)
+
+
+@pytest.mark.usefixtures("as_a_user")
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("v", float("nan"), "v has 1 non-finite entries (NaN or inf) at real positions"),
+        ("pattern", float("inf"), "pattern has 1 non-finite entries (NaN or inf) at real positions"),
+        ("W_O", float("nan"), "W_O has 1 non-finite entries (NaN or inf) at real positions"),
+    ],
+)
+def test_non_finite_values_are_refused(name: str, value: float, message: str) -> None:
+    inputs = {"pattern": PATTERN.clone(), "v": V.clone(), "W_O": W_O.clone()}
+    inputs[name].view(-1)[0] = value
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cl.decompose(inputs["pattern"], inputs["v"], inputs["W_O"])
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_non_finite_padding_is_ignored_and_checks_can_be_switched_off() -> None:
+    pattern, v = PATTERN.clone(), V.clone()
+    mask = torch.tensor([[True, True, True, False]])
+    v[0, 3] = float("nan")  # a padded key: never enters the result
+    d = cl.decompose(pattern, v, W_O, attention_mask=mask)
+    assert bool(torch.isfinite(d.contribution).all())
+    unchecked = cl.decompose(SCORES.softmax(-1) * 2, V, W_O, check_values=False)  # the caller vouches for it
+    assert unchecked.attention.shape == (1, 2, 4, 4)
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_the_result_does_not_alias_the_callers_pattern() -> None:
+    pattern = PATTERN.clone()
+    d = cl.decompose(pattern, V, W_O)
+    before = d.contribution.clone()
+    pattern.zero_()
+    assert torch.equal(d.attention, PATTERN) and torch.equal(d.contribution, before)
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_half_precision_inputs_accumulate_finitely() -> None:
+    big_v = (V * 300).to(torch.float16)  # ||vt||^2 overflows float16's 65504
+    d = cl.decompose(PATTERN.to(torch.float16), big_v, W_O.to(torch.float16))
+    assert d.contribution.dtype == torch.float32 and bool(torch.isfinite(d.contribution).all())
+    torch.testing.assert_close(d.sum_over_heads().sum(-1), torch.ones(1, 4), atol=1e-3, rtol=0)

@@ -7,54 +7,62 @@ The contribution weight of key ``j`` to the attention output ``o_i`` through hea
 
 splits into selection (attention), magnitude (relative norm) and direction (cosine).
 
+The layout shows the architecture. The core is flat: `decomposition` (the maths on tensors),
+`adapter` (the one place that knows TransformerLens), `engine` (`map_layers`, the per-layer
+streaming primitive), `interventions`, `losses`, `loading`. Around it, one subpackage a role:
+`methods` (the registry and the measures), `analyses` (geometry, sinks), `faithfulness` (the
+causal harness), `views` (figures, the inspector, HTML pages) and `cli`.
+
 Names are imported on first use (PEP 562), so ``import contribution_lens`` and the command
 line's ``--help`` do not pay for torch.
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-__version__ = "0.2.0"
+from contribution_lens import _compat
+from contribution_lens._lazy import face
 
-# public name -> the module that defines it
+__version__ = "0.3.0"
+
+_A = "contribution_lens.analyses"
+# public name -> where it is defined
 _EXPORTS: dict[str, str] = {
-    "FACTORS": "decomposition",
-    "METHODS": "decomposition",
-    "SCOPES": "decomposition",
-    "Decomposition": "decomposition",
-    "Scope": "decomposition",
-    "decompose": "decomposition",
-    "importance": "decomposition",
-    "LayerInputs": "adapter",
-    "TokenBatch": "adapter",
-    "to_token_batch": "adapter",
-    "LayerResults": "engine",
-    "map_layers": "engine",
-    "Method": "methods",
-    "ScoreContext": "methods",
-    "available_methods": "methods",
-    "get_method": "methods",
-    "register_method": "methods",
-    "unregister_method": "methods",
-    "Geometry": "geometry",
-    "attention_geometry": "geometry",
-    "layer_summary": "geometry",
-    "inspect": "inspector",
-    "load_model": "loading",
-    "SinkAnalysis": "sinks",
-    "SinkLayer": "sinks",
-    "sink_analysis": "sinks",
-    "SinkIntervention": "sink_intervention",
-    "run_sink_intervention": "sink_intervention",
+    "FACTORS": "contribution_lens.choices:FACTORS",
+    "SCOPES": "contribution_lens.choices:SCOPES",
+    "Factor": "contribution_lens.choices:Factor",
+    "Scope": "contribution_lens.choices:Scope",
+    "Decomposition": "contribution_lens.decomposition:Decomposition",
+    "decompose": "contribution_lens.decomposition:decompose",
+    "LayerInputs": "contribution_lens.adapter:LayerInputs",
+    "TokenBatch": "contribution_lens.adapter:TokenBatch",
+    "to_token_batch": "contribution_lens.adapter:to_token_batch",
+    "LayerResults": "contribution_lens.engine:LayerResults",
+    "map_layers": "contribution_lens.engine:map_layers",
+    "load_model": "contribution_lens.loading:load_model",
+    **{
+        name: f"contribution_lens.methods:{name}"
+        for name in ("Method", "ScoreContext", "available_methods", "default_methods", "get_method", "importance",
+                     "register_method", "unregister_method")
+    },
+    **{name: f"{_A}.geometry:{name}" for name in ("Geometry", "attention_geometry", "layer_summary")},
+    **{name: f"{_A}.sinks:{name}" for name in ("SinkAnalysis", "SinkLayer", "sink_analysis")},
+    **{name: f"{_A}.sink_intervention:{name}" for name in ("SinkIntervention", "run_sink_intervention")},
+    **{name: f"{_A}.sink_claims:{name}" for name in ("SinkStudy", "sink_study")},
+    "inspect": "contribution_lens.views.inspector:inspect",
+    "Inspector": "contribution_lens.views.inspector:Inspector",
+    "plot": "contribution_lens.views.plot",
+    **{name: f"contribution_lens.{name}" for name in ("analyses", "faithfulness", "methods", "views")},
+}  # fmt: skip
+_DEPRECATED = {
+    "METHODS": ("contribution_lens._compat:DECOMPOSITION_METHODS", "use contribution_lens.available_methods()"),
 }
-_SUBMODULES = ("plot",)
-
 __all__ = [
     "FACTORS",
-    "METHODS",
     "SCOPES",
     "Decomposition",
+    "Factor",
     "Geometry",
+    "Inspector",
     "LayerInputs",
     "LayerResults",
     "Method",
@@ -63,64 +71,53 @@ __all__ = [
     "SinkAnalysis",
     "SinkIntervention",
     "SinkLayer",
+    "SinkStudy",
     "TokenBatch",
+    "analyses",
     "attention_geometry",
     "available_methods",
     "decompose",
+    "default_methods",
+    "faithfulness",
     "get_method",
     "importance",
     "inspect",
     "layer_summary",
     "load_model",
     "map_layers",
+    "methods",
     "plot",
     "register_method",
     "run_sink_intervention",
     "sink_analysis",
+    "sink_study",
     "to_token_batch",
     "unregister_method",
+    "views",
 ]
-
-
-def __getattr__(name: str) -> Any:
-    # __all__ and _EXPORTS list the same names (a test checks it).
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"contribution_lens.{_EXPORTS[name]}"), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"contribution_lens.{name}")
-    else:
-        raise AttributeError(f"module 'contribution_lens' has no attribute {name!r}")
-    globals()[name] = value  # later look-ups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
-
+__getattr__, __dir__ = face(__name__, _EXPORTS, _DEPRECATED)
+_compat.install()  # ``import contribution_lens.evaluation`` and other 0.2 paths keep working, with a warning
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from contribution_lens import plot
+    from contribution_lens import analyses, faithfulness, methods, views
     from contribution_lens.adapter import LayerInputs, TokenBatch, to_token_batch
-    from contribution_lens.decomposition import (
-        FACTORS,
-        METHODS,
-        SCOPES,
-        Decomposition,
-        Scope,
-        decompose,
-        importance,
-    )
+    from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary
+    from contribution_lens.analyses.sink_claims import SinkStudy, sink_study
+    from contribution_lens.analyses.sink_intervention import SinkIntervention, run_sink_intervention
+    from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, sink_analysis
+    from contribution_lens.choices import FACTORS, SCOPES, Factor, Scope
+    from contribution_lens.decomposition import Decomposition, decompose
     from contribution_lens.engine import LayerResults, map_layers
-    from contribution_lens.geometry import Geometry, attention_geometry, layer_summary
-    from contribution_lens.inspector import inspect
     from contribution_lens.loading import load_model
     from contribution_lens.methods import (
         Method,
         ScoreContext,
         available_methods,
+        default_methods,
         get_method,
+        importance,
         register_method,
         unregister_method,
     )
-    from contribution_lens.sink_intervention import SinkIntervention, run_sink_intervention
-    from contribution_lens.sinks import SinkAnalysis, SinkLayer, sink_analysis
+    from contribution_lens.views import plot
+    from contribution_lens.views.inspector import Inspector, inspect

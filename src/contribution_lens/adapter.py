@@ -16,6 +16,7 @@ attention sink. Token tensors are used as given. Batches of texts are right-padd
 causal attention of the real tokens is the same as for each text alone.
 """
 
+import operator
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -59,18 +60,37 @@ def n_layers(model: Model) -> int:
     return int(model.cfg.n_layers)
 
 
+def as_index(value: Any, what: str) -> int:
+    """``value`` as a Python ``int`` where it is an integer of any kind (not ``bool``); else a ``TypeError``.
+
+    Example:
+        >>> import numpy as np, torch
+        >>> as_index(np.int64(3), "layer"), as_index(torch.tensor(-1), "layer")
+        (3, -1)
+    """
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what}, got {type(value).__name__} {value!r}")
+
+
 def check_layers(model: Model, layers: int | Sequence[int] | None) -> list[int]:
     """Normalise ``layers`` (None = all; negative indices count from the end) and check them."""
     total = n_layers(model)
     if layers is None:
         return list(range(total))
-    requested = [layers] if isinstance(layers, int) else list(layers)
+    if isinstance(layers, str):
+        raise TypeError(f"layers must be integers, got str {layers!r}")
+    # One integer (a NumPy or 0-d tensor integer too) or a sequence of them.
+    sequence = hasattr(layers, "__iter__") and getattr(layers, "ndim", 1) != 0
+    requested = list(layers) if sequence else [layers]  # type: ignore[arg-type]
     if not requested:
         raise ValueError("layers is empty; pass None for all layers")
     resolved = []
-    for layer in requested:
-        if not isinstance(layer, int) or isinstance(layer, bool):
-            raise TypeError(f"layers must be integers, got {layer!r}")
+    for item in requested:
+        layer = as_index(item, "layers must be integers")
         if not -total <= layer < total:
             raise ValueError(f"layer {layer} does not exist: the model has {total} layers (0..{total - 1})")
         resolved.append(layer % total)
@@ -271,6 +291,15 @@ def z_hook(layer: int) -> str:
     return f"blocks.{layer}.attn.hook_z"
 
 
+RESID_PRE = "hook_resid_pre"
+"""The residual stream entering a block, as a ``capture`` name (relative to ``blocks.{l}``)."""
+
+
+def resid_pre_hook(layer: int) -> str:
+    """``blocks.{l}.hook_resid_pre``: the residual stream entering block ``l``."""
+    return f"blocks.{layer}.{RESID_PRE}"
+
+
 def is_causal_model(model: Model) -> bool:
     """``cfg.attention_dir``: "causal" for decoders, "bidirectional" for BERT-style encoders."""
     direction = getattr(model.cfg, "attention_dir", "causal")
@@ -317,8 +346,9 @@ class LayerInputs:
         """``attention_mask`` where the batch has padding, else None (the fast path)."""
         return None if bool(self.attention_mask.all()) else self.attention_mask
 
-    def decompose(self, scope: Scope = "inter", dtype: torch.dtype | None = None) -> Decomposition:
+    def decompose(self, scope: Scope | str = Scope.INTER, dtype: torch.dtype | None = None) -> Decomposition:
         """`contribution_lens.decompose` of this layer (cached per scope and dtype)."""
+        scope = Scope.of(scope)
         key = ("decompose", scope, dtype)
         if key not in self._cache:
             self._cache[key] = decompose_layer(

@@ -24,17 +24,13 @@ Gram matrix ``W_O^h W_O^h^T``), so the largest intermediate has the size of the 
 import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal, get_args
 
 import einops
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-Scope = Literal["intra", "inter"]
-Method = Literal["attention", "value_weighted", "output_normalized", "contribution"]
-SCOPES: tuple[str, ...] = get_args(Scope)
-METHODS: tuple[str, ...] = get_args(Method)
+from contribution_lens.choices import Factor, Scope
 
 
 @dataclass(frozen=True)
@@ -69,11 +65,10 @@ class Decomposition:
     """``||o_i^h||`` (intra) or ``||o_i||`` repeated over heads (inter); zero at padding."""
     valid: Bool[Tensor, "batch query key"]
     """True where key ``j`` is visible from query ``i`` (not a future key of a causal pattern, not padding)."""
-    scope: str
+    scope: Scope | str
 
     def __post_init__(self) -> None:
-        if self.scope not in SCOPES:
-            raise ValueError(f"scope must be one of {SCOPES}, got {self.scope!r}")
+        object.__setattr__(self, "scope", Scope.of(self.scope))
         shape = self.attention.shape
         if self.cosine.shape != shape:
             raise ValueError(f"cosine has shape {tuple(self.cosine.shape)}, expected {tuple(shape)}")
@@ -115,11 +110,26 @@ class Decomposition:
             .mul_(einops.rearrange(inv_out, "batch query -> batch query 1"))
         )
 
-    def factor(self, name: str) -> Float[Tensor, "batch head query key"]:
+    def factor(self, name: Factor | str) -> Float[Tensor, "batch head query key"]:
         """One of ``attention``, ``relative_norm``, ``cosine``, ``contribution`` by name."""
-        if name not in FACTORS:
-            raise ValueError(f"unknown factor {name!r}; expected one of {FACTORS}")
-        return getattr(self, name)
+        return getattr(self, Factor.of(name).value)
+
+    def token_factors(self) -> dict[str, Float[Tensor, "batch query key"]]:
+        """The four factors at token level, heads combined.
+
+        Contribution is summed over heads (the token's share of the output; it sums to 1 over
+        keys under ``scope="inter"``), attention averaged over heads. Relative norm and cosine
+        are per-head quantities: they come out as their attention-weighted mean over heads,
+        ``sum_h alpha_ij^h x_ij^h / sum_h alpha_ij^h`` (0 where no head attends).
+        """
+        attention = self.attention
+        weights = attention / attention.sum(1, keepdim=True).clamp_min(1e-30)
+        return {
+            "attention": attention.mean(1),
+            "relative_norm": (weights * self.relative_norm).sum(1),
+            "cosine": (weights * self.cosine).sum(1),
+            "contribution": self.contribution.sum(1),
+        }
 
     def sum_over_heads(self) -> Float[Tensor, "batch query key"]:
         """Token-level contribution ``sum_h c_ij^h`` (sums to 1 over keys for ``scope="inter"``)."""
@@ -154,9 +164,6 @@ class Decomposition:
             f"Decomposition(scope={self.scope!r}, batch={batch}, head={head}, query={query}, key={key}, "
             f"dtype={self.attention.dtype}, device={self.attention.device})"
         )
-
-
-FACTORS: tuple[str, ...] = ("attention", "relative_norm", "cosine", "contribution")
 
 
 def _safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
@@ -321,7 +328,7 @@ def decompose(
     v: Float[Tensor, "batch key kv_head d_head"],
     W_O: Float[Tensor, "head d_head d_model"],
     *,
-    scope: Scope = "inter",
+    scope: Scope | str = Scope.INTER,
     attention_mask: Bool[Tensor, "batch key"] | None = None,
     causal: bool | None = None,
     dtype: torch.dtype | None = None,
@@ -370,8 +377,7 @@ def decompose(
         tensor([[1.0000, 1.0000, 1.0000, 1.0000, 1.0000]])
     """
     check_shapes(pattern, v, W_O, z=z, attention_mask=attention_mask)
-    if scope not in SCOPES:
-        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    scope = Scope.of(scope)
     if check_values:
         check_finite_values(pattern, v, W_O, z=z, attention_mask=attention_mask)
         check_probabilities(pattern, attention_mask=attention_mask)
@@ -382,6 +388,11 @@ def decompose(
         # The result keeps the pattern: a caller who later edits theirs must not change it.
         d = dataclasses.replace(d, attention=d.attention.clone())
     return d
+
+
+GROUPED = "batch (kv_head group) query key -> batch kv_head group query key"
+"""Query heads grouped by the kv head they read (GQA): head ``h`` reads kv head ``h // group``."""
+UNGROUPED = "batch kv_head group ... -> batch (kv_head group) ..."
 
 
 def decompose_layer(
@@ -407,163 +418,158 @@ def decompose_layer(
     needed): the model never writes to its hook outputs, a user may.
     """
     batch, n_heads, n_query, n_key = pattern.shape
-    n_kv_heads = v.shape[2]
     acc = _accumulation_dtype(dtype, pattern, v, W_O)
+    valid = valid_positions(
+        n_query, n_key, attention_mask=attention_mask, batch=batch, causal=causal, device=pattern.device
+    )
+    alpha, values, weights = _masked_inputs(pattern, v, W_O, valid, attention_mask, acc)
+    n_kv_heads = v.shape[2]
+    z_g = _grouped_head_outputs(alpha, values, z, attention_mask, n_kv_heads)
+    if gram is None or gram.dtype != acc:
+        gram = head_gram(weights)
+    gram_g = einops.rearrange(gram, "(kv_head group) d_head e_head -> kv_head group d_head e_head", kv_head=n_kv_heads)
+    v_gram = einops.einsum(
+        values, gram_g, "batch key kv_head d_head, kv_head group d_head e_head -> batch kv_head group key e_head"
+    )
+    value_norm_sq = einops.einsum(
+        v_gram, values, "batch kv_head group key e_head, batch key kv_head e_head -> batch kv_head group key"
+    )
+    if scope == Scope.INTRA:
+        dot, output_norm_sq = _intra_products(z_g, v_gram, gram_g)
+    else:
+        dot, output_norm_sq = _inter_products(z_g, values, weights, output, attention_mask, n_heads)
+    cosine, value_norm, output_norm = _cosine_and_norms(dot, value_norm_sq, output_norm_sq)
+    if attention_mask is None and causal and n_query == n_key:
+        cosine.tril_()  # several times faster than a broadcast boolean fill
+    else:
+        cosine.masked_fill_(~einops.rearrange(valid, "batch query key -> batch 1 query key"), 0)
+    return Decomposition(
+        attention=alpha, cosine=cosine, value_norm=value_norm, output_norm=output_norm, valid=valid, scope=scope
+    )
+
+
+def _masked_inputs(
+    pattern: Tensor, v: Tensor, W_O: Tensor, valid: Tensor, attention_mask: Tensor | None, acc: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Pattern, values and ``W_O`` in the accumulation dtype, zero wherever padding or a hidden key is."""
     device = pattern.device
-    valid = valid_positions(n_query, n_key, attention_mask=attention_mask, batch=batch, causal=causal, device=device)
-    valid_hqk = einops.rearrange(valid, "batch query key -> batch 1 query key")
     if attention_mask is None and pattern.dtype == acc:
         # A causal pattern already holds exact zeros at future keys: no copy of the pattern.
         alpha = pattern
     else:
         # Zero masked entries first: a model may leave NaN rows for fully padded queries.
-        alpha = torch.where(valid_hqk, pattern.to(acc), 0)
+        alpha = torch.where(einops.rearrange(valid, "batch query key -> batch 1 query key"), pattern.to(acc), 0)
     values = v.to(device=device, dtype=acc)
     if attention_mask is not None:
         real = einops.rearrange(attention_mask.to(device=device, dtype=torch.bool), "batch key -> batch key 1 1")
         values = torch.where(real, values, 0)
-    weights = W_O.to(device=device, dtype=acc)
+    return alpha, values, W_O.to(device=device, dtype=acc)
 
-    grouped = "batch (kv_head group) query key -> batch kv_head group query key"
-    alpha_g = einops.rearrange(alpha, grouped, kv_head=n_kv_heads)
-    W_O_g = einops.rearrange(
-        weights, "(kv_head group) d_head d_model -> kv_head group d_head d_model", kv_head=n_kv_heads
-    )
-    # Head outputs in d_head space: z_i^h = sum_j alpha_ij^h v_j^h, so o_i^h = z_i^h W_O^h.
+
+def _real_query_rows(attention_mask: Tensor | None, n_query: int, device: torch.device) -> Tensor | None:
+    """``[batch query]`` True at real queries (the last ``n_query`` positions), None without padding."""
+    if attention_mask is None:
+        return None
+    return attention_mask.to(device=device, dtype=torch.bool)[:, attention_mask.shape[1] - n_query :]
+
+
+def _grouped_head_outputs(
+    alpha: Tensor, values: Tensor, z: Tensor | None, attention_mask: Tensor | None, n_kv_heads: int
+) -> Float[Tensor, "batch kv_head group query d_head"]:
+    """Head outputs in d_head space, ``z_i^h = sum_j alpha_ij^h v_j^h`` (so ``o_i^h = z_i^h W_O^h``)."""
     if z is None:
-        z = einops.einsum(
-            alpha_g,
+        return einops.einsum(
+            einops.rearrange(alpha, GROUPED, kv_head=n_kv_heads),
             values,
             "batch kv_head group query key, batch key kv_head d_head -> batch kv_head group query d_head",
         )
-    else:
-        z = einops.rearrange(
-            z.to(device=device, dtype=acc),
-            "batch query (kv_head group) d_head -> batch kv_head group query d_head",
-            kv_head=n_kv_heads,
-        )
-        if attention_mask is not None:
-            real_q = attention_mask.to(device=device, dtype=torch.bool)[:, n_key - n_query :]
-            z = torch.where(einops.rearrange(real_q, "batch query -> batch 1 1 query 1"), z, 0)
-    gram = einops.rearrange(
-        gram if gram is not None and gram.dtype == acc else head_gram(weights),
-        "(kv_head group) d_head e_head -> kv_head group d_head e_head",
+    grouped = einops.rearrange(
+        z.to(device=alpha.device, dtype=alpha.dtype),
+        "batch query (kv_head group) d_head -> batch kv_head group query d_head",
         kv_head=n_kv_heads,
     )
-    v_gram = einops.einsum(
-        values, gram, "batch key kv_head d_head, kv_head group d_head e_head -> batch kv_head group key e_head"
-    )
-    value_norm_sq = einops.einsum(
-        v_gram, values, "batch kv_head group key e_head, batch key kv_head e_head -> batch kv_head group key"
-    )
+    real_q = _real_query_rows(attention_mask, alpha.shape[2], alpha.device)
+    if real_q is None:
+        return grouped
+    return torch.where(einops.rearrange(real_q, "batch query -> batch 1 1 query 1"), grouped, 0)
 
-    if scope == "intra":
-        # <o_i^h, vt_j^h> = z_i^h G^h v_j^h and ||o_i^h||^2 = z_i^h G^h z_i^h.
-        dot = einops.einsum(
-            z,
-            v_gram,
-            "batch kv_head group query e_head, batch kv_head group key e_head -> batch kv_head group query key",
-        )
-        z_gram = einops.einsum(
-            z, gram, "batch kv_head group query d_head, kv_head group d_head e_head -> batch kv_head group query e_head"
-        )
-        output_norm_sq = einops.einsum(
-            z_gram, z, "batch kv_head group query e_head, batch kv_head group query e_head -> batch kv_head group query"
+
+def _intra_products(z_g: Tensor, v_gram: Tensor, gram_g: Tensor) -> tuple[Tensor, Tensor]:
+    """``<o_i^h, vt_j^h> = z_i^h G^h v_j^h`` and ``||o_i^h||^2 = z_i^h G^h z_i^h``, grouped by kv head."""
+    dot = einops.einsum(
+        z_g, v_gram, "batch kv_head group query e_head, batch kv_head group key e_head -> batch kv_head group query key"
+    )
+    z_gram = einops.einsum(
+        z_g, gram_g, "batch kv_head group query d_head, kv_head group d_head e_head -> batch kv_head group query e_head"
+    )
+    output_norm_sq = einops.einsum(
+        z_gram, z_g, "batch kv_head group query e_head, batch kv_head group query e_head -> batch kv_head group query"
+    )
+    return dot, output_norm_sq
+
+
+def _inter_products(
+    z_g: Tensor, values: Tensor, weights: Tensor, output: Tensor | None, attention_mask: Tensor | None, n_heads: int
+) -> tuple[Tensor, Tensor]:
+    """``<o_i, vt_j^h> = (o_i W_O^h^T) v_j^h`` and ``||o_i||^2`` repeated over heads, grouped by kv head.
+
+    ``o_i`` lives in d_model once per query; it is pulled back through each head's ``W_O``.
+    """
+    n_kv_heads = z_g.shape[1]
+    W_O_g = einops.rearrange(
+        weights, "(kv_head group) d_head d_model -> kv_head group d_head d_model", kv_head=n_kv_heads
+    )
+    if output is None:
+        output = einops.einsum(
+            z_g, W_O_g, "batch kv_head group query d_head, kv_head group d_head d_model -> batch query d_model"
         )
     else:
-        # o_i lives in d_model once per query; pull it back through each head's W_O.
-        if output is None:
-            output = einops.einsum(
-                z, W_O_g, "batch kv_head group query d_head, kv_head group d_head d_model -> batch query d_model"
-            )
-        else:
-            output = output.to(device=device, dtype=acc)
-            if attention_mask is not None:
-                real_q = attention_mask.to(device=device, dtype=torch.bool)[:, n_key - n_query :]
-                output = torch.where(einops.rearrange(real_q, "batch query -> batch query 1"), output, 0)
-        output_back = einops.einsum(
-            output, W_O_g, "batch query d_model, kv_head group d_head d_model -> batch kv_head group query d_head"
-        )
-        dot = einops.einsum(
-            output_back,
-            values,
-            "batch kv_head group query d_head, batch key kv_head d_head -> batch kv_head group query key",
-        )
-        output_norm_sq = einops.repeat(
-            einops.einsum(output, output, "batch query d_model, batch query d_model -> batch query"),
-            "batch query -> batch kv_head group query",
-            kv_head=n_kv_heads,
-            group=n_heads // n_kv_heads,
-        )
+        output = output.to(device=z_g.device, dtype=z_g.dtype)
+        real_q = _real_query_rows(attention_mask, z_g.shape[3], z_g.device)
+        if real_q is not None:
+            output = torch.where(einops.rearrange(real_q, "batch query -> batch query 1"), output, 0)
+    output_back = einops.einsum(
+        output, W_O_g, "batch query d_model, kv_head group d_head d_model -> batch kv_head group query d_head"
+    )
+    dot = einops.einsum(
+        output_back,
+        values,
+        "batch kv_head group query d_head, batch key kv_head d_head -> batch kv_head group query key",
+    )
+    output_norm_sq = einops.repeat(
+        einops.einsum(output, output, "batch query d_model, batch query d_model -> batch query"),
+        "batch query -> batch kv_head group query",
+        kv_head=n_kv_heads,
+        group=n_heads // n_kv_heads,
+    )
+    return dot, output_norm_sq
 
-    heads = "batch kv_head group ... -> batch (kv_head group) ..."
-    dot = einops.rearrange(dot, heads)
+
+def _cosine_and_norms(dot: Tensor, value_norm_sq: Tensor, output_norm_sq: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``cos = <o, vt> / (||o|| ||vt||)`` (0 where a norm is 0) and both norms, heads ungrouped."""
+    dot = einops.rearrange(dot, UNGROUPED)
     # Rounding can push a squared norm of a zero vector slightly below 0.
-    value_norm = einops.rearrange(value_norm_sq, heads).clamp_min(0).sqrt()
-    output_norm_sq = einops.rearrange(output_norm_sq, heads).clamp_min(0)
-    output_norm = output_norm_sq.sqrt()
-
+    value_norm = einops.rearrange(value_norm_sq, UNGROUPED).clamp_min(0).sqrt()
+    output_norm = einops.rearrange(output_norm_sq, UNGROUPED).clamp_min(0).sqrt()
     # Reciprocals on the small [batch head query] / [batch head key] tensors, then in-place
     # products on the pattern-sized ones: each full-size pass (and allocation) costs as much
     # as the contractions themselves.
     inv_out = einops.rearrange(_safe_divide(torch.ones_like(output_norm), output_norm), "b h q -> b h q 1")
     inv_value = einops.rearrange(_safe_divide(torch.ones_like(value_norm), value_norm), "b h k -> b h 1 k")
     cosine = dot.mul_(inv_out).mul_(inv_value).clamp_(-1, 1)
-    if attention_mask is None and causal and n_query == n_key:
-        cosine.tril_()  # several times faster than a broadcast boolean fill
-    else:
-        cosine.masked_fill_(~valid_hqk, 0)
-    return Decomposition(
-        attention=alpha,
-        cosine=cosine,
-        value_norm=value_norm,
-        output_norm=output_norm,
-        valid=valid,
-        scope=scope,
-    )
+    return cosine, value_norm, output_norm
 
 
-def importance(
-    pattern: Float[Tensor, "batch head query key"],
-    v: Float[Tensor, "batch key kv_head d_head"],
-    W_O: Float[Tensor, "head d_head d_model"],
-    *,
-    method: str,
-    scope: Scope = "inter",
-    attention_mask: Bool[Tensor, "batch key"] | None = None,
-    causal: bool | None = None,
-    dtype: torch.dtype | None = None,
-) -> Float[Tensor, "batch head query key"]:
-    """Per-head token importance scores of a measure that needs only one layer's decomposition.
+def projected_values(
+    v: Float[Tensor, "batch key kv_head d_head"], W_O: Float[Tensor, "head d_head d_model"]
+) -> Float[Tensor, "batch head key d_model"]:
+    """``vt_j^h = v_j^h W_O^h``, with kv heads shared by ``head / kv_head`` query heads (GQA).
 
-    * ``"attention"``: ``alpha_ij^h``;
-    * ``"value_weighted"``: ``alpha_ij^h ||vt_j^h||`` (Kobayashi et al.'s norm-based measure);
-    * ``"output_normalized"``: ``alpha_ij^h ||vt_j^h|| / ||o||``;
-    * ``"contribution"``: ``c_ij^h`` (see `decompose`).
-
-    Measures that need more than the pattern, values and ``W_O`` (gradients, the residual
-    stream) are scored on a model with `contribution_lens.map_layers`.
-
-    Example:
-        >>> import torch
-        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3), -1)
-        >>> importance(pattern, torch.randn(1, 3, 2, 4), torch.randn(2, 4, 8), method="value_weighted").shape
-        torch.Size([1, 2, 3, 3])
+    This is ``[batch head key d_model]``: for methods that compare whole vectors (ALTI), never for
+    the contribution weights, which contract through ``d_head``.
     """
-    if method not in METHODS:
-        raise ValueError(f"unknown method {method!r} for importance(); expected one of {METHODS}")
-    d = decompose(pattern, v, W_O, scope=scope, attention_mask=attention_mask, causal=causal, dtype=dtype)
-    return scores_from(d, method)
-
-
-def scores_from(d: Decomposition, method: str) -> Float[Tensor, "batch head query key"]:
-    """The `importance` scores of ``method`` read off an existing `Decomposition`."""
-    if method == "attention":
-        return d.attention
-    if method == "value_weighted":
-        return d.attention * einops.rearrange(d.value_norm, "batch head key -> batch head 1 key")
-    if method == "output_normalized":
-        return d.attention * d.relative_norm
-    if method == "contribution":
-        return d.contribution
-    raise ValueError(f"unknown method {method!r}; expected one of {METHODS}")
+    W_O_g = einops.rearrange(W_O, "(kv_head group) d_head d_model -> kv_head group d_head d_model", kv_head=v.shape[2])
+    vt = einops.einsum(
+        v, W_O_g, "batch key kv_head d_head, kv_head group d_head d_model -> batch kv_head group key d_model"
+    )
+    return einops.rearrange(vt, "batch kv_head group key d_model -> batch (kv_head group) key d_model")

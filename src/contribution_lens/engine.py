@@ -23,6 +23,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from contribution_lens import adapter
+from contribution_lens.adapter import as_index
 
 T = TypeVar("T")
 
@@ -57,26 +58,47 @@ class LayerResults(Mapping[int, T], Generic[T]):
         self.n_layers = max(self._values) + 1 if n_layers is None else int(n_layers)
         self.logits = logits
 
+    @classmethod
+    def from_results(cls, results: "LayerResults[Any]", values: Mapping[int, Any] | None = None, **extra: Any) -> Any:
+        """A result of this class holding ``values`` (default: those of ``results``) and its tokens.
+
+        How an analysis turns what `map_layers` returned into its own result type, e.g.
+        ``Geometry.from_results(results, scope="inter")``; ``extra`` are the class's own fields.
+        """
+        return cls(
+            dict(results.items()) if values is None else values,
+            tokens=results.tokens,
+            attention_mask=results.attention_mask,
+            str_tokens=results.str_tokens,
+            n_layers=results.n_layers,
+            logits=results.logits,
+            **extra,
+        )
+
     @property
     def layers(self) -> list[int]:
         """The computed layers, ascending."""
         return list(self._values)
 
-    def resolve(self, layer: int) -> int:
-        """The non-negative index of ``layer`` (negative counts from ``n_layers``)."""
-        if not isinstance(layer, int) or isinstance(layer, bool):
-            raise TypeError(f"layers are indexed by int, got {type(layer).__name__} {layer!r}")
+    def resolve(self, layer: Any) -> int:
+        """The non-negative index of ``layer`` (negative counts from ``n_layers``).
+
+        Any integer works (``int``, a NumPy integer, a 0-d integer tensor); ``bool`` does not.
+        """
+        layer = as_index(layer, "layers are indexed by int")
         resolved = layer + self.n_layers if layer < 0 else layer
         if resolved not in self._values:
             given = f"{layer} (= {resolved})" if layer < 0 else str(layer)
             raise KeyError(f"layer {given} was not computed; computed layers: {self.layers}")
         return resolved
 
-    def __getitem__(self, layer: int) -> T:
+    def __getitem__(self, layer: Any) -> T:
         return self._values[self.resolve(layer)]
 
     def __contains__(self, layer: object) -> bool:
-        if not isinstance(layer, int):
+        try:
+            layer = as_index(layer, "")
+        except TypeError:
             return False
         return (layer + self.n_layers if layer < 0 else layer) in self._values
 

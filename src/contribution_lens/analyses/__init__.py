@@ -1,0 +1,30 @@
+"""Model-level analyses, each a per-layer function on `contribution_lens.map_layers`.
+
+* `geometry`: `attention_geometry` (every layer's `Decomposition`, as a `Geometry`) and the
+  streamed `layer_summary`;
+* `sinks`: sink vs tail geometry, sink detection, the convex sink-ratio curve (`sink_analysis`);
+* `sink_intervention`: removing or rescaling the sink's value norm (`run_sink_intervention`);
+* `sink_claims`: both on a corpus, the published claims judged, with figures and a report (`sink_study`).
+
+A new analysis is one file here: a per-layer function, a result type (a `LayerResults`
+subclass or a dataclass with ``save``/``load``), exported below.
+"""
+
+from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary
+from contribution_lens.analyses.sink_claims import SinkStudy, sink_study
+from contribution_lens.analyses.sink_intervention import SinkIntervention, run_sink_intervention
+from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, claim_verdicts, sink_analysis
+
+__all__ = [
+    "Geometry",
+    "SinkAnalysis",
+    "SinkIntervention",
+    "SinkLayer",
+    "SinkStudy",
+    "attention_geometry",
+    "claim_verdicts",
+    "layer_summary",
+    "run_sink_intervention",
+    "sink_analysis",
+    "sink_study",
+]

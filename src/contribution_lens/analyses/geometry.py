@@ -1,0 +1,426 @@
+"""Model-level contribution weights: `attention_geometry` keeps every requested layer's `Decomposition`.
+
+It is one per-layer function on `contribution_lens.map_layers`. For long inputs keep a summary
+instead of the decompositions: `layer_summary` streams the same numbers as
+``attention_geometry(...).layer_summary()`` with one layer alive at a time.
+"""
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import einops
+import pandas as pd
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+from transformer_lens import ActivationCache
+
+from contribution_lens import adapter
+from contribution_lens.decomposition import Decomposition, Factor, Scope, decompose
+from contribution_lens.engine import LayerResults, map_layers
+from contribution_lens.files import atomic_path
+
+_FIELDS = ("attention", "cosine", "value_norm", "output_norm", "valid")
+
+
+class Geometry(LayerResults[Decomposition]):
+    """Per-layer `Decomposition` of a batch, with the tokens that label it.
+
+    ``geometry[3].contribution`` is ``[batch head query key]``; ``geometry[-1]`` is the last layer.
+    """
+
+    def __init__(
+        self,
+        layers: Mapping[int, Decomposition],
+        tokens: Int[Tensor, "batch pos"],
+        attention_mask: Bool[Tensor, "batch pos"],
+        str_tokens: list[list[str]],
+        scope: Scope | str,
+        n_layers: int | None = None,
+        logits: Tensor | None = None,
+    ) -> None:
+        super().__init__(
+            layers,
+            tokens=tokens,
+            attention_mask=attention_mask,
+            str_tokens=str_tokens,
+            n_layers=n_layers,
+            logits=logits,
+        )
+        self.scope = Scope.of(scope)
+        for layer, d in self.items():
+            if d.attention.shape[0] != tokens.shape[0] or d.attention.shape[-1] != tokens.shape[1]:
+                raise ValueError(f"layer {layer} has shape {tuple(d.attention.shape)}, tokens {tuple(tokens.shape)}")
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", scope={self.scope!r})"
+
+    def to(self, target: torch.device | str | torch.dtype) -> "Geometry":
+        """A copy on another device or in another floating dtype."""
+        moved = {layer: d.to(target) for layer, d in self.items()}
+        device_move = not isinstance(target, torch.dtype)
+        tokens = self.tokens.to(target) if device_move else self.tokens
+        mask = self.attention_mask.to(target) if device_move else self.attention_mask
+        return Geometry(moved, tokens, mask, self.str_tokens, self.scope, self.n_layers)
+
+    def head_summary(self, factor: Factor | str = Factor.CONTRIBUTION) -> Float[Tensor, "layer head"]:
+        """Mean of ``factor`` over every valid (query, key) pair of the batch, per layer and head.
+
+        Rows follow ``self.layers``.
+        """
+        factor = Factor.of(factor)
+        rows = []
+        for d in self.values():
+            valid = einops.rearrange(d.valid, "batch query key -> batch 1 query key").to(d.attention.dtype)
+            total = einops.reduce(d.factor(factor) * valid, "batch head query key -> head", "sum")
+            rows.append(total / valid.sum().clamp_min(1))
+        return torch.stack(rows)
+
+    def layer_summary(self, sink: int = 0) -> pd.DataFrame:
+        """One row per layer: how far attention and contribution disagree (see `layer_disagreement`)."""
+        rows = [{"layer": layer, **layer_disagreement(d, self.attention_mask, sink)} for layer, d in self.items()]
+        return pd.DataFrame(rows).set_index("layer")
+
+    def sink_layer(self, sink: int = 0) -> int:
+        """The layer where attention to and contribution of key ``sink`` differ most (token level)."""
+        table = self.layer_summary(sink)
+        return int(table["sink_contribution"].sub(table["sink_attention"]).abs().idxmax())
+
+    def figures(self, *, layer: int | None = None, index: int = 0) -> list[tuple[str, Any]]:
+        """The BOS (key 0) per head in both measures, and one layer's heatmap and measures for the last query.
+
+        ``layer`` defaults to `sink_layer`: where attention and contribution disagree most about BOS.
+        """
+        from contribution_lens.views import plot
+
+        shown = self.sink_layer() if layer is None else self.resolve(layer)
+        query = len(self.str_tokens[index]) - 1
+        sink_attention = torch.stack([d.attention[index, :, 1:, 0].mean(-1) for d in self.values()])
+        sink_contribution = torch.stack([d.contribution[index, :, 1:, 0].mean(-1) for d in self.values()])
+        return [
+            (
+                "Attention to the first token (BOS), per head",
+                plot.head_grid(sink_attention, title="attention to BOS", layers=self.layers),
+            ),
+            (
+                "Contribution of the first token (BOS), per head",
+                plot.head_grid(
+                    sink_contribution, title=f"contribution of BOS ({self.scope}-head)", layers=self.layers, signed=True
+                ),
+            ),
+            (f"Token-level contribution at layer {shown}", plot.token_heatmap(self, layer=shown, index=index)),
+            (
+                f"Every measure for the last query at layer {shown}",
+                plot.compare_measures(self, layer=shown, query=query, index=index),
+            ),
+        ]
+
+    def report(
+        self, path: str | os.PathLike, *, title: str = "contribution-lens", layer: int | None = None, text: str = ""
+    ) -> Path:
+        """One self-contained HTML page: the text, the per-layer summary and `figures` (of batch element 0)."""
+        from contribution_lens.views import html
+
+        sections: list[html.Section] = [
+            ("Text", text or "".join(self.str_tokens[0])),
+            ("Per-layer summary", self.layer_summary()),
+            *self.figures(layer=layer),
+        ]
+        return html.write_html(path, title, sections)
+
+    def to_dataframe(
+        self,
+        *,
+        layers: int | Sequence[int] | None = None,
+        heads: int | Sequence[int] | None = None,
+        queries: int | Sequence[int] | None = None,
+        keys: int | Sequence[int] | None = None,
+        index: int = 0,
+        min_abs_contribution: float = 0.0,
+    ) -> pd.DataFrame:
+        """A tidy long table: one row per (layer, head, query, key) of batch element ``index``.
+
+        Columns: ``layer, head, query, key, query_token, key_token, attention, relative_norm,
+        cosine, contribution``. Only visible pairs appear (no future keys, no padding); the
+        filters keep it small: a 512-token text has 0.1 M pairs per head and layer.
+
+        Example:
+            >>> import torch, contribution_lens as cl
+            >>> pattern = torch.tensor([[[[1.0, 0.0], [0.25, 0.75]]]])
+            >>> d = cl.decompose(pattern, torch.randn(1, 2, 1, 3), torch.randn(1, 3, 4))
+            >>> g = cl.Geometry({0: d}, torch.zeros(1, 2, dtype=torch.long), torch.ones(1, 2, dtype=torch.bool),
+            ...                 [["<s>", "a"]], "inter")
+            >>> g.to_dataframe(queries=1)[["query_token", "key_token", "attention"]].values.tolist()
+            [['a', '<s>', 0.25], ['a', 'a', 0.75]]
+        """
+        if not 0 <= index < len(self.str_tokens):
+            raise IndexError(f"index {index} is outside the batch of {len(self.str_tokens)}")
+        chosen_layers = self.layers if layers is None else [self.resolve(x) for x in _as_list(layers)]
+        n = len(self.str_tokens[index])
+        frames = []
+        for layer in chosen_layers:
+            d = self[layer]
+            head_ids = _positions(heads, d.shape[1], "head")
+            query_ids = _positions(queries, n, "query")
+            key_ids = _positions(keys, n, "key")
+            frames.append(_layer_frame(d, layer, index, head_ids, query_ids, key_ids, self.str_tokens[index]))
+        table = pd.concat(frames, ignore_index=True)
+        if min_abs_contribution > 0:
+            table = table[table["contribution"].abs() >= min_abs_contribution].reset_index(drop=True)
+        return table
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write every layer's tensors to one ``.safetensors`` file, tokens and scope in its metadata."""
+        from safetensors.torch import save_file
+
+        target = Path(path)
+        if target.is_dir():
+            raise IsADirectoryError(f"{target} is a folder; give a file path such as {target / 'geometry.safetensors'}")
+        tensors = {"tokens": self.tokens.cpu().contiguous(), "attention_mask": self.attention_mask.cpu().contiguous()}
+        for layer, d in self.items():
+            for name in _FIELDS:
+                tensors[f"{layer}.{name}"] = getattr(d, name).detach().cpu().contiguous().clone()
+        metadata = {
+            "format": "contribution_lens.Geometry/1",
+            "scope": str(self.scope),
+            "n_layers": str(self.n_layers),
+            "layers": json.dumps(self.layers),
+            "str_tokens": json.dumps(self.str_tokens),
+        }
+        with atomic_path(target) as staging:  # never a half-written file under the real name
+            save_file(tensors, str(staging), metadata=metadata)
+        return target
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> "Geometry":
+        """Read a file written by `save`."""
+        from safetensors import safe_open
+
+        source = Path(path)
+        if not source.is_file():
+            raise FileNotFoundError(f"no saved Geometry at {source}")
+        with safe_open(str(source), framework="pt", device=str(device)) as handle:
+            metadata = handle.metadata() or {}
+            if metadata.get("format") != "contribution_lens.Geometry/1":
+                raise ValueError(f"{source} was not written by Geometry.save (format {metadata.get('format')!r})")
+            layers = {
+                layer: Decomposition(
+                    **{name: handle.get_tensor(f"{layer}.{name}") for name in _FIELDS}, scope=metadata["scope"]
+                )
+                for layer in json.loads(metadata["layers"])
+            }
+            tokens, mask = handle.get_tensor("tokens"), handle.get_tensor("attention_mask")
+        return cls(
+            layers, tokens, mask, json.loads(metadata["str_tokens"]), metadata["scope"], int(metadata["n_layers"])
+        )
+
+
+def _as_list(value: int | Sequence[int]) -> list[int]:
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _positions(value: int | Sequence[int] | None, size: int, what: str) -> list[int]:
+    if value is None:
+        return list(range(size))
+    resolved = []
+    for item in _as_list(value):
+        if not -size <= item < size:
+            raise IndexError(f"{what} {item} does not exist (0..{size - 1})")
+        resolved.append(item % size)
+    return resolved
+
+
+def _layer_frame(
+    d: Decomposition, layer: int, index: int, heads: list[int], queries: list[int], keys: list[int], tokens: list[str]
+) -> pd.DataFrame:
+    h = torch.tensor(heads)[:, None, None]
+    q = torch.tensor(queries)[None, :, None]
+    k = torch.tensor(keys)[None, None, :]
+    h, q, k = torch.broadcast_tensors(h, q, k)
+    visible = d.valid[index][q, k].cpu()
+    h, q, k = h[visible], q[visible], k[visible]
+    columns = {str(f): d.factor(f)[index][h, q, k].detach().float().cpu().numpy() for f in Factor}
+    return pd.DataFrame(
+        {
+            "layer": layer,
+            "head": h.numpy(),
+            "query": q.numpy(),
+            "key": k.numpy(),
+            "query_token": [tokens[i] for i in q.tolist()],
+            "key_token": [tokens[j] for j in k.tolist()],
+            **columns,
+        }
+    )
+
+
+def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) -> dict[str, float]:
+    """How far attention and contribution disagree in one layer, token level.
+
+    * ``sink_attention`` / ``sink_contribution``: mean over real queries ``i != sink`` that can
+      see the sink of the head-averaged attention to, and the summed contribution of, key ``sink``;
+    * ``negative_share``: share of attended (head, query, key) triples whose weight is negative;
+    * ``top1_agreement``: share of those queries whose most-attended key is also the key of
+      largest contribution.
+
+    Raises for a batch whose texts all have one token: no query then sees another key.
+    """
+    if int(attention_mask.sum(-1).max()) < 2:
+        raise ValueError(
+            "a layer summary compares each query's attention with its contributions over the keys it sees: "
+            "it needs a text of at least two tokens (with prepend_bos=False a one-word text has one)"
+        )
+    real_query = attention_mask.to(d.attention.device) & d.valid[:, :, sink]  # a new tensor
+    real_query[:, sink] = False  # the sink attending to itself says nothing
+    # Head by head: a long text's summary never holds a second full [batch head query key] tensor.
+    attention = torch.zeros_like(d.attention[:, 0])
+    contribution = torch.zeros_like(attention)
+    negative, attended = 0, 0
+    for head in range(d.shape[1]):
+        alpha, weight = d.attention[:, head], d.head_contribution(head)
+        attention += alpha
+        contribution += weight
+        seen = alpha > 0
+        attended += int(seen.sum())
+        negative += int(seen.logical_and_(weight < 0).sum())
+    attention /= d.shape[1]
+    agree = attention.argmax(-1) == contribution.argmax(-1)
+    return {
+        "sink_attention": _mean(attention[..., sink][real_query]),
+        "sink_contribution": _mean(contribution[..., sink][real_query]),
+        "negative_share": negative / attended if attended else float("nan"),
+        "top1_agreement": _mean(agree[real_query].float()),
+    }
+
+
+def _mean(values: Tensor) -> float:
+    return values.mean().item() if values.numel() else float("nan")
+
+
+def layer_summary(
+    model: adapter.Model,
+    inputs: str | Sequence[str] | Tensor,
+    *,
+    layers: int | Sequence[int] | None = None,
+    scope: Scope | str = Scope.INTER,
+    sink: int = 0,
+    prepend_bos: bool = True,
+) -> pd.DataFrame:
+    """`Geometry.layer_summary` without keeping any layer: memory of one layer at a time.
+
+    Example:
+        >>> import contribution_lens as cl
+        >>> model = cl.load_model()
+        >>> cl.layer_summary(model, "The cat sat on the mat.", layers=[0, 1]).shape
+        (2, 4)
+    """
+
+    scope = Scope.of(scope)
+
+    def summarise(layer: adapter.LayerInputs) -> dict[str, float]:
+        return layer_disagreement(layer.decompose(scope), layer.attention_mask, sink)
+
+    results = map_layers(model, inputs, summarise, layers=layers, prepend_bos=prepend_bos)
+    return pd.DataFrame([{"layer": layer, **row} for layer, row in results.items()]).set_index("layer")
+
+
+def attention_geometry(
+    model: adapter.Model,
+    inputs: str | Sequence[str] | Tensor | ActivationCache,
+    *,
+    layers: int | Sequence[int] | None = None,
+    scope: Scope | str = Scope.INTER,
+    attention_mask: Tensor | None = None,
+    tokens: Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    prepend_bos: bool = True,
+) -> Geometry:
+    """Contribution weights and their factors for every requested layer, in one forward pass.
+
+    Each layer is decomposed inside its hooks (see `contribution_lens.decompose`), so the
+    activation cache is never stored; causal or bidirectional attention is read from
+    ``model.cfg.attention_dir``.
+
+    Args:
+        model: a TransformerLens ``TransformerBridge``.
+        inputs: a text, a list of texts (right-padded; padding carries no weight and is
+            marked in ``attention_mask``), token ids ``[pos]``/``[batch pos]``, or an
+            ``ActivationCache`` from ``model.run_with_cache`` (no forward pass then).
+        layers: layer indices (negative ones count from the end); None for all.
+        scope: ``"inter"`` (weights over heads and keys sum to 1) or ``"intra"`` (per head).
+        attention_mask: padding mask for token ids or a cache (1 = real token).
+        tokens: the token ids a cache was computed from, for labels.
+        dtype: accumulation dtype (float32 by default, whatever the model's dtype).
+        prepend_bos: prepend BOS to texts (see `contribution_lens.adapter`).
+
+    Example:
+        >>> import contribution_lens as cl
+        >>> model = cl.load_model()
+        >>> g = cl.attention_geometry(model, "The cat sat on the mat.", layers=[0, 5])
+        >>> g.str_tokens[0][:3]
+        ['<|im_start|>', 'The', ' cat']
+        >>> round(g[5].sum_over_heads()[0, -1].sum().item(), 4)
+        1.0
+    """
+    scope = Scope.of(scope)
+    if isinstance(inputs, ActivationCache):
+        return _from_cache(model, inputs, adapter.check_layers(model, layers), scope, attention_mask, tokens, dtype)
+    results = map_layers(
+        model,
+        inputs,
+        lambda layer: layer.decompose(scope, dtype),
+        layers=layers,
+        attention_mask=attention_mask,
+        prepend_bos=prepend_bos,
+    )
+    return Geometry.from_results(results, scope=scope)
+
+
+def _from_cache(
+    model: adapter.Model,
+    cache: ActivationCache,
+    layers: list[int],
+    scope: Scope,
+    attention_mask: Tensor | None,
+    tokens: Tensor | None,
+    dtype: torch.dtype | None,
+) -> Geometry:
+    adapter.check_hooks(model, layers)
+    causal = adapter.is_causal_model(model)
+    results = {}
+    for layer in layers:
+        for name in (adapter.pattern_hook(layer), adapter.value_hook(layer)):
+            if name not in cache:
+                raise ValueError(f"the cache has no {name!r}: run run_with_cache without a names_filter that drops it")
+        pattern = cache[adapter.pattern_hook(layer)]
+        if pattern.ndim == 3:
+            raise ValueError(
+                "the cache has no batch axis (made with remove_batch_dim=True); "
+                "use the default batched cache of run_with_cache"
+            )
+        mask = None if attention_mask is None else attention_mask.to(torch.bool)
+        results[layer] = decompose(
+            pattern,
+            cache[adapter.value_hook(layer)],
+            adapter.output_weights(model, layer)[0],
+            scope=scope,
+            attention_mask=mask,
+            causal=causal,
+            dtype=dtype,
+        )
+    first = results[layers[0]]
+    batch, _, _, length = first.attention.shape
+    if tokens is None:
+        token_ids = torch.full((batch, length), -1, dtype=torch.long)
+        str_tokens = [[f"<{i}>" for i in range(length)] for _ in range(batch)]
+    else:
+        token_ids = tokens.reshape(batch, length)
+        str_tokens = [adapter.token_labels(model, row.tolist()) for row in token_ids]
+    full_mask = (
+        torch.ones(batch, length, dtype=torch.bool) if attention_mask is None else attention_mask.to(torch.bool).cpu()
+    )
+    if attention_mask is not None:
+        str_tokens = [labels[: int(m.sum())] for labels, m in zip(str_tokens, full_mask, strict=True)]
+    return Geometry(results, token_ids, full_mask, str_tokens, scope, adapter.n_layers(model))

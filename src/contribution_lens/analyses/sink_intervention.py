@@ -1,0 +1,168 @@
+"""Removing the sink's value norm: zero ``vt_j`` for the sink keys (or rescale it to the mean tail norm).
+
+Both variants scale ``alpha_ij^h`` for sink keys ``j < k`` (see `contribution_lens.interventions`):
+by 0 (``"zero"``), or by ``mean_{j>=k} ||vt_j^h|| / ||vt_sink^h||`` (``"mean_tail"``), which keeps
+the sink's direction and gives it a typical token's norm. Measured on the same chunks:
+ΔPPL and Δloss, the mean output norm per layer, and the cone cosine of the outputs that had
+the lowest norms in the clean run (bottom quartile per layer and head).
+"""
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import einops
+import pandas as pd
+import torch
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from contribution_lens import adapter
+from contribution_lens.analyses.sinks import SinkLayer, sink_layer
+from contribution_lens.decomposition import head_gram
+from contribution_lens.engine import map_layers
+from contribution_lens.interventions import scale_pattern
+from contribution_lens.losses import perplexity, token_nll
+
+VARIANTS = ("zero", "mean_tail")
+RUNS = ("clean", "intervened")
+
+
+def sink_scale(variant: str, k: int, W_O: Tensor) -> Callable[[int, Tensor, Tensor], Tensor]:
+    """The pattern multiplier of one layer for a variant (1 outside the sink columns)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+    gram = head_gram(W_O.float())
+
+    def scale(layer: int, pattern: Tensor, v: Tensor) -> Tensor:
+        factor = torch.ones((*pattern.shape[:2], 1, pattern.shape[-1]), dtype=torch.float32, device=pattern.device)
+        if variant == "zero":
+            factor[..., :k] = 0
+            return factor
+        group = pattern.shape[1] // v.shape[2]
+        values = einops.repeat(v.float(), "b key kv d -> b (kv group) key d", group=group)
+        norms = einops.einsum(values, gram, values, "b h key d, h d e, b h key e -> b h key").clamp_min(0).sqrt()
+        tail = norms[..., k:].mean(-1, keepdim=True)
+        factor[:, :, 0, :k] = torch.where(norms[..., :k] > 0, tail / norms[..., :k].clamp_min(1e-30), 0)
+        return factor
+
+    return scale
+
+
+@dataclass(frozen=True)
+class SinkIntervention:
+    """Clean vs intervened, per layer (rows) and overall (``ppl``, ``delta_ppl``, ``delta_loss``)."""
+
+    variant: str
+    per_layer: pd.DataFrame
+    ppl_clean: float
+    ppl: float
+    delta_loss: float
+
+    @property
+    def delta_ppl(self) -> float:
+        return self.ppl - self.ppl_clean
+
+    def effect(self) -> dict[str, float]:
+        """Perplexity before and after, and the changes."""
+        return {
+            "ppl_clean": self.ppl_clean,
+            "ppl": self.ppl,
+            "delta_ppl": self.delta_ppl,
+            "delta_loss": self.delta_loss,
+        }
+
+    def claims(self) -> dict[str, float]:
+        """The numbers the sink-norm claim is judged on, keyed ``{variant}_...`` (`claim_verdicts` reads them)."""
+        out = {f"{self.variant}_{name}": float(value) for name, value in self.effect().items()}
+        for column in ("output_norm", "low_norm_cone_cosine"):
+            for run in RUNS:
+                out[f"{self.variant}_mean_{column}_{run}"] = float(self.per_layer[f"{column}_{run}"].mean())
+        rises = self.per_layer["low_norm_cone_cosine_intervened"] > self.per_layer["low_norm_cone_cosine_clean"]
+        out[f"{self.variant}_layers_where_low_norm_cone_cosine_rises"] = float(rises.sum())
+        return out
+
+
+def _layer_means(s: SinkLayer, low: Tensor) -> dict[str, float]:
+    q = einops.rearrange(s.queries, "b q -> b 1 q").expand_as(s.output_norm)
+    low = low & q
+    return {
+        "output_norm": s.output_norm[q].mean().item(),
+        "low_norm_cone_cosine": s.cone_cosine[low].mean().item() if low.any() else float("nan"),
+        "cone_cosine": s.cone_cosine[q].mean().item(),
+    }
+
+
+def _measure(k: int) -> Callable[[adapter.LayerInputs], SinkLayer]:
+    def on_layer(layer: adapter.LayerInputs) -> SinkLayer:
+        return sink_layer(layer.pattern, layer.v, layer.W_O, k=k, attention_mask=layer.padding_mask)
+
+    return on_layer
+
+
+def run_sink_intervention(
+    model: adapter.Model,
+    chunks: Tensor,
+    *,
+    variant: str = "zero",
+    k: int = 1,
+    layers: int | Sequence[int] | None = None,
+    batch_size: int = 8,
+    progress: bool = True,
+) -> SinkIntervention:
+    """Run clean and intervened passes over token ``chunks [n pos]`` (each starting with BOS).
+
+    Both passes are `contribution_lens.map_layers` with the sink geometry as the per-layer
+    function; the intervened one edits the pattern of ``layers`` (default all) with `sink_scale`.
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; expected one of {VARIANTS}")
+    if not isinstance(chunks, Tensor) or chunks.ndim != 2 or chunks.shape[0] == 0:
+        shape = tuple(chunks.shape) if isinstance(chunks, Tensor) else type(chunks).__name__
+        raise ValueError(f"chunks must be a non-empty [n pos] token tensor, got {shape}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    wanted = set(adapter.check_layers(model, layers))
+    weights = {layer: adapter.output_weights(model, layer)[0] for layer in wanted}
+    scales = {layer: sink_scale(variant, k, weights[layer]) for layer in wanted}
+    edit = scale_pattern(lambda layer, pattern, v: scales[layer](layer, pattern, v), wanted)
+    sums = {"clean": [0.0, 0], "intervened": [0.0, 0]}
+    rows: dict[tuple[str, int], list[dict[str, float]]] = {}
+    for start in tqdm(range(0, chunks.shape[0], batch_size), desc=f"sink {variant}", disable=not progress):
+        batch = adapter.to_token_batch(model, chunks[start : start + batch_size])
+        low: dict[int, Tensor] = {}
+        for run, run_edit in zip(RUNS, (None, edit), strict=True):
+            result = map_layers(model, batch, _measure(k), edit=run_edit, keep_logits=True)
+            assert result.logits is not None
+            nll, count = token_nll(result.logits, batch.tokens, batch.attention_mask)
+            sums[run][0] += nll.sum().item()
+            sums[run][1] += int(count.sum().item())
+            for layer, s in result.items():
+                if run == "clean":
+                    low[layer] = _low_norm(s)
+                rows.setdefault((run, layer), []).append(_layer_means(s, low[layer]))
+
+    table = []
+    for layer in adapter.check_layers(model, None):
+        row: dict[str, float | int | bool] = {"layer": layer, "intervened_layer": layer in wanted}
+        for run in RUNS:
+            frame = pd.DataFrame(rows[(run, layer)])
+            for column in frame:
+                row[f"{column}_{run}"] = float(frame[column].mean())
+        table.append(row)
+    clean_loss = sums["clean"][0] / sums["clean"][1]
+    loss = sums["intervened"][0] / sums["intervened"][1]
+    return SinkIntervention(
+        variant=variant,
+        per_layer=pd.DataFrame(table).set_index("layer"),
+        ppl_clean=perplexity(sums["clean"][0], int(sums["clean"][1])),
+        ppl=perplexity(sums["intervened"][0], int(sums["intervened"][1])),
+        delta_loss=loss - clean_loss,
+    )
+
+
+def _low_norm(s: SinkLayer) -> Tensor:
+    """The outputs in the lowest quarter of norms (per layer) in the clean run."""
+    norms = torch.where(einops.rearrange(s.queries, "b q -> b 1 q"), s.output_norm, float("inf"))
+    real = norms[torch.isfinite(norms)]
+    threshold = torch.quantile(real, 0.25) if real.numel() else torch.tensor(0.0)
+    return norms <= threshold

@@ -1,0 +1,97 @@
+"""The package's closed sets of names, as enums: scopes, factors, removal modes, rankings, granularities.
+
+Each member compares, hashes, prints and serialises as its string (``Scope.INTER == "inter"``),
+so records and files hold plain names; ``Scope.of(value)`` is the one check of a value where it
+enters the package. Open sets (methods, removal protocols) are registries instead. Standard
+library only: the command line reads these names without importing torch.
+
+Example:
+    >>> Scope.of("intra") is Scope.INTRA, f"{Scope.INTER}", Factor.of("cosine").signed
+    (True, 'inter', True)
+"""
+
+import enum
+from typing import Any, TypeVar
+
+C = TypeVar("C", bound="Choice")
+
+
+class Choice(str, enum.Enum):
+    """A closed set of names: compares, hashes, prints and formats as its string."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(str(member.value) for member in cls)
+
+    @classmethod
+    def of(cls: type[C], value: Any) -> C:
+        """``value`` as a member, or a ``ValueError`` naming the choices."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(cls._unknown(value)) from None
+
+    @classmethod
+    def _unknown(cls, value: Any) -> str:
+        return f"unknown {cls.__name__.lower()} {value!r}; expected one of {cls.names()}"
+
+
+class Scope(Choice):
+    """Which output a weight is measured against: the head's ``o_i^h`` or the layer's ``o_i``."""
+
+    INTRA = "intra"
+    INTER = "inter"
+
+    @classmethod
+    def _unknown(cls, value: Any) -> str:
+        return f"scope must be one of {cls.names()}, got {value!r}"
+
+
+class Factor(Choice):
+    """The three factors of a contribution weight, and their product."""
+
+    ATTENTION = "attention"
+    RELATIVE_NORM = "relative_norm"
+    COSINE = "cosine"
+    CONTRIBUTION = "contribution"
+
+    @property
+    def signed(self) -> bool:
+        """Cosine and contribution can be negative: they get a diverging colour scale centred at 0."""
+        return self in (Factor.COSINE, Factor.CONTRIBUTION)
+
+
+class Mode(Choice):
+    """Remove what a measure ranks highest (comprehensiveness) or lowest (sufficiency)."""
+
+    COMPREHENSIVENESS = "comprehensiveness"
+    SUFFICIENCY = "sufficiency"
+
+
+class Ranking(Choice):
+    """Rank keys by ``|score|`` or by the signed score."""
+
+    ABS = "abs"
+    SIGNED = "signed"
+
+
+class Granularity(Choice):
+    """Rank tokens (heads summed) or each head's keys separately."""
+
+    TOKEN = "token"
+    HEAD = "head"
+
+
+SCOPES: tuple[str, ...] = Scope.names()
+FACTORS: tuple[str, ...] = Factor.names()
+MODES: tuple[str, ...] = Mode.names()
+RANKINGS: tuple[str, ...] = Ranking.names()

@@ -1,0 +1,69 @@
+"""``contribution-lens sinks``: the attention-sink study of text chunks (`contribution_lens.sink_study`)."""
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+from contribution_lens._settings import SettingError, at_least, check_fields, option
+from contribution_lens.cli import checks, common, options
+from contribution_lens.faithfulness.settings import LM_TASKS, check_data_specs
+
+
+@dataclass(frozen=True)
+class SinksArgs:
+    """Which text is studied, cut how."""
+
+    data: tuple[str, ...] = option(
+        (),
+        f"NAME=PATH or NAME of a text set ({', '.join(LM_TASKS)}); repeatable",
+        check=check_data_specs(LM_TASKS, text_only=True),
+        many=True,
+        required=True,
+    )
+    k: int = option(1, "number of sink positions")
+    chunk_length: int = option(256, "tokens per chunk, BOS included", check=at_least(2))
+    max_chunks: int = option(16, "chunks per data set", check=at_least(1))
+    batch_size: int = option(8, "chunks per forward pass", check=at_least(1))
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not 1 <= self.k < self.chunk_length:
+            expected = f"an integer from 1 to {{chunk_length}} - 1 ({self.chunk_length - 1})"
+            raise SettingError("k", expected, self.k)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    options.add_options(parser, SinksArgs)
+
+
+def check(args: argparse.Namespace) -> None:
+    args.settings = options.build(SinksArgs, args)
+    common.check(args)
+    checks.context("--chunk-length", args.settings.chunk_length, args.model)
+
+
+def run(args: argparse.Namespace) -> int:
+    import pandas as pd
+    import torch
+
+    from contribution_lens import sink_study
+    from contribution_lens.faithfulness import data
+
+    model = common.load(args)
+    settings, bos = args.settings, int(model.tokenizer.bos_token_id)
+    chunks = torch.cat(
+        [
+            data.chunk_tokens(
+                model.tokenizer, data.load_texts(spec), length=settings.chunk_length, bos_token_id=bos,
+                max_chunks=settings.max_chunks,
+            )
+            for spec in settings.data
+        ]
+    )  # fmt: skip
+    study = sink_study(model, chunks, k=settings.k, batch_size=settings.batch_size, model_name=args.model)
+    study.save(args.out)
+    with pd.option_context("display.width", 160, "display.float_format", "{:.4f}".format):
+        print(pd.Series(study.claims).to_string())
+        print(study.verdicts().to_string(index=False))
+    print(common.written(Path(args.out), ("sinks.html", "sink_heads.csv", "sink_claims.json")))
+    return 0

@@ -1,0 +1,85 @@
+"""Removal protocols: where a condition removes keys, and how (registered by name, like methods).
+
+* ``every_layer`` -- at every scored layer ``l``, the keys ranked by layer ``l``'s scores lose
+  their projected value: ``alpha_ij^h`` is zeroed for all heads *without renormalising*, so
+  ``o_i`` becomes ``o_i - sum_h alpha_ij^h vt_j^h`` (`contribution_lens.interventions`).
+* ``one_layer`` -- the same removal at one scored layer at a time, the others untouched; a
+  text's result is the mean over the scored layers. TransformerBridge's ``start_at_layer``
+  still executes the blocks below the start (it only swaps the residual in), so each masked
+  pass runs the whole model: this protocol costs one pass per scored layer and condition.
+* ``input_deletion`` -- the token-level score averaged over the scored layers,
+  ``s_ij = (1/|L|) sum_l sum_h s_ij^{h,l}``, ranks the keys of each query once; the chosen keys
+  are deleted from that query's view at *every* layer: their attention weights are zeroed and
+  the softmax renormalised over the remaining keys, ``alpha'_ij = alpha_ij k_ij / sum_j'
+  alpha_ij' k_ij'``, which is exactly what removing those tokens from the input means for
+  query ``i`` (position encodings of the remaining tokens are kept).
+
+A new protocol subclasses `RemovalProtocol` (``name``, ``description``, `keep`) and is added with
+`register_protocol`; the run, the CLI's ``--protocol`` and the reports then take it by name.
+"""
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from contribution_lens.faithfulness.removal import CleanRun, Condition, RemovalProtocol
+
+
+class EveryLayer(RemovalProtocol):
+    name, description = "every_layer", "masking at every layer"
+
+    def keep(self, clean: CleanRun, condition: Condition, layer: int) -> Tensor | None:
+        if condition.ratio == 0:
+            return None
+        return self._ranked(clean, condition, clean[layer].scores[condition.method], layer)
+
+
+class OneLayer(RemovalProtocol):
+    name, description = "one_layer", "masking at one layer at a time"
+
+    def variants(self, layers: Sequence[int]) -> list[int | None]:
+        return list(layers)
+
+    def keep(self, clean: CleanRun, condition: Condition, layer: int) -> Tensor | None:
+        if condition.ratio == 0 or condition.layer != layer:
+            return None
+        return self._ranked(clean, condition, clean[layer].scores[condition.method], layer)
+
+
+class InputDeletion(RemovalProtocol):
+    name, description, renormalise = "input_deletion", "input-token deletion", True
+
+    def hooked_layers(self, clean: CleanRun) -> list[int]:
+        return list(range(clean.n_layers))
+
+    def keep(self, clean: CleanRun, condition: Condition, layer: int) -> Tensor | None:
+        if condition.ratio == 0:
+            return None
+        if condition not in clean.cache:
+            mean_key = ("mean", condition.method)
+            if mean_key not in clean.cache:
+                per_layer = [clean[scored].scores[condition.method] for scored in clean.layers]
+                clean.cache[mean_key] = torch.stack(per_layer).mean(0)
+            clean.cache[condition] = self._ranked(clean, condition, clean.cache[mean_key], "mean")
+        return clean.cache[condition]
+
+
+PROTOCOLS: dict[str, RemovalProtocol] = {}
+
+
+def register_protocol(protocol: RemovalProtocol) -> RemovalProtocol:
+    """Add a removal protocol to `PROTOCOLS` under its name (replacing one of the same name)."""
+    if not protocol.name:
+        raise ValueError("a removal protocol needs a name")
+    PROTOCOLS[protocol.name] = protocol
+    return protocol
+
+
+def describe(name: str) -> str:
+    """``"masking at every layer"`` for ``"every_layer"``; the name itself for unknown protocols."""
+    return PROTOCOLS[name].description if name in PROTOCOLS else name
+
+
+for _protocol in (EveryLayer(), OneLayer(), InputDeletion()):
+    register_protocol(_protocol)

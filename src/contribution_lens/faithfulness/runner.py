@@ -1,0 +1,421 @@
+"""The faithfulness run: data to records (JSONL, resumable, shardable over torchrun) to a report.
+
+Layout of ``out``:
+
+* ``config.json`` -- the protocol and data; a resumed run must match it;
+* ``part-{rank}.jsonl`` -- records appended (and flushed) as each forward pass finishes, one
+  line per (task, sequence, method, mode, ratio); an interrupted run skips what is there;
+* ``records.jsonl`` -- all parts merged, deduplicated and sorted;
+* ``summary.csv`` -- per (task, protocol, method, mode, ratio): Δloss, ΔPPL or accuracy, with
+  the 95% paired-bootstrap interval of Δloss (text) or accuracy (multiple choice) in
+  ``ci_low``/``ci_high``;
+* ``aopc.csv`` -- the area over the perturbation curve per protocol, task, mode and method;
+* ``verdicts.csv`` -- the claimed ordering judged pair by pair (`contribution_lens.faithfulness.statistics`);
+* ``report.html`` -- the verdicts in words, then the curves; written by rank 0 at the end.
+
+`run` returns the `contribution_lens.faithfulness.FaithfulnessRun` (on rank 0), which
+`FaithfulnessRun.load` reads back from the folder.
+
+Under ``torchrun --nproc_per_node N`` each rank takes every N-th unit of work (a batch of
+chunks or items, in a fixed order) and rank 0 merges once all ranks are done.
+"""
+
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
+from contribution_lens import adapter
+from contribution_lens.faithfulness import data
+from contribution_lens.faithfulness.protocols import PROTOCOLS
+from contribution_lens.faithfulness.removal import NOTHING_REMOVED, Condition, clean_run, conditions, masked_forward
+from contribution_lens.faithfulness.results import FaithfulnessRun
+from contribution_lens.faithfulness.settings import DataSettings, RunOptions, Settings, task_name
+from contribution_lens.files import write_text
+from contribution_lens.losses import continuation_logprob, token_nll
+
+Key = tuple[str, str, str, str, str, float]
+
+
+@dataclass
+class Unit:
+    """One unit of work: a batch of sequences of one task that share clean and masked passes."""
+
+    task: str
+    kind: str  # "lm" or "choice"
+    ids: list[str]
+    tokens: list[torch.Tensor]
+    spans: list[tuple[int, int]]  # continuation [start, end) per sequence ("choice" only)
+    items: list[tuple[str, int, list[int]]]  # (item id, label, row indices) ("choice" only)
+
+
+def build_units(model: adapter.Model, config: DataSettings) -> list[Unit]:
+    """Tokenise every data set and cut it into units, in a deterministic order."""
+    tokenizer = model.tokenizer
+    bos = int(tokenizer.bos_token_id)
+    units: list[Unit] = []
+    for spec in config.lm:
+        task = task_name(spec)
+        adapter.check_length(model, config.chunk_length, "the chunk length")
+        texts = data.load_texts(spec)
+        chunks = data.chunk_tokens(
+            tokenizer, texts, length=config.chunk_length, bos_token_id=bos, max_chunks=config.max_chunks
+        )
+        for start in range(0, chunks.shape[0], config.batch_size):
+            rows = list(range(start, min(start + config.batch_size, chunks.shape[0])))
+            units.append(Unit(task, "lm", [str(r) for r in rows], [chunks[r] for r in rows], [], []))
+    for spec in config.choice:
+        task = task_name(spec)
+        items = data.load_choices(spec)
+        kept: list[tuple[data.Choice, list[torch.Tensor], list[tuple[int, int]]]] = []
+        for item in items:
+            seqs, spans = [], []
+            for context, continuation in zip(item.contexts, item.continuations, strict=True):
+                ctx = [bos, *tokenizer(context, add_special_tokens=False)["input_ids"]]
+                cont = tokenizer(continuation, add_special_tokens=False)["input_ids"]
+                if not cont:
+                    raise data.DataFormatError(f"{task} item {item.item_id}: empty continuation")
+                seqs.append(torch.tensor(ctx + cont, dtype=torch.long))
+                spans.append((len(ctx), len(ctx) + len(cont)))
+            if max(len(s) for s in seqs) <= config.max_item_tokens:
+                kept.append((item, seqs, spans))
+            if config.max_items is not None and len(kept) >= config.max_items:
+                break
+        if not kept:
+            raise ValueError(f"{task}: no item fits in {config.max_item_tokens} tokens")
+        for start in range(0, len(kept), config.batch_size):
+            unit = Unit(task, "choice", [], [], [], [])
+            for item, seqs, spans in kept[start : start + config.batch_size]:
+                rows = list(range(len(unit.tokens), len(unit.tokens) + len(seqs)))
+                unit.ids += [f"{item.item_id}#{k}" for k in range(len(seqs))]
+                unit.tokens += seqs
+                unit.spans += spans
+                unit.items.append((item.item_id, item.label, rows))
+            units.append(unit)
+    return units
+
+
+def _item_records(unit: Unit, logits: torch.Tensor, batch: adapter.TokenBatch) -> list[dict[str, Any]]:
+    device = batch.tokens.device
+    starts = torch.tensor([s for s, _ in unit.spans], device=device)
+    ends = torch.tensor([e for _, e in unit.spans], device=device)
+    logprob = continuation_logprob(logits, batch.tokens, starts, ends).tolist()
+    out = []
+    for item_id, label, rows in unit.items:
+        scores = [logprob[r] for r in rows]
+        prediction = max(range(len(scores)), key=scores.__getitem__)
+        out.append({"seq": item_id, "logprobs": scores, "pred": prediction, "correct": prediction == label})
+    return out
+
+
+def _unit_records(unit: Unit, logits: torch.Tensor, batch: adapter.TokenBatch) -> list[dict[str, Any]]:
+    if unit.kind == "choice":
+        return _item_records(unit, logits, batch)
+    nll, count = token_nll(logits, batch.tokens, batch.attention_mask)
+    return [{"seq": i, "nll": n, "tokens": c} for i, n, c in zip(unit.ids, nll.tolist(), count.tolist(), strict=True)]
+
+
+def _unit_keys(unit: Unit) -> list[str]:
+    return [item_id for item_id, _, _ in unit.items] if unit.kind == "choice" else list(unit.ids)
+
+
+def _key(record: dict[str, Any]) -> Key:
+    protocol = record.get("protocol", "every_layer")
+    return (protocol, record["task"], record["seq"], record["method"], record["mode"], float(record["ratio"]))
+
+
+def read_records(out: Path) -> list[dict[str, Any]]:
+    """Every complete record in the part files (a line cut short by a crash is ignored)."""
+    records = []
+    for part in sorted(out.glob("part-*.jsonl")):
+        for line in part.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def _append(stream: Any, records: list[dict[str, Any]]) -> None:
+    stream.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    stream.flush()
+    os.fsync(stream.fileno())
+
+
+def _repair_tail(path: Path) -> None:
+    """Drop a last line left without its newline by an interrupted write."""
+    if not path.exists():
+        return
+    text = path.read_text(encoding="utf-8")
+    if text and not text.endswith("\n"):
+        path.write_text(text[: text.rfind("\n") + 1], encoding="utf-8")
+
+
+def _distributed() -> tuple[int, int]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return rank, world
+
+
+def _check_config(out: Path, meta: dict[str, Any], rank: int) -> None:
+    """Keep ``config.json`` unless it differs; a config with no record beside it is replaced.
+
+    (A run that failed before its first record must not block the corrected rerun.)
+    """
+    path = out / "config.json"
+    previous = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+    if previous is not None and previous != meta and (read_records(out) or (out / "records.jsonl").exists()):
+        raise ValueError(f"{out} holds a run with other settings ({path}); use another --out folder")
+    if previous != meta and rank == 0:
+        write_text(path, json.dumps(meta, indent=2, sort_keys=True))
+
+
+def config_of(model_name: str, settings: Settings, data: DataSettings) -> dict[str, Any]:
+    """What ``config.json`` records: a resumed run must have the same."""
+    return {"model": model_name, "protocol": settings.to_dict(), "data": data.to_dict()}
+
+
+def run(
+    model: adapter.Model,
+    settings: Settings,
+    data: DataSettings,
+    out: str | os.PathLike,
+    *,
+    options: RunOptions | None = None,
+    model_name: str = "",
+    progress: bool = True,
+) -> FaithfulnessRun | None:
+    """Run (or resume) a faithfulness run on every data set; its result on rank 0 (None on others).
+
+    Every record is appended to ``out`` as its pass finishes: an interrupted run resumes where it
+    stopped when called again with the same settings. ``options.rows_per_pass`` bounds how many
+    rows (conditions x sequences of one unit) share one forward pass (None: 64 on a GPU, no
+    stacking on a CPU; see `contribution_lens.faithfulness.removal.masked_forward`), and
+    ``options.resamples`` bootstrap replicates give the intervals.
+    """
+    options = options or RunOptions()
+    out_dir = Path(out)
+    rank, world = _distributed()
+    units = build_units(model, data)  # before writing anything: bad data fails early
+    plan_layers = adapter.check_layers(model, list(settings.layers) if settings.layers is not None else None)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if world > 1:
+        dist.barrier()
+    _check_config(out_dir, config_of(model_name, settings, data), rank)
+    if world > 1:
+        dist.barrier()
+    part = out_dir / f"part-{rank}.jsonl"
+    _repair_tail(part)
+    done = {_key(r) for r in read_records(out_dir)}
+    plan = plan_units(model, units[rank::world], data, settings, done, layers=plan_layers)
+    bar = tqdm(
+        total=sum(work.passes for work in plan),
+        desc=f"faithfulness passes (rank {rank})",
+        unit="pass",
+        disable=not progress or rank != 0,
+    )  # tqdm's "<remaining" field is the ETA
+    with open(part, "a", encoding="utf-8") as stream, bar:
+        for work in plan:
+            for records, passes in _run_unit(model, work, settings, rows_per_pass=options.rows_per_pass):
+                if records:
+                    _append(stream, records)
+                bar.update(passes)
+    if world > 1:
+        dist.barrier()
+    if rank != 0:
+        return None
+    result = FaithfulnessRun(merge_records(out_dir), settings, data, model_name=model_name, resamples=options.resamples)
+    result.save(out_dir)
+    return result
+
+
+@dataclass
+class Work:
+    """What one unit still needs: ratio-0 records and, per removal protocol, conditions to run."""
+
+    unit: Unit
+    zero: list[tuple[str, str, str]]  # (protocol, method label, mode)
+    todo: dict[str, list[Condition]]
+
+    @property
+    def passes(self) -> int:
+        """Forward passes, counted in copies of the unit: 1 clean, 1 at ratio 0, 1 per condition."""
+        return 1 + bool(self.zero) + sum(len(todo) for todo in self.todo.values())
+
+
+def plan_units(
+    model: adapter.Model,
+    units: Sequence[Unit],
+    config: DataSettings,
+    settings: Settings,
+    done: set[Key] | None = None,
+    *,
+    layers: list[int] | None = None,
+) -> list[Work]:
+    """The work left on ``units`` given the records already ``done``."""
+    done = done or set()
+    if layers is None:
+        layers = adapter.check_layers(model, list(settings.layers) if settings.layers is not None else None)
+    plan = []
+    for unit in units:
+        ratios = (config.choice_ratios or settings.ratios) if unit.kind == "choice" else settings.ratios
+        keys = _unit_keys(unit)
+
+        def missing(name: str, condition: Condition) -> bool:
+            label, mode, ratio = condition.label, condition.mode, float(condition.ratio)
+            return any((name, unit.task, key, label, mode, ratio) not in done for key in keys)  # noqa: B023
+
+        zero = [
+            (name, c.label, c.mode)
+            for name in settings.protocols
+            for method, rank in settings.variants()
+            for c in [Condition(method, rank, mode, 0.0) for mode in settings.modes]
+            if 0 in ratios and missing(name, c)
+        ]
+        todo = {
+            name: [c for c in conditions(settings, ratios, PROTOCOLS[name].variants(layers)) if missing(name, c)]
+            for name in settings.protocols
+        }
+        work = Work(unit, zero, {name: c for name, c in todo.items() if c})
+        if work.zero or work.todo:
+            plan.append(work)
+    return plan
+
+
+def _run_unit(
+    model: adapter.Model, work: Work, settings: Settings, *, rows_per_pass: int | None
+) -> Iterator[tuple[list[dict[str, Any]], int]]:
+    """Records of one unit as they complete, with the passes each took."""
+    unit = work.unit
+    batch = adapter.pad_rows(model, unit.tokens)
+    clean = clean_run(model, batch, settings)
+    assert clean.logits is not None
+    base = _unit_records(unit, clean.logits, batch)
+    yield [], 1
+    if work.zero:
+        # Nothing removed: no mask applies; one pass serves every method, mode and protocol.
+        ((_, logits),) = masked_forward(model, batch, clean, PROTOCOLS["every_layer"], [NOTHING_REMOVED])
+        rows = _unit_records(unit, logits, batch)
+        yield [r for name, label, mode in work.zero for r in _records(unit, name, label, mode, 0.0, rows, base)], 1
+    for name, todo in work.todo.items():
+        removal = PROTOCOLS[name]
+        n_variants = len(removal.variants(clean.layers))
+        pending: dict[tuple[str, str, float], dict[int | None, list[dict[str, Any]]]] = {}
+        for condition, logits in masked_forward(model, batch, clean, removal, todo, rows_per_pass=rows_per_pass):
+            group_key = (condition.label, condition.mode, condition.ratio)
+            group = pending.setdefault(group_key, {})
+            group[condition.layer] = _unit_records(unit, logits, batch)
+            records: list[dict[str, Any]] = []
+            if len(group) == n_variants:
+                rows = _combine_layers(pending.pop(group_key))
+                records = _records(unit, name, condition.label, condition.mode, condition.ratio, rows, base)
+            yield records, 1
+
+
+def _records(
+    unit: Unit, protocol: str, label: str, mode: str, ratio: float, rows: list[dict], base: list[dict]
+) -> list[dict[str, Any]]:
+    condition = {"protocol": protocol, "task": unit.task, "kind": unit.kind, "method": label, "mode": mode}
+    return [
+        {**condition, "ratio": ratio, **row, "clean": clean.get("nll", clean.get("correct"))}
+        for row, clean in zip(rows, base, strict=True)
+    ]
+
+
+def _combine_layers(per_layer: dict[int | None, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One record per sequence: the mean over the layers masked one at a time (kept per layer too)."""
+    if list(per_layer) == [None]:
+        return per_layer[None]
+    layers = sorted(layer for layer in per_layer if layer is not None)
+    combined = []
+    for index, first in enumerate(per_layer[layers[0]]):
+        rows = [per_layer[layer][index] for layer in layers]
+        if "nll" in first:
+            nll = [row["nll"] for row in rows]
+            combined.append(
+                {**first, "nll": sum(nll) / len(nll), "nll_per_layer": dict(zip(map(str, layers), nll, strict=True))}
+            )
+            continue
+        correct = [float(row["correct"]) for row in rows]
+        logprobs = [sum(values) / len(values) for values in zip(*(row["logprobs"] for row in rows), strict=True)]
+        combined.append(
+            {
+                "seq": first["seq"],
+                "logprobs": logprobs,
+                "pred": max(range(len(logprobs)), key=logprobs.__getitem__),
+                "correct": sum(correct) / len(correct),
+                "correct_per_layer": dict(zip(map(str, layers), correct, strict=True)),
+            }
+        )
+    return combined
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """What a run will cost before it starts (`plan_run`)."""
+
+    units: int
+    passes: int
+    forward_seconds: float
+    """One plain forward pass of the first unit."""
+    seconds: float
+
+    def describe(self) -> str:
+        minutes = self.seconds / 60
+        return (
+            f"{self.units} units, {self.passes} forward passes (one plain pass of a unit: "
+            f"{self.forward_seconds:.2f} s); estimated {minutes:.1f} min on one process"
+        )
+
+
+def plan_run(
+    model: adapter.Model,
+    settings: Settings,
+    data: DataSettings,
+    *,
+    out: str | os.PathLike | None = None,
+    time_passes: bool = True,
+) -> RunPlan:
+    """Passes and estimated time of a run (what is left of it, if ``out`` holds records); writes nothing.
+
+    The estimate times one plain forward and one scoring pass of the first unit and scales
+    both by each unit's number of tokens: ``sum_u (t_score + (passes_u - 1) t_forward) T_u / T_0``.
+    """
+    units = build_units(model, data)
+    done = {_key(r) for r in read_records(Path(out))} if out is not None and Path(out).is_dir() else set()
+    plan = plan_units(model, units, data, settings, done)
+    passes = sum(work.passes for work in plan)
+    if not plan or not time_passes:
+        return RunPlan(len(plan), passes, 0.0, 0.0)
+    first = adapter.pad_rows(model, plan[0].unit.tokens)
+    adapter.forward(model, first)  # warm-up
+    forward = _timed(lambda: adapter.forward(model, first))
+    scoring = _timed(lambda: clean_run(model, first, settings))
+    size0 = sum(len(t) for t in plan[0].unit.tokens)
+    seconds = sum(
+        (scoring + (work.passes - 1) * forward) * sum(len(t) for t in work.unit.tokens) / size0 for work in plan
+    )
+    return RunPlan(len(plan), passes, forward, seconds)
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def merge_records(out: Path) -> list[dict[str, Any]]:
+    """Merge the part files into ``records.jsonl``: one record per key, sorted by key."""
+    unique = {_key(r): r for r in read_records(out)}
+    records = [unique[k] for k in sorted(unique)]
+    write_text(out / "records.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    return records

@@ -1,0 +1,41 @@
+"""Importance measures as registered objects: every harness (faithfulness, plots, CLI) takes any of them.
+
+The registry (`contribution_lens.methods.registry`) knows no method; this face registers the
+package's own families, one file each:
+
+* `factors`: ``attention``, ``value_weighted``, ``output_normalized``, ``contribution``;
+* `control`: the ``random`` baseline;
+* `alti`: ``alti`` and ``alti_rollout`` (Ferrando et al.);
+* `value_zeroing`: ``value_zeroing`` (Mohebbi et al.);
+* `gradient`: ``grad_attention``.
+
+A new family is one file with a ``METHODS`` tuple, added to ``_FAMILIES`` below.
+"""
+
+from contribution_lens.methods import alti, control, factors, gradient, value_zeroing
+from contribution_lens.methods.factors import importance
+from contribution_lens.methods.registry import (
+    Method,
+    ScoreContext,
+    available_methods,
+    default_methods,
+    get_method,
+    register_method,
+    unregister_method,
+)
+
+_FAMILIES = (factors, control, alti, value_zeroing, gradient)
+for _family in _FAMILIES:
+    for _method in _family.METHODS:
+        register_method(_method)
+
+__all__ = [
+    "Method",
+    "ScoreContext",
+    "available_methods",
+    "default_methods",
+    "get_method",
+    "importance",
+    "register_method",
+    "unregister_method",
+]

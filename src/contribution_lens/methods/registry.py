@@ -1,0 +1,210 @@
+"""The method registry: importance measures as registered objects, found by name.
+
+A `Method` turns one layer (`contribution_lens.adapter.LayerInputs`) into scores
+``[batch head query key]`` (per head; the token-level score is their sum over heads) or
+``[batch query key]`` (token level only). Every harness (the faithfulness run, the plots, the
+CLI) takes any registered method, the user's own included. This module knows no method: the
+package's own families (`contribution_lens.methods.factors`, ``control``, ``alti``,
+``value_zeroing``, ``gradient``) register themselves when `contribution_lens.methods` is
+imported.
+
+Registering your own takes a function of the layer:
+
+    >>> import contribution_lens as cl
+    >>> @cl.register_method("value_norm_only", description="||vt_j^h|| alone, ignoring attention")
+    ... def value_norm_only(layer, context):
+    ...     d = layer.decompose(context.scope)
+    ...     return d.value_norm[:, :, None, :] * d.valid[:, None].to(d.value_norm.dtype)
+    >>> "value_norm_only" in cl.available_methods()
+    True
+    >>> cl.unregister_method("value_norm_only")
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import einops
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from contribution_lens.adapter import LayerInputs, Model, TokenBatch
+from contribution_lens.decomposition import Decomposition, Scope
+
+
+@dataclass(frozen=True)
+class ScoreContext:
+    """What a method may need beyond the layer: the scope, the seed, the model, prepared state."""
+
+    scope: Scope | str = Scope.INTER
+    seed: int = 0
+    model: Model | None = None
+    prepared: Any = None
+    """What the method's ``prepare`` returned for this batch (None without one)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "scope", Scope.of(self.scope))
+
+
+ScoreFn = Callable[[LayerInputs, ScoreContext], Tensor]
+PrepareFn = Callable[[Model, TokenBatch, list[int]], Any]
+DecompositionScore = Callable[[Decomposition], Tensor]
+
+
+@dataclass(frozen=True)
+class Method:
+    """An importance measure: a name, what it needs, and a per-layer score function.
+
+    Attributes:
+        name: the registry key (used by the CLI, the records and the plots).
+        score_fn: ``(layer, context) -> [batch head query key]`` or ``[batch query key]``.
+        description: one line for listings and reports.
+        signed: whether scores can be negative (ranking by ``|score|`` then differs).
+        capture: extra hooks the score reads from ``layer.captured`` (relative to ``blocks.{l}``).
+        prepare: ``(model, batch, layers) -> state`` run once per batch before the scoring
+            pass (e.g. a backward pass for gradients); the state reaches ``context.prepared``.
+        control: a baseline that measures nothing (reports keep it apart).
+        label: how figures name it (default: ``name``).
+        decomposition_score: the score read off one layer's `Decomposition` alone, where it
+            needs nothing else (then `contribution_lens.importance` and the plots can use it).
+        default: one of the measures a faithfulness run compares unless told otherwise.
+        builtin: shipped with the package (cannot be unregistered).
+    """
+
+    name: str
+    score_fn: ScoreFn = field(repr=False)
+    description: str = ""
+    signed: bool = False
+    capture: tuple[str, ...] = ()
+    prepare: PrepareFn | None = field(default=None, repr=False)
+    control: bool = False
+    label: str = ""
+    decomposition_score: DecompositionScore | None = field(default=None, repr=False)
+    default: bool = False
+    builtin: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"a method name is letters, digits, '_' or '-', got {self.name!r}")
+        if not self.label:
+            object.__setattr__(self, "label", self.name)
+
+    @classmethod
+    def from_decomposition(cls, name: str, score: DecompositionScore, description: str, **options: Any) -> "Method":
+        """A method whose score is a function of the layer's `Decomposition` in the context's scope."""
+
+        def score_fn(layer: LayerInputs, context: ScoreContext) -> Tensor:
+            return score(layer.decompose(context.scope))
+
+        return cls(name, score_fn, description, decomposition_score=score, **options)
+
+    def token_scores(self, layer: LayerInputs, context: ScoreContext) -> Float[Tensor, "batch query key"]:
+        """Scores summed over heads, float32 at least, exactly 0 where a key is not visible."""
+        scores = self._checked(layer, context)
+        return einops.reduce(scores, "batch head query key -> batch query key", "sum") if scores.ndim == 4 else scores
+
+    def head_scores(self, layer: LayerInputs, context: ScoreContext) -> Float[Tensor, "batch head query key"]:
+        """Per-head scores; refused for a method that scores tokens only."""
+        scores = self._checked(layer, context)
+        if scores.ndim != 4:
+            raise ValueError(f"method {self.name!r} scores tokens, not heads: per-head ranking needs per-head scores")
+        return scores
+
+    def _checked(self, layer: LayerInputs, context: ScoreContext) -> Tensor:
+        scores = self.score_fn(layer, context)
+        batch, n_heads, n_query, n_key = layer.pattern.shape
+        shapes = {(batch, n_heads, n_query, n_key), (batch, n_query, n_key)}
+        if tuple(scores.shape) not in shapes:
+            raise ValueError(
+                f"method {self.name!r} returned {tuple(scores.shape)}, expected [batch head query key] "
+                f"{tuple(layer.pattern.shape)} or [batch query key] {(batch, n_query, n_key)}"
+            )
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+        if not bool(torch.isfinite(scores).all()):
+            raise ValueError(f"method {self.name!r} returned non-finite scores at layer {layer.layer}")
+        return scores
+
+
+_REGISTRY: dict[str, Method] = {}
+
+
+def register_method(
+    name: str | Method,
+    score_fn: ScoreFn | None = None,
+    *,
+    description: str = "",
+    signed: bool = False,
+    capture: tuple[str, ...] = (),
+    prepare: PrepareFn | None = None,
+    control: bool = False,
+    label: str = "",
+    replace: bool = False,
+) -> Any:
+    """Register a `Method` (or a score function under ``name``); usable as a decorator.
+
+    ``register_method(Method(...))``, ``register_method("name", fn)`` and
+    ``@register_method("name")`` all work. A name already taken is refused unless
+    ``replace=True``; a built-in is never replaced.
+    """
+
+    def add(method: Method) -> Method:
+        taken = _REGISTRY.get(method.name)
+        if taken is not None and (taken.builtin or not replace):
+            hint = "it is built in" if taken.builtin else "pass replace=True to replace it"
+            raise ValueError(f"a method named {method.name!r} is already registered; {hint}")
+        _REGISTRY[method.name] = method
+        return method
+
+    if isinstance(name, Method):
+        return add(name)
+
+    def method_of(fn: ScoreFn) -> Method:
+        return Method(name, fn, description, signed, tuple(capture), prepare, control, label)
+
+    def build(fn: ScoreFn) -> ScoreFn:
+        add(method_of(fn))
+        return fn
+
+    return build if score_fn is None else add(method_of(score_fn))
+
+
+def unregister_method(name: str) -> None:
+    """Remove a user's method (built-ins stay)."""
+    if name not in _REGISTRY:
+        raise KeyError(f"no method named {name!r} is registered")
+    if _REGISTRY[name].builtin:
+        raise ValueError(f"{name!r} is built in and cannot be unregistered")
+    del _REGISTRY[name]
+
+
+def get_method(name: str | Method) -> Method:
+    """The registered method called ``name`` (a `Method` is returned as it is)."""
+    if isinstance(name, Method):
+        return name
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown method {name!r}; registered methods: {', '.join(available_methods())}")
+    return _REGISTRY[name]
+
+
+def available_methods() -> tuple[str, ...]:
+    """Names of every registered method, built-ins first."""
+    return tuple(_REGISTRY)
+
+
+def default_methods() -> tuple[str, ...]:
+    """The methods a faithfulness run compares unless told otherwise (``--methods all``)."""
+    return tuple(name for name, method in _REGISTRY.items() if method.default)
+
+
+def prepared_score(layer: LayerInputs, context: ScoreContext) -> Tensor:
+    """The scores the method's ``prepare`` computed for this layer (``value_zeroing``, ``alti_rollout``)."""
+    if not isinstance(context.prepared, dict) or layer.layer not in context.prepared:
+        raise ValueError(f"no prepared scores for layer {layer.layer}: run the method's prepare on this batch first")
+    return context.prepared[layer.layer].to(layer.pattern.device)
+
+
+def normalise_rows(scores: Float[Tensor, "*batch query key"]) -> Float[Tensor, "*batch query key"]:
+    """Each query's scores divided by their sum over keys (rows of zeros stay zero)."""
+    total = scores.sum(-1, keepdim=True)
+    return scores / torch.where(total == 0, 1, total)

@@ -1,0 +1,34 @@
+"""What people look at: plotly figures (`plot`), the inspector (`inspector`) and self-contained HTML pages (`html`).
+
+Every figure function returns a ``plotly.graph_objects.Figure`` and never shows it; every page
+opens offline (plotly.js embedded once) and is written atomically. Names are imported on first use.
+"""
+
+from typing import TYPE_CHECKING
+
+from contribution_lens._lazy import face
+
+_EXPORTS = {
+    "plot": "contribution_lens.views.plot",
+    "html": "contribution_lens.views.html",
+    "inspector": "contribution_lens.views.inspector",
+    "inspect": "contribution_lens.views.inspector:inspect",
+    "Inspector": "contribution_lens.views.inspector:Inspector",
+    "write_html": "contribution_lens.views.html:write_html",
+    "render_html": "contribution_lens.views.html:render_html",
+}
+__all__ = [
+    "Inspector",
+    "html",
+    "inspect",
+    "inspector",
+    "plot",
+    "render_html",
+    "write_html",
+]
+__getattr__, __dir__ = face(__name__, _EXPORTS)
+
+if TYPE_CHECKING:
+    from contribution_lens.views import html, inspector, plot
+    from contribution_lens.views.html import render_html, write_html
+    from contribution_lens.views.inspector import Inspector, inspect

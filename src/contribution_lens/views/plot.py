@@ -1,0 +1,342 @@
+"""Plotly figures of contribution weights. Every function returns a ``go.Figure``; none shows it.
+
+Signed quantities (cosine, contribution) use a diverging scale centred at 0; axis labels are
+unique ``"{position}:{token}"`` strings so repeated tokens stay apart.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+import plotly.graph_objects as go
+import torch
+from plotly.subplots import make_subplots
+from torch import Tensor
+
+from contribution_lens.analyses.geometry import Geometry
+from contribution_lens.analyses.sinks import SinkLayer
+from contribution_lens.choices import FACTORS, Factor
+from contribution_lens.decomposition import Decomposition
+from contribution_lens.methods import available_methods, get_method
+
+DIVERGING = "RdBu_r"
+SEQUENTIAL = "Viridis"
+
+
+def _check_head(d: Decomposition, head: int | None) -> None:
+    n_heads = d.attention.shape[1]
+    if head is not None and not 0 <= head < n_heads:
+        raise ValueError(f"head {head} does not exist: the layer has {n_heads} heads (0..{n_heads - 1})")
+
+
+def _check_index(geometry: Geometry, index: int) -> int:
+    batch = geometry.tokens.shape[0]
+    if not 0 <= index < batch:
+        raise ValueError(f"index {index} is outside the batch of {batch}")
+    return len(geometry.str_tokens[index])
+
+
+def _numpy(tensor: Tensor) -> np.ndarray:
+    """A NumPy view where possible: copy before writing to it."""
+    return tensor.detach().to("cpu", torch.float32).numpy()
+
+
+def token_factors(d: Decomposition, head: int | None, index: int, n: int) -> dict[str, Tensor]:
+    """All four factors ``[query key]`` of one head, or token level when ``head`` is None.
+
+    Token level is `Decomposition.token_factors`: contribution summed over heads, attention
+    averaged, relative norm and cosine their attention-weighted head mean.
+    """
+    if head is not None:
+        return {name: d.factor(name)[index, head, :n, :n] for name in FACTORS}
+    return {name: values[index, :n, :n] for name, values in d.token_factors().items()}
+
+
+def _hover(factors: dict[str, Tensor]) -> np.ndarray:
+    arrays = [_numpy(factors[name]) for name in FACTORS]
+    return np.stack(arrays, axis=-1)
+
+
+HOVER_TEMPLATE = (
+    "query %{y}<br>key %{x}<br>attention %{customdata[0]:.4f}<br>relative norm %{customdata[1]:.3f}"
+    "<br>cosine %{customdata[2]:.3f}<br>contribution %{customdata[3]:.4f}<extra></extra>"
+)
+
+
+def _heatmap(values: np.ndarray, labels: list[str], factor: Factor, customdata: np.ndarray) -> go.Heatmap:
+    signed = factor.signed
+    kwargs: dict = {"colorscale": DIVERGING, "zmid": 0} if signed else {"colorscale": SEQUENTIAL}
+    return go.Heatmap(
+        z=values,
+        x=labels,
+        y=labels,
+        customdata=customdata,
+        hovertemplate=HOVER_TEMPLATE,
+        # Left-anchored just right of the plot area: the colour bar never covers the last column.
+        colorbar={"title": str(factor), "x": 1.02, "xanchor": "left"},
+        **kwargs,
+    )
+
+
+def token_heatmap(
+    geometry: Geometry,
+    *,
+    layer: int,
+    head: int | None = None,
+    factor: Factor | str = Factor.CONTRIBUTION,
+    index: int = 0,
+) -> go.Figure:
+    """Query x key heatmap of one factor for one layer and head (token level if ``head`` is None).
+
+    Hovering a cell shows all four numbers; future keys are blank.
+
+    Example:
+        >>> import torch, contribution_lens as cl
+        >>> future = torch.ones(3, 3).triu(1).bool()
+        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3).masked_fill(future, -torch.inf), -1)
+        >>> d = cl.decompose(pattern, torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8))
+        >>> ids, mask = torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool)
+        >>> g = cl.Geometry({0: d}, ids, mask, [["<s>", "a", "b"]], "inter")
+        >>> token_heatmap(g, layer=0, head=1).data[0].x
+        ('0:<s>', '1:a', '2:b')
+    """
+    factor = Factor.of(factor)
+    d = geometry[layer]
+    _check_head(d, head)
+    n = _check_index(geometry, index)
+    factors = token_factors(d, head, index, n)
+    values = _numpy(factors[factor]).copy()  # .numpy() shares memory with the result
+    # Blank what the query cannot see: future keys of a causal model (an encoder sees every key).
+    values[~d.valid[index, :n, :n].cpu().numpy()] = np.nan
+    labels = geometry.labels(index)
+    where = f"L{layer}H{head}" if head is not None else f"L{layer}, all heads"
+    figure = go.Figure(_heatmap(values, labels, factor, _hover(factors)))
+    # Every label, not every other one: plotly thins category ticks unless told which to draw.
+    ticks = {"tickmode": "array", "tickvals": labels, "ticktext": labels, "tickfont": {"size": 10}}
+    figure.update_layout(
+        title=f"{factor} ({geometry.scope}-head), {where}",
+        xaxis={"title": "key", "tickangle": -60, **ticks},
+        yaxis={"title": "query", "autorange": "reversed", **ticks},
+        height=max(400, 14 * n + 200),
+        width=max(500, 14 * n + 260),
+    )
+    return figure
+
+
+def head_grid(
+    values: Tensor,
+    *,
+    title: str,
+    layers: Sequence[int] | None = None,
+    signed: bool | None = None,
+    colorbar_title: str = "",
+) -> go.Figure:
+    """Layer x head heatmap of a per-head statistic ``[layer head]`` (labels ``L{l}H{h}`` on hover)."""
+    if values.ndim != 2:
+        raise ValueError(f"values must be [layer head], got shape {tuple(values.shape)}")
+    array = _numpy(values)
+    n_layers, n_heads = array.shape
+    layer_ids = list(range(n_layers)) if layers is None else list(layers)
+    if len(layer_ids) != n_layers:
+        raise ValueError(f"{len(layer_ids)} layer labels for {n_layers} rows")
+    if signed is None:
+        signed = bool((array < 0).any())
+    kwargs: dict = {"colorscale": DIVERGING, "zmid": 0} if signed else {"colorscale": SEQUENTIAL}
+    text = [[f"L{layer}H{h}" for h in range(n_heads)] for layer in layer_ids]
+    figure = go.Figure(
+        go.Heatmap(
+            z=array,
+            x=list(range(n_heads)),
+            y=layer_ids,
+            text=text,
+            hovertemplate="%{text}: %{z:.4f}<extra></extra>",
+            colorbar={"title": colorbar_title},
+            **kwargs,
+        )
+    )
+    figure.update_layout(title=title, xaxis={"title": "head", "dtick": 1}, yaxis={"title": "layer"})
+    return figure
+
+
+def factor_bars(
+    geometry: Geometry,
+    *,
+    layer: int,
+    query: int,
+    head: int | None = None,
+    index: int = 0,
+) -> go.Figure:
+    """For one query, the three factors and their product per key: what makes this token count?"""
+    d = geometry[layer]
+    _check_head(d, head)
+    keys = _query_keys(geometry, index, query)
+    seen = len(keys)
+    factors = token_factors(d, head, index, len(geometry.str_tokens[index]))
+    where = f"L{layer}H{head}" if head is not None else f"L{layer}, all heads"
+    # One panel and one scale per factor: on a shared axis the contribution bars (~0.01) vanish
+    # beside relative norms (~1-5).
+    figure = make_subplots(rows=1, cols=len(FACTORS), shared_yaxes=True, subplot_titles=[*FACTORS])
+    for column, name in enumerate(FACTORS, start=1):
+        values = _numpy(factors[name][query, :seen])
+        figure.add_bar(
+            x=values, y=keys, orientation="h", name=name, showlegend=False, row=1, col=column,
+            hovertemplate="key %{y}<br>" + name + " %{x:.4f}<extra></extra>",
+        )  # fmt: skip
+    figure.update_yaxes(autorange="reversed", tickmode="array", tickvals=keys, ticktext=keys, row=1, col=1)
+    figure.update_layout(
+        title=f"Factors of the contribution of each key to query {geometry.labels(index)[query]!r}, {where}",
+        height=max(360, 16 * len(keys) + 160),
+    )
+    return figure
+
+
+def compare_measures(geometry: Geometry, *, layer: int, query: int, index: int = 0) -> go.Figure:
+    """Every registered measure read off the decomposition for one query, each scaled to unit total |score|.
+
+    The built-ins are attention, value-weighted, output-normalised and contribution; a user's
+    method made with `contribution_lens.Method.from_decomposition` joins them.
+    """
+    d = geometry[layer]
+    keys = _query_keys(geometry, index, query)
+    bars = {}
+    for method in map(get_method, available_methods()):
+        if method.decomposition_score is None:
+            continue
+        score = method.decomposition_score(d)[index, :, query, : len(keys)].sum(0)
+        bars[method.label] = score / score.abs().sum().clamp_min(1e-30)
+    title = (
+        f"Importance of each key for query {geometry.labels(index)[query]!r} at layer {layer} (sum over heads, scaled)"
+    )
+    return _grouped_bars(bars, keys, title, "share of total |score|")
+
+
+def _query_keys(geometry: Geometry, index: int, query: int) -> list[str]:
+    """Labels of the keys query ``query`` sees, after checking the query exists.
+
+    That is up to the query itself in a decoder, the whole text in an encoder.
+    """
+    n = _check_index(geometry, index)
+    if not 0 <= query < n:
+        raise ValueError(f"query {query} is outside the text of {n} tokens")
+    d = next(iter(geometry.values()))
+    last = int(d.valid[index, query].nonzero().max()) if bool(d.valid[index, query].any()) else query
+    return geometry.labels(index)[: last + 1]
+
+
+def _grouped_bars(bars: dict[str, Tensor], keys: list[str], title: str, yaxis_title: str) -> go.Figure:
+    figure = go.Figure()
+    for name, values in bars.items():
+        figure.add_bar(name=name, x=keys, y=_numpy(values))
+    figure.update_layout(
+        barmode="group", title=title, xaxis={"title": "key", "tickangle": -60}, yaxis={"title": yaxis_title}
+    )
+    return figure
+
+
+def lines(
+    series: dict[str, Sequence[int | float]],
+    *,
+    title: str,
+    x: Sequence[int | float] | None = None,
+    xaxis_title: str = "layer",
+    yaxis_title: str = "",
+) -> go.Figure:
+    """One line per named series, over layers (default ``x = 0, 1, ...``) or any other axis."""
+    figure = go.Figure()
+    for number, (name, values) in enumerate(series.items()):
+        xs = list(range(len(values))) if x is None else [float(v) for v in x]
+        # Dash and marker differ per line, so identical series stay visible on top of each other.
+        figure.add_scatter(
+            x=xs, y=[float(v) for v in values], mode="lines+markers", name=name,
+            line={"dash": DASHES[number % len(DASHES)], "width": 2 + (number % 3)},
+            marker={"symbol": SYMBOLS[number % len(SYMBOLS)], "size": 7 + 2 * (number % 3)}, opacity=0.85,
+        )  # fmt: skip
+    figure.update_layout(title=title, xaxis={"title": xaxis_title}, yaxis={"title": yaxis_title})
+    return figure
+
+
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "cross", "star")
+
+
+def use_in_notebook() -> None:
+    """Show figures as HTML in notebooks, plotly.js embedded once per notebook, offline.
+
+    Plotly's default Jupyter renderer writes a MIME bundle that only a live Jupyter front end
+    draws: exported notebooks (``jupyter nbconvert --to html``) and static viewers show nothing.
+    The ``"notebook"`` renderer writes plain HTML, with plotly.js in the first figure's output.
+    """
+    import plotly.io as pio
+
+    pio.renderers.default = "notebook"
+
+
+def sink_head_grid(table: pd.DataFrame, column: str, *, title: str | None = None) -> go.Figure:
+    """Layer x head heatmap of one column of `SinkAnalysis.head_table` (e.g. ``intra_sink_cosine``)."""
+    if column not in table:
+        raise ValueError(f"unknown column {column!r}; the table has {list(table.columns)}")
+    grid = table[column].unstack("head")
+    return head_grid(
+        torch.tensor(grid.to_numpy()),
+        title=title or column,
+        layers=[int(layer) for layer in grid.index],
+        colorbar_title=column,
+    )
+
+
+def beta_curves(
+    layer: "SinkLayer", *, head: int, queries: Sequence[int], index: int = 0, points: int = 101
+) -> go.Figure:
+    """``||o(beta)||`` against the sink share ``beta`` for chosen queries of one head.
+
+    Markers: the actual sink ratio (where the curve equals the real output norm) and the
+    exact minimiser ``beta*``.
+    """
+    betas = torch.linspace(0, 1, points)
+    curve = layer.curve(betas)[:, index, head]  # [beta query]
+    figure = go.Figure()
+    for query in queries:
+        if not bool(layer.queries[index, query]):
+            raise ValueError(f"query {query} is padding or a sink position")
+        line = figure.add_scatter(x=_numpy(betas), y=_numpy(curve[:, query]), mode="lines", name=f"query {query}")
+        color = line.data[-1].line.color
+        ratio = layer.sink_ratio[index, head, query].item()
+        star = layer.beta_star[index, head, query].item()
+        figure.add_scatter(
+            x=[ratio], y=[layer.output_norm[index, head, query].item()], mode="markers", showlegend=False,
+            marker={"symbol": "circle", "size": 9, "color": color}, hovertext=f"actual sink ratio {ratio:.3f}",
+        )  # fmt: skip
+        figure.add_scatter(
+            x=[star], y=[layer.curve(torch.tensor([star]))[0, index, head, query].item()], mode="markers",
+            showlegend=False, marker={"symbol": "x", "size": 10, "color": color}, hovertext=f"beta* {star:.3f}",
+        )  # fmt: skip
+    figure.update_layout(
+        title=f"||o(beta)|| for head {head} (circle: actual sink ratio, cross: minimiser)",
+        xaxis={"title": "sink share beta"},
+        yaxis={"title": "output norm"},
+    )
+    return figure
+
+
+def sink_ratio_scatter(per_query: pd.DataFrame, *, layer: int | None = None, max_points: int = 5000) -> go.Figure:
+    """Sink ratio against output norm, one point per (head, query), from `SinkAnalysis.per_query`."""
+    frame = per_query if layer is None else per_query[per_query["layer"] == layer]
+    if frame.empty:
+        raise ValueError(f"no rows for layer {layer}")
+    if len(frame) > max_points:
+        frame = frame.sample(max_points, random_state=0)
+    figure = go.Figure(
+        go.Scattergl(
+            x=frame["sink_ratio"],
+            y=frame["output_norm"],
+            mode="markers",
+            marker={"size": 4, "color": frame["layer"], "colorscale": SEQUENTIAL, "colorbar": {"title": "layer"}},
+            text=[f"L{lay}H{h} q{q}" for lay, h, q in zip(frame["layer"], frame["head"], frame["query"], strict=True)],
+            hovertemplate="%{text}<br>sink ratio %{x:.3f}<br>output norm %{y:.3f}<extra></extra>",
+        )
+    )
+    where = "all layers" if layer is None else f"layer {layer}"
+    figure.update_layout(
+        title=f"Sink ratio vs output norm ({where})", xaxis={"title": "sink ratio"}, yaxis={"title": "||o||"}
+    )
+    return figure

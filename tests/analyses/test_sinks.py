@@ -1,0 +1,216 @@
+"""Sink geometry: closed forms against brute force, and the intervention's mechanics."""
+
+import pytest
+import torch
+
+import contribution_lens as cl
+from conftest import assert_close, raises_bad_input, tiny_bridge
+from contribution_lens import adapter
+from contribution_lens.analyses.sink_intervention import run_sink_intervention
+from contribution_lens.analyses.sinks import sink_layer
+from reference import reference_contributions
+
+
+def random_layer(seed: int = 0, pos: int = 9, n_heads: int = 4, n_kv: int = 2):
+    g = torch.Generator().manual_seed(seed)
+    causal = torch.ones(pos, pos, dtype=torch.bool).tril()
+    pattern = torch.randn(2, n_heads, pos, pos, generator=g).masked_fill(~causal, float("-inf")).softmax(-1)
+    return pattern, torch.randn(2, pos, n_kv, 6, generator=g), torch.randn(n_heads, 6, 16, generator=g)
+
+
+def brute_force(pattern, v, W_O, k):
+    """Materialise s_i, t_i and S, U in d_model (float64) per head."""
+    pattern, v, W_O = pattern.double(), v.double(), W_O.double()
+    group = pattern.shape[1] // v.shape[2]
+    vt = torch.stack([v[:, :, h // group] @ W_O[h] for h in range(pattern.shape[1])], dim=1)  # [b h k m]
+    s = torch.einsum("bhqk,bhkm->bhqm", pattern[..., :k], vt[:, :, :k])
+    t = torch.einsum("bhqk,bhkm->bhqm", pattern[..., k:], vt[:, :, k:])
+    ratio = pattern[..., :k].sum(-1)
+    return vt, s, t, s / ratio[..., None], t / (1 - ratio)[..., None], ratio
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_closed_forms_match_brute_force(k: int) -> None:
+    pattern, v, W_O = random_layer()
+    s_layer = sink_layer(pattern, v, W_O, k=k)
+    vt, s, t, S, U, ratio = brute_force(pattern, v, W_O, k)
+    q = s_layer.queries[:, None, :]
+    cos = torch.nn.functional.cosine_similarity
+    assert_close(s_layer.sink_ratio, torch.where(q, ratio, 0), atol=1e-6)
+    assert_close(s_layer.sink_sq, torch.where(q, (S * S).sum(-1), 0), rtol=1e-4, atol=1e-4)
+    assert_close(s_layer.cross, torch.where(q, (S * U).sum(-1), 0), rtol=1e-4, atol=1e-4)
+    assert_close(s_layer.sink_tail_cosine, torch.where(q, cos(s, t, dim=-1), 0), atol=1e-5)
+    # o(beta) at beta = actual sink ratio is the head's own output.
+    at_ratio = s_layer.curve(torch.tensor([0.0, 1.0]))  # ends: ||U|| and ||S||
+    assert_close(at_ratio[0], torch.where(q, U.norm(dim=-1), 0), rtol=1e-4, atol=1e-4)
+    assert_close(s_layer.output_norm, torch.where(q, (s + t).norm(dim=-1), 0), rtol=1e-4, atol=1e-4)
+    sink_vec = vt[:, :, :k].mean(2, keepdim=True)
+    expected = cos(sink_vec.expand_as(vt), vt, dim=-1)
+    assert_close(s_layer.sink_token_cosine[:, :, k:], expected[:, :, k:], atol=1e-5)
+
+
+def test_beta_star_is_the_grid_minimum() -> None:
+    pattern, v, W_O = random_layer(seed=1)
+    s = sink_layer(pattern, v, W_O)
+    grid = torch.linspace(0, 1, 2001)
+    curve = s.curve(grid)  # [beta b h q]
+    on_grid = grid[curve.argmin(0)]
+    q = s.queries[:, None, :].expand_as(s.sink_ratio)
+    assert (on_grid - s.beta_star)[q].abs().max() <= 1 / 2000 + 1e-6
+    # Interior exactly when the minimum is not at an end of the grid.
+    interior = (on_grid > 0) & (on_grid < 1)
+    assert bool((interior == s.interior_minimum)[q].all())
+    # The curve is convex: second differences are never negative.
+    assert bool(((curve[2:] - 2 * curve[1:-1] + curve[:-2]) >= -1e-5).all())
+    # And its value at the actual sink ratio is the real output norm.
+    for b, h, i in q.nonzero()[::7].tolist():
+        at_ratio = s.curve(s.sink_ratio[b, h, i][None])[0, b, h, i]
+        assert at_ratio.item() == pytest.approx(s.output_norm[b, h, i].item(), rel=1e-4, abs=1e-5)
+
+
+def test_sink_parts_add_up_on_the_bundled_model(bundled_model) -> None:
+    analysis = cl.sink_analysis(bundled_model, "The capital of France is Paris, and it is a big city.", layers=[3, 20])
+    table = analysis.head_table()
+    assert len(table) == 2 * 9
+    # Intra-head weights sum to 1 per query, so sink + tail contributions average to 1.
+    assert_close(
+        torch.tensor((table["intra_sink_contribution"] + table["intra_tail_contribution"]).to_numpy()),
+        torch.ones(18, dtype=torch.float64),
+        atol=1e-4,
+    )
+    assert_close(
+        torch.tensor((table["intra_sink_attention"] + table["intra_tail_attention"]).to_numpy()),
+        torch.ones(18, dtype=torch.float64),
+        atol=1e-5,
+    )
+    # The sink ratio column and the attention factor of the sink are the same quantity.
+    assert_close(
+        torch.tensor(table["sink_ratio"].to_numpy()), torch.tensor(table["intra_sink_attention"].to_numpy()), atol=1e-5
+    )
+    claims = analysis.claims()
+    assert 0 <= claims["share_queries_interior_minimum"] <= 1
+    per_query = analysis.per_query()
+    assert set(per_query["layer"]) == {3, 20} and (per_query["query"] >= 1).all()
+
+
+def test_zero_intervention_is_removing_the_sink_column() -> None:
+    model = tiny_bridge("gqa", biases=True)
+    chunks = torch.randint(0, 50, (3, 10), generator=torch.Generator().manual_seed(0))
+    result = run_sink_intervention(model, chunks, variant="zero", batch_size=2, progress=False)
+    assert result.per_layer["output_norm_clean"].gt(0).all()
+    # Same forward as hand-made removal of key 0 for every query at every layer.
+    keep = {layer: torch.ones(3, 10, 10, dtype=torch.bool) for layer in range(2)}
+    for mask in keep.values():
+        mask[..., 0] = False
+    from contribution_lens.interventions import remove_keys
+    from contribution_lens.losses import token_nll
+
+    batch = adapter.to_token_batch(model, chunks)
+    masked = cl.map_layers(model, batch, lambda layer: None, edit=remove_keys(keep), keep_logits=True).logits
+    nll, count = token_nll(masked, batch.tokens, batch.attention_mask)
+    assert result.ppl == pytest.approx(torch.exp(nll.sum() / count.sum()).item(), rel=1e-5)
+    clean_nll, _ = token_nll(adapter.forward(model, batch), batch.tokens, batch.attention_mask)
+    assert result.delta_loss == pytest.approx(((nll.sum() - clean_nll.sum()) / count.sum()).item(), rel=1e-5, abs=1e-7)
+
+
+def test_mean_tail_rescale_gives_the_sink_the_mean_tail_norm() -> None:
+    model = tiny_bridge("mha", biases=True, seed=3)
+    ids = torch.randint(0, 50, (1, 8), generator=torch.Generator().manual_seed(1))
+    from contribution_lens.analyses.sink_intervention import sink_scale
+    from contribution_lens.interventions import scale_pattern
+
+    W_O, _ = adapter.output_weights(model, 0)
+    _, cache = model.run_with_cache(ids)
+    seen = {}
+
+    def grab(layer):
+        seen["pattern"] = layer.pattern.clone()
+
+    cl.map_layers(model, ids, grab, layers=[0], edit=scale_pattern(sink_scale("mean_tail", 1, W_O), {0}))
+    norms = reference_contributions(cache[adapter.pattern_hook(0)], cache[adapter.value_hook(0)], W_O, "intra")[
+        "value_norm"
+    ]  # [b h k]
+    expected = norms[..., 1:].mean(-1) / norms[..., 0]
+    ratio = seen["pattern"][0, :, :, 0] / cache[adapter.pattern_hook(0)][0, :, :, 0]
+    assert_close(ratio, expected[0, :, None].expand_as(ratio).float(), rtol=1e-4, atol=1e-5)
+    assert_close(seen["pattern"][0, :, :, 1:], cache[adapter.pattern_hook(0)][0, :, :, 1:])
+
+
+def test_bad_sink_settings() -> None:
+    pattern, v, W_O = random_layer()
+    with raises_bad_input("the sink needs 1 <= k"):
+        sink_layer(pattern, v, W_O, k=0)
+    model = tiny_bridge("mha")
+    with raises_bad_input("unknown variant 'half'"):
+        run_sink_intervention(model, torch.zeros(1, 5, dtype=torch.long), variant="half", progress=False)
+
+
+def test_a_sink_at_the_last_position_of_a_bidirectional_pattern() -> None:
+    g = torch.Generator().manual_seed(4)
+    pos, n_heads = 7, 4
+    scores = torch.randn(2, n_heads, pos, pos, generator=g)
+    scores[..., -1] += 4.0  # every query parks most of its attention on the last token ([SEP]-like)
+    pattern = scores.softmax(-1)
+    v, W_O = torch.randn(2, pos, 2, 6, generator=g), torch.randn(n_heads, 6, 16, generator=g)
+    from contribution_lens.analyses.sinks import detect_sinks
+
+    found = detect_sinks(pattern, epsilon=0.3)
+    assert found[:, -1].all() and found.sum().item() == 2
+    s = sink_layer(pattern, v, W_O, sinks=found)
+    # The closed forms, checked by brute force with the sink moved to the front.
+    order = [pos - 1, *range(pos - 1)]
+    moved = sink_layer(pattern[..., order][:, :, order], v[:, order], W_O, k=1)
+    assert_close(s.sink_ratio[..., :-1], moved.sink_ratio[..., 1:], atol=1e-6)
+    assert_close(s.cross[..., :-1], moved.cross[..., 1:], rtol=1e-4, atol=1e-5)
+    assert bool(s.queries[:, :-1].all()) and not bool(s.queries[:, -1].any())
+
+
+@pytest.mark.slow
+def test_the_encoders_sink_is_found_and_its_parts_add_up(encoder_model) -> None:
+    text = "The quick brown fox jumps over the lazy dog near the river bank."
+    analysis = cl.sink_analysis(encoder_model, text, sinks="auto", layers=[1, 2, 3])
+    n = len(analysis.str_tokens[0])
+    for layer, s in analysis.items():
+        positions = s.sinks[0].nonzero()[:, 0].tolist()
+        assert positions == [0], f"layer {layer}: sinks at {positions}, [CLS] expected"
+        assert s.queries[0].sum().item() == n - 1  # every other token sees the sink: no causal mask
+    table = analysis.head_table()
+    parts = table["intra_sink_contribution"] + table["intra_tail_contribution"]
+    assert_close(torch.tensor(parts.values), torch.ones(len(parts), dtype=torch.float64), atol=1e-4)
+
+
+def test_claim_verdicts_state_each_claim_against_its_threshold() -> None:
+    from contribution_lens.analyses.sinks import claim_verdicts
+
+    claims = {
+        "share_queries_sink_anti_aligned_with_tail": 0.585,
+        "share_queries_interior_minimum": 0.91,
+        "mean_sink_contribution_intra": 0.22,
+        "zero_delta_ppl": 6.97,
+        "zero_layers_where_low_norm_cone_cosine_rises": 28.0,
+        "zero_mean_low_norm_cone_cosine_clean": 0.377,
+        "zero_mean_low_norm_cone_cosine_intervened": 0.756,
+        "n_layers": 30.0,
+    }
+    table = claim_verdicts(claims)
+    assert list(table.columns) == ["claim", "measured here", "threshold", "verdict"]
+    assert table["verdict"].tolist() == [
+        "partly (a majority, not a rule)",
+        "supported",
+        "not supported: the sink adds to the output on average",
+        "supported",
+    ]
+    assert "58.5% of (head, query) pairs" in table["measured here"][0]
+    assert "0.377 -> 0.756 (rises in 28 of 30 layers)" in table["measured here"][3]
+    flipped = claim_verdicts(claims | {"mean_sink_contribution_intra": -0.1, "zero_delta_ppl": -1.0})
+    assert flipped["verdict"][2] == "supported" and flipped["verdict"][3] == "not supported"
+    assert len(claim_verdicts({k: v for k, v in claims.items() if not k.startswith("zero")})) == 3
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_bad_sink_positions() -> None:
+    model = tiny_bridge("mha")
+    with pytest.raises(ValueError, match="sink position 9 is outside the sequence of 3 tokens"):
+        cl.sink_analysis(model, torch.tensor([[1, 2, 3]]), sinks=[9])
+    with pytest.raises(ValueError, match="sinks must be positions, a mask or 'auto', got 'first'"):
+        cl.sink_analysis(model, torch.tensor([[1, 2, 3]]), sinks="first")

@@ -1,0 +1,243 @@
+"""The faithfulness run: records, resume, sharding, bad data, every protocol, the dry run."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_self_contained, raises_bad_input
+from contribution_lens import adapter, faithfulness
+
+
+def test_random_control_records_do_not_depend_on_the_batch_size(bundled_model, shared_data, tmp_path) -> None:
+    protocol = faithfulness.Settings(methods=("random",), modes=("comprehensiveness",), ratios=(0.5,), rank_by="abs")
+    runs = []
+    for size in (1, 3):
+        boolq = (f"boolq={shared_data / 'boolq' / 'val.jsonl'}",)
+        config = small_config(shared_data, data=boolq, max_items=3, batch_size=size)
+        faithfulness.run(bundled_model, protocol, config, tmp_path / str(size), progress=False)
+        runs.append(read_merged(tmp_path / str(size)))
+    assert [r["seq"] for r in runs[0]] == [r["seq"] for r in runs[1]]
+    for alone, batched in zip(*runs, strict=True):
+        assert alone["logprobs"] == pytest.approx(batched["logprobs"], rel=1e-4, abs=1e-3), alone["seq"]
+
+
+SMALL = faithfulness.Settings(methods=("attention", "contribution", "random"), ratios=(0.0, 0.5), rank_by="abs")
+
+
+def small_config(shared_data: Path, **overrides) -> faithfulness.DataSettings:
+    settings = {
+        "data": (f"gsm8k={shared_data / 'gsm8k' / 'test.jsonl'}", f"boolq={shared_data / 'boolq' / 'val.jsonl'}"),
+        "chunk_length": 32,
+        "max_chunks": 4,
+        "max_items": 2,
+        "max_item_tokens": 256,
+        "batch_size": 2,
+    }
+    settings.update(overrides)
+    return faithfulness.DataSettings(**settings)
+
+
+def read_merged(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def small_run(bundled_model, shared_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("faith") / "run"
+    faithfulness.run(bundled_model, SMALL, small_config(shared_data), out, progress=False)
+    return out
+
+
+def test_run_writes_records_summary_and_report(small_run: Path) -> None:
+    records = read_merged(small_run)
+    # 4 chunks + 2 items, 3 methods x 2 modes x 2 ratios each.
+    assert len(records) == (4 + 2) * 3 * 2 * 2
+    keys = [(r["protocol"], r["task"], r["seq"], r["method"], r["mode"], r["ratio"]) for r in records]
+    assert len(set(keys)) == len(keys) and keys == sorted(keys)
+    for r in records:
+        if r["ratio"] == 0 and r["kind"] == "lm":
+            assert r["nll"] == pytest.approx(r["clean"], rel=1e-6), "ratio 0 must reproduce the clean run"
+    summary = faithfulness.FaithfulnessRun.load(small_run).summary
+    at_zero = summary[(summary["task"] == "gsm8k") & (summary["ratio"] == 0)]
+    assert (at_zero["delta_ppl"].abs() < 1e-4).all() and (at_zero["delta_loss"].abs() < 1e-6).all()
+    # Removing half of every query's most contributing keys at every layer must hurt.
+    hurt = summary.query("task == 'gsm8k' and ratio == 0.5 and mode == 'comprehensiveness'")
+    assert (hurt["delta_loss"] > 0).all()
+    html = (small_run / "report.html").read_text()
+    assert_self_contained(html)
+    assert "delta_ppl" in html and "comprehensiveness" in html
+    assert (small_run / "summary.csv").is_file()
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (small_run / "report.html").stat().st_mode & 0o777 == 0o666 & ~umask  # not mkstemp's private 0600
+
+
+def test_interrupted_run_resumes_without_loss_or_repeats(
+    bundled_model, shared_data, small_run: Path, tmp_path, monkeypatch
+) -> None:
+    out = tmp_path / "resumed"
+    shutil.copytree(small_run, out)
+    (out / "records.jsonl").unlink()
+    part = out / "part-0.jsonl"
+    lines = part.read_text().splitlines(keepends=True)
+    # Drop the last third of the records and leave half a line, as a killed run would.
+    part.write_text("".join(lines[: 2 * len(lines) // 3]) + lines[-1][:20])
+    calls = {"n": 0}
+    original = adapter.forward
+
+    def counting_forward(*args, **kwargs):
+        calls["n"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(adapter, "forward", counting_forward)
+    faithfulness.run(bundled_model, SMALL, small_config(shared_data), out, progress=False)
+    resumed_calls = calls["n"]
+    calls["n"] = 0
+    faithfulness.run(bundled_model, SMALL, small_config(shared_data), out, progress=False)
+    # 3 units in all (2 of chunks, 1 of items), each 1 clean + 1 ratio-0 + 6 masked passes
+    # (the masked conditions of a unit share forward calls).
+    assert 0 < resumed_calls < 3 * 8, "only the missing units are redone"
+    assert calls["n"] == 0, "a complete run does no forward pass"
+    got, want = read_merged(out), read_merged(small_run)
+    assert [(r["protocol"], r["task"], r["seq"], r["method"], r["mode"], r["ratio"]) for r in got] == [
+        (r["protocol"], r["task"], r["seq"], r["method"], r["mode"], r["ratio"]) for r in want
+    ]
+    for a, b in zip(got, want, strict=True):
+        if "nll" in a:
+            assert a["nll"] == pytest.approx(b["nll"], rel=1e-6)
+        else:
+            assert a["pred"] == b["pred"]
+
+
+def test_other_settings_in_the_same_folder_are_refused(bundled_model, shared_data, small_run: Path) -> None:
+    other = faithfulness.Settings(methods=("attention",), ratios=(0.0, 0.5))
+    with raises_bad_input("holds a run with other settings"):
+        faithfulness.run(bundled_model, other, small_config(shared_data), small_run, progress=False)
+
+
+def test_bad_data_fails_before_writing(bundled_model, tmp_path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "no answer field"}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    short = tmp_path / "short.txt"
+    short.write_text("Too short.")
+    header = tmp_path / "x_test.csv"
+    header.write_text("q,a,b,c,d,answer\nwhat,1,2,3,4,0\n")
+    cases = [
+        (f"gsm8k={bad}", "lacks field(s) ['answer']"),
+        (f"fineweb={empty}", "holds no records"),
+        (f"text={short}", "fewer than one chunk of 32"),
+        (f"mmlu={header}", "has header"),
+    ]
+    for spec, message in cases:
+        out = tmp_path / "out"
+        config = faithfulness.DataSettings(data=(spec,), chunk_length=32)
+        with pytest.raises((ValueError, FileNotFoundError), match=re.escape(message)):
+            faithfulness.run(bundled_model, SMALL, config, out, progress=False)
+        assert not out.exists(), "nothing may be written for bad input"
+    with raises_bad_input("data: expected NAME=PATH with an existing file or folder"):
+        faithfulness.DataSettings(data=(f"text={tmp_path / 'missing.txt'}",))
+    with raises_bad_input("nothing to evaluate"):
+        faithfulness.DataSettings()
+
+
+def test_torchrun_two_processes_merge_to_the_single_process_result(shared_data, small_run: Path, tmp_path) -> None:
+    out = tmp_path / "ddp"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "contribution_lens.cli", "faithfulness",
+        "--data", f"gsm8k={shared_data / 'gsm8k' / 'test.jsonl'}",
+        "--data", f"boolq={shared_data / 'boolq' / 'val.jsonl'}",
+        "--methods", "attention,contribution,random", "--ratios", "0,0.5", "--rank-by", "abs",
+        "--chunk-length", "32", "--max-chunks", "4", "--max-items", "2", "--max-item-tokens", "256",
+        "--batch-size", "2", "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("part-*.jsonl")) == ["part-0.jsonl", "part-1.jsonl"]
+    got, want = read_merged(out), read_merged(small_run)
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert (a["task"], a["seq"], a["method"], a["mode"], a["ratio"]) == (
+            b["task"], b["seq"], b["method"], b["mode"], b["ratio"]
+        )  # fmt: skip
+        if "nll" in a:
+            assert a["nll"] == pytest.approx(b["nll"], rel=1e-5)
+        else:
+            assert a["pred"] == b["pred"]
+
+
+FULL = faithfulness.Settings(
+    methods=("attention", "value_weighted", "contribution", "random"),
+    ratios=(0.0, 0.2, 0.5),
+    layers=(2, 20),
+    protocols=tuple(faithfulness.PROTOCOLS),
+)
+
+
+def full_config(shared_data: Path) -> faithfulness.DataSettings:
+    winogrande = f"winogrande={shared_data / 'winogrande' / 'dev_partial_scoring_llmfoundry.jsonl'}"
+    gsm8k = f"gsm8k={shared_data / 'gsm8k' / 'test.jsonl'}"
+    return small_config(shared_data, data=(gsm8k, winogrande), max_chunks=2, max_items=2)
+
+
+@pytest.fixture(scope="module")
+def full_run(bundled_model, shared_data, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("full") / "run"
+    options = faithfulness.RunOptions(resamples=200)
+    faithfulness.run(bundled_model, FULL, full_config(shared_data), out, options=options, progress=False)
+    return out
+
+
+def test_every_protocol_writes_intervals_aopc_and_verdicts(full_run: Path) -> None:
+    import pandas as pd
+
+    summary = pd.read_csv(full_run / "summary.csv")
+    assert set(summary["protocol"]) == set(faithfulness.PROTOCOLS)
+    text = summary[summary["task"] == "gsm8k"]
+    assert text[["delta_loss", "ci_low", "ci_high"]].notna().all().all()
+    assert (text["ci_low"] <= text["delta_loss"] + 1e-12).all() and (
+        text["delta_loss"] <= text["ci_high"] + 1e-12
+    ).all()
+    at_zero = text[text["ratio"] == 0]
+    assert len(at_zero) == 3 * 5 * 2 and (at_zero["delta_loss"].abs() < 1e-6).all(), "ratio 0 removes nothing"
+    choice = summary[summary["task"] == "winogrande"]
+    assert choice[["accuracy", "ci_low", "ci_high", "chance"]].notna().all().all() and (choice["chance"] == 0.5).all()
+    aopc = pd.read_csv(full_run / "aopc.csv")
+    assert list(aopc.columns) == ["protocol", "task", "mode", "method", "aopc", "ci_low", "ci_high", "ratios"]
+    assert len(aopc) == 3 * 2 * 5 and set(aopc["ratios"]) == {"0.2,0.5"}
+    verdicts = pd.read_csv(full_run / "verdicts.csv")
+    assert list(verdicts.columns) == [
+        "protocol", "task", "mode", "better", "worse", "difference", "ci_low", "ci_high", "verdict"
+    ]  # fmt: skip
+    assert set(verdicts["verdict"]) <= {"better", "worse", "indistinguishable"}
+    assert len(verdicts) == 3 * 2 * 5  # 2 chain pairs + contribution vs attention, signed, random
+    records = read_merged(full_run)
+    one_layer = [r for r in records if r["protocol"] == "one_layer" and r["ratio"] > 0 and r["kind"] == "lm"]
+    for r in one_layer:
+        assert sorted(r["nll_per_layer"]) == ["2", "20"]
+        assert r["nll"] == pytest.approx(sum(r["nll_per_layer"].values()) / 2)
+    html = (full_run / "report.html").read_text()
+    assert_self_contained(html)
+    assert html.index("<h2>Verdicts</h2>") < html.index("Plotly.newPlot"), "the report leads with the verdicts"
+    assert "(comprehensiveness, input-token deletion): Δloss difference" in html
+    assert "chance is 0.500" in html
+
+
+def test_dry_run_counts_the_passes_and_writes_nothing(bundled_model, shared_data, full_run: Path, tmp_path) -> None:
+    config = full_config(shared_data)
+    plan = faithfulness.plan_run(bundled_model, FULL, config, out=tmp_path / "new")
+    # 2 units (1 of chunks, 1 of items); per unit 1 clean + 1 at ratio 0 + 5 ranked methods x 2 modes
+    # x 2 ratios for every_layer and input_deletion, and twice that for one_layer (2 layers).
+    assert plan.passes == 2 * (2 + 20 + 20 + 40)
+    assert plan.seconds > plan.forward_seconds > 0
+    assert f"{plan.passes} forward passes" in plan.describe()
+    assert not (tmp_path / "new").exists()
+    assert faithfulness.plan_run(bundled_model, FULL, config, out=full_run).passes == 0, "a finished run has no work"

@@ -1,0 +1,81 @@
+"""Helpers shared by several test files: small inputs and a method run the way the harnesses run it."""
+
+from pathlib import Path
+
+import torch
+
+import contribution_lens as cl
+from conftest import tiny_bridge
+from contribution_lens import adapter, faithfulness
+from contribution_lens.methods import ScoreContext, get_method
+
+TEXT = "The cat sat on the mat because it was warm."
+
+
+def tiny_batch(model) -> adapter.TokenBatch:
+    """Two texts, the second right-padded, so padding is exercised everywhere."""
+    tokens = torch.tensor([[1, 5, 9, 3, 7, 2, 8], [4, 6, 11, 13, 0, 0, 0]])
+    mask = torch.tensor([[1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0, 0]])
+    return adapter.to_token_batch(model, tokens, attention_mask=mask)
+
+
+def method_scores(model, batch, name: str, layers: list[int]) -> dict[int, torch.Tensor]:
+    """A registered method's raw scores, run the way the harnesses run it."""
+    method = get_method(name)
+    prepared = method.prepare(model, batch, layers) if method.prepare is not None else None
+    context = ScoreContext(model=model, prepared=prepared)
+    result = cl.map_layers(
+        model, batch, lambda layer: method.score_fn(layer, context), layers=layers, capture=method.capture
+    )
+    return dict(result.items())
+
+
+IDS = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
+
+
+def readme_block(marker: str) -> str:
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    blocks = readme.split("```python\n")[1:]
+    return next(block.split("```")[0] for block in blocks if marker in block)
+
+
+def tiny_clean(protocol: faithfulness.Settings, lengths=(8, 5)):
+    model = tiny_bridge("gqa", biases=True)
+    generator = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 50, (n,), generator=generator) for n in lengths]
+    batch = adapter.pad_rows(model, rows)
+    return model, batch, faithfulness.clean_run(model, batch, protocol)
+
+
+SHAPES = {"mha": (4, 4), "gqa": (6, 2), "mqa": (4, 1)}
+
+
+def random_layer(variant: str, *, batch: int = 2, pos: int = 7, d_head: int = 5, d_model: int = 12, seed: int = 0):
+    n_heads, n_kv = SHAPES[variant]
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randn(batch, n_heads, pos, pos, generator=g)
+    causal = torch.ones(pos, pos, dtype=torch.bool).tril()
+    pattern = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    v = torch.randn(batch, pos, n_kv, d_head, generator=g)
+    W_O = torch.randn(n_heads, d_head, d_model, generator=g)
+    return pattern, v, W_O
+
+
+def tokens(batch: int = 2, pos: int = 9, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, 50, (batch, pos), generator=torch.Generator().manual_seed(seed))
+
+
+G = torch.Generator().manual_seed(0)
+
+
+SCORES = torch.randn(1, 2, 4, 4, generator=G)
+
+
+PATTERN = SCORES.masked_fill(torch.ones(4, 4).triu(1).bool(), -torch.inf).softmax(-1)
+
+
+V = torch.randn(1, 4, 2, 3, generator=G)
+
+
+W_O = torch.randn(2, 3, 5, generator=G)

@@ -1,0 +1,499 @@
+"""The HTML the package writes, opened in headless Chromium: what is drawn is what the library computes."""
+
+import base64
+import json
+import re
+import shutil
+from pathlib import Path
+
+import numpy as np
+import plotly.offline
+import pytest
+import torch
+
+import contribution_lens as cl
+from conftest import ARTIFACTS, assert_self_contained
+from contribution_lens.views import inspector as ins
+from contribution_lens.views.plot import token_factors
+
+CHROMIUM = shutil.which("chromium")
+CHROMEDRIVER = shutil.which("chromedriver")
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        CHROMIUM is None or CHROMEDRIVER is None,
+        reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    webdriver = pytest.importorskip("selenium.webdriver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--disable-quic",
+        "--window-size=1400,1000",
+    ):
+        options.add_argument(flag)
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def open_and_check(browser, page: Path, screenshot: str, min_plots: int) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get_log("browser")  # drop what earlier pages logged
+    browser.get(page.resolve().as_uri())
+    WebDriverWait(browser, 60).until(
+        lambda b: b.execute_script("return document.querySelectorAll('.js-plotly-plot .main-svg').length") >= min_plots
+    )
+    plots = browser.execute_script("return document.querySelectorAll('.js-plotly-plot').length")
+    drawn = browser.execute_script("return document.querySelectorAll('.js-plotly-plot .main-svg').length")
+    assert plots >= min_plots and drawn >= min_plots
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    assert browser.save_screenshot(str(ARTIFACTS / screenshot))
+    assert (ARTIFACTS / screenshot).stat().st_size > 10_000
+
+
+def test_faithfulness_report_renders(browser, bundled_model, shared_data, tmp_path) -> None:
+    from contribution_lens import faithfulness
+
+    settings = faithfulness.Settings(methods=("attention", "contribution"), ratios=(0.0, 0.5))
+    data = faithfulness.DataSettings(
+        data=(f"gsm8k={shared_data / 'gsm8k' / 'test.jsonl'}",), chunk_length=32, max_chunks=2, batch_size=2
+    )
+    faithfulness.run(bundled_model, settings, data, tmp_path, progress=False)
+    page = tmp_path / "report.html"
+    assert_self_contained(page.read_text())
+    open_and_check(browser, page, "faithfulness_report.png", min_plots=2)
+
+
+TEXT = "When Mary and John went to the store, John gave a drink to"
+LAYERS = [2, 9]
+# Documented quantisation steps (inspector.py): attention via sqrt on 16 bits, cosine on 16 bits.
+D_SQRT = 0.5 / ins.ATTENTION_CODES
+D_COS = 0.5 / ins.COSINE_CODES
+NUMBER = r"(-?[0-9.]+(?:e[-+]?[0-9]+)?)"
+HOVER = re.compile(
+    rf"query (.+)<br>key (.+)<br>attention {NUMBER}<br>relative norm intra {NUMBER}, inter {NUMBER}"
+    rf"<br>cosine intra {NUMBER}, inter {NUMBER}<br>contribution intra {NUMBER}, inter {NUMBER}$"
+)
+DRAWN = """
+const root = document.querySelectorAll('.cl-inspector')[arguments[0] || 0];
+const gd = root.querySelector('.cl-heatmap');
+const visible = gd.data.filter(t => t.type === 'heatmap' && t.visible !== false);
+const t = visible[0];
+return {visible: visible.length, z: t.z, text: t.text, x: t.x, y: t.y, hash: location.hash,
+        ready: root.dataset.ready};
+"""
+
+
+@pytest.fixture(scope="module")
+def page(bundled_model, tmp_path_factory) -> Path:
+    inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS)
+    return inspector.write_html(tmp_path_factory.mktemp("inspector") / "inspect.html")
+
+
+@pytest.fixture(scope="module")
+def library(bundled_model) -> dict[str, cl.Geometry]:
+    return {scope: cl.attention_geometry(bundled_model, TEXT, layers=LAYERS, scope=scope) for scope in cl.SCOPES}
+
+
+def quantised(d: cl.Decomposition) -> cl.Decomposition:
+    """The decomposition the page receives: attention and cosine through the documented codes."""
+    attention = ins.dequantise_attention(ins.quantise_attention(d.attention.double().numpy()))
+    cosine = ins.dequantise_cosine(ins.quantise_cosine(d.cosine.double().numpy()))
+    return cl.Decomposition(
+        torch.from_numpy(attention), torch.from_numpy(cosine), d.value_norm.double(), d.output_norm.double(),
+        d.valid, d.scope,
+    )  # fmt: skip
+
+
+def expected(library, layer: int, head: int | None, scope: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """Library factors ``[query key]`` of one view, and the tolerance the payload's codecs allow.
+
+    Per head, attention and cosine go through their codes and the rest is derived; all heads, the
+    library's token-level numbers are sent (attention and cosine coded, the rest exact float32).
+    """
+    d = library[scope][layer]
+    n = d.attention.shape[-1]
+    exact = {k: v.double().numpy() for k, v in token_factors(d, head, 0, n).items()}
+    a = exact["attention"]
+    attention = 2 * np.sqrt(a) * D_SQRT + D_SQRT**2 + 1e-7
+    if head is None:
+        return exact, {
+            "attention": attention,
+            "cosine": np.full_like(a, D_COS + 1e-6),
+            # float16: half a unit in the last place, 2^-11 relative (and 2^-25 among subnormals).
+            "relative_norm": 2**-11 * np.abs(exact["relative_norm"]) + 1e-7,
+            "contribution": 2**-11 * np.abs(exact["contribution"]) + 1e-7,
+        }
+    tolerance = {
+        "attention": attention,
+        "cosine": np.full_like(a, D_COS + 1e-6),
+        "relative_norm": 1e-5 * np.abs(exact["relative_norm"]) + 1e-7,
+        "contribution": contribution_bound(d, head)[0] + 1e-6 + 1e-5 * np.abs(exact["contribution"]),
+    }
+    return exact, tolerance
+
+
+def contribution_bound(d: cl.Decomposition, head) -> np.ndarray:
+    """``relative_norm * (|da| |cos| + (a + |da|) |dcos|)`` per head: the documented contribution error."""
+    a = d.attention[0, head].double().numpy().reshape(-1, *d.attention.shape[-2:])
+    rn = d.relative_norm[0, head].double().numpy().reshape(a.shape)
+    cos = np.abs(d.cosine[0, head].double().numpy().reshape(a.shape))
+    da = 2 * np.sqrt(a) * D_SQRT + D_SQRT**2
+    return rn * (da * cos + (a + da) * D_COS)
+
+
+def wait_ready(browser, *, hash_too: bool = True, index: int = 0) -> dict:
+    """What the ``index``-th inspector on the page draws, once it is ready."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    ready = "const r = document.querySelectorAll('.cl-inspector')[arguments[0]]; return r && r.dataset.ready"
+    WebDriverWait(browser, 60).until(lambda b: b.execute_script(ready, index) == "true")
+    drawn = browser.execute_script(DRAWN, index)
+    if not hash_too:
+        drawn.pop("hash")
+    return drawn
+
+
+def open_view(browser, page: Path, fragment: str) -> dict:
+    browser.get("about:blank")
+    browser.get(page.resolve().as_uri() + fragment)
+    return wait_ready(browser)
+
+
+def check_drawn(
+    drawn: dict, library, layer: int, head: int | None, factor: str, scope: str, window: ins.Window | None = None
+) -> None:
+    """The one visible heatmap shows ``factor`` of this view, and every hover label all eight numbers.
+
+    ``window``: the token window drawn (default: the whole text).
+    """
+    assert drawn["visible"] == 1, f"{drawn['visible']} visible heatmap traces"
+    n = library[scope][layer].attention.shape[-1]
+    window = window or ins.token_window(n)
+    cut = np.ix_(window.queries, window.keys)
+    other = "inter" if scope == "intra" else "intra"
+    by_scope = {}
+    for s in (scope, other):
+        values, tolerance = expected(library, layer, head, s)
+        by_scope[s] = ({k: v[cut] for k, v in values.items()}, {k: v[cut] for k, v in tolerance.items()})
+    values, tolerance = by_scope[scope]
+    labels = [f"{i}:{t}" for i, t in enumerate(library[scope].str_tokens[0])]
+    assert drawn["y"] == [labels[i] for i in window.queries] and drawn["x"] == [labels[j] for j in window.keys]
+    z = np.array([[np.nan if v is None else v for v in row] for row in drawn["z"]], dtype=float)
+    causal = window.mask
+    assert np.isnan(z[~causal]).all(), "future keys must be blank"
+    error = np.abs(z - values[factor])[causal]
+    assert np.all(error <= tolerance[factor][causal]), f"{factor}: worst error {error.max():.3g}"
+    nq, nk = causal.shape
+    for i, j in [(nq - 1, 0), (nq - 1, nk - 2), (nq // 2, 1), (3, 3)]:
+        match = HOVER.match(drawn["text"][i][j])
+        assert match, drawn["text"][i][j]
+        assert (match[1], match[2]) == (drawn["y"][i], drawn["x"][j])
+        shown = dict(zip(["attention", "rn_intra", "rn_inter", "cos_intra", "cos_inter", "c_intra", "c_inter"],
+                         map(float, match.groups()[2:]), strict=True))  # fmt: skip
+        for key, name, s in [("attention", "attention", scope), ("rn_intra", "relative_norm", "intra"),
+                             ("rn_inter", "relative_norm", "inter"), ("cos_intra", "cosine", "intra"),
+                             ("cos_inter", "cosine", "inter"), ("c_intra", "contribution", "intra"),
+                             ("c_inter", "contribution", "inter")]:  # fmt: skip
+            want, tol = by_scope[s]
+            # Four significant digits on screen.
+            assert abs(shown[key] - want[name][i, j]) <= tol[name][i, j] + 6e-4 * abs(want[name][i, j]) + 1e-12, (
+                f"hover {key} at ({i}, {j}): {shown[key]} vs library {want[name][i, j]}"
+            )
+
+
+VIEWS = [
+    (2, 3, "contribution", "intra"),
+    (9, None, "cosine", "inter"),
+    (2, None, "relative_norm", "intra"),
+    (9, 0, "attention", "inter"),
+    (9, 7, "contribution", "inter"),
+]
+
+
+def fragment(layer, head, factor, scope) -> str:
+    return f"#layer={layer}&head={'all' if head is None else head}&factor={factor}&scope={scope}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("view", VIEWS, ids=lambda v: fragment(*v)[1:])
+def test_inspector_draws_the_view_named_in_the_fragment(browser, page, library, view) -> None:
+    drawn = open_view(browser, page, fragment(*view))
+    assert drawn["hash"].startswith(fragment(*view))
+    check_drawn(drawn, library, *view)
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+@pytest.mark.slow
+def test_inspector_page_with_a_token_window(browser, bundled_model, library, tmp_path) -> None:
+    inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS)
+    page = inspector.write_html(tmp_path / "window.html", layers=[9], start=5, tokens=6)
+    window = ins.token_window(15, start=5, tokens=6)
+    assert window.keys == [0, 5, 6, 7, 8, 9, 10]
+    for view in [(9, 4, "contribution", "intra"), (9, None, "relative_norm", "inter")]:
+        check_drawn(open_view(browser, page, fragment(*view)), library, *view, window)
+    # A layer the page does not hold falls back to the one it does.
+    assert open_view(browser, page, "#layer=2&head=1")["hash"].startswith("#layer=9&head=1&")
+
+
+@pytest.mark.slow
+def test_inspector_controls_redraw_and_rewrite_the_fragment(browser, page, library) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    open_view(browser, page, "")
+    for layer, head, factor, scope in [(9, 5, "contribution", "inter"), (2, None, "attention", "intra"),
+                                       (2, 1, "cosine", "intra")]:  # fmt: skip
+        for name, value in [("layer", layer), ("head", "all" if head is None else head), ("factor", factor),
+                            ("scope", scope)]:  # fmt: skip
+            Select(control(browser, name)).select_by_value(str(value))
+        drawn = wait_ready(browser)
+        assert drawn["hash"].startswith(fragment(layer, head, factor, scope)), drawn["hash"]
+        check_drawn(drawn, library, layer, head, factor, scope)
+    # The query menu redraws the per-key bars of that query.
+    Select(control(browser, "query")).select_by_value("5")
+    bars = browser.execute_script(
+        "return document.querySelector('.cl-inspector .cl-bars').data.map(t => [t.name, t.x.length])"
+    )
+    assert bars == [["attention", 6], ["relative norm", 6], ["cosine", 6], ["contribution", 6]]
+    assert "&query=5" in browser.execute_script("return location.hash")
+
+
+def control(browser, name: str, index: int = 0):
+    """The ``name`` menu of the ``index``-th inspector on the page."""
+    roots = browser.find_elements("css selector", ".cl-inspector")
+    return roots[index].find_element("css selector", f"select[data-control='{name}']")
+
+
+def heatmap_pixels(browser) -> bytes:
+    element = browser.find_element("css selector", ".cl-inspector .cl-heatmap")
+    return base64.b64decode(element.screenshot_as_base64)
+
+
+@pytest.mark.slow
+def test_two_views_draw_different_pixels(browser, page) -> None:
+    # Failed on the previous inspector: its head menu left the drawn heatmap unchanged.
+    open_view(browser, page, fragment(2, 0, "contribution", "inter"))
+    head0 = heatmap_pixels(browser)
+    open_view(browser, page, fragment(2, 3, "contribution", "inter"))
+    head3 = heatmap_pixels(browser)
+    open_view(browser, page, fragment(2, 3, "cosine", "inter"))
+    cosine = heatmap_pixels(browser)
+    assert head0 != head3, "head 0 and head 3 draw identical pixels"
+    assert head3 != cosine, "contribution and cosine draw identical pixels"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.set_window_size(1400, 1500)
+    open_view(browser, page, fragment(9, None, "contribution", "inter"))
+    assert browser.save_screenshot(str(ARTIFACTS / "inspector.png"))
+    browser.set_window_size(1400, 1000)
+
+
+@pytest.mark.slow
+def test_inspector_page_is_self_contained(browser, page) -> None:
+    text = page.read_text()
+    assert_self_contained(text)
+    ours = text.replace(plotly.offline.get_plotlyjs(), "")
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", ours), "the page references the network"
+    open_view(browser, page, "")
+    remote = browser.execute_script(
+        "return performance.getEntriesByType('resource').map(e => e.name).filter(n => !n.startsWith('file:'))"
+    )
+    assert remote == []
+
+
+WIDGET_HOST = """<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>ROOTS
+<script type='application/json' id='states'>STATES</script>
+<script type='application/json' id='esm'>ESM</script>
+<script type='application/json' id='plotly'>PLOTLY</script>
+<script type='module'>
+// A minimal anywidget host, as a notebook page holds it: one model per widget (the interface render()
+// uses), one ES module shared by all, and a kernel that answers need_plotly.
+const states = JSON.parse(document.getElementById('states').textContent);
+const esm = JSON.parse(document.getElementById('esm').textContent);
+const widget = await import(URL.createObjectURL(new Blob([esm], { type: 'text/javascript' })));
+window.hosts = [];
+const roots = document.querySelectorAll('.widget-root');
+for (const [index, state] of states.entries()) {
+  const listeners = {};
+  const emit = (name, value) => (listeners[name] || []).forEach((f) => f(value));
+  const host = { sent: [], saved: [], state };
+  host.model = {
+    get: (k) => state[k],
+    set: (k, v) => { state[k] = v; emit('change:' + k); },
+    on: (e, f) => (listeners[e] = listeners[e] || []).push(f),
+    off: (e, f) => (listeners[e] = (listeners[e] || []).filter((g) => g !== f)),
+    save_changes: () => host.saved.push(JSON.stringify(state)),
+    send: (message) => {
+      host.sent.push(message.type);
+      const source = JSON.parse(document.getElementById('plotly').textContent);
+      setTimeout(() => emit('msg:custom', { type: 'plotly', source }), 0);
+    },
+  };
+  window.hosts.push(host);
+  await widget.default.render({ model: host.model, el: roots[index] });
+  roots[index].dataset.ready = 'true';
+}
+window.host = window.hosts[0];
+</script></body></html>"""
+
+
+def widget_state(inspector) -> dict:
+    names = ("layer", "head", "factor", "scope", "query", "start", "tokens", "meta", "payload")
+    return {name: getattr(inspector, name) for name in names}
+
+
+def script_json(value) -> str:
+    return json.dumps(value).replace("</", "<\\/")
+
+
+def widget_page(inspector, folder: Path, monkeypatch, *others) -> Path:
+    """The widgets' ESM in `WIDGET_HOST`, with each widget's state and the kernel's plotly.js reply."""
+    plotly_message = []
+    monkeypatch.setattr(inspector, "send", plotly_message.append)
+    inspector._on_message(inspector, {"type": "need_plotly"}, [])
+    widgets = [inspector, *others]
+    host = folder / "widget.html"
+    host.write_text(
+        WIDGET_HOST.replace("ROOTS", "<div class='widget-root'></div>" * len(widgets))
+        .replace("STATES", script_json([widget_state(w) for w in widgets]))
+        .replace("ESM", script_json(inspector._esm))
+        .replace("PLOTLY", script_json(plotly_message[0]["source"]))
+    )
+    return host
+
+
+@pytest.mark.slow
+def test_widget_front_end_draws_the_library_numbers(browser, bundled_model, library, tmp_path, monkeypatch) -> None:
+    inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS, layer=2)
+    browser.get(widget_page(inspector, tmp_path, monkeypatch).resolve().as_uri())
+    check_drawn(wait_ready(browser, hash_too=False), library, 2, None, "contribution", "inter")
+    assert browser.execute_script("return window.host.sent") == ["need_plotly"]
+    # 15 tokens fit the 128-token window: no window menu.
+    assert control(browser, "window").find_element("xpath", "..").value_of_css_property("display") == "none"
+    from selenium.webdriver.support.ui import Select
+
+    for name, value in [("head", "3"), ("factor", "cosine"), ("scope", "intra")]:
+        Select(control(browser, name)).select_by_value(value)
+    check_drawn(wait_ready(browser, hash_too=False), library, 2, 3, "cosine", "intra")
+    saved = json.loads(browser.execute_script("return window.host.saved.at(-1)"))
+    assert (saved["head"], saved["factor"], saved["scope"]) == (3, "cosine", "intra")
+    # A new layer: the front-end asks the kernel (a trait change) and draws when the payload arrives.
+    Select(control(browser, "layer")).select_by_value("9")
+    assert json.loads(browser.execute_script("return window.host.saved.at(-1)"))["layer"] == 9
+    assert browser.execute_script("return document.querySelector('.cl-status').textContent") == "computing layer 9…"
+    inspector.layer = 9
+    browser.execute_script("window.host.model.set('payload', arguments[0])", inspector.payload)
+    check_drawn(wait_ready(browser, hash_too=False), library, 9, 3, "cosine", "intra")
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+@pytest.mark.slow
+def test_widget_token_window_menu(browser, bundled_model, library, tmp_path, monkeypatch) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS, layer=9, tokens=8)
+    browser.get(widget_page(inspector, tmp_path, monkeypatch).resolve().as_uri())
+    check_drawn(wait_ready(browser, hash_too=False), library, 9, None, "contribution", "inter", inspector.window)
+    menu = Select(control(browser, "window"))
+    assert [option.text for option in menu.options] == ["tokens 0–7", "tokens 4–11", "tokens 8–14"]
+    menu.select_by_value("4")
+    assert json.loads(browser.execute_script("return window.host.saved.at(-1)"))["start"] == 4
+    inspector.start = 4  # what the kernel does with that trait change
+    browser.execute_script(
+        "for (const [k, v] of Object.entries(arguments[0])) window.host.model.set(k, v)",
+        {"meta": inspector.meta, "query": inspector.query, "payload": inspector.payload},
+    )
+    check_drawn(wait_ready(browser, hash_too=False), library, 9, None, "contribution", "inter", inspector.window)
+    assert inspector.window.keys == [0, *range(4, 12)]
+
+
+def figure_page(figures: dict[str, "object"], folder: Path) -> Path:
+    from contribution_lens.views import html
+
+    return html.write_html(folder / "figures.html", "figures", list(figures.items()))
+
+
+def drawn(browser, index: int, selector: str) -> list[dict]:
+    """Bounding boxes and text of the elements ``selector`` inside the ``index``-th plot."""
+    return browser.execute_script(
+        "const plot = document.querySelectorAll('.js-plotly-plot')[arguments[0]];"
+        "return [...plot.querySelectorAll(arguments[1])].map(e => {const r = e.getBoundingClientRect();"
+        "return {text: e.textContent, left: r.left, right: r.right, width: r.width, dash: e.style.strokeDasharray};});",
+        index,
+        selector,
+    )
+
+
+@pytest.mark.slow
+def test_figures_draw_every_label_a_clear_colour_bar_separate_scales_and_distinct_lines(
+    browser, bundled_model, tmp_path
+) -> None:
+    text = "One two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen."
+    g = cl.attention_geometry(bundled_model, text, layers=[4])
+    n = len(g.str_tokens[0])
+    same = [0.1 * k for k in range(5)]
+    figures = {
+        "heatmap": cl.plot.token_heatmap(g, layer=4, head=2),
+        "bars": cl.plot.factor_bars(g, layer=4, query=n - 1, head=2),
+        "lines": cl.plot.lines({"a": same, "b": same, "c": [0.5] * 5}, title="three lines"),
+    }
+    open_and_check(browser, figure_page(figures, tmp_path), "figures.png", min_plots=3)
+    # Every token label is drawn on both axes (plotly would otherwise thin them out).
+    assert [t["text"] for t in drawn(browser, 0, ".ytick text")] == g.labels()
+    assert len(drawn(browser, 0, ".xtick text")) == n
+    # The colour bar starts right of the heatmap's last column.
+    cells = drawn(browser, 0, ".heatmaplayer image")[0]
+    colorbar = drawn(browser, 0, ".colorbar .cbfills")[0]
+    assert colorbar["left"] >= cells["right"]
+    # One panel per factor: the contribution bars get their own scale and a visible length.
+    contribution = g[4].contribution[0, 2, n - 1].abs().max().item()
+    relative = g[4].relative_norm[0, 2, n - 1].max().item()
+    assert relative / contribution > 5  # on one shared axis the contribution bars would be 5x shorter
+    bars = drawn(browser, 1, ".trace.bars .point path")
+    longest = [max(b["width"] for b in bars[k * n : (k + 1) * n]) for k in range(4)]
+    assert min(longest) > 0.5 * max(longest), longest
+    # Identical series stay distinguishable: each line has its own dash pattern.
+    dashes = [line["dash"] for line in drawn(browser, 2, ".scatterlayer .js-line")]
+    assert len(dashes) == 3 and len(set(dashes)) == 3, dashes
+
+
+@pytest.mark.slow
+def test_two_inspectors_on_one_page_each_draw_their_own_view(
+    browser, bundled_model, library, tmp_path, monkeypatch
+) -> None:
+    # Each front-end finds its elements inside its own root (no ids): the two never touch each other.
+    from selenium.webdriver.support.ui import Select
+
+    first = cl.inspect(bundled_model, TEXT, layers=LAYERS, layer=2)
+    second = cl.inspect(bundled_model, TEXT, layers=LAYERS, layer=9, head=4, factor="cosine", scope="intra")
+    browser.get(widget_page(first, tmp_path, monkeypatch, second).resolve().as_uri())
+    check_drawn(wait_ready(browser, hash_too=False, index=0), library, 2, None, "contribution", "inter")
+    check_drawn(wait_ready(browser, hash_too=False, index=1), library, 9, 4, "cosine", "intra")
+    assert browser.execute_script("return window.hosts.map(h => h.sent.length)") == [1, 0], "plotly.js asked for once"
+    # A control of the second changes the second alone.
+    Select(control(browser, "head", 1)).select_by_value("1")
+    check_drawn(wait_ready(browser, hash_too=False, index=1), library, 9, 1, "cosine", "intra")
+    check_drawn(wait_ready(browser, hash_too=False, index=0), library, 2, None, "contribution", "inter")
+    assert browser.execute_script("return window.hosts[0].saved.length") == 0
+    assert json.loads(browser.execute_script("return window.hosts[1].saved.at(-1)"))["head"] == 1
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors

@@ -1,0 +1,185 @@
+"""The course in notebooks/: what a teacher hands out and what a reader gets.
+
+Static checks read the notebooks as committed (prose, exercises, public names). The executed
+check runs each notebook once, top to bottom (this file is the notebooks' only executor: pytest
+does not collect notebooks/ with nbmake), then exports it to HTML as ``jupyter nbconvert --to
+html`` does and checks that every figure is in the page, that no output carries a warning and
+that every figure is followed by a "What to notice" paragraph. The HTML pages are kept under
+``test-artifacts/notebooks/``.
+"""
+
+import re
+import time
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from conftest import ARTIFACTS
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOK_DIR = ROOT / "notebooks"
+NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
+IDS = [path.stem for path in NOTEBOOKS]
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+MIN_WORDS = 600
+MAX_SECONDS = 300  # "under five minutes each" on a 2-core CPU
+NOTICE = "**What to notice.**"
+
+
+def read(path: Path) -> nbformat.NotebookNode:
+    return nbformat.read(path, as_version=4)
+
+
+def prose_words(notebook: nbformat.NotebookNode) -> int:
+    """Words of markdown prose: display maths, inline code spans and HTML tags do not count."""
+    words = 0
+    for cell in notebook.cells:
+        if cell.cell_type != "markdown":
+            continue
+        text = re.sub(r"\$\$.*?\$\$", " ", cell.source, flags=re.S)
+        text = re.sub(r"<[^>]+>", " ", text)
+        words += len(re.findall(r"[A-Za-z][A-Za-z'’-]*", text))
+    return words
+
+
+def is_solution(cell: nbformat.NotebookNode) -> bool:
+    return cell.cell_type == "code" and "solution" in cell.metadata.get("tags", [])
+
+
+def test_the_course_has_eight_lessons_in_order() -> None:
+    assert [path.name[:3] for path in NOTEBOOKS] == [f"{i:02d}_" for i in range(1, 9)], IDS
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_notebook_opens_with_what_it_teaches_and_how_long(path: Path) -> None:
+    first = read(path).cells[0]
+    assert first.cell_type == "markdown" and first.source.startswith("# "), f"{path.name} opens without a title"
+    assert "**What you will learn.**" in first.source, f"{path.name}: the opening cell does not say what it teaches"
+    assert re.search(r"\*\*Time\.\*\* about \d+ minutes", first.source), f"{path.name}: no time in the opening cell"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_notebook_explains_in_prose(path: Path) -> None:
+    words = prose_words(read(path))
+    assert words >= MIN_WORDS, f"{path.name} holds {words} words of prose, fewer than {MIN_WORDS}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS[1:], ids=IDS[1:])
+def test_exercises_each_have_a_collapsed_solution(path: Path) -> None:
+    cells = read(path).cells
+    exercises = [i for i, c in enumerate(cells) if c.cell_type == "markdown" and c.source.startswith("### Exercise")]
+    assert len(exercises) >= 2, f"{path.name} has {len(exercises)} exercises, fewer than 2"
+    for i in exercises:
+        solution = cells[i + 1] if i + 1 < len(cells) else None
+        title = cells[i].source.splitlines()[0]
+        assert solution is not None and is_solution(solution), f"{path.name}: {title!r} is not followed by a solution"
+        assert solution.metadata.get("jupyter", {}).get("source_hidden"), f"{path.name}: {title!r} solution is shown"
+        assert "assert " in solution.source, f"{path.name}: {title!r} solution checks nothing"
+    orphans = [cells[i].id for i, c in enumerate(cells) if is_solution(c) and i - 1 not in exercises]
+    assert not orphans, f"{path.name}: solution cells {orphans} follow no '### Exercise' cell"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_notebook_uses_public_names_only(path: Path) -> None:
+    code = "\n".join(c.source for c in read(path).cells if c.cell_type == "code")
+    private = re.findall(r"\b(?:cl|contribution_lens|evaluation|faithfulness|data|plot|sinks)\._\w+", code)
+    private += re.findall(r"from contribution_lens[\w.]* import .*\b_\w+", code)
+    private += re.findall(r"contribution_lens\.\w*\._", code)
+    assert not private, f"{path.name} uses private names: {private}"
+
+
+def is_figure(output: nbformat.NotebookNode) -> bool:
+    """A plotly figure: its MIME bundle, or the HTML that `cl.plot.use_in_notebook` makes plotly write."""
+    data = output.get("data", {})
+    return PLOTLY_MIME in data or 'class="plotly-graph-div"' in data.get("text/html", "")
+
+
+def figure_cells(notebook: nbformat.NotebookNode) -> list[int]:
+    return [
+        i
+        for i, cell in enumerate(notebook.cells)
+        if cell.cell_type == "code" and any(is_figure(out) for out in cell.get("outputs", []))
+    ]
+
+
+def warnings_in(notebook: nbformat.NotebookNode) -> list[str]:
+    found = []
+    for cell in notebook.cells:
+        for out in cell.get("outputs", []):
+            if out.output_type == "stream" and out.name == "stderr" and "Warning" in out.text:
+                found.append(f"cell {cell.id}: {out.text.strip()[:300]}")
+            if out.output_type == "error":
+                found.append(f"cell {cell.id}: {out.ename}: {out.evalue}")
+    return found
+
+
+def execute(path: Path) -> tuple[nbformat.NotebookNode, float]:
+    from nbclient import NotebookClient
+
+    notebook = read(path)
+    started = time.perf_counter()
+    NotebookClient(
+        notebook, timeout=MAX_SECONDS, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
+    ).execute()
+    return notebook, time.perf_counter() - started
+
+
+def export_problems(notebook: nbformat.NotebookNode, html: str) -> list[str]:
+    """What a reader of the executed notebook or of its HTML export would miss or be warned about."""
+    problems = [f"warning or error in {found}" for found in warnings_in(notebook)]
+    figures = figure_cells(notebook)
+    if not figures:
+        problems.append("no figure")
+    for i in figures:
+        cell_id = notebook.cells[i].id
+        after = notebook.cells[i + 1] if i + 1 < len(notebook.cells) else None
+        if after is None or after.cell_type != "markdown" or not after.source.startswith(NOTICE):
+            problems.append(f"the figure of cell {cell_id} is not followed by a {NOTICE!r} paragraph")
+        elif not re.search(r"\d", after.source):
+            problems.append(f"the notice after cell {cell_id} names no number")
+    n_figures = sum(is_figure(out) for i in figures for out in notebook.cells[i].outputs)
+    divs = re.findall(r'<div class="plotly-graph-div" id="([\w-]+)"', html)
+    drawn = [div for div in divs if re.search(rf'Plotly\.newPlot\(\s*"{div}",\s*\[\{{', html)]
+    if len(drawn) != n_figures:
+        problems.append(f"{n_figures} figures, {len(drawn)} drawn with data in the HTML")
+    if len(re.findall(r"plotly\.js v\d", html)) != 1:
+        problems.append("plotly.js is not embedded exactly once in the HTML")
+    if re.search(r"<script[^>]+src=[\"'][^\"']*plot\.ly", html):
+        problems.append("the HTML loads plotly.js from a CDN")
+    return problems
+
+
+def test_export_problems_names_what_a_reader_would_miss() -> None:
+    figure = nbformat.v4.new_output(
+        "display_data", data={"text/html": '<div class="plotly-graph-div" id="abc"></div>', "text/plain": ""}
+    )
+    warning = nbformat.v4.new_output("stream", name="stderr", text="UserWarning: something\n")
+    cells = [
+        nbformat.v4.new_code_cell("figure", id="fig", outputs=[figure]),
+        nbformat.v4.new_markdown_cell("**What to notice.** nothing countable", id="note"),
+        nbformat.v4.new_code_cell("warn", id="warn", outputs=[warning, figure]),
+        nbformat.v4.new_code_cell("after", id="after"),
+    ]
+    problems = export_problems(nbformat.v4.new_notebook(cells=cells), html="<p>no plots</p>")
+    assert problems == [
+        "warning or error in cell warn: UserWarning: something",
+        "the notice after cell fig names no number",
+        "the figure of cell warn is not followed by a '**What to notice.**' paragraph",
+        "2 figures, 0 drawn with data in the HTML",
+        "plotly.js is not embedded exactly once in the HTML",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_notebook_runs_and_exports_with_every_figure(path: Path) -> None:
+    from nbconvert import HTMLExporter
+
+    notebook, seconds = execute(path)
+    html, _ = HTMLExporter().from_notebook_node(notebook)
+    target = ARTIFACTS / "notebooks" / f"{path.stem}.html"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(html, encoding="utf-8")
+    assert seconds < MAX_SECONDS, f"{path.name} took {seconds:.0f} s, more than {MAX_SECONDS} s"
+    assert not export_problems(notebook, html), f"{path.name}: {export_problems(notebook, html)}"

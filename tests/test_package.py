@@ -1,0 +1,162 @@
+"""The package as a newcomer meets it: faces, import cost, the README's examples, the layout, the 0.2 names."""
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import contribution_lens as cl
+from helpers import readme_block
+
+SRC = Path(cl.__file__).parent
+SUBPACKAGES = ("analyses", "cli", "faithfulness", "methods", "views")
+CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses")
+
+
+def modules() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+def test_public_names_and_no_shadowed_submodule() -> None:
+    import contribution_lens
+
+    assert sorted(contribution_lens.__all__) == sorted(contribution_lens._EXPORTS)
+    for name in contribution_lens.__all__:
+        value = getattr(cl, name)
+        module = sys.modules.get(f"contribution_lens.{name}")
+        assert module is None or value is module, f"cl.{name} shadows the submodule contribution_lens.{name}"
+
+
+def test_no_face_shadows_one_of_its_own_modules() -> None:
+    import pkgutil
+
+    for package in SUBPACKAGES:
+        face = importlib.import_module(f"contribution_lens.{package}")
+        for module in pkgutil.iter_modules(face.__path__):
+            if module.name == "__main__":
+                continue
+            full = f"contribution_lens.{package}.{module.name}"
+            importlib.import_module(full)
+            assert getattr(face, module.name) is sys.modules[full], f"{full} is shadowed by a name of its package"
+
+
+def test_importing_the_package_does_not_import_torch() -> None:
+    code = "import sys, contribution_lens; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_settings_and_the_command_line_import_without_torch() -> None:
+    code = (
+        "import sys\nfrom contribution_lens.faithfulness import Settings, DataSettings\nimport contribution_lens.cli\n"
+        "from contribution_lens.choices import Scope\nprint('torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False", result.stderr
+
+
+def test_the_layout_is_a_small_core_and_one_subpackage_a_role() -> None:
+    top = sorted(p.stem for p in SRC.glob("*.py") if not p.stem.startswith("_"))
+    assert top == sorted(CORE), f"the flat core grew: {top}"
+    folders = sorted(p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+    assert folders == sorted(SUBPACKAGES)
+    tests = Path(__file__).parent
+    for package in SUBPACKAGES:
+        face = importlib.import_module(f"contribution_lens.{package}")
+        assert face.__doc__ and len(face.__doc__.split()) > 15, f"{package}/__init__.py does not say what it holds"
+        assert all(hasattr(face, name) for name in face.__all__), package
+        assert (tests / package).is_dir(), f"tests/ does not mirror contribution_lens.{package}"
+
+
+def test_no_function_is_longer_than_eighty_lines() -> None:
+    long = []
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 80:
+                long.append(f"{path.relative_to(SRC)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, long
+
+
+def _code_strings(path: Path) -> list[str]:
+    """String constants of a module that are not docstrings."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+def test_only_the_adapter_knows_hook_names() -> None:
+    naming = {
+        str(path.relative_to(SRC))
+        for path in modules()
+        if any("blocks." in s or s.startswith("hook_") or ".hook_" in s for s in _code_strings(path))
+    }
+    assert naming == {"adapter.py"}, naming
+
+
+def test_the_maths_knows_no_transformer_lens() -> None:
+    for name in ("choices", "decomposition", "losses", "_settings"):
+        tree = ast.parse((SRC / f"{name}.py").read_text(encoding="utf-8"))
+        imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names} | {
+            node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+        }
+        assert not {m for m in imported if "transformer_lens" in m or m.endswith("adapter")}, (name, imported)
+
+
+def test_the_old_module_paths_still_work_and_name_the_new_place(bundled_model, tmp_path) -> None:
+    with pytest.warns(DeprecationWarning, match="contribution_lens.evaluation is deprecated"):
+        from contribution_lens import evaluation
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"evaluation\.RunConfig is deprecated: use contribution_lens\.faithfulness\.DataSettings",
+    ):
+        config_class = evaluation.RunConfig
+    with pytest.warns(DeprecationWarning, match="use contribution_lens.faithfulness.Settings"):
+        from contribution_lens.faithfulness import Protocol
+    assert Protocol is cl.faithfulness.Settings
+    with pytest.warns(DeprecationWarning, match="use contribution_lens.available_methods"):
+        assert cl.METHODS == ("attention", "value_weighted", "output_normalized", "contribution")
+    with pytest.warns(DeprecationWarning, match=r"stats\.bootstrap_tables is deprecated: use "):
+        from contribution_lens import stats
+
+        assert stats.bootstrap_tables is cl.faithfulness.statistics.bootstrap_tables
+    # The 0.2 call still runs a faithfulness run and returns its summary.
+    text = tmp_path / "t.txt"
+    text.write_text("The cat sat on the mat because it was warm, and the dog slept by the door. " * 3)
+    config = config_class(lm=(f"text={text}",), chunk_length=16, max_chunks=1)
+    with pytest.warns(DeprecationWarning):
+        summary = evaluation.run_faithfulness(
+            bundled_model, config, Protocol(methods=("attention",), ratios=(0.0, 0.5), layers=(0,)), tmp_path / "run",
+            progress=False,
+        )  # fmt: skip
+    assert set(summary["method"]) == {"attention"} and (tmp_path / "run" / "report.html").is_file()
+    import contribution_lens.plot as old_plot
+
+    assert old_plot is cl.plot is cl.views.plot and old_plot.__spec__.name == "contribution_lens.views.plot"
+
+
+def test_the_readmes_examples_run(bundled_model) -> None:
+    namespace = {"cl": cl, "model": bundled_model}
+    exec(readme_block("def sink_vs_rest"), namespace)
+    assert set(namespace["shares"][-1]) == {"sink", "negative"} and namespace["shares"].layers == [0, 10, 29]
+    registration = readme_block("@cl.register_method").split("from contribution_lens import")[0]
+    try:
+        exec(registration, namespace)
+        method = cl.get_method("value_norm_only")
+        scores = cl.map_layers(bundled_model, "a b c", lambda layer: method.token_scores(layer, cl.ScoreContext()))
+        assert scores[0].shape == (1, 4, 4) and bool((scores[0].triu(1) == 0).all())
+    finally:
+        cl.unregister_method("value_norm_only")
