@@ -9,7 +9,6 @@ import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
 import einops
 import pandas as pd
@@ -88,48 +87,6 @@ class Geometry(LayerResults[Decomposition]):
         """The layer where attention to and contribution of key ``sink`` differ most (token level)."""
         table = self.layer_summary(sink)
         return int(table["sink_contribution"].sub(table["sink_attention"]).abs().idxmax())
-
-    def figures(self, *, layer: int | None = None, index: int = 0) -> list[tuple[str, Any]]:
-        """The BOS (key 0) per head in both measures, and one layer's heatmap and measures for the last query.
-
-        ``layer`` defaults to `sink_layer`: where attention and contribution disagree most about BOS.
-        """
-        from contribution_lens.views import plot
-
-        shown = self.sink_layer() if layer is None else self.resolve(layer)
-        query = len(self.str_tokens[index]) - 1
-        sink_attention = torch.stack([d.attention[index, :, 1:, 0].mean(-1) for d in self.values()])
-        sink_contribution = torch.stack([d.contribution[index, :, 1:, 0].mean(-1) for d in self.values()])
-        return [
-            (
-                "Attention to the first token (BOS), per head",
-                plot.head_grid(sink_attention, title="attention to BOS", layers=self.layers),
-            ),
-            (
-                "Contribution of the first token (BOS), per head",
-                plot.head_grid(
-                    sink_contribution, title=f"contribution of BOS ({self.scope}-head)", layers=self.layers, signed=True
-                ),
-            ),
-            (f"Token-level contribution at layer {shown}", plot.token_heatmap(self, layer=shown, index=index)),
-            (
-                f"Every measure for the last query at layer {shown}",
-                plot.compare_measures(self, layer=shown, query=query, index=index),
-            ),
-        ]
-
-    def report(
-        self, path: str | os.PathLike, *, title: str = "contribution-lens", layer: int | None = None, text: str = ""
-    ) -> Path:
-        """One self-contained HTML page: the text, the per-layer summary and `figures` (of batch element 0)."""
-        from contribution_lens.views import html
-
-        sections: list[html.Section] = [
-            ("Text", text or "".join(self.str_tokens[0])),
-            ("Per-layer summary", self.layer_summary()),
-            *self.figures(layer=layer),
-        ]
-        return html.write_html(path, title, sections)
 
     def to_dataframe(
         self,

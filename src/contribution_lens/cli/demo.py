@@ -49,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from contribution_lens import attention_geometry
+    from contribution_lens.views import overview
 
     model = common.load(args)
     geometry = attention_geometry(model, args.settings.text)
@@ -56,8 +57,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"Per-layer contribution geometry of {len(geometry.str_tokens[0])} tokens on {args.model}:")
         print(geometry.layer_summary().to_string())
     title = f"contribution-lens demo: {args.model}"
-    path = geometry.report(
-        Path(args.out) / "demo.html", title=title, layer=args.settings.layer, text=args.settings.text
+    path = overview.write(
+        geometry, Path(args.out) / "demo.html", title=title, layer=args.settings.layer, text=args.settings.text
     )
     print(f"wrote {path}")
     return 0

@@ -71,13 +71,16 @@ _HERE = "contribution_lens.faithfulness"
 _EXPORTS = {
     **{name: f"{_HERE}.settings:{name}" for name in ("Settings", "DataSettings", "RunOptions", "LM_TASKS",
                                                       "CHOICE_TASKS", "DEFAULT_RATIOS")},
-    **{name: f"{_HERE}.runner:{name}" for name in ("run", "plan_run", "RunPlan", "read_records", "merge_records")},
-    **{name: f"{_HERE}.results:{name}" for name in ("FaithfulnessRun", "mean_over_ratios")},
+    **{
+        name: f"{_HERE}.runner:{name}"
+        for name in ("run", "plan_run", "RunPlan", "merge_records", "clean_run", "conditions")
+    },
+    **{name: f"{_HERE}.results:{name}" for name in ("FaithfulnessRun", "mean_over_ratios", "read_records")},
     **{name: f"{_HERE}.protocols:{name}" for name in ("PROTOCOLS", "register_protocol")},
     **{
         name: f"{_HERE}.removal:{name}"
-        for name in ("RemovalProtocol", "CleanRun", "Condition", "clean_run", "masked_forward", "removal_edit",
-                     "removal_keep_mask", "removal_rank", "keep_from_rank", "n_removed", "is_signed", "conditions",
+        for name in ("RemovalProtocol", "CleanRun", "Condition", "masked_forward", "removal_edit",
+                     "removal_keep_mask", "removal_rank", "keep_from_rank", "n_removed", "is_signed",
                      "NOTHING_REMOVED")
     },
     "MODES": "contribution_lens.choices:MODES",
@@ -150,8 +153,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         CleanRun,
         Condition,
         RemovalProtocol,
-        clean_run,
-        conditions,
         is_signed,
         keep_from_rank,
         masked_forward,
@@ -160,8 +161,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         removal_keep_mask,
         removal_rank,
     )
-    from contribution_lens.faithfulness.results import FaithfulnessRun, mean_over_ratios
-    from contribution_lens.faithfulness.runner import RunPlan, merge_records, plan_run, read_records, run
+    from contribution_lens.faithfulness.results import FaithfulnessRun, mean_over_ratios, read_records
+    from contribution_lens.faithfulness.runner import RunPlan, clean_run, conditions, merge_records, plan_run, run
     from contribution_lens.faithfulness.settings import (
         CHOICE_TASKS,
         DEFAULT_RATIOS,

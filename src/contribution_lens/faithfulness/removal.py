@@ -1,8 +1,9 @@
 """Removal: rank the keys of each query by a measure, then take away the highest or lowest ranked.
 
-Scoring. A clean forward pass (`clean_run`) scores every visible key ``j`` for every query ``i``
-at every scored layer; the token-level score is the sum over heads of the method's per-head
-score, or, with ``granularity="head"``, each head keeps its own score and ranking.
+Scoring. A clean forward pass (`contribution_lens.faithfulness.runner.clean_run`) scores every
+visible key ``j`` for every query ``i`` at every scored layer into a `CleanRun`; the token-level
+score is the sum over heads of the method's per-head score, or, with ``granularity="head"``, each
+head keeps its own score and ranking.
 
 Ranking. For query ``i`` with ``n_i`` visible keys, ``floor(r * n_i)`` are removed: the highest
 ranked (*comprehensiveness*: a faithful measure hurts most) or the lowest ranked (*sufficiency*:
@@ -33,10 +34,9 @@ from torch import Tensor
 
 from contribution_lens import adapter
 from contribution_lens.adapter import PatternEdit
-from contribution_lens.choices import MODES, Granularity
+from contribution_lens.choices import MODES
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.faithfulness.settings import Settings
-from contribution_lens.methods import ScoreContext, get_method
+from contribution_lens.methods import get_method
 
 
 def is_signed(method: str) -> bool:
@@ -140,26 +140,6 @@ class CleanRun(LayerResults[LayerScores]):
         return self[self.layers[-1]].valid
 
 
-def clean_run(model: adapter.Model, batch: adapter.TokenBatch, settings: Settings) -> CleanRun:
-    """One forward pass scoring every key at every scored layer for every method (a per-layer function)."""
-    layers = adapter.check_layers(model, list(settings.layers) if settings.layers is not None else None)
-    chosen = [get_method(name) for name in settings.methods]
-    prepared = {m.name: m.prepare(model, batch, layers) for m in chosen if m.prepare is not None}
-    capture = tuple(sorted({name for m in chosen for name in m.capture}))
-    per_head = settings.granularity == Granularity.HEAD
-    contexts = {m.name: ScoreContext(settings.scope, settings.seed, model, prepared.get(m.name)) for m in chosen}
-
-    def on_layer(layer: adapter.LayerInputs) -> LayerScores:
-        scores = {
-            m.name: m.head_scores(layer, contexts[m.name]) if per_head else m.token_scores(layer, contexts[m.name])
-            for m in chosen
-        }
-        return LayerScores(scores, layer.decompose(settings.scope).valid)
-
-    result = map_layers(model, batch, on_layer, layers=layers, capture=capture, keep_logits=True)
-    return CleanRun.from_results(result)
-
-
 class RemovalProtocol:
     """How a condition removes keys: which layers are hooked and the keep mask at each.
 
@@ -194,18 +174,6 @@ class RemovalProtocol:
                 del clean.cache[old]
             clean.cache[key] = removal_rank(scores, valid, mode=condition.mode, rank_by=condition.rank_by)
         return keep_from_rank(clean.cache[key], valid, condition.ratio)
-
-
-def conditions(settings: Settings, ratios: Sequence[float], layers: Sequence[int | None]) -> list[Condition]:
-    """Every (method, ranking, mode, nonzero ratio, layer variant) of a run, in a fixed order."""
-    return [
-        Condition(method, rank, mode, ratio, layer)
-        for method, rank in settings.variants()
-        for mode in settings.modes
-        for ratio in ratios
-        if ratio > 0
-        for layer in layers
-    ]
 
 
 def removal_edit(clean: CleanRun, removal: RemovalProtocol, stacked: Sequence[Condition]) -> PatternEdit:

@@ -142,8 +142,6 @@ class FaithfulnessRun:
     @classmethod
     def load(cls, folder: str | os.PathLike, *, resamples: int = 1000) -> "FaithfulnessRun":
         """A run folder read back: ``records.jsonl`` where the run finished, else its part files."""
-        from contribution_lens.faithfulness.runner import read_records
-
         source = Path(folder)
         config_path = source / "config.json"
         if not config_path.is_file():
@@ -161,6 +159,18 @@ class FaithfulnessRun:
         else:
             records = read_records(source)
         return cls(records, settings, data, model_name=config.get("model", ""), resamples=resamples)
+
+
+def read_records(out: Path) -> list[dict[str, Any]]:
+    """Every complete record in the part files (a line cut short by a crash is ignored)."""
+    records = []
+    for part in sorted(out.glob("part-*.jsonl")):
+        for line in part.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
 
 
 def _tuples(fields: dict[str, Any]) -> dict[str, Any]:

@@ -33,15 +33,50 @@ import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from contribution_lens import adapter
+from contribution_lens.choices import Granularity
+from contribution_lens.engine import map_layers
 from contribution_lens.faithfulness import data
 from contribution_lens.faithfulness.protocols import PROTOCOLS
-from contribution_lens.faithfulness.removal import NOTHING_REMOVED, Condition, clean_run, conditions, masked_forward
-from contribution_lens.faithfulness.results import FaithfulnessRun
+from contribution_lens.faithfulness.removal import NOTHING_REMOVED, CleanRun, Condition, LayerScores, masked_forward
+from contribution_lens.faithfulness.results import FaithfulnessRun, read_records
 from contribution_lens.faithfulness.settings import DataSettings, RunOptions, Settings, task_name
 from contribution_lens.files import write_text
 from contribution_lens.losses import continuation_logprob, token_nll
+from contribution_lens.methods import ScoreContext, get_method
 
 Key = tuple[str, str, str, str, str, float]
+
+
+def clean_run(model: adapter.Model, batch: adapter.TokenBatch, settings: Settings) -> CleanRun:
+    """One forward pass scoring every key at every scored layer for every method (a per-layer function)."""
+    layers = adapter.check_layers(model, list(settings.layers) if settings.layers is not None else None)
+    chosen = [get_method(name) for name in settings.methods]
+    prepared = {m.name: m.prepare(model, batch, layers) for m in chosen if m.prepare is not None}
+    capture = tuple(sorted({name for m in chosen for name in m.capture}))
+    per_head = settings.granularity == Granularity.HEAD
+    contexts = {m.name: ScoreContext(settings.scope, settings.seed, model, prepared.get(m.name)) for m in chosen}
+
+    def on_layer(layer: adapter.LayerInputs) -> LayerScores:
+        scores = {
+            m.name: m.head_scores(layer, contexts[m.name]) if per_head else m.token_scores(layer, contexts[m.name])
+            for m in chosen
+        }
+        return LayerScores(scores, layer.decompose(settings.scope).valid)
+
+    result = map_layers(model, batch, on_layer, layers=layers, capture=capture, keep_logits=True)
+    return CleanRun.from_results(result)
+
+
+def conditions(settings: Settings, ratios: Sequence[float], layers: Sequence[int | None]) -> list[Condition]:
+    """Every (method, ranking, mode, nonzero ratio, layer variant) of a run, in a fixed order."""
+    return [
+        Condition(method, rank, mode, ratio, layer)
+        for method, rank in settings.variants()
+        for mode in settings.modes
+        for ratio in ratios
+        if ratio > 0
+        for layer in layers
+    ]
 
 
 @dataclass
@@ -129,18 +164,6 @@ def _unit_keys(unit: Unit) -> list[str]:
 def _key(record: dict[str, Any]) -> Key:
     protocol = record.get("protocol", "every_layer")
     return (protocol, record["task"], record["seq"], record["method"], record["mode"], float(record["ratio"]))
-
-
-def read_records(out: Path) -> list[dict[str, Any]]:
-    """Every complete record in the part files (a line cut short by a crash is ignored)."""
-    records = []
-    for part in sorted(out.glob("part-*.jsonl")):
-        for line in part.read_text(encoding="utf-8").splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
-    return records
 
 
 def _append(stream: Any, records: list[dict[str, Any]]) -> None:

@@ -1,4 +1,4 @@
-"""What people look at: plotly figures (`plot`), the inspector (`inspector`) and self-contained HTML pages (`html`).
+"""What people look at: figures (`plot`), the inspector (`inspector`), self-contained pages (`html`, `overview`).
 
 Every figure function returns a ``plotly.graph_objects.Figure`` and never shows it; every page
 opens offline (plotly.js embedded once) and is written atomically. Names are imported on first use.
@@ -12,6 +12,7 @@ _EXPORTS = {
     "plot": "contribution_lens.views.plot",
     "html": "contribution_lens.views.html",
     "inspector": "contribution_lens.views.inspector",
+    "overview": "contribution_lens.views.overview",
     "inspect": "contribution_lens.views.inspector:inspect",
     "Inspector": "contribution_lens.views.inspector:Inspector",
     "write_html": "contribution_lens.views.html:write_html",
@@ -22,6 +23,7 @@ __all__ = [
     "html",
     "inspect",
     "inspector",
+    "overview",
     "plot",
     "render_html",
     "write_html",
@@ -29,6 +31,6 @@ __all__ = [
 __getattr__, __dir__ = face(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from contribution_lens.views import html, inspector, plot
+    from contribution_lens.views import html, inspector, overview, plot
     from contribution_lens.views.html import render_html, write_html
     from contribution_lens.views.inspector import Inspector, inspect
