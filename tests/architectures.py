@@ -442,7 +442,7 @@ _REFUSED: dict[str, list[str]] = {
         "attribute 'embed_positions')"
     ): ["CodeGenForCausalLM"],
 }
-_MULTIMODAL = "text only: the bridge runs the language model; images or audio cannot be fed"
+_MULTIMODAL = "text only: the bridge runs the language model, and images or audio cannot be fed"
 _WORKS_NOTES: dict[str, list[str]] = {
     _MULTIMODAL: [
         "AudioFlamingo3ForConditionalGeneration",
