@@ -29,6 +29,28 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float = 
     torch.testing.assert_close(actual, expected.to(actual.dtype), rtol=rtol, atol=atol)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def nothing_installs_packages() -> Iterator[None]:
+    """No test may install a package: TransformerLens 4.3 pip-installs torchvision while booting some models."""
+    import subprocess
+
+    def refuse(run):
+        def wrapped(command, *args, **kwargs):
+            words = command if isinstance(command, list | tuple) else str(command).split()
+            if "pip" in map(str, words) and "install" in map(str, words):
+                raise AssertionError(f"a test tried to install packages: {command}")
+            return run(command, *args, **kwargs)
+
+        return wrapped
+
+    originals = {name: getattr(subprocess, name) for name in ("check_call", "run", "Popen", "call")}
+    for name, function in originals.items():
+        setattr(subprocess, name, refuse(function))
+    yield
+    for name, function in originals.items():
+        setattr(subprocess, name, function)
+
+
 @pytest.fixture
 def as_a_user() -> Iterator[None]:
     """Switch jaxtyping's runtime checks off, so a test sees exactly what a user sees.

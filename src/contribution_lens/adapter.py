@@ -4,11 +4,18 @@ Everything else in the package works on plain tensors (`contribution_lens.decomp
 or goes through the functions here. The hooks read, per layer ``l``:
 
 * ``blocks.{l}.attn.hook_pattern`` -- ``[batch head query key]``;
-* ``blocks.{l}.attn.hook_v`` -- ``[batch key kv_head d_head]`` (fewer heads under GQA);
+* ``blocks.{l}.attn.hook_v`` -- ``[batch key kv_head d_head]`` (fewer heads under GQA), read
+  through `read_values` (multi-head latent attention fires it heads first), or
+  ``attn.v_norm.hook_out`` where values are normalised after ``v_proj`` (see `value_hook`);
+* ``blocks.{l}.attn.hook_z`` -- ``pattern @ v`` per head, re-split by the head count where the
+  bridge splits it otherwise (`_per_head`);
 * ``blocks.{l}.attn.o.hook_out`` -- the o-projection output, ``sum_h z^h W_O^h + b_O``. This is
   the hook the head outputs reconstruct: with Gemma-style post-attention norms
   ``blocks.{l}.hook_attn_out`` is that output *after* the norm, and in BERT-style encoders
   ``attn.hook_out`` is ``LayerNorm(o + resid_pre)``.
+
+`attention_problem` checks on a probe input that these hooks exist and fit together (what
+``load_model`` refuses a model for); ``W_O`` comes from `output_weights`.
 
 Inputs get the tokenizer's BOS token prepended (``model.to_tokens(..., prepend_bos=True)``;
 for SmolLM2 that is ``<|im_start|>``, id 1), so position 0 is always the same token: the
@@ -38,8 +45,55 @@ def pattern_hook(layer: int) -> str:
     return f"blocks.{layer}.attn.hook_pattern"
 
 
-def value_hook(layer: int) -> str:
+def value_hook(layer: int, model: "Model | None" = None) -> str:
+    """The hook of the values the pattern weighs: ``attn.hook_v``, or ``attn.v_norm.hook_out`` where the bridge has it.
+
+    Gemma 3n and Gemma 4 RMS-normalise every value head after ``v_proj`` (``v_norm``); the bridge
+    fires ``hook_v`` before that norm, so there ``pattern @ hook_v`` is not ``hook_z``.
+    """
+    normed = f"blocks.{layer}.attn.v_norm.hook_out"
+    if model is not None and normed in model.hook_dict:
+        return normed
     return f"blocks.{layer}.attn.hook_v"
+
+
+def values_heads_first(model: Model, layer: int) -> bool:
+    """Whether ``hook_v`` of ``layer`` is ``[batch head key d_head]`` rather than ``[batch key kv_head d_head]``.
+
+    TransformerLens 4.3's multi-head latent attention bridge (``MLAAttentionBridge``: DeepSeek-V2/V3,
+    GLM-4 MoE Lite, GLM MoE DSA, Youtu) fires ``hook_v`` on the decompressed values it multiplies the
+    pattern with, heads first, one value head per query head. Every other bridge fires it positions first.
+    """
+    try:
+        from transformer_lens.model_bridge.generalized_components import MLAAttentionBridge
+    except ImportError:  # pragma: no cover - a TransformerLens without it has no such models
+        return False
+    blocks = getattr(model, "blocks", None)
+    return blocks is not None and isinstance(getattr(blocks[layer], "attn", None), MLAAttentionBridge)
+
+
+def read_values(
+    model: Model, layer: int, v: Float[Tensor, "batch _ _ d_head"]
+) -> Float[Tensor, "batch key kv_head d_head"]:
+    """``hook_v`` of ``layer`` as ``[batch key kv_head d_head]``, whatever layout the bridge fires it in."""
+    return v.transpose(1, 2) if values_heads_first(model, layer) else v
+
+
+def value_key_dim(model: Model, layer: int) -> int:
+    """The dimension of ``hook_v`` of ``layer`` that indexes keys (positions): 1, or 2 where heads come first."""
+    return 2 if values_heads_first(model, layer) else 1
+
+
+def _per_head(z: Tensor | None, n_heads: int) -> Float[Tensor, "batch query head d_head"] | None:
+    """``hook_z`` as ``[batch query head d_head]`` with ``n_heads`` (the pattern's) heads.
+
+    The multi-head latent attention bridge fires ``hook_z`` (``o.hook_in``) split by ``cfg.d_head``,
+    which there is the rotary width of a query head, not the value heads' width (DeepSeek-V3: 64
+    against 128): its per-position row, head after head, is re-split by the head count.
+    """
+    if z is None or z.shape[2] == n_heads:
+        return z
+    return z.reshape(*z.shape[:2], n_heads, -1)
 
 
 def output_hook(layer: int, model: "Model | None" = None) -> str:
@@ -103,7 +157,7 @@ def check_hooks(model: Model, layers: Sequence[int]) -> None:
     if hook_dict is None:
         raise TypeError(f"{type(model).__name__} has no hook_dict: expected a TransformerLens TransformerBridge")
     for layer in layers:
-        for name in (pattern_hook(layer), value_hook(layer)):
+        for name in (pattern_hook(layer), value_hook(layer, model)):
             if name not in hook_dict:
                 raise ValueError(
                     f"model has no hook {name!r}; contribution weights need hook_pattern and hook_v "
@@ -134,7 +188,16 @@ def layer_gram(model: Model, layer: int, W_O: Tensor) -> Float[Tensor, "head d_h
 def output_weights(model: Model, layer: int) -> tuple[Float[Tensor, "head d_head d_model"], Tensor | None]:
     """``W_O`` of one layer and its bias ``b_O`` (None when the model has none)."""
     attn = model.blocks[layer].attn
-    W_O = attn.W_O.detach()
+    try:
+        W_O = attn.W_O.detach()
+    except ValueError as error:
+        # Gemma 4's global layers have wider heads (global_head_dim) than cfg.d_head; the bridge's
+        # W_O refuses to split such a layer (PerLayerGeometryError, a ValueError) and says to read
+        # the wrapped weight: the o-projection's [d_model, head * d_head], split by the head count.
+        if type(error).__name__ != "PerLayerGeometryError":
+            raise
+        weight = attn.o.weight.detach()
+        W_O = einops.rearrange(weight, "d_model (head d_head) -> head d_head d_model", head=int(model.cfg.n_heads))
     b_O = getattr(attn, "b_O", None)
     return W_O, None if b_O is None else b_O.detach()
 
@@ -384,6 +447,49 @@ class StopForward(Exception):
     """Raised in a hook once the last requested layer is done: nothing after it is needed."""
 
 
+def _check_capture(model: Model, layers: Sequence[int], capture: Sequence[str]) -> None:
+    for name in capture:
+        missing = [f"blocks.{layer}.{name}" for layer in layers if f"blocks.{layer}.{name}" not in model.hook_dict]
+        if missing:
+            raise ValueError(f"model has no hook {missing[0]!r} to capture")
+
+
+def _layer_inputs(model: Model, batch: TokenBatch, layer: int, slot: dict[str, Tensor]) -> LayerInputs:
+    """What one layer offers, from the tensors its hooks caught."""
+    W_O, b_O = output_weights(model, layer)
+    return LayerInputs(
+        gram=layer_gram(model, layer, W_O),
+        layer=layer,
+        pattern=slot["pattern"],
+        v=slot["v"],
+        W_O=W_O,
+        b_O=b_O,
+        z=_per_head(slot.get("z"), slot["pattern"].shape[1]),
+        hook_out=slot.get("hook_out"),
+        tokens=batch.tokens,
+        attention_mask=batch.attention_mask,
+        str_tokens=batch.str_tokens,
+        cfg=model.cfg,
+        captured={k.split(":", 1)[1]: t for k, t in slot.items() if k.startswith("captured:")},
+    )
+
+
+def _edited(edit: PatternEdit, layer: int, pattern: Tensor, caught: dict[str, Tensor]) -> Tensor | None:
+    """``edit`` applied to a layer's pattern, refused where the edit could not reach the output."""
+    v = caught.get("v")
+    if v is None:
+        raise RuntimeError(f"hook_pattern of layer {layer} fired before hook_v: cannot edit it")
+    if {"z", "hook_out"} & caught.keys():
+        # Bridges that delegate attention to transformers (in TransformerLens 4.3: BERT,
+        # RoBERTa, GPT-J, GPT-Neo, OPT, XGLM, Gemma 4, Llama 4, ...) fire hook_pattern from
+        # the weights it returns, after the output is made: an edit would change nothing.
+        raise RuntimeError(
+            f"hook_pattern of layer {layer} fires after the attention output: an edited pattern "
+            "would not change this model's output"
+        )
+    return edit(layer, pattern, v)
+
+
 @contextmanager
 def layer_hooks(
     model: Model,
@@ -404,53 +510,28 @@ def layer_hooks(
     With ``stop_after_last``, `StopForward` is raised after the last layer's ``fn``.
     """
     check_hooks(model, layers)
-    hook_dict = model.hook_dict
-    for name in capture:
-        missing = [f"blocks.{layer}.{name}" for layer in layers if f"blocks.{layer}.{name}" not in hook_dict]
-        if missing:
-            raise ValueError(f"model has no hook {missing[0]!r} to capture")
+    _check_capture(model, layers, capture)
     optional = [("z", z_hook), ("hook_out", lambda layer: output_hook(layer, model))]
     pending: dict[int, dict[str, Tensor]] = {}
     last = max(layers)
 
     def slots(layer: int) -> list[tuple[str, str]]:
-        names = [("v", value_hook(layer)), ("pattern", pattern_hook(layer))]
-        names += [(kind, make(layer)) for kind, make in optional if make(layer) in hook_dict]
+        names = [("v", value_hook(layer, model)), ("pattern", pattern_hook(layer))]
+        names += [(kind, make(layer)) for kind, make in optional if make(layer) in model.hook_dict]
         return names + [(f"captured:{name}", f"blocks.{layer}.{name}") for name in capture]
-
-    def fire(layer: int, slot: dict[str, Tensor]) -> None:
-        W_O, b_O = output_weights(model, layer)
-        inputs = LayerInputs(
-            gram=layer_gram(model, layer, W_O),
-            layer=layer,
-            pattern=slot["pattern"],
-            v=slot["v"],
-            W_O=W_O,
-            b_O=b_O,
-            z=slot.get("z"),
-            hook_out=slot.get("hook_out"),
-            tokens=batch.tokens,
-            attention_mask=batch.attention_mask,
-            str_tokens=batch.str_tokens,
-            cfg=model.cfg,
-            captured={k.split(":", 1)[1]: t for k, t in slot.items() if k.startswith("captured:")},
-        )
-        fn(inputs)
-        if stop_after_last and layer == last:
-            raise StopForward
 
     def capture_hook(layer: int, kind: str, needed: int) -> HookFn:
         def hook(tensor: Tensor, hook: Any) -> Tensor | None:
             replaced = None
             if kind == "pattern" and edit is not None:
-                v = pending.get(layer, {}).get("v")
-                if v is None:
-                    raise RuntimeError(f"hook_pattern of layer {layer} fired before hook_v: cannot edit it")
-                replaced = edit(layer, tensor, v)
+                replaced = _edited(edit, layer, tensor, pending.get(layer, {}))
             slot = pending.setdefault(layer, {})
-            slot[kind] = (tensor if replaced is None else replaced).detach()
+            kept = (tensor if replaced is None else replaced).detach()
+            slot[kind] = read_values(model, layer, kept) if kind == "v" else kept
             if len(slot) == needed:
-                fire(layer, pending.pop(layer))
+                fn(_layer_inputs(model, batch, layer, pending.pop(layer)))
+                if stop_after_last and layer == last:
+                    raise StopForward
             return replaced
 
         return hook
@@ -475,3 +556,96 @@ def forward(
     kwargs = {"attention_mask": batch.attention_mask.long()} if batch.padded else {}
     with torch.inference_mode(), model.hooks(fwd_hooks=list(fwd_hooks)):
         return model(batch.tokens, **kwargs)
+
+
+PROBE_LENGTH = 6
+"""Tokens of the probe sequence `attention_problem` runs."""
+
+
+def _relative_error(actual: Tensor, expected: Tensor) -> float:
+    expected = expected.to(torch.float64)
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    return float((actual.to(torch.float64) - expected).abs().max()) / max(scale, 1e-30)
+
+
+def _layer_problem(layer: LayerInputs, tolerance: float) -> str | None:
+    """What is wrong with one layer's hooks on the probe (see `attention_problem`), or None."""
+    pattern, v = layer.pattern.to(torch.float64), layer.v.to(torch.float64)
+    if pattern.shape[1] % v.shape[2] or layer.W_O.shape[0] != pattern.shape[1]:
+        return (
+            f"its hooks do not fit together: hook_pattern {tuple(pattern.shape)}, hook_v "
+            f"{tuple(v.shape)}, W_O {tuple(layer.W_O.shape)}"
+        )
+    values = v.repeat_interleave(pattern.shape[1] // v.shape[2], dim=2)
+    z = einops.einsum(pattern, values, "batch head query key, batch key head d_head -> batch query head d_head")
+    if layer.z is not None and layer.z.shape != z.shape:
+        return f"hook_z has shape {tuple(layer.z.shape)}, pattern @ v {tuple(z.shape)}"
+    if layer.z is not None and (error := _relative_error(layer.z, z)) > tolerance:
+        return (
+            f"hook_z differs from pattern @ v by {error:.2g} (relative): the heads' outputs are changed (gated "
+            "or normalised) before the o-projection, which would make contribution weights wrong"
+        )
+    if layer.hook_out is None:
+        return None
+    out = einops.einsum(
+        z, layer.W_O.to(torch.float64), "batch query head d_head, head d_head d_model -> batch query d_model"
+    )
+    if layer.b_O is not None:
+        out = out + layer.b_O.to(torch.float64)
+    if (error := _relative_error(layer.hook_out, out)) > tolerance:
+        return (
+            f"the heads' outputs sum_h z^h W_O^h + b_O miss the o-projection output by {error:.2g} "
+            "(relative): something between the attention heads and the o-projection (a gate or a norm) "
+            "would make contribution weights wrong"
+        )
+    return None
+
+
+def attention_problem(model: Model) -> str | None:
+    """Why contribution weights cannot be computed on ``model``; None if they can.
+
+    Every layer must have ``hook_pattern`` and ``hook_v``; then, on one forward pass of a probe
+    sequence (ids 1..`PROBE_LENGTH`), every layer's hooks must fire, ``hook_z`` must equal
+    ``pattern @ v`` and ``sum_h z^h W_O^h + b_O`` the o-projection output (`output_hook`), to a
+    relative 1e-3 (3e-2 for half-precision weights). A gate or a norm between the heads and the
+    o-projection, or hooks wired some other way, is found here rather than giving wrong weights.
+    """
+    total = n_layers(model)
+    hook_dict = model.hook_dict
+    missing = [layer for layer in range(total) if {pattern_hook(layer), value_hook(layer, model)} - hook_dict.keys()]
+    hooks = "blocks.{l}.attn.hook_pattern and hook_v"
+    if len(missing) == total:
+        return f"its bridge has no attention pattern on any layer (no {hooks})"
+    if missing:
+        return f"its bridge has no attention pattern on layers {missing} of {total} (no {hooks})"
+    d_vocab = int(getattr(model.cfg, "d_vocab", None) or PROBE_LENGTH + 1)
+    batch = to_token_batch(model, (torch.arange(PROBE_LENGTH) + 1) % d_vocab)
+    tolerance = 3e-2 if model_dtype(model) in (torch.float16, torch.bfloat16) else 1e-3
+    problems: dict[int, str] = {}
+    seen: set[int] = set()
+
+    def check(layer: LayerInputs) -> None:
+        seen.add(layer.layer)
+        try:
+            problem = _layer_problem(layer, tolerance)
+        except RuntimeError as error:  # shapes that do not broadcast
+            problem = f"its hooks do not fit together ({str(error).strip().splitlines()[0][:200]})"
+        if problem is not None:
+            problems[layer.layer] = problem
+
+    try:
+        with layer_hooks(model, batch, list(range(total)), check, stop_after_last=True):
+            try:
+                forward(model, batch)
+            except StopForward:
+                pass
+    except Exception as error:  # the bridge itself fails: say how, in one line
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        return f"its TransformerLens bridge fails on a forward pass ({type(error).__name__}: {message[:200]})"
+    if problems:
+        layer = min(problems)
+        return f"on a probe input, layer {layer}: {problems[layer]}"
+    never = [layer for layer in range(total) if layer not in seen]
+    if never:
+        return f"the attention hooks of layers {never} never fire on a forward pass"
+    return None

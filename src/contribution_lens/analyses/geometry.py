@@ -348,7 +348,7 @@ def _from_cache(
     causal = adapter.is_causal_model(model)
     results = {}
     for layer in layers:
-        for name in (adapter.pattern_hook(layer), adapter.value_hook(layer)):
+        for name in (adapter.pattern_hook(layer), adapter.value_hook(layer, model)):
             if name not in cache:
                 raise ValueError(f"the cache has no {name!r}: run run_with_cache without a names_filter that drops it")
         pattern = cache[adapter.pattern_hook(layer)]
@@ -360,7 +360,7 @@ def _from_cache(
         mask = None if attention_mask is None else attention_mask.to(torch.bool)
         results[layer] = decompose(
             pattern,
-            cache[adapter.value_hook(layer)],
+            adapter.read_values(model, layer, cache[adapter.value_hook(layer, model)]),
             adapter.output_weights(model, layer)[0],
             scope=scope,
             attention_mask=mask,

@@ -88,12 +88,16 @@ def _variant_kwargs(kwargs: dict, rows: Tensor, batch_size: int) -> dict:
     return out
 
 
-def _zero_values(rows_keys: Tensor) -> adapter.HookFn:
-    """A ``hook_v`` hook zeroing key ``rows_keys[c]`` of variant ``c`` in every (kv) head."""
+def _zero_values(rows_keys: Tensor, key_dim: int = 1) -> adapter.HookFn:
+    """A ``hook_v`` hook zeroing key ``rows_keys[c]`` of variant ``c`` in every (kv) head.
+
+    ``key_dim`` is the dimension of the hook's tensor that indexes keys (`adapter.value_key_dim`).
+    """
 
     def hook(v: Tensor, hook: Any) -> Tensor:
         zeroed = v.clone()
-        zeroed[torch.arange(v.shape[0], device=v.device), rows_keys.to(v.device)] = 0
+        index = (torch.arange(v.shape[0], device=v.device), rows_keys.to(v.device))
+        zeroed.movedim(key_dim, 1)[index] = 0
         return zeroed
 
     return hook
@@ -120,7 +124,8 @@ def value_zeroing_layer(
     block = model.blocks[layer]
     for chunk in variants.split(chunk_size):
         rows, keys = chunk[:, 0].to(hidden.device), chunk[:, 1]
-        with torch.inference_mode(), model.hooks(fwd_hooks=[(adapter.value_hook(layer), _zero_values(keys))]):
+        zero = _zero_values(keys, adapter.value_key_dim(model, layer))
+        with torch.inference_mode(), model.hooks(fwd_hooks=[(adapter.value_hook(layer, model), zero)]):
             zeroed = block(hidden.index_select(0, rows), *args[1:], **_variant_kwargs(rest, rows, n_batch))
         zeroed = zeroed[0] if isinstance(zeroed, tuple) else zeroed
         cosine = F.cosine_similarity(clean.index_select(0, rows).float(), zeroed.float(), dim=-1)
