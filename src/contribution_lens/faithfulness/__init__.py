@@ -10,22 +10,11 @@ faithful measure hurts least). Ranking is by ``|score|`` (``"abs"``) or by the s
 (``"signed"``); both are run by default. Only methods with signed scores (contribution) differ
 between the two, so the signed variant is reported as ``"contribution:signed"``.
 
-Removal protocols (`PROTOCOLS`, selected by name in ``Settings.protocols``; see
-`contribution_lens.faithfulness.protocols`):
-
-* ``every_layer`` -- at every scored layer ``l``, the keys ranked by layer ``l``'s scores lose
-  their projected value: ``alpha_ij^h`` is zeroed for all heads *without renormalising*, so
-  ``o_i`` becomes ``o_i - sum_h alpha_ij^h vt_j^h`` (`contribution_lens.interventions`).
-* ``one_layer`` -- the same removal at one scored layer at a time, the others untouched; a
-  text's result is the mean over the scored layers. TransformerBridge's ``start_at_layer``
-  still executes the blocks below the start (it only swaps the residual in), so each masked
-  pass runs the whole model: this protocol costs one pass per scored layer and condition.
-* ``input_deletion`` -- the token-level score averaged over the scored layers,
-  ``s_ij = (1/|L|) sum_l sum_h s_ij^{h,l}``, ranks the keys of each query once; the chosen keys
-  are deleted from that query's view at *every* layer: their attention weights are zeroed and
-  the softmax renormalised over the remaining keys, ``alpha'_ij = alpha_ij k_ij / sum_j'
-  alpha_ij' k_ij'``, which is exactly what removing those tokens from the input means for
-  query ``i`` (position encodings of the remaining tokens are kept).
+Removal protocols (`PROTOCOLS`, selected by name in ``Settings.protocols``; each is defined in
+`contribution_lens.faithfulness.protocols`): ``every_layer`` removes the ranked keys' projected
+values at every scored layer (no renormalising), ``one_layer`` at one scored layer at a time, and
+``input_deletion`` deletes the keys ranked by the layer-averaged score from each query's view at
+every layer (the softmax renormalised over the rest).
 
 The ``random`` control draws uniform scores from a hash of (seed, the text's token ids,
 layer, head, query, key), so a text's control never depends on its batch or padding.
