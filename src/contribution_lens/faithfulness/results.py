@@ -133,7 +133,7 @@ class FaithfulnessRun:
         if self.settings is not None and self.data is not None:
             config = {"model": self.model_name, "protocol": self.settings.to_dict(), "data": self.data.to_dict()}
             write_text(out / "config.json", json.dumps(config, indent=2, sort_keys=True))
-        write_text(out / "records.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in self.records))
+        write_text(out / "records.jsonl", records_text(self.records))
         for name, frame in (("summary", self.summary), ("aopc", self.aopc()), ("verdicts", self.verdicts())):
             write_text(out / f"{name}.csv", frame.to_csv(index=False))
         self.report(out / "report.html")
@@ -171,6 +171,11 @@ def read_records(out: Path) -> list[dict[str, Any]]:
             except json.JSONDecodeError:
                 continue
     return records
+
+
+def records_text(records: Sequence[dict[str, Any]]) -> str:
+    """Records as JSON lines, keys sorted: the one layout of ``part-*.jsonl`` and ``records.jsonl``."""
+    return "".join(json.dumps(r, sort_keys=True) + "\n" for r in records)
 
 
 def _tuples(fields: dict[str, Any]) -> dict[str, Any]:

@@ -38,7 +38,7 @@ from contribution_lens.engine import map_layers
 from contribution_lens.faithfulness import data
 from contribution_lens.faithfulness.protocols import PROTOCOLS
 from contribution_lens.faithfulness.removal import NOTHING_REMOVED, CleanRun, Condition, LayerScores, masked_forward
-from contribution_lens.faithfulness.results import FaithfulnessRun, read_records
+from contribution_lens.faithfulness.results import FaithfulnessRun, read_records, records_text
 from contribution_lens.faithfulness.settings import DataSettings, RunOptions, Settings, task_name
 from contribution_lens.files import write_text
 from contribution_lens.losses import continuation_logprob, token_nll
@@ -167,7 +167,7 @@ def _key(record: dict[str, Any]) -> Key:
 
 
 def _append(stream: Any, records: list[dict[str, Any]]) -> None:
-    stream.write("".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    stream.write(records_text(records))
     stream.flush()
     os.fsync(stream.fileno())
 
@@ -256,8 +256,9 @@ def run(
         dist.barrier()
     if rank != 0:
         return None
-    result = FaithfulnessRun(merge_records(out_dir), settings, data, model_name=model_name, resamples=options.resamples)
-    result.save(out_dir)
+    records = merged_records(out_dir)
+    result = FaithfulnessRun(records, settings, data, model_name=model_name, resamples=options.resamples)
+    result.save(out_dir)  # records.jsonl, the tables and the report
     return result
 
 
@@ -436,9 +437,14 @@ def _timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
-def merge_records(out: Path) -> list[dict[str, Any]]:
-    """Merge the part files into ``records.jsonl``: one record per key, sorted by key."""
+def merged_records(out: Path) -> list[dict[str, Any]]:
+    """Every record of the part files once (a condition redone after a crash counts once), sorted by key."""
     unique = {_key(r): r for r in read_records(out)}
-    records = [unique[k] for k in sorted(unique)]
-    write_text(out / "records.jsonl", "".join(json.dumps(r, sort_keys=True) + "\n" for r in records))
+    return [unique[k] for k in sorted(unique)]
+
+
+def merge_records(out: Path) -> list[dict[str, Any]]:
+    """Merge the part files into ``records.jsonl`` (`merged_records`, written)."""
+    records = merged_records(out)
+    write_text(out / "records.jsonl", records_text(records))
     return records
