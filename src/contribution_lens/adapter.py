@@ -24,6 +24,7 @@ causal attention of the real tokens is the same as for each text alone.
 """
 
 import operator
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -280,15 +281,16 @@ def to_token_batch(
         prepend_bos: prepend the tokenizer's BOS to texts (token ids are never changed).
     """
     device = _model_device(model)
+    if device.type == "meta":
+        raise ValueError(
+            "the model's weights are on the meta device (a model built without its weights): "
+            "load it with contribution_lens.load_model or move real weights onto it"
+        )
     if isinstance(inputs, Tensor):
-        tokens = inputs
-        if tokens.ndim == 1:
-            tokens = einops.rearrange(tokens, "pos -> 1 pos")
-        if tokens.ndim != 2 or tokens.dtype.is_floating_point:
-            raise ValueError(f"token ids must be an integer tensor [pos] or [batch pos], got {tuple(inputs.shape)}")
-        if tokens.shape[0] == 0 or tokens.shape[1] == 0:
-            raise ValueError(f"token tensor is empty: shape {tuple(tokens.shape)}")
+        tokens = _checked_ids(inputs)
         check_length(model, tokens.shape[1], "the token sequence")
+        if attention_mask is not None:
+            attention_mask = _checked_mask(attention_mask, tokens.shape)
         real_ids = tokens if attention_mask is None else tokens[attention_mask.reshape(tokens.shape).bool()]
         check_token_ids(model, real_ids)
         if attention_mask is None:
@@ -319,6 +321,35 @@ def to_token_batch(
         check_length(model, ids.shape[0], f"input text {index}")
         rows.append(ids.to(device))
     return pad_rows(model, rows)
+
+
+def _checked_ids(inputs: Tensor) -> Int[Tensor, "batch pos"]:
+    """Token ids as ``[batch pos]`` int64: any integer dtype is read, bool, floats and meta tensors are refused."""
+    if inputs.is_meta:
+        raise ValueError("token ids are on the meta device: they have a shape but no values")
+    if inputs.dtype == torch.bool:
+        raise ValueError(
+            "token ids must be integers, got a bool tensor (an attention mask? pass it as attention_mask=)"
+        )
+    if inputs.dtype.is_floating_point or inputs.dtype.is_complex:
+        raise ValueError(f"token ids must be an integer tensor [pos] or [batch pos], got dtype {inputs.dtype}")
+    tokens = einops.rearrange(inputs, "pos -> 1 pos") if inputs.ndim == 1 else inputs
+    if tokens.ndim != 2:
+        raise ValueError(f"token ids must be an integer tensor [pos] or [batch pos], got {tuple(inputs.shape)}")
+    if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise ValueError(f"token tensor is empty: shape {tuple(tokens.shape)}")
+    # uint8, int16, int32 ids are ids all the same; the embedding takes int64.
+    return tokens.long()
+
+
+def _checked_mask(attention_mask: Tensor, shape: torch.Size) -> Tensor:
+    if not isinstance(attention_mask, Tensor):
+        raise TypeError(f"attention_mask must be a tensor [batch pos], got {type(attention_mask).__name__}")
+    if attention_mask.is_meta:
+        raise ValueError("attention_mask is on the meta device: it has a shape but no values")
+    if attention_mask.numel() != shape.numel():
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, the token ids {tuple(shape)}")
+    return attention_mask.reshape(shape)
 
 
 def pad_rows(model: Model, rows: Sequence[Tensor]) -> TokenBatch:
@@ -490,6 +521,57 @@ def _edited(edit: PatternEdit, layer: int, pattern: Tensor, caught: dict[str, Te
     return edit(layer, pattern, v)
 
 
+_LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: Model) -> threading.RLock:
+    """The lock that serialises hooked passes on ``model`` (one per model, reentrant)."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
+
+
+@contextmanager
+def exclusive(model: Model) -> Iterator[None]:
+    """Hold ``model`` for one hooked pass: other threads wait, and every module is in eval mode.
+
+    Hooks are attached to the model itself, so two threads running passes on one model at once
+    would each fire the other's hooks and read the other's numbers: passes on one model are
+    serialised (a second thread waits for the first; a nested pass in the same thread goes on).
+    A model left in train mode would apply attention dropout, so each call would give other
+    weights, with rows no longer summing to 1: the pass runs in eval mode and each module's own
+    mode is restored afterwards.
+    """
+    with model_lock(model):
+        training = [module for module in _all_modules(model) if module.training]
+        for module in training:
+            module.training = False
+        try:
+            yield
+        finally:
+            for module in training:
+                module.training = True
+
+
+def _all_modules(model: Model) -> list[torch.nn.Module]:
+    """Every module of ``model`` and of the source model a bridge keeps outside its module tree."""
+    found: dict[int, torch.nn.Module] = {}
+    for root in (model, getattr(model, "original_model", None)):
+        if isinstance(root, torch.nn.Module):
+            found.update((id(module), module) for module in root.modules())
+    return list(found.values())
+
+
+@contextmanager
+def hooked(model: Model, fwd_hooks: Sequence[tuple[str, HookFn]]) -> Iterator[None]:
+    """``model.hooks(fwd_hooks)`` held `exclusive`: the only way this package attaches hooks."""
+    with exclusive(model), model.hooks(fwd_hooks=list(fwd_hooks)):
+        yield
+
+
 @contextmanager
 def layer_hooks(
     model: Model,
@@ -541,7 +623,7 @@ def layer_hooks(
         names = slots(layer)
         fwd_hooks += [(name, capture_hook(layer, kind, len(names))) for kind, name in names]
     try:
-        with model.hooks(fwd_hooks=fwd_hooks):
+        with hooked(model, fwd_hooks):
             yield
     finally:
         pending.clear()
@@ -554,7 +636,7 @@ def forward(
 ) -> Float[Tensor, "batch pos d_vocab"]:
     """Logits of one forward pass without autograd, with optional extra hooks."""
     kwargs = {"attention_mask": batch.attention_mask.long()} if batch.padded else {}
-    with torch.inference_mode(), model.hooks(fwd_hooks=list(fwd_hooks)):
+    with torch.inference_mode(), hooked(model, fwd_hooks):
         return model(batch.tokens, **kwargs)
 
 

@@ -22,6 +22,7 @@ Gram matrix ``W_O^h W_O^h^T``), so the largest intermediate has the size of the 
 """
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -240,6 +241,10 @@ def check_shapes(
             raise ValueError(f"{name} must be {rank}-D {layout}, got {_shape(tensor)}{hint}")
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating point tensor, got dtype {tensor.dtype}")
+        if tensor.is_meta:
+            raise ValueError(
+                f"{name} is on the meta device: it has a shape but no values (materialise it on a real device first)"
+            )
     batch, n_heads, n_query, n_key = pattern.shape
     _, v_key, n_kv_heads, d_head = v.shape
     if v.shape[0] != batch or v_key != n_key:
@@ -276,6 +281,8 @@ def check_finite_values(
     attention_mask: Tensor | None = None,
 ) -> None:
     """Every entry that enters the result is finite (padding may hold anything)."""
+    pattern, v, W_O = pattern.detach(), v.detach(), W_O.detach()
+    z = None if z is None else z.detach()
     real_q = _real_queries(pattern, attention_mask)
     real_k = None if attention_mask is None else attention_mask.to(device=v.device, dtype=torch.bool)
     tensors: list[tuple[str, Tensor]] = [
@@ -286,7 +293,7 @@ def check_finite_values(
     if z is not None:
         tensors.append(("z", z if real_q is None else z[real_q.to(z.device)]))
     for name, tensor in tensors:
-        finite = torch.isfinite(tensor)
+        finite = torch.isfinite(_widened(tensor))  # type: ignore[arg-type]
         if not bool(finite.all()):
             bad = int((~finite).sum())
             raise ValueError(
@@ -296,18 +303,42 @@ def check_finite_values(
 
 
 def probability_tolerance(dtype: torch.dtype) -> float:
-    """How far a softmax row may sum from 1 in ``dtype`` (half precision rounds each entry)."""
+    """How far a softmax row may sum from 1 in ``dtype`` (half precision rounds each entry).
+
+    An 8-bit float rounds each entry by up to half its machine epsilon (e4m3: 6 %, e5m2: 12 %),
+    so a row may miss 1 by that much: the tolerance is the epsilon itself.
+    """
+    if _is_float8(dtype):
+        return float(torch.finfo(dtype).eps)
     return 2e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-3
 
 
-def check_probabilities(pattern: Tensor, *, attention_mask: Tensor | None = None) -> None:
-    """Rows of real queries hold probabilities along the key axis: in [0, 1], summing to 1."""
+def _is_float8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _widened(tensor: Tensor | None) -> Tensor | None:
+    """An 8-bit float tensor as float32 (most torch operations refuse float8), anything else as it is."""
+    if isinstance(tensor, Tensor) and _is_float8(tensor.dtype):
+        return tensor.float()
+    return tensor
+
+
+def check_probabilities(
+    pattern: Tensor, *, attention_mask: Tensor | None = None, rounded_to: torch.dtype | None = None
+) -> None:
+    """Rows of real queries hold probabilities along the key axis: in [0, 1], summing to 1.
+
+    ``rounded_to`` is the dtype the pattern was stored in, if wider now (float8 read as float32):
+    the tolerance is that dtype's (`probability_tolerance`).
+    """
     real_q = _real_queries(pattern, attention_mask)
-    rows = pattern if real_q is None else pattern.transpose(1, 2)[real_q]
+    rows = pattern.detach() if real_q is None else pattern.detach().transpose(1, 2)[real_q]
     if rows.numel() == 0:
         return
-    tol = probability_tolerance(pattern.dtype)
-    sums = rows.float().sum(-1)
+    tol = probability_tolerance(rounded_to or pattern.dtype)
+    rows = rows.float()
+    sums = rows.sum(-1)
     low, high = float(rows.min()), float(rows.max())
     if low < -tol or high > 1 + tol or bool(((sums - 1).abs() > tol).any()):
         raise ValueError(
@@ -378,16 +409,33 @@ def decompose(
     """
     check_shapes(pattern, v, W_O, z=z, attention_mask=attention_mask)
     scope = Scope.of(scope)
+    stored = pattern.dtype
+    given = pattern
+    pattern, v, W_O, z = _widened(pattern), _widened(v), _widened(W_O), _widened(z)  # type: ignore[assignment]
     if check_values:
+        # The checks read values only (detached): gradients through decompose see none of them.
         check_finite_values(pattern, v, W_O, z=z, attention_mask=attention_mask)
-        check_probabilities(pattern, attention_mask=attention_mask)
+        check_probabilities(pattern, attention_mask=attention_mask, rounded_to=stored)
     if causal is None:
-        causal = is_causal(pattern)
+        causal = is_causal(pattern.detach())
     d = decompose_layer(pattern, v, W_O, scope=scope, attention_mask=attention_mask, causal=causal, dtype=dtype, z=z)
-    if d.attention.data_ptr() == pattern.data_ptr():
+    if check_values:
+        _check_norms_finite(d)
+    if d.attention.data_ptr() == given.data_ptr():
         # The result keeps the pattern: a caller who later edits theirs must not change it.
         d = dataclasses.replace(d, attention=d.attention.clone())
     return d
+
+
+def _check_norms_finite(d: Decomposition) -> None:
+    """Norms are computed on rescaled values, so only a norm beyond the dtype's range itself is inf."""
+    for name in ("value_norm", "output_norm"):
+        norms = getattr(d, name).detach()
+        if not bool(torch.isfinite(norms).all()):
+            raise ValueError(
+                f"{name} exceeds the range of {norms.dtype} ({torch.finfo(norms.dtype).max:.3g}): the inputs are "
+                "too large for this dtype; pass dtype=torch.float64"
+            )
 
 
 GROUPED = "batch (kv_head group) query key -> batch kv_head group query key"
@@ -423,10 +471,21 @@ def decompose_layer(
         n_query, n_key, attention_mask=attention_mask, batch=batch, causal=causal, device=pattern.device
     )
     alpha, values, weights = _masked_inputs(pattern, v, W_O, valid, attention_mask, acc)
+    # Every weight is invariant to the scale of v (per text) and of W_O, but their squared norms
+    # overflow (v ~ 1e19 in float32) or underflow (v ~ 1e-23): both are brought near 1 by powers
+    # of two, which is exact, and the norms are scaled back at the end.
+    v_scale, w_scale = _unit_scale(values, (1, 2, 3)), _unit_scale(weights, (0, 1, 2))
+    values, weights = values * v_scale[:, None, None, None], weights * w_scale
+    if z is not None:
+        z = z.to(device=alpha.device, dtype=acc) * v_scale[:, None, None, None]
+    if output is not None:
+        output = output.to(device=alpha.device, dtype=acc) * (v_scale * w_scale)[:, None, None]
     n_kv_heads = v.shape[2]
     z_g = _grouped_head_outputs(alpha, values, z, attention_mask, n_kv_heads)
     if gram is None or gram.dtype != acc:
         gram = head_gram(weights)
+    else:
+        gram = gram * w_scale.square()
     gram_g = einops.rearrange(gram, "(kv_head group) d_head e_head -> kv_head group d_head e_head", kv_head=n_kv_heads)
     v_gram = einops.einsum(
         values, gram_g, "batch key kv_head d_head, kv_head group d_head e_head -> batch kv_head group key e_head"
@@ -439,6 +498,8 @@ def decompose_layer(
     else:
         dot, output_norm_sq = _inter_products(z_g, values, weights, output, attention_mask, n_heads)
     cosine, value_norm, output_norm = _cosine_and_norms(dot, value_norm_sq, output_norm_sq)
+    unscale = einops.rearrange(v_scale * w_scale, "batch -> batch 1 1")
+    value_norm, output_norm = value_norm / unscale, output_norm / unscale
     if attention_mask is None and causal and n_query == n_key:
         cosine.tril_()  # several times faster than a broadcast boolean fill
     else:
@@ -446,6 +507,17 @@ def decompose_layer(
     return Decomposition(
         attention=alpha, cosine=cosine, value_norm=value_norm, output_norm=output_norm, valid=valid, scope=scope
     )
+
+
+def _unit_scale(x: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """``2^-e`` with ``max |x| * 2^-e`` in [0.5, 1) over ``dims`` (1 where ``x`` is 0): an exact rescaling.
+
+    The exponent is clamped so that the factor itself is a normal number of ``x.dtype``.
+    """
+    peak = x.detach().abs().amax(dim=dims)
+    _, exponent = torch.frexp(peak)
+    limit = int(math.log2(torch.finfo(x.dtype).max)) - 2
+    return torch.pow(2.0, -exponent.clamp(-limit, limit).to(x.dtype))
 
 
 def _masked_inputs(

@@ -43,7 +43,7 @@ def attention_gradients(
 
     hooks = [(adapter.resid_pre_hook(0), leaf)] + [(adapter.pattern_hook(layer), keep(layer)) for layer in layers]
     kwargs = {"attention_mask": batch.attention_mask.long()} if batch.padded else {}
-    with torch.inference_mode(False), torch.enable_grad(), model.hooks(fwd_hooks=hooks):
+    with torch.inference_mode(False), torch.enable_grad(), adapter.hooked(model, hooks):
         loss = mean_token_nll(
             model(batch.tokens.clone(), **kwargs), batch.tokens, batch.attention_mask, what="grad_attention"
         )

@@ -51,16 +51,17 @@ def _block_calls(model: adapter.Model, batch: adapter.TokenBatch, layers: Sequen
 
         return hook
 
-    try:
-        for layer in layers:
-            handles.append(model.blocks[layer].register_forward_hook(record(layer), with_kwargs=True))
+    with adapter.exclusive(model):  # no other thread's pass may fire these hooks
         try:
-            adapter.forward(model, batch)
-        except adapter.StopForward:
-            pass
-    finally:
-        for handle in handles:
-            handle.remove()
+            for layer in layers:
+                handles.append(model.blocks[layer].register_forward_hook(record(layer), with_kwargs=True))
+            try:
+                adapter.forward(model, batch)
+            except adapter.StopForward:
+                pass
+        finally:
+            for handle in handles:
+                handle.remove()
     missing = [layer for layer in layers if layer not in calls]
     if missing:
         raise RuntimeError(f"the forward pass never called blocks {missing}")
@@ -125,7 +126,7 @@ def value_zeroing_layer(
     for chunk in variants.split(chunk_size):
         rows, keys = chunk[:, 0].to(hidden.device), chunk[:, 1]
         zero = _zero_values(keys, adapter.value_key_dim(model, layer))
-        with torch.inference_mode(), model.hooks(fwd_hooks=[(adapter.value_hook(layer, model), zero)]):
+        with torch.inference_mode(), adapter.hooked(model, [(adapter.value_hook(layer, model), zero)]):
             zeroed = block(hidden.index_select(0, rows), *args[1:], **_variant_kwargs(rest, rows, n_batch))
         zeroed = zeroed[0] if isinstance(zeroed, tuple) else zeroed
         cosine = F.cosine_similarity(clean.index_select(0, rows).float(), zeroed.float(), dim=-1)
