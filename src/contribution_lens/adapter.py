@@ -23,7 +23,6 @@ attention sink. Token tensors are used as given. Batches of texts are right-padd
 causal attention of the real tokens is the same as for each text alone.
 """
 
-import operator
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +35,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from contribution_lens.choices import as_index
 from contribution_lens.decomposition import Decomposition, Scope, decompose_layer, head_gram
 
 Model = Any  # a TransformerBridge; typed loosely so tests can pass any bridge-like object
@@ -113,22 +113,6 @@ def n_layers(model: Model) -> int:
     if getattr(model, "hook_dict", None) is None or getattr(model, "cfg", None) is None:
         raise TypeError(f"{type(model).__name__} has no hook_dict: expected a TransformerLens TransformerBridge")
     return int(model.cfg.n_layers)
-
-
-def as_index(value: Any, what: str) -> int:
-    """``value`` as a Python ``int`` where it is an integer of any kind (not ``bool``); else a ``TypeError``.
-
-    Example:
-        >>> import numpy as np, torch
-        >>> as_index(np.int64(3), "layer"), as_index(torch.tensor(-1), "layer")
-        (3, -1)
-    """
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise TypeError(f"{what}, got {type(value).__name__} {value!r}")
 
 
 def check_layers(model: Model, layers: int | Sequence[int] | None) -> list[int]:
@@ -219,6 +203,7 @@ class TokenBatch:
             )
         if len(self.str_tokens) != self.tokens.shape[0]:
             raise ValueError(f"{len(self.str_tokens)} token label lists for a batch of {self.tokens.shape[0]}")
+        check_labels(self.str_tokens, self.attention_mask)
 
     @property
     def lengths(self) -> Int[Tensor, " batch"]:
@@ -227,6 +212,15 @@ class TokenBatch:
     @property
     def padded(self) -> bool:
         return not bool(self.attention_mask.all())
+
+
+def check_labels(str_tokens: Sequence[Sequence[str]], attention_mask: Tensor) -> None:
+    """One string label per real token of every text: labels that do not fit would silently drop rows."""
+    lengths = attention_mask.sum(-1).tolist()
+    for index, (labels, length) in enumerate(zip(str_tokens, lengths, strict=True)):
+        if isinstance(labels, str) or len(labels) != length:
+            got = f"a str {labels!r}" if isinstance(labels, str) else f"{len(labels)} labels"
+            raise ValueError(f"text {index} has {got} for its {length} real tokens: str_tokens must match the tokens")
 
 
 def context_length(model: Model) -> int | None:

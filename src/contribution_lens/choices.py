@@ -11,6 +11,7 @@ Example:
 """
 
 import enum
+import operator
 from typing import Any, TypeVar
 
 C = TypeVar("C", bound="Choice")
@@ -95,3 +96,20 @@ SCOPES: tuple[str, ...] = Scope.names()
 FACTORS: tuple[str, ...] = Factor.names()
 MODES: tuple[str, ...] = Mode.names()
 RANKINGS: tuple[str, ...] = Ranking.names()
+
+
+def as_index(value: Any, what: str) -> int:
+    """``value`` as a Python ``int`` where it is an integer of any kind (not ``bool``); else a ``TypeError``.
+
+    Example:
+        >>> import numpy as np, torch
+        >>> as_index(np.int64(3), "layer"), as_index(torch.tensor(-1), "layer")
+        (3, -1)
+    """
+    # A bool (or a bool tensor or array) is an answer, not a position: True would silently be 1.
+    if not isinstance(value, bool) and str(getattr(value, "dtype", "")) not in ("torch.bool", "bool"):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what}, got {type(value).__name__} {value!r}")

@@ -31,7 +31,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from contribution_lens.choices import Factor, Scope
+from contribution_lens.choices import Factor, Scope, as_index
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,11 @@ class Decomposition:
 
     def head_contribution(self, head: int) -> Float[Tensor, "batch query key"]:
         """``c_ij^h`` of one head, without building every head's (unless already computed)."""
+        head = as_index(head, "head must be an integer")
+        if not -self.shape[1] <= head < self.shape[1]:
+            raise IndexError(
+                f"head {head} does not exist: the layer has {self.shape[1]} heads (0..{self.shape[1] - 1})"
+            )
         if "contribution" in self.__dict__:
             return self.contribution[:, head]
         inv_out = _safe_divide(torch.ones_like(self.output_norm[:, head]), self.output_norm[:, head])

@@ -51,6 +51,7 @@ class LayerResults(Mapping[int, T], Generic[T]):
             raise ValueError(f"tokens {tuple(tokens.shape)} and attention_mask {tuple(attention_mask.shape)} differ")
         if len(str_tokens) != tokens.shape[0]:
             raise ValueError(f"{len(str_tokens)} token label lists for a batch of {tokens.shape[0]}")
+        adapter.check_labels(str_tokens, attention_mask)
         self._values = dict(sorted(values.items()))
         self.tokens = tokens
         self.attention_mask = attention_mask

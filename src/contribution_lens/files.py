@@ -26,8 +26,11 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     target = Path(path)
     if target.is_dir():
         raise IsADirectoryError(f"{target} is a folder, not a file")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    except OSError as error:
+        raise _naming(error, f"cannot write {target}") from error
     os.close(handle)
     staging = Path(name)
     try:
@@ -36,8 +39,44 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         os.umask(umask)
         os.chmod(staging, 0o666 & ~umask)  # mkstemp makes the file private; what we write is not
         os.replace(staging, target)
+    except OSError as error:
+        # Not the temporary name: the user asked for ``target``.
+        raise _naming(error, f"cannot write {target}") from error
     finally:
         staging.unlink(missing_ok=True)
+
+
+def _naming(error: OSError, doing: str) -> OSError:
+    """``error`` of the same type, its message saying what was being done (and so naming the file)."""
+    reason = error.strerror or str(error) or type(error).__name__
+    return type(error)(f"{doing}: {reason}")
+
+
+@contextlib.contextmanager
+def reading(path: str | os.PathLike, what: str) -> Iterator[None]:
+    """Re-raise any error met while reading ``path`` as one that names the file and what it should hold.
+
+    A missing or unreadable file stays an ``OSError`` of its kind; anything else (a truncated
+    safetensors header, metadata that does not parse, tensors that do not fit) becomes a
+    ``ValueError``: ``PATH is not WHAT (the reader's reason)``.
+
+    Example:
+        >>> with reading("results.json", "a results file"):
+        ...     int("x")
+        Traceback (most recent call last):
+        ...
+        ValueError: results.json is not a results file (ValueError: invalid literal for int() with base 10: 'x')
+    """
+    try:
+        yield
+    except OSError as error:
+        if str(path) in str(error):
+            raise
+        raise _naming(error, f"cannot read {path}") from error
+    except Exception as error:  # every reader's own error type: safetensors', json's, ours
+        lines = str(error).strip().splitlines()
+        reason = f"{type(error).__name__}: {lines[0] if lines else ''}".rstrip(": ")
+        raise ValueError(f"{path} is not {what} ({reason})") from error
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

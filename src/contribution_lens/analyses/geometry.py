@@ -18,9 +18,10 @@ from torch import Tensor
 from transformer_lens import ActivationCache
 
 from contribution_lens import adapter
+from contribution_lens.choices import as_index
 from contribution_lens.decomposition import Decomposition, Factor, Scope, decompose
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.files import atomic_path
+from contribution_lens.files import atomic_path, reading
 
 _FIELDS = ("attention", "cosine", "value_norm", "output_norm", "valid")
 
@@ -113,9 +114,10 @@ class Geometry(LayerResults[Decomposition]):
             >>> g.to_dataframe(queries=1)[["query_token", "key_token", "attention"]].values.tolist()
             [['a', '<s>', 0.25], ['a', 'a', 0.75]]
         """
+        index = as_index(index, "index must be an integer")
         if not 0 <= index < len(self.str_tokens):
             raise IndexError(f"index {index} is outside the batch of {len(self.str_tokens)}")
-        chosen_layers = self.layers if layers is None else [self.resolve(x) for x in _as_list(layers)]
+        chosen_layers = self.layers if layers is None else [self.resolve(x) for x in _as_list(layers, "layers")]
         n = len(self.str_tokens[index])
         frames = []
         for layer in chosen_layers:
@@ -159,31 +161,36 @@ class Geometry(LayerResults[Decomposition]):
         source = Path(path)
         if not source.is_file():
             raise FileNotFoundError(f"no saved Geometry at {source}")
-        with safe_open(str(source), framework="pt", device=str(device)) as handle:
-            metadata = handle.metadata() or {}
-            if metadata.get("format") != "contribution_lens.Geometry/1":
-                raise ValueError(f"{source} was not written by Geometry.save (format {metadata.get('format')!r})")
-            layers = {
-                layer: Decomposition(
-                    **{name: handle.get_tensor(f"{layer}.{name}") for name in _FIELDS}, scope=metadata["scope"]
-                )
-                for layer in json.loads(metadata["layers"])
-            }
-            tokens, mask = handle.get_tensor("tokens"), handle.get_tensor("attention_mask")
-        return cls(
-            layers, tokens, mask, json.loads(metadata["str_tokens"]), metadata["scope"], int(metadata["n_layers"])
-        )
+        # A truncated file, edited metadata or labels that no longer fit the tokens: the error names the file.
+        with reading(source, "a Geometry written by Geometry.save"):
+            with safe_open(str(source), framework="pt", device=str(device)) as handle:
+                metadata = handle.metadata() or {}
+                if metadata.get("format") != "contribution_lens.Geometry/1":
+                    raise ValueError(f"its format is {metadata.get('format')!r}")
+                layers = {
+                    layer: Decomposition(
+                        **{name: handle.get_tensor(f"{layer}.{name}") for name in _FIELDS}, scope=metadata["scope"]
+                    )
+                    for layer in json.loads(metadata["layers"])
+                }
+                tokens, mask = handle.get_tensor("tokens"), handle.get_tensor("attention_mask")
+            return cls(
+                layers, tokens, mask, json.loads(metadata["str_tokens"]), metadata["scope"], int(metadata["n_layers"])
+            )
 
 
-def _as_list(value: int | Sequence[int]) -> list[int]:
-    return [value] if isinstance(value, int) else list(value)
+def _as_list(value: int | Sequence[int], what: str) -> list[int]:
+    """One integer or a sequence of them (NumPy and 0-d tensor integers too) as a list of ints."""
+    if isinstance(value, str) or getattr(value, "ndim", 1) == 0 or not hasattr(value, "__iter__"):
+        return [as_index(value, f"{what} must be integers")]
+    return [as_index(item, f"{what} must be integers") for item in value]
 
 
 def _positions(value: int | Sequence[int] | None, size: int, what: str) -> list[int]:
     if value is None:
         return list(range(size))
     resolved = []
-    for item in _as_list(value):
+    for item in _as_list(value, f"{what}s"):
         if not -size <= item < size:
             raise IndexError(f"{what} {item} does not exist (0..{size - 1})")
         resolved.append(item % size)
@@ -229,8 +236,14 @@ def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) 
             "a layer summary compares each query's attention with its contributions over the keys it sees: "
             "it needs a text of at least two tokens (with prepend_bos=False a one-word text has one)"
         )
+    sink = _sink_position(sink, d.shape[3])
     real_query = attention_mask.to(d.attention.device) & d.valid[:, :, sink]  # a new tensor
     real_query[:, sink] = False  # the sink attending to itself says nothing
+    if not bool(real_query.any()):
+        raise ValueError(
+            f"no real query other than the sink sees key {sink} (causal attention: only later tokens see it; "
+            "padding sees nothing): choose an earlier sink position"
+        )
     # Head by head: a long text's summary never holds a second full [batch head query key] tensor.
     attention = torch.zeros_like(d.attention[:, 0])
     contribution = torch.zeros_like(attention)
@@ -250,6 +263,21 @@ def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) 
         "negative_share": negative / attended if attended else float("nan"),
         "top1_agreement": _mean(agree[real_query].float()),
     }
+
+
+def _sink_position(sink: int, n_key: int) -> int:
+    """``sink`` as a key position in [0, n_key); negative ones are refused (the last real token differs per text)."""
+    sink = as_index(sink, "sink must be an integer key position")
+    if not 0 <= sink < n_key:
+        raise ValueError(
+            f"sink must be a key position from 0 to {n_key - 1}, got {sink}"
+            + (
+                " (positions do not count from the end: with padding the last token differs per text)"
+                if sink < 0
+                else ""
+            )
+        )
+    return sink
 
 
 def _mean(values: Tensor) -> float:

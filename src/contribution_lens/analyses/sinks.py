@@ -26,6 +26,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from contribution_lens import adapter
+from contribution_lens.choices import as_index
 from contribution_lens.decomposition import Decomposition, Factor, Scope, head_gram, is_causal
 from contribution_lens.engine import LayerResults, map_layers
 
@@ -101,7 +102,8 @@ def sink_mask(
         if tuple(sinks.shape) != (batch, n_key):
             raise ValueError(f"a sink mask must be [batch key] = {(batch, n_key)}, got {tuple(sinks.shape)}")
         return sinks.to(device)
-    positions = [int(p) for p in sinks]
+    listed = [sinks] if isinstance(sinks, int) or getattr(sinks, "ndim", 1) == 0 else list(sinks)  # type: ignore[arg-type]
+    positions = [as_index(p, "sink positions must be integers") for p in listed]
     if not positions:
         raise ValueError("sinks is empty: give at least one sink position")
     bad = [p for p in positions if not -n_key <= p < n_key]
@@ -200,6 +202,11 @@ def sink_layer(
     queries = _sink_and_tail_queries(pattern, valid[:, 0], real, is_sink, keys)
     cone_cosine = _cone_cosine(tail_mean, tail_sq, z_out, out_sq, gram, queries)
 
+    if sinks is not None and not isinstance(sinks, Tensor) and not bool(queries.any()):
+        raise ValueError(
+            f"no real query sees both a sink key (sinks={sinks!r}) and a tail key: every statistic "
+            "would be empty (under causal attention only later tokens see a sink: choose earlier positions)"
+        )
     q_mask = einops.rearrange(queries, "b q -> b 1 q")
     zero = torch.zeros((), device=pattern.device)
     return SinkLayer(

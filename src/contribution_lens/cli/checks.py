@@ -94,11 +94,20 @@ def context(option: str, length: int, model: str) -> int:
 @lru_cache
 def context_length(model: str) -> int | None:
     """The longest input ``model`` takes, from its config; None where the config does not say."""
-    config = _model_config(model)
-    for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "context_length"):
-        if isinstance(config.get(key), int):
-            return int(config[key])
+    for config in _configs(model):
+        for key in ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "context_length"):
+            if isinstance(config.get(key), int):
+                return int(config[key])
     return None
+
+
+def _configs(model: str) -> list[dict[str, Any]]:
+    """The model's config, then the language model's where it nests one (``text_config``: Gemma 3, Llava, ...)."""
+    config = _model_config(model)
+    nested = [
+        config[key] for key in ("text_config", "language_config", "llm_config") if isinstance(config.get(key), dict)
+    ]
+    return [config, *nested]
 
 
 def model(option: str, name: str) -> str:
@@ -110,10 +119,10 @@ def model(option: str, name: str) -> str:
 @lru_cache
 def n_layers(model: str) -> int:
     """The number of layers of ``model``, from its config file; no weight is read."""
-    config = _model_config(model)
-    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
-        if isinstance(config.get(key), int):
-            return int(config[key])
+    for config in _configs(model):
+        for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+            if isinstance(config.get(key), int):
+                return int(config[key])
     raise _expected("--model", "a model whose config gives its number of layers", model)
 
 

