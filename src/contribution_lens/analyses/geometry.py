@@ -190,7 +190,7 @@ def _positions(value: int | Sequence[int] | None, size: int, what: str) -> list[
     if value is None:
         return list(range(size))
     resolved = []
-    for item in _as_list(value, f"{what}s"):
+    for item in _as_list(value, {"query": "queries"}.get(what, f"{what}s")):
         if not -size <= item < size:
             raise IndexError(f"{what} {item} does not exist (0..{size - 1})")
         resolved.append(item % size)

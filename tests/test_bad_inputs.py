@@ -1,0 +1,296 @@
+"""Odd or bad inputs: each gets the right answer or a clear error, never a silently wrong number or a traceback."""
+
+import json
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import contribution_lens as cl
+from conftest import assert_close, tiny_bridge
+from contribution_lens import adapter, files
+from contribution_lens.decomposition import decompose_layer, head_gram
+from contribution_lens.faithfulness import data
+from helpers import IDS, random_layer
+
+# --- norms: finite inputs give finite, scale-invariant weights --------------------------------------------
+
+
+@pytest.mark.parametrize("scope", ["intra", "inter"])
+@pytest.mark.parametrize(("dtype", "atol"), [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("scale", [1e19, 1e-23])
+def test_weights_do_not_change_with_the_scale_of_the_values(scale, dtype, atol, scope) -> None:
+    # c_ij = <o, alpha vt_j> / ||o||^2 is invariant to the scale of v, but ||o||^2 overflows at
+    # v ~ 1e19 in float32 or bfloat16 (NaN weights) and underflows at v ~ 1e-23 (rows summing to 0).
+    pattern, v, W_O = random_layer("gqa")
+    pattern, W_O = pattern.to(dtype), W_O.to(dtype)
+    base = cl.decompose(pattern, v.to(dtype), W_O, scope=scope)
+    scaled = cl.decompose(pattern, (v * scale).to(dtype), W_O, scope=scope)
+    assert bool(torch.isfinite(scaled.contribution).all())
+    assert_close(scaled.contribution, base.contribution, rtol=0, atol=atol)
+    assert_close(scaled.cosine, base.cosine, rtol=0, atol=atol)
+    # The norms themselves keep their units.
+    assert_close(scaled.value_norm / scale, base.value_norm, rtol=atol * 10, atol=0)
+    rows = scaled.sum_over_heads().sum(-1) if scope == "inter" else scaled.contribution.sum(-1)
+    assert_close(rows, torch.ones_like(rows), rtol=0, atol=atol)
+
+
+def test_scale_invariance_holds_on_the_engines_path_with_z_output_and_gram() -> None:
+    pattern, v, W_O = random_layer("mha")
+    z = torch.einsum("bhqk,bkhd->bqhd", pattern, v)
+    output = torch.einsum("bqhd,hdm->bqm", z, W_O)
+
+    def weights(s: float, w: float):
+        return decompose_layer(
+            pattern,
+            v * s,
+            W_O * w,
+            scope=cl.Scope.INTER,
+            causal=True,
+            z=z * s,
+            output=output * s * w,
+            gram=head_gram(W_O * w),
+        ).contribution
+
+    assert_close(weights(1e19, 1.0), weights(1.0, 1.0), rtol=0, atol=1e-5)
+    assert_close(weights(1e-23, 1e-3), weights(1.0, 1.0), rtol=0, atol=1e-5)
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_norms_beyond_the_dtypes_range_are_refused_not_infinite() -> None:
+    pattern, v, W_O = random_layer("mha")
+    huge = v / v.abs().max() * 3e38  # finite, but ||vt|| is not a float32 number
+    with pytest.raises(ValueError, match=r"value_norm exceeds the range of torch.float32 .*pass dtype=torch.float64"):
+        cl.decompose(pattern, huge, W_O * 10)
+    d = cl.decompose(pattern, huge.double(), W_O * 10)
+    assert bool(torch.isfinite(d.contribution).all())
+
+
+def test_gradients_through_decompose_raise_no_warning_from_its_checks() -> None:
+    pattern, v, W_O = random_layer("gqa")
+    pattern, v = pattern.clone().requires_grad_(True), v.clone().requires_grad_(True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = cl.decompose(pattern, v, W_O)
+        (d.contribution[..., 0] ** 2).sum().backward()
+    assert pattern.grad is not None and v.grad is not None and bool(v.grad.abs().sum() > 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_patterns_are_read_as_float32(dtype) -> None:
+    pattern, v, W_O = random_layer("gqa")
+    d = cl.decompose(pattern.to(dtype), v.to(dtype), W_O)
+    expected = cl.decompose(pattern.to(dtype).float(), v.to(dtype).float(), W_O, check_values=False)
+    assert d.contribution.dtype == torch.float32
+    assert_close(d.contribution, expected.contribution, rtol=0, atol=0)
+    assert_close(d.sum_over_heads().sum(-1), torch.ones(2, 7), rtol=0, atol=1e-5)
+
+
+# --- the pass: eval mode, one thread at a time -------------------------------------------------------------
+
+
+def test_a_model_left_in_train_mode_gives_its_eval_weights_and_keeps_its_mode(tmp_path) -> None:
+    import architectures
+
+    folder = architectures.build("GPT2LMHeadModel", tmp_path / "gpt2")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "attn_pdrop": 0.5}))
+    model = cl.load_model(str(folder))
+    ids = torch.randint(0, 1000, (2, 9), generator=torch.Generator().manual_seed(0))
+    expected = cl.attention_geometry(model, ids)
+    model.train()  # attention dropout 0.5: rows would sum to ~1.4 and change on every call
+    for _ in range(2):
+        g = cl.attention_geometry(model, ids)
+        for layer in g:
+            rows = g[layer].attention.sum(-1)
+            assert_close(rows, torch.ones_like(rows), rtol=0, atol=1e-5)
+            assert_close(g[layer].contribution, expected[layer].contribution, rtol=0, atol=0)
+    dropouts = [m for m in model.original_model.modules() if isinstance(m, torch.nn.Dropout)]
+    assert model.training and dropouts and all(m.training for m in dropouts), "the model's own mode is restored"
+
+
+def test_two_threads_sharing_one_model_get_their_own_numbers() -> None:
+    model = tiny_bridge("gqa", biases=True)
+    inputs = [IDS, (IDS + 7) % 50]
+    expected = [cl.attention_geometry(model, x)[1].contribution for x in inputs]
+    got: list[list[torch.Tensor]] = [[], []]
+    errors: list[BaseException] = []
+
+    def slow(layer: cl.LayerInputs) -> torch.Tensor:
+        threading.Event().wait(0.002)  # the other thread runs in between, as on a busy machine
+        return layer.decompose().contribution
+
+    def work(index: int) -> None:
+        try:
+            for _ in range(8):
+                got[index].append(cl.map_layers(model, inputs[index], slow)[1])
+        except BaseException as error:  # pragma: no cover - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for index in range(2):
+        assert len(got[index]) == 8
+        for weights in got[index]:
+            assert_close(weights, expected[index], rtol=0, atol=0)
+
+
+# --- token ids, positions, heads, sinks ------------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_meta_tensors_are_refused_clearly() -> None:
+    model = tiny_bridge("mha")
+    with pytest.raises(ValueError, match="token ids are on the meta device: they have a shape but no values"):
+        cl.attention_geometry(model, IDS.to("meta"))
+    pattern, v, W_O = random_layer("mha")
+    with pytest.raises(ValueError, match="v is on the meta device: it has a shape but no values"):
+        cl.decompose(pattern, v.to("meta"), W_O)
+    with pytest.raises(ValueError, match="the model's weights are on the meta device"):
+        cl.attention_geometry(tiny_bridge("mha").to("meta"), IDS)
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_token_ids_of_any_integer_dtype_are_read_and_bool_ids_refused() -> None:
+    model = tiny_bridge("mha")
+    expected = cl.attention_geometry(model, IDS)[0].contribution
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        assert_close(cl.attention_geometry(model, IDS.to(dtype))[0].contribution, expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"token ids must be integers, got a bool tensor \(an attention mask\?"):
+        cl.attention_geometry(model, IDS.bool())
+    with pytest.raises(ValueError, match="attention_mask has shape \\(5,\\), the token ids \\(2, 9\\)"):
+        cl.attention_geometry(model, IDS, attention_mask=torch.ones(5))
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_numpy_and_0d_integers_index_layers_heads_and_positions_and_floats_do_not() -> None:
+    model = tiny_bridge("gqa")
+    g = cl.attention_geometry(model, IDS, layers=np.int64(1))
+    assert g.layers == [1] and cl.attention_geometry(model, IDS, layers=torch.tensor(-1)).layers == [1]
+    table = g.to_dataframe(layers=np.int64(1), heads=torch.tensor(2), queries=np.array([3, 4]), keys=np.int32(0))
+    assert sorted(set(table["head"])) == [2] and sorted(set(table["query"])) == [3, 4] and set(table["key"]) == {0}
+    assert_close(g[1].head_contribution(np.int64(2)), g[1].contribution[:, 2], rtol=0, atol=0)
+    with pytest.raises(TypeError, match="heads must be integers, got float 1.0"):
+        g.to_dataframe(heads=1.0)
+    with pytest.raises(TypeError, match="head must be an integer, got float 1.0"):
+        g[1].head_contribution(1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="queries must be integers, got bool True"):
+        g.to_dataframe(queries=True)
+    with pytest.raises(IndexError, match=r"head 4 does not exist: the layer has 4 heads \(0..3\)"):
+        g[1].head_contribution(4)
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_sink_positions_are_checked_never_nan() -> None:
+    model = tiny_bridge("gqa")
+    g = cl.attention_geometry(model, IDS)
+    with pytest.raises(ValueError, match="sink must be a key position from 0 to 8, got -1 .positions do not count"):
+        g.layer_summary(sink=-1)
+    with pytest.raises(ValueError, match="sink must be a key position from 0 to 8, got 9"):
+        cl.layer_summary(model, IDS, sink=9)
+    with pytest.raises(ValueError, match="no real query other than the sink sees key 8"):
+        g.layer_summary(sink=8)  # causal: only the last token itself sees the last token
+    assert not g.layer_summary(sink=np.int64(2)).isna().any().any()
+    with pytest.raises(ValueError, match=r"no real query sees both a sink key \(sinks=\[-1\]\) and a tail key"):
+        cl.sink_analysis(model, IDS, sinks=[-1], layers=[0])
+    with pytest.raises(TypeError, match="sink positions must be integers, got float 1.5"):
+        cl.sink_analysis(model, IDS, sinks=[1.5], layers=[0])  # type: ignore[list-item]
+    scalar = cl.sink_analysis(model, IDS, sinks=np.int64(0), layers=[0])  # type: ignore[arg-type]
+    listed = cl.sink_analysis(model, IDS, sinks=[0], layers=[0])
+    assert scalar.claims() == listed.claims()
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_labels_that_do_not_fit_the_tokens_are_refused_when_built_and_when_loaded(tmp_path) -> None:
+    g = cl.attention_geometry(tiny_bridge("mha"), IDS)
+    short = [labels[:-2] for labels in g.str_tokens]
+    with pytest.raises(ValueError, match="text 0 has 7 labels for its 9 real tokens: str_tokens must match the tokens"):
+        cl.Geometry(dict(g.items()), g.tokens, g.attention_mask, short, "inter")
+    path = g.save(tmp_path / "g.safetensors")
+    edited = _rewritten(path, str_tokens=json.dumps(short))
+    with pytest.raises(ValueError, match=rf"{edited} is not a Geometry written by Geometry.save .*text 0 has 7 labels"):
+        cl.Geometry.load(edited)
+
+
+# --- files: every error names the file ------------------------------------------------------------------------
+
+
+def _rewritten(path, **metadata):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), "pt") as handle:
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - not a dict
+        saved = {**handle.metadata(), **metadata}
+    target = path.with_name("edited.safetensors")
+    save_file(tensors, str(target), metadata=saved)
+    return target
+
+
+def test_a_geometry_file_that_is_truncated_or_edited_is_named_in_the_error(tmp_path) -> None:
+    g = cl.attention_geometry(tiny_bridge("mha"), IDS)
+    path = g.save(tmp_path / "g.safetensors")
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"^{truncated} is not a Geometry written by Geometry.save \(SafetensorError"):
+        cl.Geometry.load(truncated)
+    for field, value, reason in [
+        ("layers", "[0, 1", "JSONDecodeError"),
+        ("layers", "[0, 5]", "SafetensorError: File does not contain tensor 5.attention"),
+        ("n_layers", "two", "ValueError: invalid literal"),
+        ("scope", "sideways", "ValueError: scope must be one of"),
+    ]:
+        edited = _rewritten(path, **{field: value})
+        with pytest.raises(ValueError, match=rf"^{edited} is not a Geometry written by Geometry.save \({reason}"):
+            cl.Geometry.load(edited)
+
+
+def test_a_write_refused_by_the_folder_names_the_file_not_a_temporary_one(tmp_path, monkeypatch) -> None:
+    # (Tests may run as root, who may write anywhere: the refusal is what the OS would raise.)
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tmp_path / ".g.safetensors.x1y2.tmp"))
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", refuse)
+    g = cl.attention_geometry(tiny_bridge("mha"), IDS)
+    target = tmp_path / "read-only" / "g.safetensors"
+    with pytest.raises(PermissionError, match=rf"^cannot write {target}: Permission denied$"):
+        g.save(target)
+
+
+@pytest.mark.parametrize(
+    ("spec", "name", "content"),
+    [
+        ("text={path}", "notes.txt", "café au lait\n"),
+        ("fineweb={path}", "rows.jsonl", '{"text": "café"}\n'),
+        ("mmlu={path}", "food_test.csv", "question,choice0,choice1,choice2,choice3,answer\ncafé?,a,b,c,d,0\n"),
+    ],
+)
+def test_a_latin1_data_file_is_named_with_the_fix(tmp_path, spec, name, content) -> None:
+    path = tmp_path / name
+    path.write_bytes(content.encode("latin-1"))
+    load = data.load_choices if spec.startswith("mmlu") else data.load_texts
+    with pytest.raises(data.DataFormatError, match=rf"^{path} is not UTF-8 text \(it holds the byte 0xe9\); re-save"):
+        load(spec.format(path=path))
+
+
+def test_other_data_file_mistakes_are_named(tmp_path) -> None:
+    broken = tmp_path / "rows.jsonl.gz"
+    broken.write_bytes(b"not gzip")
+    with pytest.raises(data.DataFormatError, match=rf"^{broken} is not a complete gzip file"):
+        data.load_texts(f"fineweb={broken}")
+    csv = tmp_path / "food_test.csv"
+    csv.write_text("question,choice0,choice1,choice2,choice3,answer\nq,a,b,c,d,B\n")
+    with pytest.raises(data.DataFormatError, match=rf"^{csv} row 2: answer 'B' is not an option index 0..3$"):
+        data.load_choices(f"mmlu={csv}")
+
+
+def test_adapter_exclusive_is_reentrant_in_one_thread() -> None:
+    model = tiny_bridge("mha")
+    with adapter.exclusive(model), adapter.exclusive(model):
+        assert cl.map_layers(model, IDS, lambda layer: layer.layer).layers == [0, 1]
