@@ -176,9 +176,9 @@ def test_numpy_and_0d_integers_index_layers_heads_and_positions_and_floats_do_no
     table = g.to_dataframe(layers=np.int64(1), heads=torch.tensor(2), queries=np.array([3, 4]), keys=np.int32(0))
     assert sorted(set(table["head"])) == [2] and sorted(set(table["query"])) == [3, 4] and set(table["key"]) == {0}
     assert_close(g[1].head_contribution(np.int64(2)), g[1].contribution[:, 2], rtol=0, atol=0)
-    with pytest.raises(TypeError, match="heads must be integers, got float 1.0"):
+    with pytest.raises(TypeError, match=r"heads must be integers, got float 1\.0"):
         g.to_dataframe(heads=1.0)
-    with pytest.raises(TypeError, match="head must be an integer, got float 1.0"):
+    with pytest.raises(TypeError, match=r"head must be an integer, got float 1\.0"):
         g[1].head_contribution(1.0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="queries must be integers, got bool True"):
         g.to_dataframe(queries=True)
@@ -190,7 +190,7 @@ def test_numpy_and_0d_integers_index_layers_heads_and_positions_and_floats_do_no
 def test_sink_positions_are_checked_never_nan() -> None:
     model = tiny_bridge("gqa")
     g = cl.attention_geometry(model, IDS)
-    with pytest.raises(ValueError, match="sink must be a key position from 0 to 8, got -1 .positions do not count"):
+    with pytest.raises(ValueError, match=r"sink must be a key position from 0 to 8, got -1 \(positions do not count"):
         g.layer_summary(sink=-1)
     with pytest.raises(ValueError, match="sink must be a key position from 0 to 8, got 9"):
         cl.layer_summary(model, IDS, sink=9)
@@ -199,7 +199,7 @@ def test_sink_positions_are_checked_never_nan() -> None:
     assert not g.layer_summary(sink=np.int64(2)).isna().any().any()
     with pytest.raises(ValueError, match=r"no real query sees both a sink key \(sinks=\[-1\]\) and a tail key"):
         cl.sink_analysis(model, IDS, sinks=[-1], layers=[0])
-    with pytest.raises(TypeError, match="sink positions must be integers, got float 1.5"):
+    with pytest.raises(TypeError, match=r"sink positions must be integers, got float 1\.5"):
         cl.sink_analysis(model, IDS, sinks=[1.5], layers=[0])  # type: ignore[list-item]
     scalar = cl.sink_analysis(model, IDS, sinks=np.int64(0), layers=[0])  # type: ignore[arg-type]
     listed = cl.sink_analysis(model, IDS, sinks=[0], layers=[0])
@@ -226,7 +226,7 @@ def _rewritten(path, **metadata):
     from safetensors.torch import save_file
 
     with safe_open(str(path), "pt") as handle:
-        tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118 - not a dict
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
         saved = {**handle.metadata(), **metadata}
     target = path.with_name("edited.safetensors")
     save_file(tensors, str(target), metadata=saved)

@@ -102,7 +102,7 @@ def sink_mask(
         if tuple(sinks.shape) != (batch, n_key):
             raise ValueError(f"a sink mask must be [batch key] = {(batch, n_key)}, got {tuple(sinks.shape)}")
         return sinks.to(device)
-    listed = [sinks] if isinstance(sinks, int) or getattr(sinks, "ndim", 1) == 0 else list(sinks)  # type: ignore[arg-type]
+    listed = [sinks] if isinstance(sinks, int) or getattr(sinks, "ndim", 1) == 0 else list(sinks)
     positions = [as_index(p, "sink positions must be integers") for p in listed]
     if not positions:
         raise ValueError("sinks is empty: give at least one sink position")
