@@ -320,3 +320,33 @@ def test_chunk_length_beyond_the_context_is_refused_before_loading(text_file, tm
     assert status == 2
     expected = "--chunk-length: expected at most smollm2-135m's context of 8192 tokens, got 9000"
     assert err == f"contribution-lens: error: {expected}\n"
+
+
+def test_a_nested_config_gives_layers_and_context_before_loading(text_file, tmp_path, capsys, no_model) -> None:
+    # Gemma 3 and multimodal checkpoints keep the language model's sizes in text_config.
+    folder = tmp_path / "checkpoint"
+    folder.mkdir()
+    config = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {"num_hidden_layers": 4}}
+    (folder / "config.json").write_text(
+        json.dumps({**config, "text_config": {**config["text_config"], "max_position_embeddings": 128}})
+    )
+    data = ["--data", f"text={text_file}", "--model", folder]
+    status, err = run_cli(capsys, "sinks", *data, "--chunk-length", "200", "--out", tmp_path / "a")
+    assert (status, err) == (
+        2,
+        f"contribution-lens: error: --chunk-length: expected at most {folder}'s context of 128 tokens, got 200\n",
+    )
+    status, err = run_cli(capsys, "faithfulness", *data, "--layers", "4", "--out", tmp_path / "b")
+    assert err == f"contribution-lens: error: --layers: expected a layer from -4 to 3 ({folder} has 4 layers), got 4\n"
+
+
+def test_max_item_tokens_beyond_the_context_is_refused_before_loading(tmp_path, capsys, no_model) -> None:
+    items = tmp_path / "boolq.jsonl"
+    items.write_text('{"question": "is it", "passage": "it is", "label": "true"}\n')
+    argv = ["faithfulness", "--data", f"boolq={items}", "--max-item-tokens", "9000", "--out", tmp_path / "out"]
+    status, err = run_cli(capsys, *argv)
+    assert status == 2
+    assert (
+        err
+        == "contribution-lens: error: --max-item-tokens: expected at most smollm2-135m's context of 8192 tokens, got 9000\n"
+    )
