@@ -346,7 +346,5 @@ def test_max_item_tokens_beyond_the_context_is_refused_before_loading(tmp_path, 
     argv = ["faithfulness", "--data", f"boolq={items}", "--max-item-tokens", "9000", "--out", tmp_path / "out"]
     status, err = run_cli(capsys, *argv)
     assert status == 2
-    assert (
-        err
-        == "contribution-lens: error: --max-item-tokens: expected at most smollm2-135m's context of 8192 tokens, got 9000\n"
-    )
+    expected = "--max-item-tokens: expected at most smollm2-135m's context of 8192 tokens, got 9000"
+    assert err == f"contribution-lens: error: {expected}\n"
