@@ -188,6 +188,10 @@ def map_layers(
     ``decompose(scope)``). Unless the logits are kept, the forward pass stops after the last
     requested layer.
 
+    The pass runs in eval mode (no dropout; each module's own mode is restored afterwards) and
+    holds the model: hooks live on the model, so a second thread's pass on the same model waits
+    for this one (`contribution_lens.adapter.exclusive`) instead of reading its numbers.
+
     Args:
         model: a TransformerLens ``TransformerBridge`` (decoder or encoder).
         inputs: a text, a list of texts (right-padded), token ids ``[pos]``/``[batch pos]``,
