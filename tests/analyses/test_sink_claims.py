@@ -51,3 +51,12 @@ def test_a_folder_without_a_study_is_named(tmp_path) -> None:
         cl.SinkStudy.load(tmp_path)
     with pytest.raises(ValueError, match=r"variants must be some of \('zero', 'mean_tail'\), got \['none'\]"):
         cl.sink_study(None, torch.zeros(1, 3, dtype=torch.long), variants=("none",))
+
+
+def test_a_truncated_study_file_is_named(study, tmp_path) -> None:
+    folder = study.save(tmp_path / "sinks")
+    beta = folder / "sink_beta.safetensors"
+    beta.write_bytes(beta.read_bytes()[:100])
+    expected = rf"^{beta} is not a sink study's tensors written by SinkStudy.save \(SafetensorError"
+    with pytest.raises(ValueError, match=expected):
+        cl.SinkStudy.load(folder)

@@ -21,7 +21,7 @@ from contribution_lens import adapter
 from contribution_lens.analyses.sink_intervention import RUNS, VARIANTS, SinkIntervention, run_sink_intervention
 from contribution_lens.analyses.sinks import PARTS, SinkLayer, claim_verdicts, sink_analysis
 from contribution_lens.choices import Factor
-from contribution_lens.files import atomic_path, write_text
+from contribution_lens.files import atomic_path, reading, write_text
 
 MAX_POINTS = 5000
 """(head, query) points kept for the sink-ratio scatter."""
@@ -170,7 +170,8 @@ class SinkStudy:
         missing = [name for key, name in FILES.items() if key != "report" and not (source / name).is_file()]
         if missing:
             raise FileNotFoundError(f"{source} holds no saved sink study: {', '.join(missing)} missing")
-        study = json.loads((source / FILES["study"]).read_text(encoding="utf-8"))
+        with reading(source / FILES["study"], "a sink study written by SinkStudy.save"):
+            study = json.loads((source / FILES["study"]).read_text(encoding="utf-8"))
         if study.get("format") != "contribution_lens.SinkStudy/1":
             raise ValueError(f"{source / FILES['study']} was not written by SinkStudy.save")
         per_layer = pd.read_csv(source / FILES["layers"], index_col=["variant", "layer"])
@@ -178,7 +179,8 @@ class SinkStudy:
             v: SinkIntervention(v, per_layer.loc[v], effect["ppl_clean"], effect["ppl"], effect["delta_loss"])
             for v, effect in study["effects"].items()
         }
-        beta = SinkLayer(**load_file(str(source / FILES["beta"])))  # type: ignore[arg-type]
+        with reading(source / FILES["beta"], "a sink study's tensors written by SinkStudy.save"):
+            beta = SinkLayer(**load_file(str(source / FILES["beta"])))  # type: ignore[arg-type]
         return cls(
             heads=pd.read_csv(source / FILES["heads"], index_col=["layer", "head"]),
             claims=json.loads((source / FILES["claims"]).read_text(encoding="utf-8")),
