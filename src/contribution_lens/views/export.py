@@ -3,6 +3,7 @@
 An export made by ``jupyter nbconvert --to html`` loses three things offline: MathJax comes from a
 CDN (formulas stay raw TeX), widgets need a widget manager from a CDN (the inspector leaves its
 text repr, a progress bar its first frame, "0%"), and plotly's default MIME bundle draws nothing.
+No script of the page comes from the network.
 `export_notebook` writes the page with a local MathJax beside it (from the PyPI package
 ``jupyter-server-mathjax``), a widget's static fallback instead of the widget (the inspector puts
 a figure of its current view in its MIME bundle), each progress bar's last frame, and figures as
@@ -20,6 +21,7 @@ Example:
 import copy
 import html as html_text
 import importlib.util
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -101,9 +103,18 @@ def render_notebook(notebook: "nbformat.NotebookNode", *, mathjax_url: str = MAT
 
     # Merged streams with carriage returns applied: a text progress bar keeps its last frame only.
     config = Config({"CoalesceStreamsPreprocessor": {"enabled": True}})
-    exporter = HTMLExporter(config=config, mathjax_url=mathjax_url)
+    exporter = HTMLExporter(config=config, mathjax_url=mathjax_url, raw_template=_NO_REQUIRE_JS)
     page, _ = exporter.from_notebook_node(static_notebook(notebook))
     return page
+
+
+# JupyterLab's page template loads require.js from a CDN for widgets; no output here needs it.
+_NO_REQUIRE_JS = """{%- extends "index.html.j2" -%}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+"""
+# Plotly's notebook renderer loads MathJax 3 from a CDN with every figure (for TeX in figures,
+# which ours have none of); online it would replace the page's MathJax 2 mid-typesetting.
+_PLOTLY_MATHJAX = re.compile(r'<script src="https://cdnjs\.cloudflare\.com/ajax/libs/mathjax/[^"]*"></script>')
 
 
 def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode":
@@ -123,6 +134,8 @@ def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode
         kept = []
         for output in cell.get("outputs", []):
             data = output.get("data", {})
+            if isinstance(data.get("text/html"), str):
+                data["text/html"] = _PLOTLY_MATHJAX.sub("", data["text/html"])
             if WIDGET_VIEW not in data:
                 kept.append(output)
                 continue
@@ -164,8 +177,6 @@ def progress_text(state: dict[str, Any], box: dict[str, Any]) -> str | None:
 
 def _looks_like_a_progress_bar(text: str) -> bool:
     """tqdm's text repr: ``"desc:  0%|          | 0/3 [00:00<?, ?it/s]"``."""
-    import re
-
     return re.search(r"\d+%\|.*\| *\d+/", text) is not None
 
 
