@@ -223,7 +223,7 @@ const prose = [...document.querySelectorAll('.jp-MarkdownCell .jp-RenderedMarkdo
     const copy = cell.cloneNode(true);
     copy.querySelectorAll('code, pre, script, .MathJax, .MathJax_Display, .MathJax_Preview').forEach(e => e.remove());
     return copy.innerText;
-}).join('\n');
+}).join('\\n');
 const plots = [...document.querySelectorAll('.js-plotly-plot')];
 return {
     prose: prose,
@@ -231,7 +231,7 @@ return {
     tex: document.querySelectorAll('script[type^="math/tex"]').length,
     errors: document.querySelectorAll('.MathJax .merror, .MathJax_Display .merror').length
         + (document.body.innerText.includes('Math Processing Error') ? 1 : 0),
-    outputs: [...document.querySelectorAll('.jp-OutputArea')].map(e => e.innerText).join('\n'),
+    outputs: [...document.querySelectorAll('.jp-OutputArea')].map(e => e.innerText).join('\\n'),
     plots: plots.length,
     drawn: plots.filter(gd => gd.querySelector('.main-svg') && gd.data && gd.data.length).length,
     inspectors: [...document.querySelectorAll('.jp-CodeCell')].filter(cell =>
@@ -316,8 +316,8 @@ def test_an_exported_notebook_shows_formulas_finished_bars_and_the_inspectors_vi
         "return [...document.querySelectorAll('.js-plotly-plot')].map(gd => gd.layout.title.text)"
     )
     assert titles == [
-        "Inspector: contribution (inter-head), layer 3, L3H2; query '6:.' outlined",
-        "Inspector: attention (inter-head), layer 3, L3H2; query '6:.' outlined",
+        "Inspector: contribution (inter), L3H2, query 7:.",
+        "Inspector: attention (inter), L3H2, query 7:.",
     ]
 
 

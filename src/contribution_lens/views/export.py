@@ -165,14 +165,12 @@ def progress_text(state: dict[str, Any], box: dict[str, Any]) -> str | None:
     if names != ["HTMLModel", "FloatProgressModel", "HTMLModel"]:
         return None
     left, bar, right = (child.get("state", {}) for child in children)
+    # tqdm writes "desc: 100%" in the left label, "3/3 [00:01<00:00]" in the right one.
+    words = [html_text.unescape(str(part.get("value", ""))) for part in (left, right)]
     total = bar.get("max") or 0
-    share = f"{100 * (bar.get('value') or 0) / total:3.0f}%" if total else ""
-    words = [
-        html_text.unescape(str(left.get("value", ""))).strip(),
-        share,
-        html_text.unescape(str(right.get("value", ""))),
-    ]
-    return " ".join(word.strip() for word in words if word.strip())
+    if "%" not in words[0] and total:
+        words.insert(1, f"{100 * (bar.get('value') or 0) / total:.0f}%")
+    return " ".join(" ".join(words).replace("\u2007", " ").split())
 
 
 def _looks_like_a_progress_bar(text: str) -> bool:
@@ -247,9 +245,9 @@ def inspector_figure(
     figure.add_shape(
         type="rect", xref="paper", x0=0, x1=1, y0=row - 0.5, y1=row + 0.5, line={"color": "black", "width": 2}
     )
-    where = "all heads" if head < 0 else f"L{layer}H{head}"
+    where = f"L{layer}, all heads" if head < 0 else f"L{layer}H{head}"
     figure.update_layout(
-        title=f"Inspector: {factor} ({scope}-head), layer {layer}, {where}; query {queries[row]!r} outlined",
+        title=f"Inspector: {factor} ({scope}), {where}, query {queries[row]}",
         xaxis={"tickvals": keys, "ticktext": keys},
         yaxis={"tickvals": queries, "ticktext": queries},
         height=max(400, 14 * len(queries) + 200),
