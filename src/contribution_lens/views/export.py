@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 
 import plotly.graph_objects as go
 
+from contribution_lens import files
+
 if TYPE_CHECKING:
     import nbformat
 
@@ -88,11 +90,7 @@ def export_notebook(
         ).execute()
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
-    page = render_notebook(node, mathjax_url=write_mathjax(target.parent))
-    partial = target.with_name(f".{target.name}.partial")
-    partial.write_text(page, encoding="utf-8")
-    partial.replace(target)
-    return target
+    return files.write_text(target, render_notebook(node, mathjax_url=write_mathjax(target.parent)))
 
 
 def render_notebook(notebook: "nbformat.NotebookNode", *, mathjax_url: str = MATHJAX_URL) -> str:

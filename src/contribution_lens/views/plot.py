@@ -17,6 +17,7 @@ import torch
 from plotly.subplots import make_subplots
 from torch import Tensor
 
+from contribution_lens import files
 from contribution_lens.analyses.geometry import Geometry
 from contribution_lens.analyses.sinks import SinkLayer
 from contribution_lens.choices import FACTORS, Factor
@@ -316,9 +317,8 @@ def save_image(figure: go.Figure, path: str | Path, *, scale: int | float = 2) -
         warnings.filterwarnings("ignore", message="The kopts argument is ignored")
         data = figure.to_image(format=image_format, scale=scale if image_format not in ("svg", "pdf") else 1)
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.partial")
-    partial.write_bytes(data)
-    partial.replace(target)
+    with files.atomic_path(target) as staging:
+        staging.write_bytes(data)
     return target
 
 
