@@ -135,3 +135,22 @@ def test_export_notebook_writes_a_page_that_needs_no_network(tmp_path) -> None:
     again = cl.views.export_notebook(source, page)  # from a file, into a folder that has MathJax already
     assert again == page and sorted(path.name for path in page.parent.iterdir()) == ["lesson.html", "mathjax"]
     assert "c_{ij}" in page.read_text() and "plotly-graph-div" not in page.read_text()
+
+
+def test_a_text_progress_bar_keeps_its_last_frame_only() -> None:
+    frames = "work:   0%|          | 0/2\rwork:  50%|#####     | 1/2\rwork: 100%|##########| 2/2\n"
+    stream = nbformat.v4.new_output("stream", name="stderr", text=frames)
+    html = export.render_notebook(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("bar", outputs=[stream])]))
+    assert re.findall(r"work: +\d+%", html) == ["work: 100%"]
+
+
+def test_the_inspector_still_shows_when_its_figure_fails(model, monkeypatch) -> None:
+    inspector = cl.inspect(model, IDS, layer=0)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(export, "inspector_figure", fail)
+    with pytest.warns(UserWarning, match=r"static figure failed \(no memory\)"):
+        data, _ = inspector._repr_mimebundle_()
+    assert WIDGET in data and "text/html" not in data

@@ -7,6 +7,7 @@ notebook page: the first widget that finds no ``globalThis.Plotly`` asks the ker
 custom message.
 """
 
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -147,7 +148,12 @@ class Inspector(anywidget.AnyWidget):
         if bundle is None:
             return None
         data, metadata = bundle
-        return {**data, "text/html": export.figure_html(self._view_figure())}, metadata
+        try:
+            figure = self._view_figure()
+        except Exception as error:  # the live widget must still show: the fallback is for exports
+            warnings.warn(f"the inspector's static figure failed ({error}); an export will show its repr", stacklevel=2)
+            return data, metadata
+        return {**data, "text/html": export.figure_html(figure)}, metadata
 
     def save_image(self, path: str | Path, *, scale: int | float = 2) -> Path:
         """Write the current view as an image, PNG, SVG or PDF by the suffix (`contribution_lens.plot.save_image`)."""
