@@ -270,6 +270,8 @@ def use_in_notebook() -> None:
     Plotly's default Jupyter renderer writes a MIME bundle that only a live Jupyter front end
     draws: exported notebooks (``jupyter nbconvert --to html``) and static viewers show nothing.
     The ``"notebook"`` renderer writes plain HTML, with plotly.js in the first figure's output.
+    For formulas, widgets and progress bars offline too, export with
+    `contribution_lens.views.export_notebook`.
     """
     import plotly.io as pio
 
