@@ -467,11 +467,35 @@ def _boot(name: str, hf: Any, tokenizer: Any, device: torch.device | None, dtype
     return bridge
 
 
+@contextmanager
+def _progress_bars(shown: bool) -> Iterator[None]:
+    """transformers' and the Hub's progress bars ("Loading weights", downloads) on or off, then as they were.
+
+    Off by default: in a notebook each is a widget whose saved text is its first frame, so an
+    exported notebook would say "Loading weights: 0%" forever.
+    """
+    from transformers.utils import logging as hf_logging
+
+    was_shown = hf_logging.is_progress_bar_enabled()
+    if shown:
+        hf_logging.enable_progress_bar()
+    else:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_shown:
+            hf_logging.enable_progress_bar()
+        else:
+            hf_logging.disable_progress_bar()
+
+
 def load_model(
     name: str = BUNDLED,
     *,
     device: str | torch.device | None = None,
     dtype: torch.dtype = torch.float32,
+    progress: bool = False,
     **boot_kwargs: Any,
 ) -> Any:
     """A ``TransformerBridge`` for ``name``.
@@ -493,6 +517,8 @@ def load_model(
         device: e.g. ``"cuda"``; None lets TransformerLens choose. Checked before any weight
             is read: a device this machine lacks raises ``ValueError``.
         dtype: weights' dtype (``torch.bfloat16`` halves memory; maths stays float32).
+        progress: show transformers' weight-loading and download bars (off: a notebook would
+            keep their first frame, "Loading weights: 0%", in its saved outputs).
         boot_kwargs: passed to ``boot_transformers``.
 
     Raises:
@@ -510,6 +536,11 @@ def load_model(
         (30, 9, 3)
     """
     resolved = check_device(device)
+    with _progress_bars(progress):
+        return _load(name, resolved, dtype, **boot_kwargs)
+
+
+def _load(name: str, resolved: torch.device | None, dtype: torch.dtype, **boot_kwargs: Any) -> Any:
     if name in _GGUF_MODELS:
         hf, tokenizer = _hf_bundled_decoder(dtype, name)
         return _checked(_boot(name, hf, tokenizer, resolved, dtype, **boot_kwargs))

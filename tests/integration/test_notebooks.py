@@ -2,19 +2,24 @@
 
 Static checks read the notebooks as committed (prose, exercises, public names). The executed
 check runs each notebook once, top to bottom (this file is the notebooks' only executor: pytest
-does not collect notebooks/ with nbmake), then exports it to HTML as ``jupyter nbconvert --to
-html`` does and checks that every figure is in the page, that no output carries a warning and
-that every figure is followed by a "What to notice" paragraph. The HTML pages are kept under
+does not collect notebooks/ with nbmake), then exports it to HTML with `cl.views.export_notebook`
+(nbconvert's HTML, MathJax beside the page, widgets' static fallbacks) and checks that every
+figure is in the page, that no output carries a warning and that every figure is followed by a
+"What to notice" paragraph; headless Chromium then checks what a reader of the page sees
+offline: formulas typeset (no raw ``$...$``), no progress bar stuck at "0%", every figure drawn,
+the inspector's view where a cell shows an inspector. The HTML pages are kept under
 ``test-artifacts/notebooks/``.
 """
 
 import re
+import shutil
 import time
 from pathlib import Path
 
 import nbformat
 import pytest
 
+import contribution_lens as cl
 from conftest import ARTIFACTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,6 +27,7 @@ NOTEBOOK_DIR = ROOT / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.ipynb"))
 IDS = [path.stem for path in NOTEBOOKS]
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 MIN_WORDS = 600
 MAX_SECONDS = 300  # "under five minutes each" on a 2-core CPU
 NOTICE = "**What to notice.**"
@@ -95,11 +101,17 @@ def is_figure(output: nbformat.NotebookNode) -> bool:
     return PLOTLY_MIME in data or 'class="plotly-graph-div"' in data.get("text/html", "")
 
 
+def is_widget(output: nbformat.NotebookNode) -> bool:
+    """A widget (the inspector); its figure is the static fallback an export shows."""
+    return WIDGET_VIEW in output.get("data", {})
+
+
 def figure_cells(notebook: nbformat.NotebookNode) -> list[int]:
+    """Cells that draw a figure of their own (a widget's fallback is not one: the prose around it explains it)."""
     return [
         i
         for i, cell in enumerate(notebook.cells)
-        if cell.cell_type == "code" and any(is_figure(out) for out in cell.get("outputs", []))
+        if cell.cell_type == "code" and any(is_figure(out) and not is_widget(out) for out in cell.get("outputs", []))
     ]
 
 
@@ -138,7 +150,7 @@ def export_problems(notebook: nbformat.NotebookNode, html: str) -> list[str]:
             problems.append(f"the figure of cell {cell_id} is not followed by a {NOTICE!r} paragraph")
         elif not re.search(r"\d", after.source):
             problems.append(f"the notice after cell {cell_id} names no number")
-    n_figures = sum(is_figure(out) for i in figures for out in notebook.cells[i].outputs)
+    n_figures = sum(is_figure(out) for cell in notebook.cells for out in cell.get("outputs", []))
     divs = re.findall(r'<div class="plotly-graph-div" id="([\w-]+)"', html)
     drawn = [div for div in divs if re.search(rf'Plotly\.newPlot\(\s*"{div}",\s*\[\{{', html)]
     if len(drawn) != n_figures:
@@ -171,15 +183,154 @@ def test_export_problems_names_what_a_reader_would_miss() -> None:
     ]
 
 
+CHROMIUM = shutil.which("chromium")
+CHROMEDRIVER = shutil.which("chromedriver")
+needs_chromium = pytest.mark.skipif(
+    CHROMIUM is None or CHROMEDRIVER is None,
+    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    """Headless Chromium with no network use of its own: an exported page must render from its folder."""
+    webdriver = pytest.importorskip("selenium.webdriver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--no-first-run",
+        "--window-size=1400,1000",
+    ):
+        options.add_argument(flag)  # fmt: skip
+    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
+    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+# What a reader sees, read from the page once MathJax has finished: markdown text outside code and
+# typeset maths, MathJax's output and error elements, progress bars' text, the inspector's figure.
+SEEN = """
+const hub = window.MathJax && MathJax.Hub;
+if (!hub || hub.queue.pending || hub.queue.running || !document.querySelector('.jp-MarkdownCell')) return null;
+const prose = [...document.querySelectorAll('.jp-MarkdownCell .jp-RenderedMarkdown')].map(cell => {
+    const copy = cell.cloneNode(true);
+    copy.querySelectorAll('code, pre, script, .MathJax, .MathJax_Display, .MathJax_Preview').forEach(e => e.remove());
+    return copy.innerText;
+}).join('\\n');
+const plots = [...document.querySelectorAll('.js-plotly-plot')];
+return {
+    prose: prose,
+    formulas: document.querySelectorAll('.MathJax').length,
+    tex: document.querySelectorAll('script[type^="math/tex"]').length,
+    errors: document.querySelectorAll('.MathJax .merror, .MathJax_Display .merror').length
+        + (document.body.innerText.includes('Math Processing Error') ? 1 : 0),
+    outputs: [...document.querySelectorAll('.jp-OutputArea')].map(e => e.innerText).join('\\n'),
+    plots: plots.length,
+    drawn: plots.filter(gd => gd.querySelector('.main-svg') && gd.data && gd.data.length).length,
+    inspectors: [...document.querySelectorAll('.jp-CodeCell')].filter(cell =>
+        [...cell.querySelectorAll('.js-plotly-plot')].some(gd => (gd.layout.title.text || '').startsWith('Inspector:'))
+    ).map(cell => cell.id),
+};
+"""
+RAW_TEX = re.compile(r"\$[^$\n]+\$|\\(?:frac|sum|alpha|lVert|langle|tilde)\b")
+STUCK_BAR = re.compile(r"(?:^|\s)0%(?:\||\s)")  # tqdm's first frame: "Loading weights:   0%|   | 0/272"
+
+
+def seen_in_browser(browser, page: Path) -> dict:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.get(page.resolve().as_uri())
+    return WebDriverWait(browser, 120, poll_frequency=0.5).until(lambda b: b.execute_script(SEEN))
+
+
+def reader_problems(seen: dict, *, figures: int, inspectors: list[str]) -> list[str]:
+    """What a reader of the exported page would miss, from `SEEN`."""
+    problems = []
+    if seen["formulas"] < seen["tex"] or seen["errors"]:
+        problems.append(f"{seen['tex']} formulas, {seen['formulas']} typeset, {seen['errors']} with errors")
+    raw = RAW_TEX.findall(seen["prose"])
+    if raw:
+        problems.append(f"raw TeX left in the prose: {raw[:3]}")
+    stuck = [line for line in seen["outputs"].splitlines() if STUCK_BAR.search(line)]
+    if stuck:
+        problems.append(f"a progress bar stuck at 0%: {stuck[:2]}")
+    if seen["drawn"] != figures or seen["plots"] != figures:
+        problems.append(f"{figures} figures, {seen['plots']} plot areas, {seen['drawn']} drawn with data")
+    if sorted(seen["inspectors"]) != sorted(f"cell-id={i}" for i in inspectors):
+        problems.append(f"inspector figures in {seen['inspectors']}, expected in cells {inspectors}")
+    return problems
+
+
+def inspector_cells(notebook: nbformat.NotebookNode) -> list[str]:
+    return [
+        cell.id for cell in notebook.cells if any(is_widget(out) and is_figure(out) for out in cell.get("outputs", []))
+    ]
+
+
+def export(notebook: nbformat.NotebookNode, name: str) -> tuple[Path, str]:
+    target = cl.views.export_notebook(notebook, ARTIFACTS / "notebooks" / f"{name}.html")
+    return target, target.read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
+@pytest.mark.browser
+@needs_chromium
+def test_an_exported_notebook_shows_formulas_finished_bars_and_the_inspectors_view(browser) -> None:
+    from nbclient import NotebookClient
+
+    cells = [
+        nbformat.v4.new_markdown_cell(
+            "# Export\n\nInline $c_{ij} = \\alpha_{ij}$, displayed:\n\n$$\\sum_j c_{ij} = 1$$", id="maths"
+        ),
+        nbformat.v4.new_code_cell(
+            "import contribution_lens as cl\n\ncl.plot.use_in_notebook()\nmodel = cl.load_model()"
+        ),
+        nbformat.v4.new_code_cell(
+            "from tqdm.auto import tqdm\n\nfor _ in tqdm(range(3), desc='work'):\n    pass", id="bar"
+        ),
+        nbformat.v4.new_code_cell(
+            "inspector = cl.inspect(model, 'The cat sat on the mat.', layer=3, head=2)\ninspector", id="inspector"
+        ),
+        nbformat.v4.new_code_cell("inspector.factor = 'attention'\ninspector", id="changed"),
+    ]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    NotebookClient(notebook, timeout=MAX_SECONDS, kernel_name="python3").execute()
+    assert not warnings_in(notebook)
+    page, html = export(notebook, "export_check")
+    assert "mathjax/MathJax.js" in html and not re.search(r"<script[^>]+src=[\"']https?://", html)
+    seen = seen_in_browser(browser, page)
+    assert not reader_problems(seen, figures=2, inspectors=["inspector", "changed"]), reader_problems(
+        seen, figures=2, inspectors=["inspector", "changed"]
+    )
+    assert seen["formulas"] == seen["tex"] == 2
+    assert re.search(r"work: 100% 3/3", seen["outputs"]), "the bar's last frame is not in the page"
+    assert "Loading weights" not in seen["outputs"]
+    titles = browser.execute_script(
+        "return [...document.querySelectorAll('.js-plotly-plot')].map(gd => gd.layout.title.text)"
+    )
+    assert titles == [
+        "Inspector: contribution (inter), L3H2, query 7:.",
+        "Inspector: attention (inter), L3H2, query 7:.",
+    ]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
-def test_notebook_runs_and_exports_with_every_figure(path: Path) -> None:
-    from nbconvert import HTMLExporter
-
+def test_notebook_runs_and_exports_with_every_figure(path: Path, request) -> None:
     notebook, seconds = execute(path)
-    html, _ = HTMLExporter().from_notebook_node(notebook)
-    target = ARTIFACTS / "notebooks" / f"{path.stem}.html"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_text(html, encoding="utf-8")
+    page, html = export(notebook, path.stem)
     assert seconds < MAX_SECONDS, f"{path.name} took {seconds:.0f} s, more than {MAX_SECONDS} s"
     assert not export_problems(notebook, html), f"{path.name}: {export_problems(notebook, html)}"
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip("the page was not opened: needs Debian's chromium and chromium-driver")
+    figures = sum(is_figure(out) for cell in notebook.cells for out in cell.get("outputs", []))
+    seen = seen_in_browser(request.getfixturevalue("browser"), page)
+    problems = reader_problems(seen, figures=figures, inspectors=inspector_cells(notebook))
+    assert not problems, f"{path.name} exported: {problems}"

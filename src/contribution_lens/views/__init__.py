@@ -1,4 +1,5 @@
-"""What people look at: figures (`plot`), the inspector (`inspector`), self-contained pages (`html`, `overview`).
+"""What people look at: figures (`plot`), the inspector (`inspector`), self-contained pages (`html`, `overview`,
+notebooks exported by `export`).
 
 Every figure function returns a ``plotly.graph_objects.Figure`` and never shows it; every page
 opens offline (plotly.js embedded once) and is written atomically. Names are imported on first use.
@@ -13,6 +14,8 @@ _EXPORTS = {
     "html": "contribution_lens.views.html",
     "inspector": "contribution_lens.views.inspector",
     "overview": "contribution_lens.views.overview",
+    "export": "contribution_lens.views.export",
+    "export_notebook": "contribution_lens.views.export:export_notebook",
     "inspect": "contribution_lens.views.inspector:inspect",
     "Inspector": "contribution_lens.views.inspector:Inspector",
     "write_html": "contribution_lens.views.html:write_html",
@@ -20,6 +23,8 @@ _EXPORTS = {
 }
 __all__ = [
     "Inspector",
+    "export",
+    "export_notebook",
     "html",
     "inspect",
     "inspector",
@@ -31,6 +36,7 @@ __all__ = [
 __getattr__, __dir__ = face(__name__, _EXPORTS)
 
 if TYPE_CHECKING:
-    from contribution_lens.views import html, inspector, overview, plot
+    from contribution_lens.views import export, html, inspector, overview, plot
+    from contribution_lens.views.export import export_notebook
     from contribution_lens.views.html import render_html, write_html
     from contribution_lens.views.inspector import Inspector, inspect

@@ -4,7 +4,11 @@ Signed quantities (cosine, contribution) use a diverging scale centred at 0; axi
 unique ``"{position}:{token}"`` strings so repeated tokens stay apart.
 """
 
+import os
+import shutil
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -13,6 +17,7 @@ import torch
 from plotly.subplots import make_subplots
 from torch import Tensor
 
+from contribution_lens import files
 from contribution_lens.analyses.geometry import Geometry
 from contribution_lens.analyses.sinks import SinkLayer
 from contribution_lens.choices import FACTORS, Factor
@@ -265,10 +270,89 @@ def use_in_notebook() -> None:
     Plotly's default Jupyter renderer writes a MIME bundle that only a live Jupyter front end
     draws: exported notebooks (``jupyter nbconvert --to html``) and static viewers show nothing.
     The ``"notebook"`` renderer writes plain HTML, with plotly.js in the first figure's output.
+    For formulas, widgets and progress bars offline too, export with
+    `contribution_lens.views.export_notebook`.
     """
     import plotly.io as pio
 
     pio.renderers.default = "notebook"
+
+
+IMAGE_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+"""File suffix -> the format `save_image` writes."""
+BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
+
+
+def save_image(figure: go.Figure, path: str | Path, *, scale: int | float = 2) -> Path:
+    """Write ``figure`` as a static image, the format chosen by the suffix: PNG, SVG, PDF, JPEG or WebP.
+
+    Drawn by kaleido (``pip install kaleido``) in a headless Chromium: ``BROWSER_PATH`` names it,
+    else the first of ``chromium``, ``google-chrome`` on ``PATH`` is used (kaleido's own browser
+    download needs the network). The file appears whole or not at all.
+
+    Args:
+        figure: any figure of this module (or any plotly figure).
+        path: where to write; ``.png``, ``.svg``, ``.pdf``, ``.jpg``/``.jpeg`` or ``.webp``.
+        scale: pixels per layout pixel for PNG, JPEG and WebP (2: sharp on a slide).
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        ValueError: the suffix is not one of those formats (checked before anything is drawn).
+        RuntimeError: kaleido or a Chromium is missing, saying what to install.
+
+    Example:
+        >>> import plotly.graph_objects as go
+        >>> save_image(go.Figure(go.Bar(y=[1, 2])), "bars.gif")
+        Traceback (most recent call last):
+        ...
+        ValueError: cannot write 'bars.gif': the suffix must be one of .png, .svg, .pdf, .jpg, .jpeg, .webp
+    """
+    target = Path(path)
+    image_format = IMAGE_FORMATS.get(target.suffix.lower())
+    if image_format is None:
+        raise ValueError(f"cannot write {str(path)!r}: the suffix must be one of {', '.join(IMAGE_FORMATS)}")
+    _start_image_writer()
+    with warnings.catch_warnings():
+        # plotly passes its defaults to each call; the running server already has them.
+        warnings.filterwarnings("ignore", message="The kopts argument is ignored")
+        data = figure.to_image(format=image_format, scale=scale if image_format not in ("svg", "pdf") else 1)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with files.atomic_path(target) as staging:
+        staging.write_bytes(data)
+    return target
+
+
+def _start_image_writer() -> None:
+    """Start kaleido's Chromium once per process (seconds), after checking kaleido and a Chromium are here.
+
+    Later images reuse it (under a second each); it stops when Python exits.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("kaleido") is None:
+        raise RuntimeError("writing images needs kaleido: pip install 'kaleido>=1'")
+    browser = os.environ.get("BROWSER_PATH") or next(filter(None, map(shutil.which, BROWSERS)), None)
+    if browser is None or not Path(browser).exists():
+        where = f"BROWSER_PATH={browser!r} names no file; " if browser else ""
+        raise RuntimeError(
+            f"writing images needs a Chromium for kaleido: {where}install one (Debian: apt-get install chromium) "
+            "or set BROWSER_PATH to its executable"
+        )
+    os.environ["BROWSER_PATH"] = browser  # what kaleido's browser look-up reads
+    global _image_writer_started
+    if not _image_writer_started:
+        import atexit
+
+        import kaleido
+
+        kaleido.start_sync_server(silence_warnings=True)
+        atexit.register(kaleido.stop_sync_server, silence_warnings=True)
+        _image_writer_started = True
+
+
+_image_writer_started = False
 
 
 def sink_head_grid(table: pd.DataFrame, column: str, *, title: str | None = None) -> go.Figure:

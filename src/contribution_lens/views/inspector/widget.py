@@ -7,9 +7,10 @@ notebook page: the first widget that finds no ``globalThis.Plotly`` asks the ker
 custom message.
 """
 
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anywidget
 import plotly.offline
@@ -17,6 +18,7 @@ import traitlets
 
 from contribution_lens import adapter
 from contribution_lens.choices import FACTORS, SCOPES
+from contribution_lens.views import export, plot
 from contribution_lens.views.inspector import page
 from contribution_lens.views.inspector.payload import (
     DEFAULT_TOKENS,
@@ -26,6 +28,9 @@ from contribution_lens.views.inspector.payload import (
     token_label,
     token_window,
 )
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 RECENT_LAYERS = 4
 """Layers kept in the kernel (about 0.6 MB each at 128 tokens): they come back without the model."""
@@ -132,6 +137,33 @@ class Inspector(anywidget.AnyWidget):
             # Hide module/define so the UMD bundle sets globalThis.Plotly whatever loader the page has.
             source = "(function (module, exports, define) {\n" + plotly.offline.get_plotlyjs() + "\n})();"
             self.send({"type": "plotly", "source": source})
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict, dict] | None:
+        """The widget view and, as ``text/html`` beside it, a figure of the current view.
+
+        Jupyter draws the widget; an exported notebook (nbconvert) or a static viewer, which
+        cannot run it, shows the figure (`contribution_lens.views.export.inspector_figure`).
+        """
+        bundle = super()._repr_mimebundle_(**kwargs)
+        if bundle is None:
+            return None
+        data, metadata = bundle
+        try:
+            figure = self._view_figure()
+        except Exception as error:  # the live widget must still show: the fallback is for exports
+            warnings.warn(f"the inspector's static figure failed ({error}); an export will show its repr", stacklevel=2)
+            return data, metadata
+        return {**data, "text/html": export.figure_html(figure)}, metadata
+
+    def save_image(self, path: str | Path, *, scale: int | float = 2) -> Path:
+        """Write the current view as an image, PNG, SVG or PDF by the suffix (`contribution_lens.plot.save_image`)."""
+        return plot.save_image(self._view_figure(), path, scale=scale)
+
+    def _view_figure(self) -> "go.Figure":
+        return export.inspector_figure(
+            self._model, self._batch, self.window,
+            layer=self.layer, head=self.head, factor=self.factor, scope=self.scope, query=self.query,
+        )  # fmt: skip
 
     def render_html(
         self, *, layers: Sequence[int] | None = None, start: int | None = None, tokens: int | None = None

@@ -1,0 +1,275 @@
+"""Notebooks as offline HTML pages that show what the notebook showed: figures, formulas, the inspector's view.
+
+An export made by ``jupyter nbconvert --to html`` loses three things offline: MathJax comes from a
+CDN (formulas stay raw TeX), widgets need a widget manager from a CDN (the inspector leaves its
+text repr, a progress bar its first frame, "0%"), and plotly's default MIME bundle draws nothing.
+No script of the page comes from the network.
+`export_notebook` writes the page with a local MathJax beside it (from the PyPI package
+``jupyter-server-mathjax``), a widget's static fallback instead of the widget (the inspector puts
+a figure of its current view in its MIME bundle), each progress bar's last frame, and figures as
+`contribution_lens.plot.use_in_notebook` makes them.
+
+Example:
+    >>> import nbformat, tempfile
+    >>> folder = Path(tempfile.mkdtemp())
+    >>> cell = nbformat.v4.new_markdown_cell("The weights $c_{ij}$ sum to 1.")
+    >>> page = export_notebook(nbformat.v4.new_notebook(cells=[cell]), folder / "lesson.html")
+    >>> sorted(path.name for path in folder.iterdir()), "mathjax/MathJax.js" in page.read_text()
+    (['lesson.html', 'mathjax'], True)
+"""
+
+import copy
+import html as html_text
+import importlib.util
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import plotly.graph_objects as go
+
+from contribution_lens import files
+
+if TYPE_CHECKING:
+    import nbformat
+
+    from contribution_lens import adapter
+    from contribution_lens.views.inspector.payload import Window
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+MATHJAX_FOLDER = "mathjax"
+# MathJax 2.7 as jupyter-server-mathjax ships it: TeX in, HTML-CSS out with the STIX-Web fonts
+# (the only ones it ships); "local/offline" is the small config `write_mathjax` adds for them.
+MATHJAX_URL = f"{MATHJAX_FOLDER}/MathJax.js?config=TeX-AMS-MML_HTMLorMML-full,Safe,local/offline"
+_OFFLINE_CONFIG = """\
+MathJax.Hub.Config({"HTML-CSS": {availableFonts: ["STIX-Web"], preferredFont: "STIX-Web",
+                                 webFont: "STIX-Web", imageFont: null}});
+MathJax.Ajax.loadComplete("[MathJax]/config/local/offline.js");
+"""
+
+
+def export_notebook(
+    notebook: "nbformat.NotebookNode | str | Path",
+    path: str | Path,
+    *,
+    execute: bool = False,
+    timeout: int = 600,
+) -> Path:
+    """Write ``notebook`` as an HTML page that shows offline what the notebook showed.
+
+    The page loads MathJax from the ``mathjax/`` folder written beside it (shared by every page
+    in that folder, about 10 MB once); everything else is in the page.
+
+    Args:
+        notebook: a notebook, or the path of an ``.ipynb`` file.
+        path: the HTML file to write (atomically).
+        execute: run the notebook first, top to bottom, in its own folder (python3 kernel).
+        timeout: seconds one cell may run when ``execute`` is set.
+
+    Returns:
+        ``path`` as a ``Path``.
+
+    Raises:
+        ModuleNotFoundError: ``nbconvert`` (or ``nbclient`` to execute) or ``jupyter-server-mathjax``
+            is not installed; the message says what to install.
+    """
+    reader = _need("nbformat", "nbformat")
+    if isinstance(notebook, str | Path):
+        source: Path | None = Path(notebook)
+        node = reader.read(source, as_version=4)
+    else:
+        source, node = None, notebook
+    if execute:
+        from nbclient import NotebookClient
+
+        folder = source.parent if source is not None else Path.cwd()
+        NotebookClient(
+            node, timeout=timeout, kernel_name="python3", resources={"metadata": {"path": str(folder)}}
+        ).execute()
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return files.write_text(target, render_notebook(node, mathjax_url=write_mathjax(target.parent)))
+
+
+def render_notebook(notebook: "nbformat.NotebookNode", *, mathjax_url: str = MATHJAX_URL) -> str:
+    """The HTML of `export_notebook` as a string; MathJax is loaded from ``mathjax_url``."""
+    _need("nbconvert", "nbconvert")
+    from nbconvert import HTMLExporter
+    from traitlets.config import Config
+
+    # Merged streams with carriage returns applied: a text progress bar keeps its last frame only.
+    config = Config({"CoalesceStreamsPreprocessor": {"enabled": True}})
+    exporter = HTMLExporter(config=config, mathjax_url=mathjax_url, raw_template=_NO_REQUIRE_JS)
+    page, _ = exporter.from_notebook_node(static_notebook(notebook))
+    return page
+
+
+# JupyterLab's page template loads require.js from a CDN for widgets; no output here needs it.
+_NO_REQUIRE_JS = """{%- extends "index.html.j2" -%}
+{%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
+"""
+# Plotly's notebook renderer loads MathJax 3 from a CDN with every figure (for TeX in figures,
+# which ours have none of); online it would replace the page's MathJax 2 mid-typesetting.
+_PLOTLY_MATHJAX = re.compile(r'<script src="https://cdnjs\.cloudflare\.com/ajax/libs/mathjax/[^"]*"></script>')
+
+
+def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode":
+    """A copy of ``notebook`` whose outputs need neither a kernel nor a widget manager.
+
+    A widget that carries a static fallback (``text/html``, an image) shows it; a progress bar
+    (tqdm's widget) becomes the text of its last frame, read from the saved widget state, or
+    goes when no state was saved; the widget state goes (without its JavaScript, which comes
+    from a CDN, it draws nothing offline).
+    """
+    static = copy.deepcopy(notebook)
+    widgets = static.metadata.pop("widgets", {})
+    state = widgets.get(WIDGET_STATE, {}).get("state", {})
+    for cell in static.cells:
+        if cell.cell_type != "code":
+            continue
+        kept = []
+        for output in cell.get("outputs", []):
+            data = output.get("data", {})
+            if isinstance(data.get("text/html"), str):
+                data["text/html"] = _PLOTLY_MATHJAX.sub("", data["text/html"])
+            if WIDGET_VIEW not in data:
+                kept.append(output)
+                continue
+            model = state.get(data[WIDGET_VIEW].get("model_id"), {})
+            bar = progress_text(state, model) if model.get("model_name") == "HBoxModel" else None
+            if set(data) - {WIDGET_VIEW, "text/plain"}:
+                del data[WIDGET_VIEW]
+                kept.append(output)
+            elif bar is not None:
+                data.clear()
+                data["text/plain"] = bar
+                kept.append(output)
+            elif not _looks_like_a_progress_bar(data.get("text/plain", "")):
+                del data[WIDGET_VIEW]
+                kept.append(output)
+        cell.outputs = kept
+    return static
+
+
+def progress_text(state: dict[str, Any], box: dict[str, Any]) -> str | None:
+    """The last frame of a tqdm notebook bar (a box of label, progress, label) as text, e.g. ``"work: 100% 3/3"``.
+
+    None when the box is not such a bar.
+    """
+    children = [state.get(str(ref).removeprefix("IPY_MODEL_"), {}) for ref in box.get("state", {}).get("children", [])]
+    names = [child.get("model_name") for child in children]
+    if names != ["HTMLModel", "FloatProgressModel", "HTMLModel"]:
+        return None
+    left, bar, right = (child.get("state", {}) for child in children)
+    # tqdm writes "desc: 100%" in the left label, "3/3 [00:01<00:00]" in the right one.
+    words = [html_text.unescape(str(part.get("value", ""))) for part in (left, right)]
+    total = bar.get("max") or 0
+    if "%" not in words[0] and total:
+        words.insert(1, f"{100 * (bar.get('value') or 0) / total:.0f}%")
+    return " ".join(" ".join(words).replace("\u2007", " ").split())
+
+
+def _looks_like_a_progress_bar(text: str) -> bool:
+    """tqdm's text repr: ``"desc:  0%|          | 0/3 [00:00<?, ?it/s]"``."""
+    return re.search(r"\d+%\|.*\| *\d+/", text) is not None
+
+
+def write_mathjax(folder: str | Path) -> str:
+    """Copy MathJax 2.7 from ``jupyter-server-mathjax`` into ``folder/mathjax`` (once) and return its URL.
+
+    The URL is relative (``mathjax/MathJax.js?config=...``): a page in ``folder`` finds it offline,
+    from a ``file://`` address too.
+    """
+    spec = importlib.util.find_spec("jupyter_server_mathjax")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "rendering formulas offline needs MathJax from jupyter-server-mathjax: pip install jupyter-server-mathjax"
+        )
+    source = Path(next(iter(spec.submodule_search_locations))) / "static"
+    target = Path(folder) / MATHJAX_FOLDER
+    config = Path("config") / "local" / "offline.js"
+    if (target / config).is_file() and (target / "MathJax.js").is_file():
+        return MATHJAX_URL
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".mathjax-", dir=target.parent))
+    try:
+        # English is built in: the 2 MB of other languages stay behind.
+        shutil.copytree(source, staging / MATHJAX_FOLDER, ignore=shutil.ignore_patterns("localization"))
+        (staging / MATHJAX_FOLDER / config).parent.mkdir(parents=True, exist_ok=True)
+        (staging / MATHJAX_FOLDER / config).write_text(_OFFLINE_CONFIG, encoding="utf-8")
+        shutil.rmtree(target, ignore_errors=True)  # an earlier copy without the config
+        (staging / MATHJAX_FOLDER).replace(target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return MATHJAX_URL
+
+
+def inspector_figure(
+    model: "adapter.Model",
+    batch: "adapter.TokenBatch",
+    window: "Window",
+    *,
+    layer: int,
+    head: int,
+    factor: str,
+    scope: str,
+    query: int,
+) -> go.Figure:
+    """The inspector's view as a figure: the query x key heatmap of its window, the selected query outlined.
+
+    ``head`` -1 is token level (all heads). The numbers are the library's, unquantised
+    (`contribution_lens.plot.token_heatmap`), with the same hover text.
+    """
+    import numpy as np
+
+    from contribution_lens.analyses.geometry import attention_geometry
+    from contribution_lens.views import plot
+
+    geometry = attention_geometry(model, batch.tokens, layers=[layer], scope=scope, attention_mask=batch.attention_mask)
+    figure = plot.token_heatmap(geometry, layer=layer, head=None if head < 0 else head, factor=factor)
+    trace = figure.data[0]
+    rows, columns = np.asarray(window.queries), np.asarray(window.keys)
+    labels = np.asarray(trace.x, dtype=object)
+    keys, queries = labels[columns].tolist(), labels[rows].tolist()
+    trace.update(
+        z=np.asarray(trace.z, dtype=float)[np.ix_(rows, columns)],
+        customdata=np.asarray(trace.customdata, dtype=float)[np.ix_(rows, columns)],
+        x=keys,
+        y=queries,
+    )
+    row = window.queries.index(query) if query in window.queries else len(queries) - 1
+    figure.add_shape(
+        type="rect", xref="paper", x0=0, x1=1, y0=row - 0.5, y1=row + 0.5, line={"color": "black", "width": 2}
+    )
+    where = f"L{layer}, all heads" if head < 0 else f"L{layer}H{head}"
+    figure.update_layout(
+        title=f"Inspector: {factor} ({scope}), {where}, query {queries[row]}",
+        xaxis={"tickvals": keys, "ticktext": keys},
+        yaxis={"tickvals": queries, "ticktext": queries},
+        height=max(400, 14 * len(queries) + 200),
+        width=max(500, 14 * len(keys) + 260),
+    )
+    return figure
+
+
+def figure_html(figure: go.Figure) -> str:
+    """The HTML that showing ``figure`` here gives: the notebook renderer's when it is the default
+    (`contribution_lens.plot.use_in_notebook`: plotly.js once per notebook), else a self-contained
+    figure with plotly.js inside (about 4.7 MB).
+    """
+    import plotly.io as pio
+
+    # Plotly's own display path (pio.show) builds the bundle this way: pending renderers, such as
+    # the one embedding plotly.js in the notebook, are activated once, not once per figure.
+    build = getattr(pio.renderers, "_build_mime_bundle", None)
+    bundle = build(figure.to_dict()) if build is not None else {}
+    page = bundle.get("text/html")
+    return page if isinstance(page, str) else figure.to_html(full_html=False, include_plotlyjs=True)
+
+
+def _need(module: str, package: str) -> Any:
+    if importlib.util.find_spec(module) is None:
+        raise ModuleNotFoundError(f"exporting notebooks needs {package}: pip install {package}")
+    return importlib.import_module(module)

@@ -1,0 +1,156 @@
+"""Exported notebooks: what survives without a kernel, a widget manager or the network."""
+
+import re
+
+import nbformat
+import numpy as np
+import pytest
+import torch
+
+import contribution_lens as cl
+from conftest import assert_close, tiny_bridge
+from contribution_lens.views import export
+
+WIDGET = export.WIDGET_VIEW
+IDS = torch.tensor([[3, 7, 7, 7, 2, 9, 7, 1, 4, 5]])
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_bridge("gqa", biases=True)
+
+
+def tqdm_state(value: float, total: float) -> dict:
+    """The widget state tqdm.notebook leaves: a box of label, progress bar and label."""
+
+    def model(name: str, **state) -> dict:
+        return {"model_name": name, "model_module": "@jupyter-widgets/controls", "state": state}
+
+    return {
+        "box": model("HBoxModel", children=["IPY_MODEL_left", "IPY_MODEL_bar", "IPY_MODEL_right"]),
+        "left": model("HTMLModel", value="work:\u2007100%" if value == total else "work:\u2007\u200750%"),
+        "bar": model("FloatProgressModel", value=value, max=total),
+        "right": model("HTMLModel", value=f"\u2007{value:.0f}/{total:.0f}\u2007[00:01&lt;00:00,\u2007 2.9it/s]"),
+    }
+
+
+def widget_output(model_id: str, text: str, **more: str) -> nbformat.NotebookNode:
+    data = {"text/plain": text, WIDGET: {"version_major": 2, "version_minor": 0, "model_id": model_id}, **more}
+    return nbformat.v4.new_output("display_data", data=data)
+
+
+def test_static_notebook_keeps_fallbacks_and_last_frames_and_drops_the_widget_state() -> None:
+    first_frame = "work:   0%|          | 0/3 [00:00<?, ?it/s]"
+    cells = [
+        nbformat.v4.new_code_cell(
+            "inspector", id="fallback", outputs=[widget_output("x", "Inspector(...)", **{"text/html": "<b>figure</b>"})]
+        ),
+        nbformat.v4.new_code_cell("bar", id="saved", outputs=[widget_output("box", first_frame)]),
+        nbformat.v4.new_code_cell("bar", id="unsaved", outputs=[widget_output("gone", first_frame)]),
+        nbformat.v4.new_code_cell("slider", id="other", outputs=[widget_output("slider", "IntSlider(value=3)")]),
+    ]  # fmt: skip
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    notebook.metadata["widgets"] = {export.WIDGET_STATE: {"state": tqdm_state(3, 3), "version_major": 2}}
+    static = export.static_notebook(notebook)
+    outputs = {cell.id: [dict(out.data) for out in cell.outputs] for cell in static.cells}
+    assert outputs == {
+        "fallback": [{"text/plain": "Inspector(...)", "text/html": "<b>figure</b>"}],
+        "saved": [{"text/plain": "work: 100% 3/3 [00:01<00:00, 2.9it/s]"}],
+        "unsaved": [],  # its first frame would say 0% for ever
+        "other": [{"text/plain": "IntSlider(value=3)"}],
+    }
+    assert "widgets" not in static.metadata
+    assert WIDGET in notebook.cells[0].outputs[0].data, "the notebook itself was changed"
+
+
+def test_progress_text_says_where_an_interrupted_bar_stopped() -> None:
+    state = tqdm_state(1, 2)
+    assert export.progress_text(state, state["box"]) == "work: 50% 1/2 [00:01<00:00, 2.9it/s]"
+    state["left"]["state"]["value"] = "work"
+    assert export.progress_text(state, state["box"]) == "work 50% 1/2 [00:01<00:00, 2.9it/s]"
+    assert export.progress_text(state, state["left"]) is None
+
+
+def test_the_inspectors_bundle_holds_a_figure_of_the_view_it_shows(model) -> None:
+    inspector = cl.inspect(model, IDS, layer=1, head=2, factor="attention", start=4, tokens=4)
+    data, _ = inspector._repr_mimebundle_()
+    assert WIDGET in data and data["text/plain"].startswith("Inspector(layer=1, head=2")
+    assert (
+        'class="plotly-graph-div"' in data["text/html"]
+        and "Inspector: attention (inter), L1H2, query 7:" in (data["text/html"])
+    )
+    inspector.head, inspector.factor, inspector.scope, inspector.query = -1, "contribution", "intra", 5
+    data, _ = inspector._repr_mimebundle_()
+    assert "Inspector: contribution (intra), L1, all heads, query 5:" in data["text/html"]
+
+
+def test_the_inspectors_figure_is_its_window_of_the_librarys_numbers(model) -> None:
+    inspector = cl.inspect(model, IDS, layer=1, head=2, factor="cosine", scope="intra", start=4, tokens=4)
+    inspector.query = 6
+    figure = export.inspector_figure(
+        model, inspector._batch, inspector.window, layer=1, head=2, factor="cosine", scope="intra", query=6
+    )
+    heatmap = figure.data[0]
+    labels = cl.attention_geometry(model, IDS, layers=[1]).labels(0)
+    assert list(heatmap.y) == labels[4:8] and list(heatmap.x) == [labels[0], *labels[4:8]]
+    d = cl.attention_geometry(model, IDS, layers=[1], scope="intra")[1]
+    expected = d.cosine[0, 2][4:8][:, [0, 4, 5, 6, 7]].double()
+    z = torch.tensor(np.asarray(heatmap.z, dtype=float))
+    seen = ~torch.isnan(z)
+    assert seen.sum() == 4 + 3 + 2 + 1 + 4  # causal: each query sees the sink and keys up to itself
+    assert_close(z[seen], expected[seen], atol=1e-6)
+    (box,) = figure.layout.shapes
+    assert (box.y0, box.y1) == (1.5, 2.5), "the selected query (6, the window's third row) is not outlined"
+
+
+def test_inspector_save_image_writes_the_view(model, tmp_path) -> None:
+    from test_plot import coloured_share, needs_image_writer, png_pixels
+
+    needs_image_writer()
+    inspector = cl.inspect(model, IDS, layer=0, head=1)
+    pixels = png_pixels(inspector.save_image(tmp_path / "view.png", scale=1).read_bytes())
+    assert pixels.shape[:2] == (400, 500) and coloured_share(pixels) > 0.02
+    assert inspector.save_image(tmp_path / "view.svg").read_text().startswith("<svg")
+    assert inspector.save_image(tmp_path / "view.pdf").read_bytes().startswith(b"%PDF-")
+
+
+def test_export_notebook_writes_a_page_that_needs_no_network(tmp_path) -> None:
+    pytest.importorskip("jupyter_server_mathjax", reason="formulas offline need jupyter-server-mathjax (a dev extra)")
+    cells = [
+        nbformat.v4.new_markdown_cell("Weights $c_{ij}$:\n\n$$\\sum_j c_{ij} = 1$$"),
+        nbformat.v4.new_code_cell("figure", outputs=[nbformat.v4.new_output("display_data", data={
+            "text/html": '<script src="https://cdnjs.cloudflare.com/ajax/libs/mathjax/3.2.2/es5/tex-svg.min.js">'
+            '</script><div class="plotly-graph-div"></div>'})]),
+    ]  # fmt: skip
+    page = cl.views.export_notebook(nbformat.v4.new_notebook(cells=cells), tmp_path / "pages" / "lesson.html")
+    html = page.read_text()
+    assert re.findall(r"<script[^>]+src=[\"']([^\"']+)", html) == [export.MATHJAX_URL]
+    assert "https://" not in "".join(re.findall(r"<(?:script|link)[^>]*>", html))
+    mathjax = tmp_path / "pages" / "mathjax"
+    assert (mathjax / "MathJax.js").is_file() and (mathjax / "config" / "TeX-AMS-MML_HTMLorMML-full.js").is_file()
+    assert "STIX-Web" in (mathjax / "config" / "local" / "offline.js").read_text()
+    assert not (mathjax / "localization").exists()
+    source = tmp_path / "lesson.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=cells[:1]), source)
+    again = cl.views.export_notebook(source, page)  # from a file, into a folder that has MathJax already
+    assert again == page and sorted(path.name for path in page.parent.iterdir()) == ["lesson.html", "mathjax"]
+    assert "c_{ij}" in page.read_text() and "plotly-graph-div" not in page.read_text()
+
+
+def test_a_text_progress_bar_keeps_its_last_frame_only() -> None:
+    frames = "work:   0%|          | 0/2\rwork:  50%|#####     | 1/2\rwork: 100%|##########| 2/2\n"
+    stream = nbformat.v4.new_output("stream", name="stderr", text=frames)
+    html = export.render_notebook(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("bar", outputs=[stream])]))
+    assert re.findall(r"work: +\d+%", html) == ["work: 100%"]
+
+
+def test_the_inspector_still_shows_when_its_figure_fails(model, monkeypatch) -> None:
+    inspector = cl.inspect(model, IDS, layer=0)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no memory")
+
+    monkeypatch.setattr(export, "inspector_figure", fail)
+    with pytest.warns(UserWarning, match=r"static figure failed \(no memory\)"):
+        data, _ = inspector._repr_mimebundle_()
+    assert WIDGET in data and "text/html" not in data
