@@ -28,11 +28,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import einops
 import numpy as np
 import torch
 from jaxtyping import Float
 from plotly.colors import get_colorscale
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from contribution_lens import adapter
 from contribution_lens.choices import FACTORS, SCOPES, Factor, Scope
@@ -61,8 +63,20 @@ ARRAYS: dict[str, str] = {
     "all_attention": "attention",
     **{f"all_{factor}_{scope}": codec for scope in SCOPES for factor, codec in
        (("cosine", "cosine"), ("relative_norm", "half"), ("contribution", "half"))},
+    "group_attention": "attention",
+    **{f"group_{factor}_{scope}": codec for scope in SCOPES for factor, codec in
+       (("cosine", "cosine"), ("relative_norm", "half"), ("contribution", "half"))},
+    **{f"total_{scope}": "exact" for scope in SCOPES},
+    **{f"all_total_{scope}": "exact" for scope in SCOPES},
+    **{f"group_total_{scope}": "exact" for scope in SCOPES},
 }  # fmt: skip
-"""Each array of a layer's payload and the codec it is written in (where its values fit)."""
+"""Each array of a layer's payload and the codec it is written in (where its values fit).
+
+``group_*`` (``[kv_head cell]``, only where several query heads share a value head) combine the
+heads of one KV group as ``all_*`` combine every head. ``total_{scope}`` ``[head query]``,
+``all_total_{scope}`` ``[query]`` and ``group_total_{scope}`` ``[kv_head query]`` are each
+query's contribution summed over all its keys (inside the window or not): `hide_sink` needs them.
+"""
 HALF_MAX = float(np.finfo(np.float16).max)
 
 
@@ -178,7 +192,119 @@ def _cut(values: Float[Tensor, "*head query key"], window: Window) -> np.ndarray
     return rows[..., window.mask]
 
 
-def layer_payload(inter: Decomposition, intra: Decomposition, window: Window, *, index: int = 0) -> dict[str, Any]:
+def kv_groups(n_heads: int, n_kv_heads: int) -> list[list[int]]:
+    """The query heads reading each value head (GQA/MQA): head ``h`` reads kv head ``h // (n_heads / n_kv_heads)``.
+
+    Example:
+        >>> kv_groups(9, 3)
+        [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    """
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError(f"{n_kv_heads} kv heads do not divide {n_heads} query heads")
+    size = n_heads // n_kv_heads
+    return [list(range(g * size, (g + 1) * size)) for g in range(n_kv_heads)]
+
+
+def combine_heads(d: Decomposition, n_groups: int = 1) -> dict[str, Float[Tensor, "batch kv_head query key"]]:
+    """The four factors of each group of ``n_heads / n_groups`` consecutive heads, combined.
+
+    As `Decomposition.token_factors` does for all heads (``n_groups=1``): attention averaged,
+    contribution summed, relative norm and cosine their attention-weighted mean over the group,
+    ``sum_h alpha_ij^h x_ij^h / sum_h alpha_ij^h`` (0 where no head of the group attends).
+    """
+    group = "batch (kv_head group) query key -> batch kv_head group query key"
+    attention = einops.rearrange(d.attention, group, kv_head=n_groups)
+    weights = attention / attention.sum(2, keepdim=True).clamp_min(1e-30)
+    return {
+        "attention": attention.mean(2),
+        "relative_norm": (weights * einops.rearrange(d.relative_norm, group, kv_head=n_groups)).sum(2),
+        "cosine": (weights * einops.rearrange(d.cosine, group, kv_head=n_groups)).sum(2),
+        "contribution": einops.rearrange(d.contribution, group, kv_head=n_groups).sum(2),
+    }
+
+
+def hide_sink(values: np.ndarray, totals: np.ndarray, sink: int = 0) -> np.ndarray:
+    """Shares without the sink, renormalised: ``x'_ij = x_ij * S_i / (S_i - x_i0)``, the sink column NaN.
+
+    ``S_i`` is query ``i``'s total over all its keys (1 for attention and for inter-head
+    token-level contribution): the other keys keep the row's total between them. A row with
+    nothing left besides the sink (``|S_i - x_i0| <= 1e-6 max(1, |S_i|)``) is NaN. Relative
+    norm and cosine are properties of a key, not shares: they are shown as they are. The page
+    computes the same.
+
+    Example:
+        >>> hide_sink(np.array([[1.0, 0.0], [0.5, 0.25]]), np.array([1.0, 0.75]))
+        array([[nan, nan],
+               [nan, 0.75]])
+    """
+    values = np.asarray(values, dtype=np.float64)
+    totals = np.asarray(totals, dtype=np.float64)[..., None]
+    rest = totals - values[..., sink : sink + 1]
+    empty = np.abs(rest) <= 1e-6 * np.maximum(1.0, np.abs(totals))
+    out = np.where(empty, np.nan, values * totals / np.where(empty, 1.0, rest))
+    out[..., sink] = np.nan
+    return out
+
+
+LayerArrays = dict[str, Tensor]
+"""One layer's arrays over the whole text (``[batch ...]``), each named as in `ARRAYS`, before any window is cut."""
+
+
+def layer_arrays(inter: Decomposition, intra: Decomposition, n_kv_heads: int | None = None) -> LayerArrays:
+    """Everything a payload of this layer needs, for every query and key: cut windows from it with `window_payload`."""
+    if inter.scope != Scope.INTER or intra.scope != Scope.INTRA:
+        raise ValueError(
+            f"layer_payload takes the inter then the intra decomposition, got {inter.scope}, {intra.scope}"
+        )
+    n_heads = inter.shape[1]
+    n_groups = n_heads if n_kv_heads is None else n_kv_heads
+    kv_groups(n_heads, n_groups)  # checks that they divide
+    arrays = {
+        "attention": inter.attention,
+        "cosine_inter": inter.cosine,
+        "cosine_intra": intra.cosine,
+        "value_norm": inter.value_norm,
+        "output_norm_intra": intra.output_norm,
+        "output_norm_inter": inter.output_norm[:, 0],
+    }
+    for scope, d in (("inter", inter), ("intra", intra)):
+        arrays[f"total_{scope}"] = d.contribution.sum(-1)
+        combined = {"all": {name: x[:, 0] for name, x in combine_heads(d, 1).items()}}
+        if n_groups < n_heads:
+            combined["group"] = combine_heads(d, n_groups)
+        for level, factors in combined.items():
+            arrays[f"{level}_total_{scope}"] = factors["contribution"].sum(-1)
+            if scope == "inter":
+                arrays[f"{level}_attention"] = factors["attention"]
+            for factor in ("cosine", "relative_norm", "contribution"):
+                arrays[f"{level}_{factor}_{scope}"] = factors[factor]
+    return arrays
+
+
+PER_QUERY = {"output_norm_intra", "output_norm_inter"} | {f"{level}total_{scope}" for level in ("", "all_", "group_")
+                                                          for scope in SCOPES}  # fmt: skip
+"""Arrays indexed by query only (``[*head query]``); ``value_norm`` is by key, every other array by cell."""
+
+
+def window_payload(arrays: LayerArrays, window: Window, *, index: int = 0) -> dict[str, Any]:
+    """The window's cells of `layer_arrays`, each array base64 in its codec (named in ``codecs``)."""
+    keys, queries = torch.tensor(window.keys), torch.tensor(window.queries)
+    cut: dict[str, np.ndarray] = {}
+    for name, tensor in arrays.items():
+        values = tensor[index]
+        if name == "value_norm":
+            cut[name] = values[:, keys].float().cpu().numpy()
+        elif name in PER_QUERY:
+            cut[name] = values[..., queries].float().cpu().numpy()
+        else:
+            cut[name] = _cut(values, window)
+    codecs = {name: codec_for(name, values) for name, values in cut.items()}
+    return {**{name: _b64(values, codecs[name]) for name, values in cut.items()}, "codecs": codecs}
+
+
+def layer_payload(
+    inter: Decomposition, intra: Decomposition, window: Window, *, index: int = 0, n_kv_heads: int | None = None
+) -> dict[str, Any]:
     """What the page needs of one layer: each array of `ARRAYS` base64 in its codec, named in ``codecs``.
 
     Example:
@@ -192,42 +318,63 @@ def layer_payload(inter: Decomposition, intra: Decomposition, window: Window, *,
         >>> len(base64.b64decode(p["attention"]))  # 2 heads x 6 causal cells x 2 bytes
         24
     """
-    if inter.scope != Scope.INTER or intra.scope != Scope.INTRA:
-        raise ValueError(
-            f"layer_payload takes the inter then the intra decomposition, got {inter.scope}, {intra.scope}"
-        )
-    keys, queries = torch.tensor(window.keys), torch.tensor(window.queries)
-    arrays = {
-        "attention": _cut(inter.attention[index], window),
-        "cosine_inter": _cut(inter.cosine[index], window),
-        "cosine_intra": _cut(intra.cosine[index], window),
-        "value_norm": inter.value_norm[index][:, keys].float().cpu().numpy(),
-        "output_norm_intra": intra.output_norm[index][:, queries].float().cpu().numpy(),
-        "output_norm_inter": inter.output_norm[index][0, queries].float().cpu().numpy(),
-    }
-    for scope, d in (("inter", inter), ("intra", intra)):
-        combined = d.token_factors()
-        if scope == "inter":
-            arrays["all_attention"] = _cut(combined["attention"][index], window)
-        for factor in ("cosine", "relative_norm", "contribution"):
-            arrays[f"all_{factor}_{scope}"] = _cut(combined[factor][index], window)
-    codecs = {name: codec_for(name, values) for name, values in arrays.items()}
-    return {**{name: _b64(values, codecs[name]) for name, values in arrays.items()}, "codecs": codecs}
+    return window_payload(layer_arrays(inter, intra, n_kv_heads), window, index=index)
 
 
 def compute_payloads(
     model: adapter.Model, batch: adapter.TokenBatch, layers: Sequence[int], window: Window
 ) -> dict[int, dict[str, Any]]:
     """`layer_payload` of each layer, on the per-layer engine (the pass stops after the last of them)."""
-    results = map_layers(
-        model, batch, lambda inputs: layer_payload(inputs.decompose("inter"), inputs.decompose("intra"), window),
-        layers=list(layers),
-    )  # fmt: skip
+    return {
+        layer: by_window[window.key] for layer, by_window in compute_windows(model, batch, layers, [window]).items()
+    }
+
+
+def compute_windows(
+    model: adapter.Model,
+    batch: adapter.TokenBatch,
+    layers: Sequence[int],
+    windows: Sequence[Window],
+    *,
+    progress: bool = False,
+) -> dict[int, dict[str, dict[str, Any]]]:
+    """The payload of every layer for every window (by `Window.key`), all from one forward pass.
+
+    Each layer is decomposed once, over the whole text; each window is then a cut of it.
+    """
+    wanted = list(layers)
+    bar = tqdm(total=len(wanted), desc="inspector: layers", unit="layer", disable=not progress, leave=False)
+
+    def per_layer(inputs: adapter.LayerInputs) -> dict[str, dict[str, Any]]:
+        arrays = layer_arrays(inputs.decompose("inter"), inputs.decompose("intra"), n_kv_heads=inputs.v.shape[2])
+        groups = kv_groups(inputs.pattern.shape[1], inputs.v.shape[2])
+        out = {window.key: {**window_payload(arrays, window), "kv_groups": groups} for window in windows}
+        bar.update()
+        return out
+
+    try:
+        results = map_layers(model, batch, per_layer, layers=wanted)
+    finally:
+        bar.close()
     return dict(results.items())
 
 
-def meta(labels: list[str], window: Window, layers: list[int], n_heads: int, initial: dict) -> dict[str, Any]:
-    """What the page needs besides the layers' numbers: tokens, window, layers, codecs, colour scales."""
+def payload_bytes(window: Window, n_heads: int, n_kv_heads: int) -> int:
+    """About how many bytes one layer's `window_payload` takes (base64 of the 2-byte codes per cell)."""
+    levels = n_heads * 3 + 7 + (7 * n_kv_heads if n_kv_heads < n_heads else 0)
+    return window.cells * levels * 2 * 4 // 3
+
+
+def meta(
+    labels: list[str],
+    window: Window,
+    layers: list[int],
+    n_heads: int,
+    initial: dict,
+    *,
+    kv_groups: list[list[int]] | None = None,
+) -> dict[str, Any]:
+    """What the page needs besides the layers' numbers: tokens, window, layers, KV groups, codecs, colour scales."""
     return {
         "queries": window.queries,
         "keys": window.keys,
@@ -235,6 +382,7 @@ def meta(labels: list[str], window: Window, layers: list[int], n_heads: int, ini
         "key_labels": [labels[j] for j in window.keys],
         "causal": window.causal,
         "n_heads": n_heads,
+        "kv_groups": kv_groups or [[h] for h in range(n_heads)],
         "n_tokens": len(labels),
         "layers": layers,
         "initial": initial,
