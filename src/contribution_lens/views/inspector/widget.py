@@ -29,6 +29,8 @@ from contribution_lens.views.inspector.payload import (
     token_window,
 )
 
+COMPACT_ABOVE_BYTES = 20_000_000
+"""A page whose fine payloads would pass this many bytes is written in the compact codec (`write_html`)."""
 PRECOMPUTE_BYTES = 400_000_000
 """The most payload bytes one pass precomputes beyond the window shown (other windows of the same size)."""
 
@@ -220,7 +222,12 @@ class Inspector(anywidget.AnyWidget):
             self.send({"type": "plotly", "source": source})
 
     def render_html(
-        self, *, layers: Sequence[int] | None = None, start: int | None = None, tokens: int | None = None
+        self,
+        *,
+        layers: Sequence[int] | None = None,
+        start: int | None = None,
+        tokens: int | None = None,
+        compact: bool | None = None,
     ) -> str:
         """The self-contained page of `write_html` as a string."""
         wanted = self._layers if layers is None else adapter.check_layers(self._model, layers)
@@ -228,18 +235,23 @@ class Inspector(anywidget.AnyWidget):
         window = token_window(
             len(self._labels), start=first, tokens=self.tokens if tokens is None else tokens, causal=self._causal
         )
-        cached = self._computed.get(window.key)
+        if compact is None:
+            fine = payload_bytes(window, self._n_heads, self._n_kv_heads) * len(wanted)
+            compact = fine > COMPACT_ABOVE_BYTES
+        cached = None if compact else self._computed.get(window.key)
         if cached is not None:
             payloads = {layer: cached[layer] for layer in wanted}
         else:
-            payloads = compute_payloads(self._model, self._batch, wanted, window)
+            computed = compute_windows(self._model, self._batch, wanted, [window], progress=True, compact=compact)
+            payloads = {layer: by_window[window.key] for layer, by_window in computed.items()}
         shown = self.layer if self.layer in wanted else wanted[-1]
         head: int | str = "all" if self.head < 0 else self.head
         # The page opens on the window's last query, whatever the widget's query.
         initial = {"layer": shown, "head": head, "factor": self.factor, "scope": self.scope,
                    "query": window.queries[-1], "hide_sink": self.hide_sink, "group_kv": self.group_kv}  # fmt: skip
         groups = next(iter(payloads.values()))["kv_groups"]
-        return page.render(meta(self._labels, window, wanted, self._n_heads, initial, kv_groups=groups), payloads)
+        about = meta(self._labels, window, wanted, self._n_heads, initial, kv_groups=groups, compact=compact)
+        return page.render(about, payloads)
 
     def write_html(
         self,
@@ -248,6 +260,7 @@ class Inspector(anywidget.AnyWidget):
         layers: Sequence[int] | None = None,
         start: int | None = None,
         tokens: int | None = None,
+        compact: bool | None = None,
     ) -> Path:
         """One self-contained HTML file (plotly.js once, every requested layer's data once, offline).
 
@@ -256,8 +269,15 @@ class Inspector(anywidget.AnyWidget):
             layers: layers to embed (default: the inspector's).
             start: first query position of the token window (default: the widget's).
             tokens: queries in the window (default: the widget's, 128); keys add the sink.
+            compact: code each layer as `contribution_lens.views.inspector.payload.compact_payload`
+                (attention in one byte, ``|da| <= 0.5/255``; cosines from int8 unit vectors, within
+                `contribution_lens.views.inspector.payload.cosine_error_bound`, about 0.03 at most
+                for ``d_head = 64``) instead of the fine codecs (``|da|, |dcos| <= 1.5e-5``).
+                None (default): compact when the fine page would pass `COMPACT_ABOVE_BYTES`
+                (all 30 layers of SmolLM2 at 512 tokens: 290 MB fine, under 50 MB compact).
 
-        The page opens the view named in its URL fragment, ``#layer=L&head=H&factor=F&scope=S``
-        (``H`` a head or ``all``), and rewrites the fragment when the view changes.
+        The page opens on the window's last query, in the view named in its URL fragment,
+        ``#layer=L&head=H&factor=F&scope=S&query=Q`` (``H`` a head or ``all``), and rewrites the
+        fragment when the view changes.
         """
-        return page.write(path, self.render_html(layers=layers, start=start, tokens=tokens))
+        return page.write(path, self.render_html(layers=layers, start=start, tokens=tokens, compact=compact))
