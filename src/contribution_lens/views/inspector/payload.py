@@ -134,13 +134,24 @@ def token_label(position: int, token: str) -> str:
 
 
 def quantise(values: np.ndarray, codec: str) -> np.ndarray:
-    """``values`` in the codec's numbers (`CODECS`)."""
+    """``values`` in the codec's numbers (`CODECS`); torch does the arithmetic (NumPy's float16 cast is slow)."""
     spec = CODECS[codec]
+    x = torch.from_numpy(np.ascontiguousarray(values))
     if spec["kind"] == "sqrt":
-        return np.rint(np.sqrt(np.clip(values, 0.0, 1.0)) * spec["levels"]).astype(np.uint16)
+        return (
+            x.to(torch.float32)
+            .clamp(0.0, 1.0)
+            .sqrt_()
+            .mul_(spec["levels"])
+            .round_()
+            .to(torch.int32)
+            .numpy()
+            .astype(np.uint16)
+        )
     if spec["kind"] == "linear":
-        return (np.rint(np.clip(values, -1.0, 1.0) * spec["levels"]) + spec["offset"]).astype(np.uint16)
-    return np.asarray(values, dtype=np.float16 if spec["kind"] == "float16" else np.float32)
+        codes = x.to(torch.float32).clamp(-1.0, 1.0).mul_(spec["levels"]).round_().add_(spec["offset"])
+        return codes.to(torch.int32).numpy().astype(np.uint16)
+    return x.to(torch.float16 if spec["kind"] == "float16" else torch.float32).numpy()
 
 
 def dequantise(codes: np.ndarray, codec: str) -> np.ndarray:
@@ -206,24 +217,6 @@ def kv_groups(n_heads: int, n_kv_heads: int) -> list[list[int]]:
     return [list(range(g * size, (g + 1) * size)) for g in range(n_kv_heads)]
 
 
-def combine_heads(d: Decomposition, n_groups: int = 1) -> dict[str, Float[Tensor, "batch kv_head query key"]]:
-    """The four factors of each group of ``n_heads / n_groups`` consecutive heads, combined.
-
-    As `Decomposition.token_factors` does for all heads (``n_groups=1``): attention averaged,
-    contribution summed, relative norm and cosine their attention-weighted mean over the group,
-    ``sum_h alpha_ij^h x_ij^h / sum_h alpha_ij^h`` (0 where no head of the group attends).
-    """
-    group = "batch (kv_head group) query key -> batch kv_head group query key"
-    attention = einops.rearrange(d.attention, group, kv_head=n_groups)
-    weights = attention / attention.sum(2, keepdim=True).clamp_min(1e-30)
-    return {
-        "attention": attention.mean(2),
-        "relative_norm": (weights * einops.rearrange(d.relative_norm, group, kv_head=n_groups)).sum(2),
-        "cosine": (weights * einops.rearrange(d.cosine, group, kv_head=n_groups)).sum(2),
-        "contribution": einops.rearrange(d.contribution, group, kv_head=n_groups).sum(2),
-    }
-
-
 def hide_sink(values: np.ndarray, totals: np.ndarray, sink: int = 0) -> np.ndarray:
     """Shares without the sink, renormalised: ``x'_ij = x_ij * S_i / (S_i - x_i0)``, the sink column NaN.
 
@@ -247,39 +240,103 @@ def hide_sink(values: np.ndarray, totals: np.ndarray, sink: int = 0) -> np.ndarr
     return out
 
 
-LayerArrays = dict[str, Tensor]
-"""One layer's arrays over the whole text (``[batch ...]``), each named as in `ARRAYS`, before any window is cut."""
+def combine_cells(
+    attention: np.ndarray, relative_norm: np.ndarray, cosine: np.ndarray, n_groups: int
+) -> dict[str, np.ndarray]:
+    """Each KV group's heads combined, ``[kv_head cell]`` per factor, as `Decomposition.token_factors` combines all heads.
+
+    Attention averaged, contribution summed, relative norm and cosine their attention-weighted
+    mean over the group, ``sum_h alpha_ij^h x_ij^h / sum_h alpha_ij^h`` (0 where no head of the
+    group attends). ``n_groups=1`` is the token level ("all heads"). The page computes the same.
+    """
+    products = {"relative_norm": attention * relative_norm, "cosine": attention * cosine}
+    products["contribution"] = products["relative_norm"] * cosine
+    return combine_products(attention, products, n_groups)
 
 
-def layer_arrays(inter: Decomposition, intra: Decomposition, n_kv_heads: int | None = None) -> LayerArrays:
-    """Everything a payload of this layer needs, for every query and key: cut windows from it with `window_payload`."""
+def combine_products(attention: np.ndarray, products: dict[str, np.ndarray], n_groups: int) -> dict[str, np.ndarray]:
+    """`combine_cells` from ``alpha``, ``alpha * relative_norm``, ``alpha * cosine`` and the contribution, computed once."""
+    shape = (n_groups, attention.shape[0] // n_groups, attention.shape[-1])
+    total = attention.reshape(shape).sum(1)
+    inverse = np.divide(1.0, total, out=np.zeros_like(total), where=total > 1e-30)
+    combined = {"attention": total / shape[1]}
+    for name, values in products.items():
+        summed = values.reshape(shape).sum(1)
+        combined[name] = summed if name == "contribution" else summed * inverse
+    return combined
+
+
+@dataclass(frozen=True)
+class LayerArrays:
+    """One layer over the whole text, coded once: windows are cuts of it (`window_payload`).
+
+    ``codes`` holds each array of `ARRAYS` in its codec (``codecs``): by cell ``[*head cell]``
+    (the displayable (query, key) pairs of the text, row-major), by query ``[*head query]``
+    (`PER_QUERY`) or by key (``value_norm [head key]``); ``cell [query key]`` numbers the cells
+    (-1 where not displayable); ``attention [head cell]`` is kept in float32 for the compact codec.
+    """
+
+    codes: dict[str, np.ndarray]
+    codecs: dict[str, str]
+    cell: np.ndarray
+    attention: np.ndarray
+    kv_groups: list[list[int]]
+
+
+def _numpy(tensor: Tensor) -> np.ndarray:
+    return tensor.detach().to("cpu", torch.float32).numpy()
+
+
+def layer_arrays(
+    inter: Decomposition, intra: Decomposition, n_kv_heads: int | None = None, *, index: int = 0
+) -> LayerArrays:
+    """Everything a payload of this layer needs, for every query and key, coded (`LayerArrays`)."""
     if inter.scope != Scope.INTER or intra.scope != Scope.INTRA:
         raise ValueError(
             f"layer_payload takes the inter then the intra decomposition, got {inter.scope}, {intra.scope}"
         )
-    n_heads = inter.shape[1]
-    n_groups = n_heads if n_kv_heads is None else n_kv_heads
-    kv_groups(n_heads, n_groups)  # checks that they divide
-    arrays = {
-        "attention": inter.attention,
-        "cosine_inter": inter.cosine,
-        "cosine_intra": intra.cosine,
-        "value_norm": inter.value_norm,
-        "output_norm_intra": intra.output_norm,
-        "output_norm_inter": inter.output_norm[:, 0],
-    }
+    n_heads, n = inter.shape[1], inter.shape[2]
+    groups = kv_groups(n_heads, n_heads if n_kv_heads is None else n_kv_heads)
+    valid = inter.valid[index].cpu().numpy()
+    flat = torch.from_numpy(np.flatnonzero(valid))
+    cell = np.full(valid.shape, -1, dtype=np.int64)
+    cell[valid] = np.arange(flat.numel())
+    query_of, key_of = np.nonzero(valid)
+    if not valid.any(1).all():
+        raise ValueError("every query must see at least one key")
+    row_starts = np.concatenate([[0], np.cumsum(valid.sum(1))[:-1]])
+
+    def cells(x: Tensor) -> np.ndarray:
+        return _numpy(x[index].reshape(n_heads, n * n).index_select(1, flat))
+
+    attention = cells(inter.attention)
+    value_norm = _numpy(inter.value_norm[index])
+    arrays = {"attention": attention, "value_norm": value_norm}
     for scope, d in (("inter", inter), ("intra", intra)):
-        arrays[f"total_{scope}"] = d.contribution.sum(-1)
-        combined = {"all": {name: x[:, 0] for name, x in combine_heads(d, 1).items()}}
-        if n_groups < n_heads:
-            combined["group"] = combine_heads(d, n_groups)
-        for level, factors in combined.items():
-            arrays[f"{level}_total_{scope}"] = factors["contribution"].sum(-1)
+        cosine = cells(d.cosine)
+        output_norm = _numpy(d.output_norm[index])
+        arrays[f"cosine_{scope}"] = cosine
+        arrays[f"output_norm_{scope}"] = output_norm if scope == "intra" else output_norm[0]
+        out = output_norm[:, query_of]
+        relative_norm = np.divide(value_norm[:, key_of], out, out=np.zeros_like(out), where=out > 0)
+        products = {"relative_norm": attention * relative_norm, "cosine": attention * cosine}
+        products["contribution"] = products["relative_norm"] * cosine
+        # Cells are row-major: each query's cells are one run, summed in one reduceat.
+        arrays[f"total_{scope}"] = np.add.reduceat(products["contribution"], row_starts, axis=1)
+        levels = {"all": 1, "group": len(groups)} if 1 < len(groups) < n_heads else {"all": 1}
+        for level, n_groups in levels.items():
+            combined = combine_products(attention, products, n_groups)
+            if level == "all":
+                combined = {name: x[0] for name, x in combined.items()}
+            per_group = arrays[f"total_{scope}"].reshape(n_groups, -1, n).sum(1)
+            arrays[f"{level}_total_{scope}"] = per_group[0] if level == "all" else per_group
             if scope == "inter":
-                arrays[f"{level}_attention"] = factors["attention"]
+                arrays[f"{level}_attention"] = combined["attention"]
             for factor in ("cosine", "relative_norm", "contribution"):
-                arrays[f"{level}_{factor}_{scope}"] = factors[factor]
-    return arrays
+                arrays[f"{level}_{factor}_{scope}"] = combined[factor]
+    codecs = {name: codec_for(name, values) for name, values in arrays.items()}
+    codes = {name: quantise(values, codecs[name]) for name, values in arrays.items()}
+    return LayerArrays(codes, codecs, cell, attention, groups)
 
 
 PER_QUERY = {"output_norm_intra", "output_norm_inter"} | {f"{level}total_{scope}" for level in ("", "all_", "group_")
@@ -287,20 +344,20 @@ PER_QUERY = {"output_norm_intra", "output_norm_inter"} | {f"{level}total_{scope}
 """Arrays indexed by query only (``[*head query]``); ``value_norm`` is by key, every other array by cell."""
 
 
-def window_payload(arrays: LayerArrays, window: Window, *, index: int = 0) -> dict[str, Any]:
+def window_cells(arrays: LayerArrays, window: Window) -> np.ndarray:
+    """The numbers (in ``arrays.cell``) of the window's displayable cells, row-major over (query, key)."""
+    return arrays.cell[np.ix_(window.queries, window.keys)][window.mask]
+
+
+def window_payload(arrays: LayerArrays, window: Window) -> dict[str, Any]:
     """The window's cells of `layer_arrays`, each array base64 in its codec (named in ``codecs``)."""
-    keys, queries = torch.tensor(window.keys), torch.tensor(window.queries)
-    cut: dict[str, np.ndarray] = {}
-    for name, tensor in arrays.items():
-        values = tensor[index]
-        if name == "value_norm":
-            cut[name] = values[:, keys].float().cpu().numpy()
-        elif name in PER_QUERY:
-            cut[name] = values[..., queries].float().cpu().numpy()
-        else:
-            cut[name] = _cut(values, window)
-    codecs = {name: codec_for(name, values) for name, values in cut.items()}
-    return {**{name: _b64(values, codecs[name]) for name, values in cut.items()}, "codecs": codecs}
+    ids, queries, keys = window_cells(arrays, window), np.asarray(window.queries), np.asarray(window.keys)
+    out: dict[str, Any] = {}
+    for name, codes in arrays.codes.items():
+        cut = codes[:, keys] if name == "value_norm" else codes[..., queries] if name in PER_QUERY else codes[..., ids]
+        data = np.ascontiguousarray(cut, dtype=_LITTLE_ENDIAN[CODECS[arrays.codecs[name]]["dtype"]])
+        out[name] = base64.b64encode(data.tobytes()).decode("ascii")
+    return {**out, "codecs": dict(arrays.codecs), "kv_groups": arrays.kv_groups}
 
 
 def layer_payload(
@@ -319,7 +376,7 @@ def layer_payload(
         >>> len(base64.b64decode(p["attention"]))  # 2 heads x 6 causal cells x 2 bytes
         24
     """
-    return window_payload(layer_arrays(inter, intra, n_kv_heads), window, index=index)
+    return window_payload(layer_arrays(inter, intra, n_kv_heads, index=index), window)
 
 
 def compute_payloads(
@@ -350,12 +407,11 @@ def compute_windows(
 
     def per_layer(inputs: adapter.LayerInputs) -> dict[str, dict[str, Any]]:
         arrays = layer_arrays(inputs.decompose("inter"), inputs.decompose("intra"), n_kv_heads=inputs.v.shape[2])
-        groups = kv_groups(inputs.pattern.shape[1], inputs.v.shape[2])
         if compact:
             factors = unit_factors(inputs)
-            out = {w.key: {**compact_payload(arrays, factors, w), "kv_groups": groups} for w in windows}
+            out = {w.key: compact_payload(arrays, factors, w) for w in windows}
         else:
-            out = {window.key: {**window_payload(arrays, window), "kv_groups": groups} for window in windows}
+            out = {window.key: window_payload(arrays, window) for window in windows}
         bar.update()
         return out
 
@@ -479,19 +535,17 @@ def compact_payload(arrays: LayerArrays, factors: dict[str, np.ndarray], window:
     the norms and contribution totals exact (float32), and per head and position the unit
     vectors of `unit_factors` in int8 with a float32 scale each (their cosines within
     `cosine_error_bound`). The page derives each cell's cosines, then every factor and the
-    all-heads and KV-group numbers as the library does (`combine_heads`). ``layout`` names each
+    all-heads and KV-group numbers as `combine_cells` does. ``layout`` names each
     array's codec, byte offset and length in the inflated stream.
     """
     keys, queries = np.asarray(window.keys), np.asarray(window.queries)
+    attention = arrays.attention[:, window_cells(arrays, window)]
     parts: dict[str, tuple[np.ndarray, str]] = {
-        "attention": (
-            np.rint(np.clip(_cut(arrays["attention"][0], window), 0, 1) * 255).astype(np.uint8),
-            "attention8",
-        ),
-        "value_norm": (arrays["value_norm"][0][:, keys].float().numpy(), "exact"),
+        "attention": (np.rint(np.clip(attention, 0, 1) * 255).astype(np.uint8), "attention8"),
+        "value_norm": (arrays.codes["value_norm"][:, keys], "exact"),
     }
     for name in ("output_norm_intra", "output_norm_inter", "total_inter", "total_intra"):
-        parts[name] = (arrays[name][0][..., queries].float().numpy(), "exact")
+        parts[name] = (np.asarray(arrays.codes[name][..., queries], dtype=np.float32), "exact")
     for name, positions in (("key", keys), ("query_intra", queries), ("query_inter", queries)):
         codes, scale = _vectors8(factors[name][:, positions])
         parts[f"{name}_vectors"], parts[f"{name}_scales"] = (codes, "vector8"), (scale, "exact")
@@ -503,7 +557,7 @@ def compact_payload(arrays: LayerArrays, factors: dict[str, np.ndarray], window:
         offset += len(data) + (-len(data)) % 4  # float32 views need 4-byte alignment
         chunks.append(b"\0" * ((-len(data)) % 4))
     packed = base64.b64encode(zlib.compress(b"".join(chunks), 6)).decode("ascii")
-    return {"packed": packed, "layout": layout, "d_head": int(factors["key"].shape[-1])}
+    return {"packed": packed, "layout": layout, "d_head": int(factors["key"].shape[-1]), "kv_groups": arrays.kv_groups}
 
 
 def unpack_compact(payload: dict[str, Any]) -> dict[str, np.ndarray]:

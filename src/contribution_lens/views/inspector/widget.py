@@ -21,7 +21,6 @@ from contribution_lens.views.inspector import page
 from contribution_lens.views.inspector.payload import (
     DEFAULT_TOKENS,
     Window,
-    compute_payloads,
     compute_windows,
     meta,
     payload_bytes,

@@ -68,7 +68,7 @@ export async function inflate(payload) {
   return Object.assign({}, payload, { buffer: await new Response(stream).arrayBuffer() });
 }
 
-// Heads combined as the library does (payload.py, combine_heads): attention averaged, contribution
+// Heads combined as the library does (payload.py, combine_cells): attention averaged, contribution
 // summed, relative norm and cosine attention-weighted; one array [group cell] per factor and scope.
 function combine(meta, a, index, cells, groups, prefix) {
   const nq = meta.queries.length;
