@@ -243,7 +243,7 @@ def hide_sink(values: np.ndarray, totals: np.ndarray, sink: int = 0) -> np.ndarr
 def combine_cells(
     attention: np.ndarray, relative_norm: np.ndarray, cosine: np.ndarray, n_groups: int
 ) -> dict[str, np.ndarray]:
-    """Each KV group's heads combined, ``[kv_head cell]`` per factor, as `Decomposition.token_factors` combines all heads.
+    """Each KV group's heads combined, ``[kv_head cell]`` per factor, as `Decomposition.token_factors` combines all.
 
     Attention averaged, contribution summed, relative norm and cosine their attention-weighted
     mean over the group, ``sum_h alpha_ij^h x_ij^h / sum_h alpha_ij^h`` (0 where no head of the
@@ -255,7 +255,7 @@ def combine_cells(
 
 
 def combine_products(attention: np.ndarray, products: dict[str, np.ndarray], n_groups: int) -> dict[str, np.ndarray]:
-    """`combine_cells` from ``alpha``, ``alpha * relative_norm``, ``alpha * cosine`` and the contribution, computed once."""
+    """`combine_cells` from ``alpha``, ``alpha * relative_norm``, ``alpha * cosine`` and the contribution."""
     shape = (n_groups, attention.shape[0] // n_groups, attention.shape[-1])
     total = attention.reshape(shape).sum(1)
     inverse = np.divide(1.0, total, out=np.zeros_like(total), where=total > 1e-30)

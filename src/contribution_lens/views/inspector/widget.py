@@ -7,7 +7,7 @@ notebook page: the first widget that finds no ``globalThis.Plotly`` asks the ker
 custom message.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +87,7 @@ class Inspector(anywidget.AnyWidget):
         # For the memory estimate only: each payload names its own groups (read off hook_v).
         self._n_kv_heads = int(getattr(model.cfg, "n_key_value_heads", None) or self._n_heads)
         self._causal = adapter.is_causal_model(model)
-        check = {"layer": self._check_layer, "head": self._check_head, "factor": self._check_factor,
+        check: dict[str, Callable[[Any], None]] = {"layer": self._check_layer, "head": self._check_head, "factor": self._check_factor,
                  "scope": self._check_scope, "start": self._check_start, "tokens": self._check_tokens}  # fmt: skip
         for name, value in kwargs.items():
             if name in check:
