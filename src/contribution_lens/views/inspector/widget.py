@@ -87,8 +87,9 @@ class Inspector(anywidget.AnyWidget):
         # For the memory estimate only: each payload names its own groups (read off hook_v).
         self._n_kv_heads = int(getattr(model.cfg, "n_key_value_heads", None) or self._n_heads)
         self._causal = adapter.is_causal_model(model)
-        check: dict[str, Callable[[Any], None]] = {"layer": self._check_layer, "head": self._check_head, "factor": self._check_factor,
-                 "scope": self._check_scope, "start": self._check_start, "tokens": self._check_tokens}  # fmt: skip
+        check: dict[str, Callable[[Any], None]] = {
+            name: getattr(self, f"_check_{name}") for name in ("layer", "head", "factor", "scope", "start", "tokens")
+        }
         for name, value in kwargs.items():
             if name in check:
                 check[name](value)
