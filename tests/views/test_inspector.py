@@ -107,8 +107,11 @@ def test_static_page_of_every_layer_at_512_tokens_is_under_50_mb(bundled_model) 
     window = ins.token_window(512, tokens=512)
     got = ins.decode_compact(data["layers"]["29"], window)
     truth = cl.attention_geometry(bundled_model, ids, layers=[29], scope="intra")[29]
-    assert np.abs(got["attention"] - payload._cut(truth.attention[0], window)).max() <= ins.COMPACT_ATTENTION_ERROR + 1e-7
+    assert (
+        np.abs(got["attention"] - payload._cut(truth.attention[0], window)).max() <= ins.COMPACT_ATTENTION_ERROR + 1e-7
+    )
     assert np.abs(got["cosine_intra"] - payload._cut(truth.cosine[0], window)).max() <= 0.05
+
 
 BAD_VALUES = [
     ("start", 300, "start 300 is outside the text of 20 tokens (0..19)"),

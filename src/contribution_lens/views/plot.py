@@ -62,9 +62,8 @@ def hide_sink(values: np.ndarray, totals: np.ndarray, sink: int = 0) -> np.ndarr
     computes the same.
 
     Example:
-        >>> hide_sink(np.array([[1.0, 0.0], [0.5, 0.25]]), np.array([1.0, 0.75]))
-        array([[nan, nan],
-               [nan, 0.75]])
+        >>> hide_sink(np.array([[1.0, 0.0], [0.5, 0.25]]), np.array([1.0, 0.75])).tolist()
+        [[nan, nan], [nan, 0.75]]
     """
     values = np.asarray(values, dtype=np.float64)
     totals = np.asarray(totals, dtype=np.float64)[..., None]

@@ -461,8 +461,8 @@ def cosine_error_bound(query_scale: np.ndarray, key_scale: np.ndarray, d_head: i
         >>> float(cosine_error_bound(np.array(0.5 / 127), np.array(0.5 / 127), 64)[()]) < 0.032
         True
     """
-    e_q, e_k = np.sqrt(d_head) * query_scale / 2, np.sqrt(d_head) * key_scale / 2
-    return e_q + e_k + e_q * e_k
+    e_q, e_k = np.sqrt(d_head) * np.asarray(query_scale) / 2, np.sqrt(d_head) * np.asarray(key_scale) / 2
+    return np.asarray(e_q + e_k + e_q * e_k)
 
 
 def _vectors8(vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
