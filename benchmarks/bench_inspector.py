@@ -96,7 +96,8 @@ def main() -> None:
     data = json.loads(html.split("class='cl-data'>")[1].split("</script>")[0].replace("<\\/", "</"))
     attention_error, cosine_error, bound = page_errors(model, ids, data, window)
     print(
-        f"page, all 30 layers, {N_TOKENS} tokens, compact: {size / 1e6:.1f} MB (fine codec: about {fine / 1e6:.0f} MB), "
+        f"page, all 30 layers, {N_TOKENS} tokens, compact: {size / 1e6:.1f} MB "
+        f"(fine codecs with the KV-group arrays: about {fine / 1e6:.0f} MB), "
         f"built in {built:.1f} s; opens on query {data['meta']['initial']['query']}"
     )
     print(

@@ -5,7 +5,6 @@ import json
 import re
 
 import numpy as np
-import plotly.offline
 import pytest
 import torch
 import traitlets
