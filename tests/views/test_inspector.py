@@ -96,7 +96,7 @@ def test_bidirectional_models_show_every_pair() -> None:
 def test_static_page_of_every_layer_at_512_tokens_is_under_50_mb(bundled_model) -> None:
     text = " ".join(["The quick brown fox jumps over the lazy dog."] * 60)
     ids = cl.to_token_batch(bundled_model, text).tokens[:, :512]
-    inspector = cl.inspect(bundled_model, ids, tokens=16)
+    inspector = cl.inspect(bundled_model, ids)
     first = json.dumps({"meta": inspector.meta, "payload": inspector.payload})
     assert len(first) < 1_000_000, f"first widget payload {len(first)} bytes"
     html = inspector.render_html(tokens=512)  # compact: the fine codecs would take about 290 MB
