@@ -26,11 +26,12 @@ function half(h) {
   return sign * 2 ** (exponent - 15) * (1 + fraction / 1024);
 }
 
-// One payload array back to numbers, as its codec says (see payload.py, CODECS).
-function dequantise(b64, codec) {
-  const buffer = bytes(b64);
+// One payload array (base64, or the bytes themselves) back to numbers, as its codec says (payload.py, CODECS).
+function dequantise(data, codec) {
+  const buffer = typeof data === "string" ? bytes(data) : data;
   if (codec.kind === "float32") return new Float32Array(buffer);
-  const codes = new Uint16Array(buffer);
+  const codes = codec.dtype === "uint8" ? new Uint8Array(buffer) : codec.dtype === "int8" ? new Int8Array(buffer) : new Uint16Array(buffer);
+  if (codec.kind === "int8") return codes;
   if (codec.kind === "float16") return Float64Array.from(codes, half);
   const values = new Float64Array(codes.length);
   if (codec.kind === "sqrt") {
@@ -60,10 +61,106 @@ function cellIndex(meta) {
   return { index, cells: c };
 }
 
+// A compact page's layer (payload.py, compact_payload) is one zlib stream: inflated once, before decode.
+export async function inflate(payload) {
+  if (!payload.packed || payload.buffer) return payload;
+  const stream = new Blob([bytes(payload.packed)]).stream().pipeThrough(new DecompressionStream("deflate"));
+  return Object.assign({}, payload, { buffer: await new Response(stream).arrayBuffer() });
+}
+
+// Heads combined as the library does (payload.py, combine_cells): attention averaged, contribution
+// summed, relative norm and cosine attention-weighted; one array [group cell] per factor and scope.
+function combine(meta, a, index, cells, groups, prefix) {
+  const nq = meta.queries.length;
+  const nk = meta.keys.length;
+  const G = groups.length;
+  a[prefix + "attention"] = new Float64Array(G * cells);
+  for (const scope of meta.scopes) {
+    for (const f of ["relative_norm", "cosine", "contribution"]) a[prefix + f + "_" + scope] = new Float64Array(G * cells);
+    a[prefix + "total_" + scope] = new Float64Array(G * nq);
+  }
+  groups.forEach((heads, g) => {
+    for (let qi = 0; qi < nq; qi++) {
+      for (const scope of meta.scopes) {
+        let total = 0;
+        for (const h of heads) total += a["total_" + scope][h * nq + qi];
+        a[prefix + "total_" + scope][g * nq + qi] = total;
+      }
+      for (let ki = 0; ki < nk; ki++) {
+        const c = index[qi * nk + ki];
+        if (c < 0) continue;
+        let sa = 0;
+        for (const h of heads) sa += a.attention[h * cells + c];
+        a[prefix + "attention"][g * cells + c] = sa / heads.length;
+        for (const scope of meta.scopes) {
+          let rnSum = 0, cosSum = 0, contribution = 0;
+          for (const h of heads) {
+            const o = scope === "intra" ? a.output_norm_intra[h * nq + qi] : a.output_norm_inter[qi];
+            const rn = o > 0 ? a.value_norm[h * nk + ki] / o : 0;
+            const at = a.attention[h * cells + c];
+            const cos = a["cosine_" + scope][h * cells + c];
+            rnSum += at * rn;
+            cosSum += at * cos;
+            contribution += at * rn * cos;
+          }
+          a[prefix + "relative_norm_" + scope][g * cells + c] = sa > 0 ? rnSum / sa : 0;
+          a[prefix + "cosine_" + scope][g * cells + c] = sa > 0 ? cosSum / sa : 0;
+          a[prefix + "contribution_" + scope][g * cells + c] = contribution;
+        }
+      }
+    }
+  });
+}
+
+// The arrays of a compact layer: each cell's cosines are dot products of the int8 unit vectors
+// (query side per scope, key side shared), times their scales; then the combined heads.
+function decodeCompact(meta, payload, index, cells) {
+  const raw = {};
+  for (const [name, [codec, offset, length]] of Object.entries(payload.layout)) {
+    raw[name] = dequantise(payload.buffer.slice(offset, offset + length), meta.codecs[codec]);
+  }
+  const a = {};
+  for (const name of ["attention", "value_norm", "output_norm_intra", "output_norm_inter", "total_inter", "total_intra"]) a[name] = raw[name];
+  const H = meta.n_heads;
+  const nq = meta.queries.length;
+  const nk = meta.keys.length;
+  const D = payload.d_head;
+  const kv = raw.key_vectors;
+  const ks = raw.key_scales;
+  for (const scope of meta.scopes) {
+    const qv = raw["query_" + scope + "_vectors"];
+    const qs = raw["query_" + scope + "_scales"];
+    const cos = new Float64Array(H * cells);
+    for (let h = 0; h < H; h++) {
+      for (let qi = 0; qi < nq; qi++) {
+        const q0 = (h * nq + qi) * D;
+        for (let ki = 0; ki < nk; ki++) {
+          const c = index[qi * nk + ki];
+          if (c < 0) continue;
+          const k0 = (h * nk + ki) * D;
+          let dot = 0;
+          for (let r = 0; r < D; r++) dot += qv[q0 + r] * kv[k0 + r];
+          cos[h * cells + c] = dot * qs[h * nq + qi] * ks[h * nk + ki];
+        }
+      }
+    }
+    a["cosine_" + scope] = cos;
+  }
+  combine(meta, a, index, cells, [[...Array(H).keys()]], "all_");
+  const groups = payload.kv_groups || meta.kv_groups;
+  if (groups && groups.some((heads) => heads.length > 1)) combine(meta, a, index, cells, groups, "group_");
+  return a;
+}
+
 export function decode(meta, payload) {
   const { index, cells } = cellIndex(meta);
-  const arrays = {};
-  for (const [name, codec] of Object.entries(payload.codecs)) arrays[name] = dequantise(payload[name], meta.codecs[codec]);
+  let arrays = {};
+  if (payload.layout) {
+    if (!payload.buffer) throw new Error("a compact layer must be inflated (inflate) before decode");
+    arrays = decodeCompact(meta, payload, index, cells);
+  } else {
+    for (const [name, codec] of Object.entries(payload.codecs)) arrays[name] = dequantise(payload[name], meta.codecs[codec]);
+  }
   return { index, cells, H: meta.n_heads, arrays };
 }
 
@@ -355,23 +452,42 @@ function showFragment(state) {
 export function page(root, data) {
   const meta = data.meta;
   let state = readFragment(meta, window.location.hash);
+  // Compact layers are inflated on first view (asynchronously), then kept with the others.
+  const inflating = new Map();
+  function ready(l) {
+    const payload = data.layers[String(l)];
+    if (!payload || !payload.packed || payload.buffer) return Promise.resolve(payload || null);
+    if (!inflating.has(l)) {
+      inflating.set(l, inflate(payload).then((full) => {
+        data.layers[String(l)] = full;
+        return full;
+      }));
+    }
+    return inflating.get(l);
+  }
+  const waiting = (l) => {
+    const payload = data.layers[String(l)];
+    return Boolean(payload && payload.packed && !payload.buffer);
+  };
+  // Drawn at once where the layer is ready (as before), after its inflation where not.
+  const draw = () => (waiting(state.layer) ? (view.refresh(), ready(state.layer).then(() => view.refresh())) : view.refresh());
   const view = mount(root, {
     meta: () => meta,
-    layer: (l) => data.layers[String(l)] || null,
+    layer: (l) => (waiting(l) ? null : data.layers[String(l)] || null),
     state: () => state,
     set(partial) {
       state = Object.assign({}, state, partial);
       showFragment(state);
-      view.refresh();
+      draw();
     },
   });
   window.addEventListener("hashchange", () => {
     state = readFragment(meta, window.location.hash);
-    view.refresh();
+    draw();
   });
   showFragment(state);
   root.dataset.ready = "false";
-  view.refresh().then(() => (root.dataset.ready = "true"));
+  draw().then(() => (root.dataset.ready = "true"));
   return view;
 }
 
