@@ -118,6 +118,14 @@ class Settings:
             raise SettingError(
                 "granularity", "'token' with {protocols} input_deletion (it ranks tokens)", self.granularity
             )
+        if self.granularity == Granularity.HEAD:
+            from contribution_lens.methods import get_method
+
+            tokens_only = [name for name in self.methods if get_method(name).token_level]
+            if tokens_only:
+                raise SettingError(
+                    "granularity", f"'token' with {', '.join(tokens_only)} (token-level scores)", self.granularity
+                )
 
     def to_dict(self) -> dict[str, Any]:
         listed = ("methods", "modes", "ratios", "rank_by", "protocols")

@@ -141,6 +141,7 @@ METHODS: tuple[Method, ...] = (
         alti_score,
         "ALTI: Manhattan proximity of each token's transformed vector to the block output (Ferrando et al.)",
         capture=(adapter.RESID_PRE,),
+        token_level=True,
         builtin=True,
     ),
     Method(
@@ -148,6 +149,7 @@ METHODS: tuple[Method, ...] = (
         prepared_score,
         "ALTI rolled out from the input tokens through every layer up to this one (Ferrando et al.)",
         prepare=alti_rollout_scores,
+        token_level=True,
         builtin=True,
     ),
 )
