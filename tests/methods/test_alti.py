@@ -1,6 +1,5 @@
 """ALTI and its rollout against float64 oracles: a naive one and a port of the authors' code, pre-LN and post-LN."""
 
-import einops
 import pytest
 import torch
 
@@ -9,51 +8,10 @@ import contribution_lens as cl
 from conftest import assert_close, tiny_bridge
 from contribution_lens import adapter
 from contribution_lens.methods import alti
-from helpers import method_scores, tiny_batch
+from helpers import authors_inputs, method_scores, tiny_batch
 from reference import authors_alti
 
 TEXT = "Peers: the cat sat on the mat."
-
-
-@pytest.fixture(scope="module")
-def tiny_bert(tmp_path_factory):
-    """A random 2-layer post-LN BERT (transformers' BertForMaskedLM), loaded as a user's checkpoint."""
-    folder = tmp_path_factory.mktemp("bert") / "bert"
-    return cl.load_model(str(architectures.build("BertForMaskedLM", folder)))
-
-
-def authors_inputs(model, batch, layer: int) -> dict[str, torch.Tensor]:
-    """What the authors' code reads at ``layer``, from the model's own modules (batch of one).
-
-    ``value_layer`` is the value projection applied to its input here (its weight and ``b_V``),
-    not ``hook_v``; key/value heads are repeated over their query heads (GQA), which the
-    authors' code, written for BERT, does not have.
-    """
-    names = {
-        "hidden": f"blocks.{layer}.hook_resid_pre",
-        "probs": f"blocks.{layer}.attn.hook_pattern",
-        "v_in": f"blocks.{layer}.attn.v.hook_in",
-        "pre_ln": f"blocks.{layer}.ln1.hook_in",
-        "post_ln": f"blocks.{layer}.ln1.hook_out",
-        "mid": f"blocks.{layer}.hook_resid_mid",
-    }
-    caught: dict[str, torch.Tensor] = {}
-    hooks = [
-        (name, lambda t, hook, key=key: caught.__setitem__(key, t.detach().double()))
-        for key, name in names.items()
-        if name in model.hook_dict
-    ]
-    adapter.forward(model, batch, hooks)
-    attn = model.blocks[layer].attn
-    v_proj, o_proj = attn.v.original_component, attn.o.original_component
-    n_heads = caught["probs"].shape[1]
-    weight, bias = v_proj.weight.detach().double(), None if v_proj.bias is None else v_proj.bias.detach().double()
-    values = caught["v_in"] @ weight.T + (0 if bias is None else bias)
-    values = einops.rearrange(values, "b s (kv d) -> b kv s d", d=o_proj.weight.shape[1] // n_heads)
-    caught["values"] = values.repeat_interleave(n_heads // values.shape[1], dim=1)
-    caught["dense_weight"] = o_proj.weight.detach()
-    caught["dense_bias"] = None if o_proj.bias is None else o_proj.bias.detach()
-    return caught
 
 
 def authors_layer(model, batch, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

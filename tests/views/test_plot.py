@@ -73,3 +73,18 @@ def test_an_encoders_heatmap_and_bars_show_every_key() -> None:
     bars = cl.plot.factor_bars(g, layer=0, query=2, head=1)
     assert len(bars.data[0].y) == 6
     assert len(cl.plot.compare_measures(g, layer=0, query=2).data[0].x) == 6
+
+
+def test_compare_measures_draws_a_token_level_measure_as_it_is(geometry) -> None:
+    def summed_attention(d):
+        return d.attention.sum(1)  # [batch query key]
+
+    method = cl.Method.from_decomposition("summed_attention", summed_attention, "attention summed over heads")
+    cl.register_method(method)
+    try:
+        figure = cl.plot.compare_measures(geometry, layer=1, query=5)
+        drawn = next(trace for trace in figure.data if trace.name == "summed_attention")
+        expected = geometry[1].attention[0, :, 5, :6].sum(0).double()
+        assert_close(torch.tensor(drawn.y), expected / expected.abs().sum(), atol=1e-6)
+    finally:
+        cl.unregister_method("summed_attention")

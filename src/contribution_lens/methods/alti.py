@@ -155,7 +155,9 @@ def alti_layer(layer: adapter.LayerInputs, norm: adapter.PostNorm | None) -> Flo
 def alti_score(layer: adapter.LayerInputs, context: ScoreContext) -> Float[Tensor, "batch query key"]:
     """Registered ``alti``: `alti_layer` in the form its ``prepare`` (`block_norms`) found."""
     if not isinstance(context.prepared, dict) or layer.layer not in context.prepared:
-        raise ValueError(f"no prepared block form for layer {layer.layer}: run the method's prepare on this batch first")
+        raise ValueError(
+            f"no prepared block form for layer {layer.layer}: run the method's prepare on this batch first"
+        )
     return alti_layer(layer, context.prepared[layer.layer])
 
 
