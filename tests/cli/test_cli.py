@@ -100,7 +100,8 @@ FAITH = ["faithfulness", "--data", "{text}"]
         (
             [*FAITH, "--methods", "attention,saliency"],
             "--methods: expected 'all' or a comma-separated subset of attention, value_weighted, output_normalized, "
-            "contribution, random, kobayashi, alti, alti_rollout, value_zeroing, grad_attention, got 'attention,saliency'",
+            "contribution, random, kobayashi, alti, alti_rollout, value_zeroing, grad_attention, "
+            "got 'attention,saliency'",
         ),
         (
             [*FAITH, "--protocol", "every_layer,leave_one_out"],
