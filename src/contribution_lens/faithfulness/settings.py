@@ -63,8 +63,9 @@ class Settings:
 
     methods: tuple[str, ...] | str = option(
         "all",
-        "comma-separated registered methods, or 'all' (the four measures + random); the peers alti, "
-        "alti_rollout, value_zeroing (about one block pass per token and layer) and grad_attention by name",
+        "comma-separated registered methods, or 'all' (the four measures + random); kobayashi (the layer-level "
+        "norm), the peers alti, alti_rollout, value_zeroing (about one block pass per token and layer) and "
+        "grad_attention by name",
         parse=parse_names,
         check=subset(_methods, all_word=True),
     )
