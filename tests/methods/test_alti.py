@@ -14,29 +14,30 @@ from reference import authors_alti
 TEXT = "Peers: the cat sat on the mat."
 
 
-def authors_layer(model, batch, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The authors' ALTI of one layer, their resultant, and the model's own block output to check it by."""
-    got = authors_inputs(model, batch, layer)
-    post = adapter.block_forms(model)[layer] == adapter.POST_LN
-    norm = adapter.post_norm(model, layer) if post else None
-    contributions, resultant = authors_alti(
-        got["hidden"],
-        got["probs"],
-        got["values"],
-        got["dense_weight"],
-        got["dense_bias"],
-        ln=None if norm is None else (norm.weight, norm.bias, norm.eps),
-        pre_ln_states=got["pre_ln"] if post else None,
-    )
-    return contributions, resultant, (got["post_ln"] if post else got["mid"])[0]
+def authors_layers(model, batch, layers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer: the authors' ALTI, their resultant, and the model's own block output to check it by."""
+    out = {}
+    for layer, got in authors_inputs(model, batch, layers).items():
+        post = adapter.block_forms(model)[layer] == adapter.POST_LN
+        norm = adapter.post_norm(model, layer) if post else None
+        contributions, resultant = authors_alti(
+            got["hidden"],
+            got["probs"],
+            got["values"],
+            got["dense_weight"],
+            got["dense_bias"],
+            ln=None if norm is None else (norm.weight, norm.bias, norm.eps),
+            pre_ln_states=got["pre_ln"] if post else None,
+        )
+        out[layer] = contributions, resultant, (got["post_ln"] if post else got["mid"])[0]
+    return out
 
 
 def assert_matches_authors(model, text: str, *, tolerance: float = 2e-4) -> None:
     batch = adapter.to_token_batch(model, text)
     layers = list(range(model.cfg.n_layers))
     got = method_scores(model, batch, "alti", layers)
-    for layer in layers:
-        expected, resultant, block_output = authors_layer(model, batch, layer)
+    for layer, (expected, resultant, block_output) in authors_layers(model, batch, layers).items():
         # The authors' own check: their resultant is the block's output.
         assert_close(resultant, block_output, rtol=1e-4, atol=1e-4)
         error = float((got[layer][0].double() - expected).abs().max())

@@ -18,8 +18,7 @@ def assert_matches_kobayashi(model, text: str) -> None:
     layers = list(range(model.cfg.n_layers))
     got = method_scores(model, batch, "kobayashi", layers)
     per_head = method_scores(model, batch, "value_weighted", layers)
-    for layer in layers:
-        inputs = authors_inputs(model, batch, layer)
+    for layer, inputs in authors_inputs(model, batch, layers).items():
         heads, summed = kobayashi_norms(inputs["probs"], inputs["values"], inputs["dense_weight"])
         scale = float(summed.abs().max())
         error = float((got[layer].double() - summed).abs().max()) / scale
