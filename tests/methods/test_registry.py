@@ -118,3 +118,45 @@ def test_the_registry_knows_no_method_and_every_built_in_comes_from_a_family_fil
     defaults = [m.name for family in methods._FAMILIES for m in family.METHODS if m.default]
     assert cl.default_methods() == tuple(defaults) == ("attention", "value_weighted", "output_normalized",
                                                         "contribution", "random")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("returned", "error", "message"),
+    [
+        (lambda p: p.tolist(), TypeError, r"method 'bad_scores' returned list at layer 0; expected a torch.Tensor"),
+        (lambda p: p.numpy(), TypeError, r"method 'bad_scores' returned ndarray at layer 0; expected a torch.Tensor"),
+        (
+            lambda p: p.to(torch.float8_e4m3fn),
+            TypeError,
+            r"method 'bad_scores' returned scores of dtype float8_e4m3fn at layer 0; expected one of float16, "
+            r"bfloat16, float32, float64",
+        ),
+        (
+            lambda p: p.to(torch.int64),
+            TypeError,
+            r"method 'bad_scores' returned scores of dtype int64 at layer 0",
+        ),
+        (
+            lambda p: p[:, :, :, :-1],
+            ValueError,
+            r"method 'bad_scores' returned \(2, 4, 9, 8\) at layer 0, expected \[batch head query key\] "
+            r"\(2, 4, 9, 9\) or \[batch query key\] \(2, 9, 9\)",
+        ),
+        (lambda p: p * torch.nan, ValueError, r"method 'bad_scores' returned non-finite scores at layer 0"),
+    ],
+    ids=["list", "numpy", "float8", "int", "shape", "nan"],
+)
+def test_what_a_method_returns_is_checked_and_the_method_named(returned, error, message) -> None:
+    model = tiny_bridge("gqa")
+    method = cl.Method("bad_scores", lambda layer, context: returned(layer.pattern.clone()))
+    with pytest.raises(error, match=message):
+        cl.map_layers(model, IDS, lambda layer: method.token_scores(layer, ScoreContext()), layers=[0])
+
+
+def test_a_token_level_method_must_return_token_level_scores() -> None:
+    model = tiny_bridge("gqa")
+    method = cl.Method("tokens_only", lambda layer, context: layer.pattern.clone(), token_level=True)
+    with pytest.raises(ValueError, match=r"method 'tokens_only' is token level but returned per-head scores"):
+        cl.map_layers(model, IDS, lambda layer: method.token_scores(layer, ScoreContext()), layers=[0])
+    with pytest.raises(ValueError, match=r"method 'tokens_only' scores tokens, not heads"):
+        cl.map_layers(model, IDS, lambda layer: method.head_scores(layer, ScoreContext()), layers=[0])

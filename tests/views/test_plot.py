@@ -235,3 +235,18 @@ def test_hiding_the_sink_drops_key_0_and_renormalises_the_rest(geometry) -> None
     bars = cl.plot.factor_bars(geometry, layer=1, query=5, head=2, hide_sink=True)
     assert list(bars.data[0].y) == [f"{j}:{t}" for j, t in enumerate(geometry.str_tokens[0])][1:6]
     assert_close(torch.tensor(np.asarray(bars.data[0].x, dtype=float)), expected[5, :5], atol=1e-6)
+
+
+def test_compare_measures_draws_a_token_level_measure_as_it_is(geometry) -> None:
+    def summed_attention(d):
+        return d.attention.sum(1)  # [batch query key]
+
+    method = cl.Method.from_decomposition("summed_attention", summed_attention, "attention summed over heads")
+    cl.register_method(method)
+    try:
+        figure = cl.plot.compare_measures(geometry, layer=1, query=5)
+        drawn = next(trace for trace in figure.data if trace.name == "summed_attention")
+        expected = geometry[1].attention[0, :, 5, :6].sum(0).double()
+        assert_close(torch.tensor(drawn.y), expected / expected.abs().sum(), atol=1e-6)
+    finally:
+        cl.unregister_method("summed_attention")

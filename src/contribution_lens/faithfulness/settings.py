@@ -63,8 +63,9 @@ class Settings:
 
     methods: tuple[str, ...] | str = option(
         "all",
-        "comma-separated registered methods, or 'all' (the four measures + random); the peers alti, "
-        "alti_rollout, value_zeroing (about one block pass per token and layer) and grad_attention by name",
+        "comma-separated registered methods, or 'all' (the four measures + random); kobayashi (the layer-level "
+        "norm), the peers alti, alti_rollout, value_zeroing (about one block pass per token and layer) and "
+        "grad_attention by name",
         parse=parse_names,
         check=subset(_methods, all_word=True),
     )
@@ -118,6 +119,14 @@ class Settings:
             raise SettingError(
                 "granularity", "'token' with {protocols} input_deletion (it ranks tokens)", self.granularity
             )
+        if self.granularity == Granularity.HEAD:
+            from contribution_lens.methods import get_method
+
+            tokens_only = [name for name in self.methods if get_method(name).token_level]
+            if tokens_only:
+                raise SettingError(
+                    "granularity", f"'token' with {', '.join(tokens_only)} (token-level scores)", self.granularity
+                )
 
     def to_dict(self) -> dict[str, Any]:
         listed = ("methods", "modes", "ratios", "rank_by", "protocols")

@@ -39,6 +39,9 @@ import pandas as pd
 CLAIMED_ORDER: tuple[str, ...] = ("attention", "value_weighted", "output_normalized", "contribution")
 """The claimed ordering, least to most faithful."""
 REFERENCE = "contribution"
+COMPARED_WITH: dict[str, tuple[str, ...]] = {"kobayashi": ("attention", "value_weighted")}
+"""Methods judged against the ones they are read beside: the layer-level norm against attention and
+against ``value_weighted`` (the per-head norm, summed over heads at token level)."""
 VERDICTS: tuple[str, ...] = ("better", "worse", "indistinguishable")
 TOLERANCE = 1e-6
 """Differences within ±1e-6 nats are numerical noise (identical rankings computed twice)."""
@@ -77,16 +80,21 @@ def judge(low: float, high: float, mode: str, tolerance: float = TOLERANCE) -> s
 
 
 def claimed_pairs(methods: Sequence[str]) -> list[tuple[str, str]]:
-    """(better, worse) pairs to judge: the claimed chain's neighbours, then contribution vs the rest.
+    """(better, worse) pairs to judge: the claimed chain's neighbours, contribution vs the rest, then `COMPARED_WITH`.
 
     Example:
         >>> claimed_pairs(["random", "attention", "contribution"])
         [('contribution', 'attention'), ('contribution', 'random')]
+        >>> claimed_pairs(["attention", "value_weighted", "kobayashi"])
+        [('value_weighted', 'attention'), ('kobayashi', 'attention'), ('kobayashi', 'value_weighted')]
     """
     chain = [m for m in CLAIMED_ORDER if m in methods]
     pairs = [(better, worse) for worse, better in itertools.pairwise(chain)]
     if REFERENCE in methods:
         pairs += [(REFERENCE, m) for m in methods if m != REFERENCE and (REFERENCE, m) not in pairs]
+    for method, others in COMPARED_WITH.items():
+        if method in methods:
+            pairs += [(method, m) for m in others if m in methods and {(method, m), (m, method)}.isdisjoint(pairs)]
     return pairs
 
 

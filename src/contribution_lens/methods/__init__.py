@@ -5,6 +5,7 @@ package's own families, one file each:
 
 * `factors`: ``attention``, ``value_weighted``, ``output_normalized``, ``contribution``;
 * `control`: the ``random`` baseline;
+* `kobayashi`: ``kobayashi``, the layer-level norm ``||sum_h alpha f_h(x)||`` (Kobayashi et al.);
 * `alti`: ``alti`` and ``alti_rollout`` (Ferrando et al.);
 * `value_zeroing`: ``value_zeroing`` (Mohebbi et al.);
 * `gradient`: ``grad_attention``.
@@ -12,7 +13,7 @@ package's own families, one file each:
 A new family is one file with a ``METHODS`` tuple, added to ``_FAMILIES`` below.
 """
 
-from contribution_lens.methods import alti, control, factors, gradient, value_zeroing
+from contribution_lens.methods import alti, control, factors, gradient, kobayashi, value_zeroing
 from contribution_lens.methods.factors import importance
 from contribution_lens.methods.registry import (
     Method,
@@ -24,7 +25,7 @@ from contribution_lens.methods.registry import (
     unregister_method,
 )
 
-_FAMILIES = (factors, control, alti, value_zeroing, gradient)
+_FAMILIES = (factors, control, kobayashi, alti, value_zeroing, gradient)
 for _family in _FAMILIES:
     for _method in _family.METHODS:
         register_method(_method)

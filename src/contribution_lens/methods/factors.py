@@ -6,7 +6,9 @@ Notation as in `contribution_lens.decomposition`:
 
 * ``attention``: ``alpha_ij^h``;
 * ``value_weighted``: ``alpha_ij^h ||vt_j^h||``, the per-head norm-based measure of Kobayashi
-  et al. (2020), ``||alpha_ij^h f^h(x_j)||``;
+  et al. (2020), ``||alpha_ij^h f^h(x_j)||``. Summed over heads for a token-level ranking it is
+  ``sum_h alpha_ij^h ||vt_j^h||``, not their layer-level ``||sum_h alpha_ij^h vt_j^h||``, which is
+  the ``kobayashi`` method (`contribution_lens.methods.kobayashi`);
 * ``output_normalized``: ``alpha_ij^h ||vt_j^h|| / ||o||``. Under the inter scope ``||o|| = ||o_i||``
   is one number per query, shared by every (head, key), so it ranks the keys of a query exactly
   as ``value_weighted`` does; only the intra scope (``||o_i^h||`` per head) tells them apart;
@@ -55,7 +57,7 @@ METHODS: tuple[Method, ...] = (
     Method.from_decomposition(
         "value_weighted",
         value_weighted,
-        "alpha ||vt||: Kobayashi et al.'s norm-based measure",
+        "alpha ||vt||: Kobayashi et al.'s per-head norm (summed over heads at token level)",
         label="value-weighted α‖vt‖",
         default=True,
         builtin=True,

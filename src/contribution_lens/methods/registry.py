@@ -70,6 +70,8 @@ class Method:
             needs nothing else (then `contribution_lens.importance` and the plots can use it).
         default: one of the measures a faithfulness run compares unless told otherwise.
         builtin: shipped with the package (cannot be unregistered).
+        token_level: it scores tokens only, ``[batch query key]`` (ALTI, Kobayashi's layer-level
+            norm): a per-head ranking (``granularity="head"``) refuses it before any pass runs.
     """
 
     name: str
@@ -83,6 +85,7 @@ class Method:
     decomposition_score: DecompositionScore | None = field(default=None, repr=False)
     default: bool = False
     builtin: bool = False
+    token_level: bool = False
 
     def __post_init__(self) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -106,6 +109,8 @@ class Method:
 
     def head_scores(self, layer: LayerInputs, context: ScoreContext) -> Float[Tensor, "batch head query key"]:
         """Per-head scores; refused for a method that scores tokens only."""
+        if self.token_level:
+            raise ValueError(f"method {self.name!r} scores tokens, not heads: per-head ranking needs per-head scores")
         scores = self._checked(layer, context)
         if scores.ndim != 4:
             raise ValueError(f"method {self.name!r} scores tokens, not heads: per-head ranking needs per-head scores")
@@ -113,17 +118,43 @@ class Method:
 
     def _checked(self, layer: LayerInputs, context: ScoreContext) -> Tensor:
         scores = self.score_fn(layer, context)
-        batch, n_heads, n_query, n_key = layer.pattern.shape
-        shapes = {(batch, n_heads, n_query, n_key), (batch, n_query, n_key)}
-        if tuple(scores.shape) not in shapes:
-            raise ValueError(
-                f"method {self.name!r} returned {tuple(scores.shape)}, expected [batch head query key] "
-                f"{tuple(layer.pattern.shape)} or [batch query key] {(batch, n_query, n_key)}"
-            )
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-        if not bool(torch.isfinite(scores).all()):
-            raise ValueError(f"method {self.name!r} returned non-finite scores at layer {layer.layer}")
-        return scores
+        return check_scores(self, scores, layer.pattern.shape, layer.layer)
+
+
+SCORE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""The dtypes a method's scores may have (they are ranked in float32 at least)."""
+
+
+def check_scores(method: Method, scores: Any, pattern_shape: tuple[int, ...], layer: int) -> Tensor:
+    """``scores`` of ``method`` at ``layer`` as float32 at least, after checking what the method returned.
+
+    A method returns a floating-point `torch.Tensor` (one of `SCORE_DTYPES`) shaped like the
+    pattern ``[batch head query key]`` or token level ``[batch query key]`` (required for a
+    ``token_level`` method), with finite values; anything else is refused with the method's name.
+    """
+    batch, _, n_query, n_key = pattern_shape
+    expected = f"[batch head query key] {tuple(pattern_shape)} or [batch query key] {(batch, n_query, n_key)}"
+    if not isinstance(scores, Tensor):
+        raise TypeError(
+            f"method {method.name!r} returned {type(scores).__name__} at layer {layer}; expected a torch.Tensor "
+            f"{expected}"
+        )
+    if scores.dtype not in SCORE_DTYPES:
+        names = ", ".join(str(dtype).removeprefix("torch.") for dtype in SCORE_DTYPES)
+        raise TypeError(
+            f"method {method.name!r} returned scores of dtype {str(scores.dtype).removeprefix('torch.')} at layer "
+            f"{layer}; expected one of {names}"
+        )
+    if tuple(scores.shape) not in {tuple(pattern_shape), (batch, n_query, n_key)}:
+        raise ValueError(f"method {method.name!r} returned {tuple(scores.shape)} at layer {layer}, expected {expected}")
+    if method.token_level and scores.ndim == 4:
+        raise ValueError(
+            f"method {method.name!r} is token level but returned per-head scores {tuple(scores.shape)} at layer {layer}"
+        )
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    if not bool(torch.isfinite(scores).all()):
+        raise ValueError(f"method {method.name!r} returned non-finite scores at layer {layer}")
+    return scores
 
 
 _REGISTRY: dict[str, Method] = {}
@@ -139,6 +170,7 @@ def register_method(
     prepare: PrepareFn | None = None,
     control: bool = False,
     label: str = "",
+    token_level: bool = False,
     replace: bool = False,
 ) -> Any:
     """Register a `Method` (or a score function under ``name``); usable as a decorator.
@@ -160,7 +192,7 @@ def register_method(
         return add(name)
 
     def method_of(fn: ScoreFn) -> Method:
-        return Method(name, fn, description, signed, tuple(capture), prepare, control, label)
+        return Method(name, fn, description, signed, tuple(capture), prepare, control, label, token_level=token_level)
 
     def build(fn: ScoreFn) -> ScoreFn:
         add(method_of(fn))

@@ -169,6 +169,7 @@ METHODS: tuple[Method, ...] = (
         prepared_score,
         "value zeroing: cosine distance of the block output with v_j zeroed (Mohebbi et al.)",
         prepare=lambda model, batch, layers: value_zeroing_scores(model, batch, layers),
+        token_level=True,
         builtin=True,
     ),
 )

@@ -253,7 +253,8 @@ def compare_measures(geometry: Geometry, *, layer: int, query: int, index: int =
     """Every registered measure read off the decomposition for one query, each scaled to unit total |score|.
 
     The built-ins are attention, value-weighted, output-normalised and contribution; a user's
-    method made with `contribution_lens.Method.from_decomposition` joins them.
+    method made with `contribution_lens.Method.from_decomposition` joins them, per head (summed
+    over heads here) or token level ``[batch query key]``.
     """
     d = geometry[layer]
     keys = _query_keys(geometry, index, query)
@@ -261,7 +262,10 @@ def compare_measures(geometry: Geometry, *, layer: int, query: int, index: int =
     for method in map(get_method, available_methods()):
         if method.decomposition_score is None:
             continue
-        score = method.decomposition_score(d)[index, :, query, : len(keys)].sum(0)
+        scores = method.decomposition_score(d)
+        # Per head [batch head query key] is summed over heads; token level [batch query key] is as it is.
+        score = scores[index, :, query].sum(0) if scores.ndim == 4 else scores[index, query]
+        score = score[: len(keys)]
         bars[method.label] = score / score.abs().sum().clamp_min(1e-30)
     title = (
         f"Importance of each key for query {geometry.labels(index)[query]!r} at layer {layer} (sum over heads, scaled)"
