@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
                      "register_method", "unregister_method")
     },
     **{name: f"{_A}.geometry:{name}" for name in ("Geometry", "attention_geometry", "layer_summary")},
+    **{name: f"{_A}.logit_attribution:{name}" for name in ("LogitAttribution", "logit_attribution")},
     **{name: f"{_A}.sinks:{name}" for name in ("SinkAnalysis", "SinkLayer", "sink_analysis")},
     **{name: f"{_A}.sink_intervention:{name}" for name in ("SinkIntervention", "run_sink_intervention")},
     **{name: f"{_A}.sink_claims:{name}" for name in ("SinkStudy", "sink_study")},
@@ -65,6 +66,7 @@ __all__ = [
     "Inspector",
     "LayerInputs",
     "LayerResults",
+    "LogitAttribution",
     "Method",
     "Scope",
     "ScoreContext",
@@ -84,6 +86,7 @@ __all__ = [
     "inspect",
     "layer_summary",
     "load_model",
+    "logit_attribution",
     "map_layers",
     "methods",
     "plot",
@@ -102,6 +105,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from contribution_lens import analyses, faithfulness, methods, views
     from contribution_lens.adapter import LayerInputs, TokenBatch, to_token_batch
     from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary
+    from contribution_lens.analyses.logit_attribution import LogitAttribution, logit_attribution
     from contribution_lens.analyses.sink_claims import SinkStudy, sink_study
     from contribution_lens.analyses.sink_intervention import SinkIntervention, run_sink_intervention
     from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, sink_analysis
