@@ -45,6 +45,7 @@ _EXPORTS: dict[str, str] = {
                      "register_method", "unregister_method")
     },
     **{name: f"{_A}.geometry:{name}" for name in ("Geometry", "attention_geometry", "layer_summary")},
+    **{name: f"{_A}.generation:{name}" for name in ("GenerationExplanation", "GenerationStep", "explain_generation")},
     **{name: f"{_A}.logit_attribution:{name}" for name in ("LogitAttribution", "logit_attribution")},
     **{name: f"{_A}.sinks:{name}" for name in ("SinkAnalysis", "SinkLayer", "sink_analysis")},
     **{name: f"{_A}.sink_intervention:{name}" for name in ("SinkIntervention", "run_sink_intervention")},
@@ -62,6 +63,8 @@ __all__ = [
     "SCOPES",
     "Decomposition",
     "Factor",
+    "GenerationExplanation",
+    "GenerationStep",
     "Geometry",
     "Inspector",
     "LayerInputs",
@@ -80,6 +83,7 @@ __all__ = [
     "available_methods",
     "decompose",
     "default_methods",
+    "explain_generation",
     "faithfulness",
     "get_method",
     "importance",
@@ -104,6 +108,7 @@ _compat.install()  # ``import contribution_lens.evaluation`` and other 0.2 paths
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from contribution_lens import analyses, faithfulness, methods, views
     from contribution_lens.adapter import LayerInputs, TokenBatch, to_token_batch
+    from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
     from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary
     from contribution_lens.analyses.logit_attribution import LogitAttribution, logit_attribution
     from contribution_lens.analyses.sink_claims import SinkStudy, sink_study

@@ -13,6 +13,7 @@ A new analysis is one file here: a per-layer function, a result type (a `LayerRe
 subclass or a dataclass with ``save``/``load``), exported below.
 """
 
+from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
 from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary
 from contribution_lens.analyses.logit_attribution import LogitAttribution, logit_attribution
 from contribution_lens.analyses.sink_claims import SinkStudy, sink_study
@@ -20,6 +21,8 @@ from contribution_lens.analyses.sink_intervention import SinkIntervention, run_s
 from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, claim_verdicts, sink_analysis
 
 __all__ = [
+    "GenerationExplanation",
+    "GenerationStep",
     "Geometry",
     "LogitAttribution",
     "SinkAnalysis",
@@ -28,6 +31,7 @@ __all__ = [
     "SinkStudy",
     "attention_geometry",
     "claim_verdicts",
+    "explain_generation",
     "layer_summary",
     "logit_attribution",
     "run_sink_intervention",

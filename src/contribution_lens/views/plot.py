@@ -13,7 +13,9 @@ import torch
 from plotly.subplots import make_subplots
 from torch import Tensor
 
+from contribution_lens.analyses.generation import GenerationExplanation
 from contribution_lens.analyses.geometry import Geometry
+from contribution_lens.analyses.logit_attribution import LogitAttribution
 from contribution_lens.analyses.sinks import SinkLayer
 from contribution_lens.choices import FACTORS, Factor
 from contribution_lens.decomposition import Decomposition
@@ -338,5 +340,83 @@ def sink_ratio_scatter(per_query: pd.DataFrame, *, layer: int | None = None, max
     where = "all layers" if layer is None else f"layer {layer}"
     figure.update_layout(
         title=f"Sink ratio vs output norm ({where})", xaxis={"title": "sink ratio"}, yaxis={"title": "||o||"}
+    )
+    return figure
+
+
+# --- Logit attribution ------------------------------------------------------------------------------
+
+
+def logit_heads(result: LogitAttribution) -> go.Figure:
+    """Layer x head heatmap of each head's attention terms (summed over keys): who writes the logit."""
+    values = result.attention.sum(-1)
+    return head_grid(
+        values,
+        title=f"Direct attention terms of {result.quantity} at position {result.position}, per head",
+        signed=True,
+        colorbar_title="logit",
+    )
+
+
+def logit_keys(result: LogitAttribution) -> go.Figure:
+    """One bar per key the position sees: its attention terms summed over layers and heads, tokens labelled."""
+    series = result.by_key()
+    labels = [f"{j}:{result.str_tokens[j]}" for j in series.index]
+    figure = go.Figure(
+        go.Bar(
+            x=labels,
+            y=series.to_numpy(),
+            marker={"color": ["#b2182b" if v >= 0 else "#2166ac" for v in series.to_numpy()]},
+            hovertemplate="key %{x}<br>%{y:.4f}<extra></extra>",
+        )
+    )
+    figure.update_layout(
+        title=f"Direct attention terms of {result.quantity} at position {result.position}, per key",
+        xaxis={"title": "key", "tickangle": -60, "tickmode": "array", "tickvals": labels, "ticktext": labels},
+        yaxis={"title": "logit"},
+    )
+    return figure
+
+
+def logit_layers(result: LogitAttribution) -> go.Figure:
+    """Per layer, the attention terms, attention's biases and the MLP's term side by side."""
+    table = result.by_layer()
+    figure = go.Figure()
+    names = {"attention": "attention (heads x keys)", "attention_bias": "attention biases", "mlp": "MLP"}
+    for column, name in names.items():
+        figure.add_bar(
+            name=name,
+            x=list(table.index),
+            y=table[column].to_numpy(),
+            hovertemplate=f"layer %{{x}}<br>{name} %{{y:.4f}}<extra></extra>",
+        )
+    figure.update_layout(
+        barmode="group",
+        title=f"Direct terms of {result.quantity} per layer (embedding {result.embed:.3f}, total {result.logit:.3f})",
+        xaxis={"title": "layer", "dtick": 1},
+        yaxis={"title": "logit"},
+    )
+    return figure
+
+
+def generation_keys(explanation: GenerationExplanation) -> go.Figure:
+    """Answer tokens x keys heatmap: each generated token's attention terms per key (diverging, centred at 0)."""
+    table = explanation.key_matrix()
+    figure = go.Figure(
+        go.Heatmap(
+            z=table.to_numpy(),
+            x=list(table.columns),
+            y=list(table.index),
+            colorscale=DIVERGING,
+            zmid=0,
+            hovertemplate="generated %{y}<br>key %{x}<br>%{z:.4f}<extra></extra>",
+            colorbar={"title": "logit", "x": 1.02, "xanchor": "left"},
+        )
+    )
+    figure.update_layout(
+        title="Direct attention terms of each generated token's logit, per key",
+        xaxis={"title": "key", "tickangle": -60},
+        yaxis={"title": "generated token", "autorange": "reversed"},
+        height=max(360, 22 * len(table.index) + 200),
     )
     return figure
