@@ -8,14 +8,14 @@
 * `logit_attribution`: a next-token logit (or logit difference) split into exact signed terms per
   layer, head and key (`logit_attribution`, `LogitAttribution`);
 * `flow`: the signed token mixing of every layer, its rollout at a prediction and the pruned graph
-  (`flow`, `Flow`);
+  (``cl.flow``, `Flow`; the function is not re-exported here, where ``analyses.flow`` is the module);
 * `generation`: every token of a generated answer explained from one teacher-forced pass (`explain_generation`).
 
 A new analysis is one file here: a per-layer function, a result type (a `LayerResults`
 subclass or a dataclass with ``save``/``load``), exported below.
 """
 
-from contribution_lens.analyses.flow import Flow, FlowEdges, FlowLayer, flow
+from contribution_lens.analyses.flow import Flow, FlowEdges, FlowLayer
 from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
 from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary
 from contribution_lens.analyses.logit_attribution import LogitAttribution, logit_attribution
@@ -38,7 +38,6 @@ __all__ = [
     "attention_geometry",
     "claim_verdicts",
     "explain_generation",
-    "flow",
     "layer_summary",
     "logit_attribution",
     "run_sink_intervention",
