@@ -344,12 +344,12 @@ def _run_unit(
     if work.zero:
         # Nothing removed: no mask applies; one pass serves every method, mode and protocol.
         ((_, logits),) = masked_forward(model, batch, clean, PROTOCOLS["every_layer"], [NOTHING_REMOVED])
-        rows = {name: _unit_records(unit, logits, batch, name) for name in names}
+        zero_rows = {name: _unit_records(unit, logits, batch, name) for name in names}
         yield (
             [
                 r
                 for name, label, mode in work.zero
-                for r in _records(unit, name, label, mode, 0.0, rows[name], base[name])
+                for r in _records(unit, name, label, mode, 0.0, zero_rows[name], base[name])
             ],
             1,
         )
