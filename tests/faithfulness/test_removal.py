@@ -179,3 +179,12 @@ def test_prediction_records_measure_the_target_token_alone() -> None:
     choice = Unit("boolq", "choice", [], [], [], [])
     with pytest.raises(ValueError, match="does not take multiple-choice data"):
         check_protocols(protocol, [unit, choice])
+
+
+def test_logit_attribution_scores_the_last_prediction_as_the_analysis_does() -> None:
+    protocol = faithfulness.Settings(methods=("logit_attribution",), protocols=("prediction",))
+    model, batch, clean = tiny_clean(protocol, lengths=(8, 6))
+    scores = clean[clean.layers[-1]].scores["logit_attribution"]
+    expected = cl.logit_attribution(model, batch.tokens[1, :6], target=int(batch.tokens[1, 5]), position=4)
+    assert_close(scores[1, 4, :5], torch.tensor(expected.by_key().to_numpy(), dtype=torch.float32))
+    assert float(scores[1, :4].abs().max()) == 0 and float(scores[0, 6].abs().sum()) > 0
