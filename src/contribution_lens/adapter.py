@@ -770,3 +770,15 @@ def final_hooks(model: Model, positions: Sequence[int], store: dict[str, Tensor]
     if getattr(model, "ln_final", None) is not None and "ln_final.hook_scale" in model.hook_dict:
         hooks.append(("ln_final.hook_scale", keep("final_scale")))
     return hooks
+
+
+def logit_softcap(model: Model) -> float | None:
+    """The cap ``c`` of a model whose output logits are ``c * tanh(z / c)`` (Gemma 2), or None.
+
+    The unembedding's output ``z`` (``unembed.hook_out``) comes before the cap.
+    """
+    cap = getattr(model.cfg, "output_logits_soft_cap", None)
+    if cap is None:
+        config = getattr(getattr(model, "original_model", None), "config", None)
+        cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap is not None and float(cap) > 0 else None
