@@ -124,16 +124,23 @@ def main() -> None:
     names = list(METHODS)
     others = names[1:]
     header = ["tokens", *[f"{n} s" for n in names], *[f"{n} / plain" for n in others]]
-    if not args.no_memory:
-        header += [f"{n} MB" for n in names]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for length in args.lengths:
         seconds = fastest(model, length, args.repeats)
         cells = [f"{length:,}", *[f"{seconds[n]:.3f}" for n in names]]
         cells += [f"{seconds[n] / seconds['plain']:.2f}x" for n in others]
-        if not args.no_memory:
-            cells += [f"{peak_mb(n, length):.0f}" for n in names]
+        print("| " + " | ".join(cells) + " |", flush=True)
+    if args.no_memory:
+        return
+    del model
+    header = ["tokens", *[f"{n} MB" for n in names], *[f"{n} / plain" for n in others]]
+    print("\n| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for length in args.lengths:
+        peaks = {n: peak_mb(n, length) for n in names}
+        cells = [f"{length:,}", *[f"{peaks[n]:.0f}" for n in names]]
+        cells += [f"{peaks[n] / peaks['plain']:.2f}x" for n in others]
         print("| " + " | ".join(cells) + " |", flush=True)
 
 
