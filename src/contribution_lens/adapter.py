@@ -772,6 +772,18 @@ def final_hooks(model: Model, positions: Sequence[int], store: dict[str, Tensor]
     return hooks
 
 
+def logit_softcap(model: Model) -> float | None:
+    """The cap ``c`` of a model whose output logits are ``c * tanh(z / c)`` (Gemma 2), or None.
+
+    The unembedding's output ``z`` (``unembed.hook_out``) comes before the cap.
+    """
+    cap = getattr(model.cfg, "output_logits_soft_cap", None)
+    if cap is None:
+        config = getattr(getattr(model, "original_model", None), "config", None)
+        cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap is not None and float(cap) > 0 else None
+
+
 # --- Flow: what attention adds to the residual stream, and what it is added to -----------------------
 #
 # Block ``l`` adds attention's update ``a_i`` to the residual stream ``x_i`` (``hook_resid_pre``):

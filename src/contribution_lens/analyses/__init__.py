@@ -6,9 +6,10 @@
 * `sink_intervention`: removing or rescaling the sink's value norm (`run_sink_intervention`);
 * `sink_claims`: both on a corpus, the published claims judged, with figures and a report (`sink_study`);
 * `logit_attribution`: a next-token logit (or logit difference) split into exact signed terms per
-  layer, head and key (`logit_attribution`, `LogitAttribution`);
+  layer, head and key (`LogitAttribution`; the function is ``contribution_lens.logit_attribution``,
+  not exported here, where the name is the module's);
 * `flow`: the signed token mixing of every layer, its rollout at a prediction and the pruned graph
-  (``cl.flow``, `Flow`; the function is not re-exported here, where ``analyses.flow`` is the module);
+  (`Flow`; the function is ``contribution_lens.flow``, likewise);
 * `generation`: every token of a generated answer explained from one teacher-forced pass (`explain_generation`).
 
 A new analysis is one file here: a per-layer function, a result type (a `LayerResults`
@@ -18,7 +19,7 @@ subclass or a dataclass with ``save``/``load``), exported below.
 from contribution_lens.analyses.flow import Flow, FlowEdges, FlowLayer
 from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
 from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary
-from contribution_lens.analyses.logit_attribution import LogitAttribution, logit_attribution
+from contribution_lens.analyses.logit_attribution import LogitAttribution
 from contribution_lens.analyses.sink_claims import SinkStudy, sink_study
 from contribution_lens.analyses.sink_intervention import SinkIntervention, run_sink_intervention
 from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, claim_verdicts, sink_analysis
@@ -39,7 +40,6 @@ __all__ = [
     "claim_verdicts",
     "explain_generation",
     "layer_summary",
-    "logit_attribution",
     "run_sink_intervention",
     "sink_analysis",
     "sink_study",

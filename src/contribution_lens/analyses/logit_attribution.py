@@ -16,10 +16,10 @@ at ``i`` too (its bias then adds a term). Each key's term is computed as
 effect: what that component writes into the residual stream, read by the unembedding. What it
 causes through later layers is counted in those layers' terms, not in its own.
 
-Exact: the terms add up to the model's own logit (the unembedding's output; before soft-capping
-where a model caps its logits), checked on every call. Frozen: the final norm's scale (and the
-post-attention norms' scales): a term says what the logit would lose if that component's output
-were removed *and the scales stayed as they are*.
+Exact: the terms add up to the model's own logit (the unembedding's output; where a model
+soft-caps its logits, Gemma 2's ``c * tanh(z / c)``, the ``z`` before the cap), checked on every
+call. Frozen: the final norm's scale (and the post-attention norms' scales): a term says what the
+logit would lose if that component's output were removed *and the scales stayed as they are*.
 
     >>> import contribution_lens as cl
     >>> model = cl.load_model()
@@ -82,6 +82,9 @@ class LogitAttribution:
     unembed_bias: float = 0.0
     has_biases: tuple[str, ...] = ()
     """Which bias terms the model has: among ``b_O``, ``post_norm``, ``final_norm``, ``unembed``."""
+    softcap: float | None = None
+    """Where the model soft-caps its logits (Gemma 2: ``c * tanh(z / c)``), ``c``: `logit` is then ``z``,
+    the unembedding's output before the cap, which is what the terms add up to."""
 
     def __post_init__(self) -> None:
         n_layers = self.attention.shape[0]
@@ -204,7 +207,7 @@ class LogitAttribution:
             raise IsADirectoryError(f"{target} is a folder; give a file path such as {target / 'logit.safetensors'}")
         tensors = {name: getattr(self, name).detach().cpu().contiguous().clone() for name in _TENSORS}
         metadata = {name: json.dumps(getattr(self, name)) for name in _SCALARS}
-        for name in ("str_tokens", "position", "target", "target_token", "foil", "foil_token", "has_biases"):
+        for name in ("str_tokens", "position", "target", "target_token", "foil", "foil_token", "has_biases", "softcap"):
             metadata[name] = json.dumps(getattr(self, name))
         metadata["format"] = _FORMAT
         with atomic_path(target) as staging:
@@ -257,7 +260,8 @@ class _LayerRecord:
     v: Float[Tensor, "key kv_head d_head"]
     W_O: Float[Tensor, "head d_head d_model"]
     b_O: Float[Tensor, " d_model"] | None
-    resid_pre: Float[Tensor, "pos d_model"]
+    resid_pre: Float[Tensor, "pos d_model"] | None
+    """``hook_resid_pre`` of layer 0 (the embedding); None at the other layers."""
     update: Float[Tensor, "pos d_model"]
     """``resid_post - resid_pre``: the whole block's write into the residual stream."""
     attn_out: Float[Tensor, "pos d_model"]
@@ -335,7 +339,7 @@ def _recorder(model: adapter.Model, positions: Tensor) -> Any:
             v=layer.v[0],
             W_O=layer.W_O,
             b_O=layer.b_O,
-            resid_pre=pre[rows] if layer.layer == 0 else pre[:0],
+            resid_pre=pre[rows] if layer.layer == 0 else None,
             update=post[rows] - pre[rows],
             attn_out=layer.captured[adapter.ATTN_OUT][0][rows],
             post_scale=None if scale is None else scale[0, rows],
@@ -428,7 +432,9 @@ def attribute_positions(
     final = adapter.final_norm(model)
     u = direction if final is None else final.pull_back(direction, store["final_scale"].reshape(-1))
     final_bias = _dot(None if final is None else final.bias, direction)
-    embed = (records[0].resid_pre.to(dtype) * u).sum(-1)
+    first = records[0].resid_pre
+    assert first is not None  # layer 0 keeps the embedding
+    embed = (first.to(dtype) * u).sum(-1)
     per_layer = [_layer_terms(model, layer, record, u) for layer, record in records.items()]
     stacked = {name: torch.stack([terms[name] for terms in per_layer], dim=1).cpu() for name in per_layer[0]}
     has = _biases(model, records, final)
@@ -449,6 +455,7 @@ def attribute_positions(
             final_norm_bias=float(final_bias[k]),
             unembed_bias=float(unembed_bias[k]),
             has_biases=has,
+            softcap=adapter.logit_softcap(model),
         )
         _check_total(model, result)
         results.append(result)
