@@ -6,7 +6,9 @@ On the bundled SmolLM2-135M, one random token sequence per length (BOS first), e
 * ``logit_attribution``: ``cl.logit_attribution(model, tokens)`` (the last position, its top
   prediction): one forward pass with the per-layer hooks, then the contraction of every term;
 * ``32 positions``: the last 32 positions' logit attributions from one pass (what
-  ``explain_generation`` does after generating a 32-token answer; generation itself not timed).
+  ``explain_generation`` does after generating a 32-token answer; generation itself not timed);
+* ``flow``: ``cl.flow(model, tokens)``: every layer's ``[query key]`` mixing and edges from one pass
+  (the rollout is computed when read, and is not timed; target: at most 1.5x).
 
 Time: in one process, the methods alternate ``--repeats`` times per length and the fastest run of
 each counts (the others absorb other jobs on the machine); the ratio to ``plain`` is the number to
@@ -52,10 +54,17 @@ def _many_positions(model: Any, tokens: torch.Tensor) -> None:
     attribute_positions(model, batch, positions, targets, [None] * len(positions))
 
 
+def _flow(model: Any, tokens: torch.Tensor) -> None:
+    import contribution_lens as cl
+
+    cl.flow(model, tokens[0])
+
+
 METHODS: dict[str, Callable[[Any, torch.Tensor], None]] = {
     "plain": _plain,
     "logit_attribution": _logit_attribution,
     "32 positions": _many_positions,
+    "flow": _flow,
 }
 
 

@@ -782,3 +782,41 @@ def logit_softcap(model: Model) -> float | None:
         config = getattr(getattr(model, "original_model", None), "config", None)
         cap = getattr(config, "final_logit_softcapping", None)
     return float(cap) if cap is not None and float(cap) > 0 else None
+
+
+# --- Flow: what attention adds to the residual stream, and what it is added to -----------------------
+#
+# Block ``l`` adds attention's update ``a_i`` to the residual stream ``x_i`` (``hook_resid_pre``):
+# ``r_mid_i = x_i + a_i``. ``a_i`` is the o-projection output ``o_i + b_O`` (``attn.o.hook_out``),
+# or, where a norm follows the attention (Gemma 2/3 ``ln1_post``), that norm's output with the
+# scale frozen at the position: ``a_i = N(o_i + b_O)``, ``N(p) = P(p) * gain / scale_i + bias``.
+# In post-LN encoders (BERT) the norm comes after the sum and ``r_mid`` is the sum before it.
+
+
+@dataclass(frozen=True)
+class AttentionUpdate:
+    """One layer's residual sum ``r_mid = resid_pre + added`` and the frozen norm between heads and sum."""
+
+    resid_pre: Float[Tensor, "batch query d_model"]
+    added: Float[Tensor, "batch query d_model"]
+    norm: FrozenNorm | None
+    """The post-attention norm (None where the o-projection output is added as it is)."""
+    scale: Float[Tensor, "batch query"] | None
+    """That norm's ``hook_scale`` per position (None without a norm)."""
+
+
+def flow_capture(model: Model) -> list[str]:
+    """The ``capture`` names (relative to ``blocks.{l}``) that `attention_update` reads."""
+    post = _post_attention_norm_name(model, 0)
+    return [RESID_PRE] + ([ATTN_OUT, f"{post}.hook_scale"] if post is not None else [])
+
+
+def attention_update(model: Model, layer: LayerInputs) -> AttentionUpdate:
+    """What layer ``layer`` adds to which residual stream, read from the hooks `flow_capture` names."""
+    resid_pre = layer.captured[RESID_PRE]
+    norm = post_attention_norm(model, layer.layer)
+    if norm is not None:
+        return AttentionUpdate(resid_pre, layer.captured[ATTN_OUT], norm, captured_post_scale(model, layer))
+    if layer.hook_out is not None:
+        return AttentionUpdate(resid_pre, layer.hook_out, None, None)
+    raise ValueError(f"layer {layer.layer} has no o-projection output hook ({output_hook(layer.layer)})")

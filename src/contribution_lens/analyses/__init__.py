@@ -8,12 +8,15 @@
 * `logit_attribution`: a next-token logit (or logit difference) split into exact signed terms per
   layer, head and key (`LogitAttribution`; the function is ``contribution_lens.logit_attribution``,
   not exported here, where the name is the module's);
+* `flow`: the signed token mixing of every layer, its rollout at a prediction and the pruned graph
+  (`Flow`; the function is ``contribution_lens.flow``, likewise);
 * `generation`: every token of a generated answer explained from one teacher-forced pass (`explain_generation`).
 
 A new analysis is one file here: a per-layer function, a result type (a `LayerResults`
 subclass or a dataclass with ``save``/``load``), exported below.
 """
 
+from contribution_lens.analyses.flow import Flow, FlowEdges, FlowLayer
 from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
 from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary
 from contribution_lens.analyses.logit_attribution import LogitAttribution
@@ -22,6 +25,9 @@ from contribution_lens.analyses.sink_intervention import SinkIntervention, run_s
 from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, claim_verdicts, sink_analysis
 
 __all__ = [
+    "Flow",
+    "FlowEdges",
+    "FlowLayer",
     "GenerationExplanation",
     "GenerationStep",
     "Geometry",

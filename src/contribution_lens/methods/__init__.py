@@ -7,12 +7,14 @@ package's own families, one file each:
 * `control`: the ``random`` baseline;
 * `alti`: ``alti`` and ``alti_rollout`` (Ferrando et al.);
 * `value_zeroing`: ``value_zeroing`` (Mohebbi et al.);
-* `gradient`: ``grad_attention``.
+* `gradient`: ``grad_attention``;
+* `rollout`: ``flow`` (the signed rollout of `contribution_lens.flow`) and ``attention_rollout``;
+* `logit`: ``logit_attribution`` (each key's direct effect on a text's last next-token logit).
 
 A new family is one file with a ``METHODS`` tuple, added to ``_FAMILIES`` below.
 """
 
-from contribution_lens.methods import alti, control, factors, gradient, value_zeroing
+from contribution_lens.methods import alti, control, factors, gradient, logit, rollout, value_zeroing
 from contribution_lens.methods.factors import importance
 from contribution_lens.methods.registry import (
     Method,
@@ -24,7 +26,7 @@ from contribution_lens.methods.registry import (
     unregister_method,
 )
 
-_FAMILIES = (factors, control, alti, value_zeroing, gradient)
+_FAMILIES = (factors, control, alti, value_zeroing, gradient, rollout, logit)
 for _family in _FAMILIES:
     for _method in _family.METHODS:
         register_method(_method)
