@@ -186,13 +186,17 @@ def test_explain_generation_is_one_pass_and_matches_each_position_alone() -> Non
         explained = cl.explain_generation(model, IDS[:5], answer=IDS[5:])
     finally:
         model.hook_dict["hook_embed"].remove_hooks()
-    assert passes == [len(IDS)]
+    assert passes == [len(IDS)]  # attributions and flows of every step from one pass
     assert [step.token_id for step in explained] == IDS[5:].tolist()
+    flows = cl.flow(model, IDS, position=[step.position for step in explained])
     for step in explained:
         alone = cl.logit_attribution(model, IDS, target=step.token_id, position=step.position)
         assert_close(step.attribution.attention, alone.attention, rtol=1e-5, atol=1e-6)
         assert step.attribution.logit == pytest.approx(alone.logit, rel=1e-6)
         assert_adds_up(step.attribution)
+        assert step.flow is not None and step.flow.position == step.position
+        assert_close(step.flow.rollout, flows.at(step.position).rollout, rtol=1e-5, atol=1e-6)
+    assert all(step.flow is None for step in cl.explain_generation(model, IDS[:5], answer=IDS[5:], flow=False))
 
 
 def test_generation_is_greedy() -> None:

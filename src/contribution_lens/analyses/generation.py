@@ -25,10 +25,11 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from contribution_lens import adapter
+from contribution_lens.analyses.flow import DEFAULT_THRESHOLD, Flow, _flow_layer
 from contribution_lens.analyses.logit_attribution import (
     LogitAttribution,
     TokenLike,
-    attribute_positions,
+    attribute_with,
     check_decoder,
     one_text,
     token_id,
@@ -37,13 +38,19 @@ from contribution_lens.analyses.logit_attribution import (
 
 @dataclass(frozen=True, eq=False)
 class GenerationStep:
-    """One generated token: which it is, where it was predicted, and why (its `LogitAttribution`)."""
+    """One generated token: which it is, where it was predicted, and why.
+
+    ``attribution`` splits its logit into direct terms (`LogitAttribution`); ``flow`` is the
+    token mixing of every layer, rolled out at ``position`` (`contribution_lens.flow`), or None
+    when `explain_generation` ran with ``flow=False``.
+    """
 
     token: str
     token_id: int
     position: int
     """The position whose next-token prediction this token is (the token itself sits at ``position + 1``)."""
     attribution: LogitAttribution
+    flow: Flow | None = None
 
     def __repr__(self) -> str:
         key = int(self.attribution.by_key().idxmax())
@@ -164,13 +171,16 @@ def explain_generation(
     *,
     answer: str | Sequence[TokenLike] | Tensor | None = None,
     stop_at_eos: bool = True,
+    flow: bool = True,
+    threshold: float = DEFAULT_THRESHOLD,
     prepend_bos: bool = True,
     dtype: torch.dtype = torch.float32,
 ) -> GenerationExplanation:
     """Generate greedily from ``prompt`` (or take ``answer``) and explain every answer token's logit.
 
     Step ``k`` is `contribution_lens.logit_attribution` of answer token ``k`` at the position
-    before it; all steps come from one teacher-forced forward pass over prompt + answer.
+    before it, and (with ``flow``) `contribution_lens.flow` rolled out at that position; all
+    steps, attributions and flows, come from one teacher-forced forward pass over prompt + answer.
 
     Args:
         model: a decoder ``TransformerBridge`` with an LM head.
@@ -178,6 +188,8 @@ def explain_generation(
         max_new_tokens: how many tokens to generate at most (greedy decoding).
         answer: explain this continuation instead of generating one (a text, tokens or ids).
         stop_at_eos: stop generating after the tokenizer's end-of-sequence token.
+        flow: also compute every step's flow in the same pass (``step.flow``).
+        threshold: the flow graph's smallest kept edge weight (see `contribution_lens.flow`).
         prepend_bos: prepend the tokenizer's BOS to a text prompt.
         dtype: accumulation dtype of the terms.
     """
@@ -197,9 +209,20 @@ def explain_generation(
     whole = adapter.to_token_batch(model, full)
     start = prompt_ids.shape[0]
     positions = list(range(start - 1, start - 1 + len(new)))
-    explained = attribute_positions(model, whole, positions, new, [None] * len(new), dtype=dtype)
+    also = (lambda layer: _flow_layer(model, layer, threshold)) if flow else None
+    capture = adapter.flow_capture(model) if flow else ()
+    explained, flows = attribute_with(
+        model, whole, positions, new, [None] * len(new), dtype=dtype, also=also, also_capture=capture
+    )
+    shared = None if flows is None else Flow.from_results(flows, positions=positions, threshold=threshold)
     steps = tuple(
-        GenerationStep(token=result.target_token, token_id=result.target, position=result.position, attribution=result)
+        GenerationStep(
+            token=result.target_token,
+            token_id=result.target,
+            position=result.position,
+            attribution=result,
+            flow=None if shared is None else shared.at(result.position),
+        )
         for result in explained
     )
     return GenerationExplanation(

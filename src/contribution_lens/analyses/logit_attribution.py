@@ -25,15 +25,15 @@ logit would lose if that component's output were removed *and the scales stayed 
     >>> model = cl.load_model()
     >>> text = "When Mary and John went to the store, John gave a drink to"
     >>> result = cl.logit_attribution(model, text, target=" Mary", foil=" John")
-    >>> abs(result.to_dataframe()["value"].sum() - result.logit) < 1e-4 * max(1.0, abs(result.logit))
+    >>> bool(abs(result.to_dataframe()["value"].sum() - result.logit) < 1e-4 * max(1.0, abs(result.logit)))
     True
-    >>> result.str_tokens[result.by_key().idxmax()]
+    >>> result.str_tokens[int(result.by_key().idxmax())]
     ' Mary'
 """
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,7 +45,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.engine import map_layers
+from contribution_lens.engine import LayerResults, map_layers
 from contribution_lens.files import atomic_path
 
 TOLERANCE = 1e-3
@@ -287,8 +287,10 @@ def token_id(model: adapter.Model, token: TokenLike, what: str) -> int:
         >>> import contribution_lens as cl
         >>> from contribution_lens.analyses.logit_attribution import token_id
         >>> model = cl.load_model()
-        >>> token_id(model, " Mary", "target") == token_id(model, model.tokenizer.encode(" Mary")[0], "target")
-        True
+        >>> model.tokenizer.decode([token_id(model, " Mary", "target")])
+        ' Mary'
+        >>> token_id(model, 9, "target")
+        9
     """
     d_vocab = int(adapter.unembedding(model)[0].shape[1])
     if isinstance(token, str):
@@ -416,18 +418,54 @@ def attribute_positions(
     there); ``foils[k]`` the token it is contrasted with, or None. Memory: per layer the pattern's
     rows at those positions and ``hook_v``; the largest intermediate is ``[pos head key]``.
     """
+    return attribute_with(model, batch, positions, targets, foils, dtype=dtype)[0]
+
+
+def attribute_with(
+    model: adapter.Model,
+    batch: adapter.TokenBatch,
+    positions: Sequence[int],
+    targets: Sequence[int | None],
+    foils: Sequence[int | None],
+    *,
+    dtype: torch.dtype = torch.float32,
+    also: Callable[[adapter.LayerInputs], Any] | None = None,
+    also_capture: Sequence[str] = (),
+) -> tuple[list[LogitAttribution], LayerResults[Any] | None]:
+    """`attribute_positions`, and another per-layer function ``also`` run in the same pass (its results second)."""
     store: dict[str, Tensor] = {}
     rows = torch.tensor(list(positions), dtype=torch.long)
-    records = map_layers(
+    record = _recorder(model, rows)
+    capture = list(dict.fromkeys([*adapter.residual_capture(model), *also_capture]))
+    both = map_layers(
         model,
         batch,
-        _recorder(model, rows),
-        capture=adapter.residual_capture(model),
+        record if also is None else (lambda layer: (record(layer), also(layer))),
+        capture=capture,
         keep_logits=True,
         extra_hooks=adapter.final_hooks(model, rows.tolist(), store),
     )
+    records = both if also is None else both.map(lambda pair: pair[0])
+    extra = None if also is None else both.map(lambda pair: pair[1])
+    return _assemble(model, batch, rows.tolist(), targets, foils, records, store, dtype), extra
+
+
+def _assemble(
+    model: adapter.Model,
+    batch: adapter.TokenBatch,
+    positions: list[int],
+    targets: Sequence[int | None],
+    foils: Sequence[int | None],
+    records: LayerResults[_LayerRecord],
+    store: dict[str, Tensor],
+    dtype: torch.dtype,
+) -> list[LogitAttribution]:
+    """The terms of every explained position from what the pass kept, each checked against the model's value."""
     logits = store["logits"].to(dtype)
     chosen = [int(logits[k].argmax()) if t is None else int(t) for k, t in enumerate(targets)]
+    for position, target, foil in zip(positions, chosen, foils, strict=True):
+        if foil is not None and foil == target:
+            raise ValueError(f"foil {foil} is the top prediction at position {position}: the difference would be 0")
     direction, unembed_bias = _directions(model, chosen, list(foils), dtype)
     final = adapter.final_norm(model)
     u = direction if final is None else final.pull_back(direction, store["final_scale"].reshape(-1))
@@ -439,7 +477,7 @@ def attribute_positions(
     stacked = {name: torch.stack([terms[name] for terms in per_layer], dim=1).cpu() for name in per_layer[0]}
     has = _biases(model, records, final)
     results = []
-    for k, (position, target, foil) in enumerate(zip(rows.tolist(), chosen, foils, strict=True)):
+    for k, (position, target, foil) in enumerate(zip(positions, chosen, foils, strict=True)):
         value = logits[k, target] - (0.0 if foil is None else logits[k, foil])
         result = LogitAttribution(
             tokens=batch.tokens[0].cpu(),
