@@ -45,6 +45,9 @@ _EXPORTS: dict[str, str] = {
                      "register_method", "unregister_method")
     },
     **{name: f"{_A}.geometry:{name}" for name in ("Geometry", "attention_geometry", "layer_summary")},
+    **{name: f"{_A}.flow:{name}" for name in ("Flow", "flow")},
+    **{name: f"{_A}.generation:{name}" for name in ("GenerationExplanation", "GenerationStep", "explain_generation")},
+    **{name: f"{_A}.logit_attribution:{name}" for name in ("LogitAttribution", "logit_attribution")},
     **{name: f"{_A}.sinks:{name}" for name in ("SinkAnalysis", "SinkLayer", "sink_analysis")},
     **{name: f"{_A}.sink_intervention:{name}" for name in ("SinkIntervention", "run_sink_intervention")},
     **{name: f"{_A}.sink_claims:{name}" for name in ("SinkStudy", "sink_study")},
@@ -61,10 +64,14 @@ __all__ = [
     "SCOPES",
     "Decomposition",
     "Factor",
+    "Flow",
+    "GenerationExplanation",
+    "GenerationStep",
     "Geometry",
     "Inspector",
     "LayerInputs",
     "LayerResults",
+    "LogitAttribution",
     "Method",
     "Scope",
     "ScoreContext",
@@ -78,12 +85,15 @@ __all__ = [
     "available_methods",
     "decompose",
     "default_methods",
+    "explain_generation",
     "faithfulness",
+    "flow",
     "get_method",
     "importance",
     "inspect",
     "layer_summary",
     "load_model",
+    "logit_attribution",
     "map_layers",
     "methods",
     "plot",
@@ -101,7 +111,10 @@ _compat.install()  # ``import contribution_lens.evaluation`` and other 0.2 paths
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from contribution_lens import analyses, faithfulness, methods, views
     from contribution_lens.adapter import LayerInputs, TokenBatch, to_token_batch
+    from contribution_lens.analyses.flow import Flow, flow
+    from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
     from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary
+    from contribution_lens.analyses.logit_attribution import LogitAttribution, logit_attribution
     from contribution_lens.analyses.sink_claims import SinkStudy, sink_study
     from contribution_lens.analyses.sink_intervention import SinkIntervention, run_sink_intervention
     from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, sink_analysis

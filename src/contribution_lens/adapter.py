@@ -832,3 +832,174 @@ def block_forms(model: Model) -> dict[int, str]:
     forms = {layer: _block_form(model, layer, caught[layer], tolerance) for layer in range(total)}
     _FORMS[model] = forms
     return forms
+
+
+# --- Logit attribution: the residual stream, the norms around it and the unembedding ---------------
+#
+# The residual stream at the last block's output is the embedding plus every block's update,
+# ``x = resid_pre_0 + sum_l (resid_post_l - resid_pre_l)``, and attention's share of an update
+# is ``hook_attn_out``: the o-projection output, or that output after a post-attention norm
+# (Gemma 2/3 ``ln1_post``). With the norms' scales frozen at a position every step from the
+# residual stream to the logit is affine, so the logit splits exactly into per-component terms.
+
+RESID_POST = "hook_resid_post"
+ATTN_OUT = "hook_attn_out"
+POST_SCALE = "post_attention_norm_scale"
+"""The ``LayerInputs.captured`` key of the post-attention norm's ``hook_scale``, where there is one."""
+
+
+@dataclass(frozen=True)
+class FrozenNorm:
+    """A normalisation with its scale frozen: ``N(x) = P(x) * gain / scale + bias``.
+
+    ``P`` subtracts the mean over ``d_model`` (LayerNorm, ``centre=True``) or is the identity
+    (RMSNorm); ``gain`` is the weight as the norm applies it (Gemma's ``1 + w``), None when the
+    norm has none; ``scale`` is the norm's own ``hook_scale`` at a position. Then
+    ``<N(x), u> = <x, pull_back(u, scale)> + <bias, u>``: the adjoint of ``P`` is ``P``.
+    """
+
+    centre: bool
+    gain: Float[Tensor, " d_model"] | None
+    bias: Float[Tensor, " d_model"] | None
+
+    def pull_back(
+        self, direction: Float[Tensor, "*rows d_model"], scale: Float[Tensor, "*rows"]
+    ) -> Float[Tensor, "*rows d_model"]:
+        """The direction ``P(gain * u) / scale`` in the norm's input space that reads the same logit."""
+        if self.gain is not None:
+            direction = direction * self.gain.to(direction.dtype)
+        if self.centre:
+            direction = direction - direction.mean(-1, keepdim=True)
+        return direction / scale.to(direction.dtype)[..., None]
+
+
+def _frozen_norm(component: Any) -> FrozenNorm:
+    """The frozen affine form of a TransformerLens normalisation bridge (weight offset and bias included)."""
+    rms = bool(getattr(component, "uses_rms_norm", False))
+    weight = getattr(getattr(component, "original_component", None), "weight", None)
+    if isinstance(weight, Tensor) and type(component).__name__ not in ("LayerNormPreBridge", "RMSNormPreBridge"):
+        gain = weight.detach() + 1.0 if getattr(component, "uses_weight_offset", False) else weight.detach()
+    else:
+        gain = None
+    bias = getattr(getattr(component, "original_component", None), "bias", None)
+    return FrozenNorm(centre=not rms, gain=gain, bias=bias.detach() if isinstance(bias, Tensor) and not rms else None)
+
+
+def _post_attention_norm_name(model: Model, layer: int) -> str | None:
+    """The submodule whose ``hook_out`` is ``hook_attn_out`` when that is a norm of the attention output."""
+    target = getattr(model.blocks[layer], "hook_aliases", {}).get(ATTN_OUT, "attn.hook_out")
+    owner = target.rsplit(".", 1)[0]
+    return None if owner == "attn" or not target.endswith(".hook_out") else owner
+
+
+def post_attention_norm(model: Model, layer: int) -> FrozenNorm | None:
+    """Layer ``layer``'s norm of the attention output before it joins the residual stream (Gemma), or None."""
+    name = _post_attention_norm_name(model, layer)
+    return None if name is None else _frozen_norm(model.blocks[layer].get_submodule(name))
+
+
+def final_norm(model: Model) -> FrozenNorm | None:
+    """The norm between the residual stream and the unembedding (``ln_final``), or None where there is none."""
+    component = getattr(model, "ln_final", None)
+    return None if component is None else _frozen_norm(component)
+
+
+def unembedding(model: Model) -> tuple[Float[Tensor, "d_model d_vocab"], Float[Tensor, " d_vocab"] | None]:
+    """``W_U`` and ``b_U`` (None when the unembedding has no bias); raises where the model has no LM head."""
+    unembed = getattr(model, "unembed", None)
+    if unembed is None or "unembed.hook_out" not in model.hook_dict:
+        raise ValueError(
+            f"{type(model).__name__} has no unembedding (LM head): logit attribution explains next-token logits"
+        )
+    bias = getattr(getattr(unembed, "original_component", None), "bias", None)
+    return unembed.W_U.detach(), bias.detach() if isinstance(bias, Tensor) else None
+
+
+def residual_capture(model: Model) -> list[str]:
+    """The per-layer ``capture`` names logit attribution reads (relative to ``blocks.{l}``).
+
+    ``hook_resid_pre``, ``hook_resid_post`` and ``hook_attn_out`` on every layer; where the
+    attention output is normed before it is added (Gemma), that norm's ``hook_scale`` too.
+    """
+    names = [RESID_PRE, RESID_POST, ATTN_OUT]
+    post = _post_attention_norm_name(model, 0)
+    return names + ([f"{post}.hook_scale"] if post is not None else [])
+
+
+def captured_post_scale(model: Model, layer: LayerInputs) -> Tensor | None:
+    """The post-attention norm's ``hook_scale`` of ``layer`` as ``[batch pos]``, or None."""
+    post = _post_attention_norm_name(model, layer.layer)
+    if post is None:
+        return None
+    scale = layer.captured[f"{post}.hook_scale"]
+    return scale.reshape(scale.shape[:2])
+
+
+def final_hooks(model: Model, positions: Sequence[int], store: dict[str, Tensor]) -> list[tuple[str, HookFn]]:
+    """Hooks that keep, at ``positions`` of batch element 0, the final norm's scale and the unembedding's output.
+
+    ``store["final_scale"]`` is ``[pos]`` (absent without a final norm), ``store["logits"]``
+    ``[pos d_vocab]``: the unembedding's output before any logit soft-capping.
+    """
+    rows = list(positions)
+
+    def keep(key: str) -> HookFn:
+        def hook(tensor: Tensor, hook: Any) -> None:
+            store[key] = tensor.detach()[0, rows].reshape(len(rows), -1)
+
+        return hook
+
+    hooks = [("unembed.hook_out", keep("logits"))]
+    if getattr(model, "ln_final", None) is not None and "ln_final.hook_scale" in model.hook_dict:
+        hooks.append(("ln_final.hook_scale", keep("final_scale")))
+    return hooks
+
+
+def logit_softcap(model: Model) -> float | None:
+    """The cap ``c`` of a model whose output logits are ``c * tanh(z / c)`` (Gemma 2), or None.
+
+    The unembedding's output ``z`` (``unembed.hook_out``) comes before the cap.
+    """
+    cap = getattr(model.cfg, "output_logits_soft_cap", None)
+    if cap is None:
+        config = getattr(getattr(model, "original_model", None), "config", None)
+        cap = getattr(config, "final_logit_softcapping", None)
+    return float(cap) if cap is not None and float(cap) > 0 else None
+
+
+# --- Flow: what attention adds to the residual stream, and what it is added to -----------------------
+#
+# Block ``l`` adds attention's update ``a_i`` to the residual stream ``x_i`` (``hook_resid_pre``):
+# ``r_mid_i = x_i + a_i``. ``a_i`` is the o-projection output ``o_i + b_O`` (``attn.o.hook_out``),
+# or, where a norm follows the attention (Gemma 2/3 ``ln1_post``), that norm's output with the
+# scale frozen at the position: ``a_i = N(o_i + b_O)``, ``N(p) = P(p) * gain / scale_i + bias``.
+# In post-LN encoders (BERT) the norm comes after the sum and ``r_mid`` is the sum before it.
+
+
+@dataclass(frozen=True)
+class AttentionUpdate:
+    """One layer's residual sum ``r_mid = resid_pre + added`` and the frozen norm between heads and sum."""
+
+    resid_pre: Float[Tensor, "batch query d_model"]
+    added: Float[Tensor, "batch query d_model"]
+    norm: FrozenNorm | None
+    """The post-attention norm (None where the o-projection output is added as it is)."""
+    scale: Float[Tensor, "batch query"] | None
+    """That norm's ``hook_scale`` per position (None without a norm)."""
+
+
+def flow_capture(model: Model) -> list[str]:
+    """The ``capture`` names (relative to ``blocks.{l}``) that `attention_update` reads."""
+    post = _post_attention_norm_name(model, 0)
+    return [RESID_PRE] + ([ATTN_OUT, f"{post}.hook_scale"] if post is not None else [])
+
+
+def attention_update(model: Model, layer: LayerInputs) -> AttentionUpdate:
+    """What layer ``layer`` adds to which residual stream, read from the hooks `flow_capture` names."""
+    resid_pre = layer.captured[RESID_PRE]
+    norm = post_attention_norm(model, layer.layer)
+    if norm is not None:
+        return AttentionUpdate(resid_pre, layer.captured[ATTN_OUT], norm, captured_post_scale(model, layer))
+    if layer.hook_out is not None:
+        return AttentionUpdate(resid_pre, layer.hook_out, None, None)
+    raise ValueError(f"layer {layer.layer} has no o-projection output hook ({output_hook(layer.layer)})")

@@ -134,3 +134,57 @@ def test_head_granularity_ranks_each_heads_keys() -> None:
     keep = faithfulness.PROTOCOLS["every_layer"].keep(clean, condition, 0)
     assert keep.shape == (2, 4, 8, 8) and not torch.equal(keep[:, 0], keep[:, 1]), "heads choose their own keys"
     assert ((~keep).sum(-1)[0, :, 7] == 4).all(), "each head removes floor(0.5 * 8) keys of query 7"
+
+
+@pytest.mark.parametrize("mode", faithfulness.MODES)
+def test_prediction_deletes_the_explained_tokens_inputs_for_every_query_at_every_layer(mode: str) -> None:
+    protocol = faithfulness.Settings(methods=("flow", "random"), protocols=("prediction",))
+    model, batch, clean = tiny_clean(protocol, lengths=(8, 6))
+    removal = faithfulness.PROTOCOLS["prediction"]
+    condition = faithfulness.Condition("flow", "abs", mode, 0.5)
+    keep = removal.keep(clean, condition, 0)
+    assert keep is removal.keep(clean, condition, 1), "one choice of tokens, the same at every layer"
+    for row, explained in enumerate((6, 4)):  # the query predicting the last real token
+        deleted = (~keep[row, explained, :explained]).nonzero()[:, 0].tolist()
+        assert len(deleted) == explained // 2  # floor(0.5 * the explained position's input tokens)
+        assert bool(keep[row, explained, explained]), "the explained position keeps itself"
+        assert bool((~keep[row, :, deleted]).sum(0).ge(keep.shape[1] - len(deleted)).all()), "gone for every query"
+        share = clean[clean.layers[-1]].scores["flow"][row, explained, :explained].abs()
+        kept = [j for j in range(explained) if j not in deleted]
+        if mode == "comprehensiveness":
+            assert share[deleted].min() >= share[kept].max()
+        else:  # sufficiency keeps the top shares
+            assert share[deleted].max() <= share[kept].min()
+    edit = faithfulness.removal_edit(clean, removal, [condition])
+    seen = cl.map_layers(model, batch, lambda layer: layer.pattern, edit=edit)
+    for layer in (0, 1):
+        pattern = seen[layer]
+        assert bool((pattern[~keep[:, None].expand_as(pattern)] == 0).all())
+        sums = pattern.sum(-1)[batch.attention_mask[:, None].expand(-1, pattern.shape[1], -1)]
+        assert_close(sums, torch.ones_like(sums), rtol=1e-5, atol=1e-5)
+
+
+def test_prediction_records_measure_the_target_token_alone() -> None:
+    from contribution_lens.faithfulness.runner import Unit, _unit_records, check_protocols
+    from contribution_lens.losses import _next_token_logprobs
+
+    protocol = faithfulness.Settings(methods=("random",), protocols=("prediction",))
+    _, batch, clean = tiny_clean(protocol, lengths=(8, 6))
+    unit = Unit("text", "lm", ["0", "1"], list(batch.tokens), [], [])
+    records = _unit_records(unit, clean.logits, batch, "prediction")
+    logprobs = _next_token_logprobs(clean.logits, batch.tokens)
+    assert [r["tokens"] for r in records] == [1, 1]
+    assert records[0]["nll"] == pytest.approx(-float(logprobs[0, 6]), rel=1e-6)  # predicts token 7
+    assert records[1]["nll"] == pytest.approx(-float(logprobs[1, 4]), rel=1e-6)  # predicts token 5
+    choice = Unit("boolq", "choice", [], [], [], [])
+    with pytest.raises(ValueError, match="does not take multiple-choice data"):
+        check_protocols(protocol, [unit, choice])
+
+
+def test_logit_attribution_scores_the_last_prediction_as_the_analysis_does() -> None:
+    protocol = faithfulness.Settings(methods=("logit_attribution",), protocols=("prediction",))
+    model, batch, clean = tiny_clean(protocol, lengths=(8, 6))
+    scores = clean[clean.layers[-1]].scores["logit_attribution"]
+    expected = cl.logit_attribution(model, batch.tokens[1, :6], target=int(batch.tokens[1, 5]), position=4)
+    assert_close(scores[1, 4, :5], torch.tensor(expected.by_key().to_numpy(), dtype=torch.float32))
+    assert float(scores[1, :4].abs().max()) == 0 and float(scores[0, 6].abs().sum()) > 0

@@ -152,9 +152,16 @@ class RemovalProtocol:
     renormalise: bool = False
     """Renormalise the softmax over the kept keys (deletion) or not (removal of values)."""
 
+    text_only: bool = False
+    """Refuses multiple-choice data (its measure is one position's next token)."""
+
     def variants(self, layers: Sequence[int]) -> list[int | None]:
         """The layer each condition masks alone, or ``[None]`` for one condition over all layers."""
         return [None]
+
+    def loss_mask(self, batch: adapter.TokenBatch) -> Bool[Tensor, "batch pos"]:
+        """The positions whose next-token loss a text record sums (default: every real token)."""
+        return batch.attention_mask
 
     def hooked_layers(self, clean: CleanRun) -> list[int]:
         return clean.layers

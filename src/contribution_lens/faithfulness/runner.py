@@ -150,10 +150,12 @@ def _item_records(unit: Unit, logits: torch.Tensor, batch: adapter.TokenBatch) -
     return out
 
 
-def _unit_records(unit: Unit, logits: torch.Tensor, batch: adapter.TokenBatch) -> list[dict[str, Any]]:
+def _unit_records(
+    unit: Unit, logits: torch.Tensor, batch: adapter.TokenBatch, protocol: str = "every_layer"
+) -> list[dict[str, Any]]:
     if unit.kind == "choice":
         return _item_records(unit, logits, batch)
-    nll, count = token_nll(logits, batch.tokens, batch.attention_mask)
+    nll, count = token_nll(logits, batch.tokens, PROTOCOLS[protocol].loss_mask(batch))
     return [{"seq": i, "nll": n, "tokens": c} for i, n, c in zip(unit.ids, nll.tolist(), count.tolist(), strict=True)]
 
 
@@ -229,6 +231,7 @@ def run(
     out_dir = Path(out)
     rank, world = _distributed()
     units = build_units(model, data)  # before writing anything: bad data fails early
+    check_protocols(settings, units)
     plan_layers = adapter.check_layers(model, list(settings.layers) if settings.layers is not None else None)
     out_dir.mkdir(parents=True, exist_ok=True)
     if world > 1:
@@ -260,6 +263,17 @@ def run(
     result = FaithfulnessRun(records, settings, data, model_name=model_name, resamples=options.resamples)
     result.save(out_dir)  # records.jsonl, the tables and the report
     return result
+
+
+def check_protocols(settings: Settings, units: Sequence[Unit]) -> None:
+    """Refuse a text-only protocol (``prediction``) on multiple-choice data, before any pass."""
+    text_only = [name for name in settings.protocols if PROTOCOLS[name].text_only]
+    choice = sorted({unit.task for unit in units if unit.kind == "choice"})
+    if text_only and choice:
+        raise ValueError(
+            f"protocol {text_only[0]!r} explains one next-token prediction of a text; "
+            f"it does not take multiple-choice data ({', '.join(choice)})"
+        )
 
 
 @dataclass
@@ -323,13 +337,22 @@ def _run_unit(
     batch = adapter.pad_rows(model, unit.tokens)
     clean = clean_run(model, batch, settings)
     assert clean.logits is not None
-    base = _unit_records(unit, clean.logits, batch)
+    # A protocol's records measure its own positions (prediction: one target token per text).
+    names = sorted({name for name, _, _ in work.zero} | set(work.todo))
+    base = {name: _unit_records(unit, clean.logits, batch, name) for name in names}
     yield [], 1
     if work.zero:
         # Nothing removed: no mask applies; one pass serves every method, mode and protocol.
         ((_, logits),) = masked_forward(model, batch, clean, PROTOCOLS["every_layer"], [NOTHING_REMOVED])
-        rows = _unit_records(unit, logits, batch)
-        yield [r for name, label, mode in work.zero for r in _records(unit, name, label, mode, 0.0, rows, base)], 1
+        zero_rows = {name: _unit_records(unit, logits, batch, name) for name in names}
+        yield (
+            [
+                r
+                for name, label, mode in work.zero
+                for r in _records(unit, name, label, mode, 0.0, zero_rows[name], base[name])
+            ],
+            1,
+        )
     for name, todo in work.todo.items():
         removal = PROTOCOLS[name]
         n_variants = len(removal.variants(clean.layers))
@@ -337,11 +360,11 @@ def _run_unit(
         for condition, logits in masked_forward(model, batch, clean, removal, todo, rows_per_pass=rows_per_pass):
             group_key = (condition.label, condition.mode, condition.ratio)
             group = pending.setdefault(group_key, {})
-            group[condition.layer] = _unit_records(unit, logits, batch)
+            group[condition.layer] = _unit_records(unit, logits, batch, name)
             records: list[dict[str, Any]] = []
             if len(group) == n_variants:
                 rows = _combine_layers(pending.pop(group_key))
-                records = _records(unit, name, condition.label, condition.mode, condition.ratio, rows, base)
+                records = _records(unit, name, condition.label, condition.mode, condition.ratio, rows, base[name])
             yield records, 1
 
 

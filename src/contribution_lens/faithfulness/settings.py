@@ -90,7 +90,8 @@ class Settings:
         ("every_layer",),
         "comma-separated removal protocols, or 'all': every_layer (mask values at every scored layer), "
         "one_layer (one scored layer at a time), input_deletion (delete keys from each query's view at every "
-        "layer, softmax renormalised)",
+        "layer, softmax renormalised), prediction (delete the input tokens of each text's last prediction, "
+        "ranked at that position, from every query at every layer; text data only)",
         flag="--protocol",
         parse=parse_names,
         check=subset(_protocols, all_word=True),

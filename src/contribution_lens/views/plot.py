@@ -18,7 +18,10 @@ from plotly.subplots import make_subplots
 from torch import Tensor
 
 from contribution_lens import files
+from contribution_lens.analyses.flow import Flow
+from contribution_lens.analyses.generation import GenerationExplanation
 from contribution_lens.analyses.geometry import Geometry
+from contribution_lens.analyses.logit_attribution import LogitAttribution
 from contribution_lens.analyses.sinks import SinkLayer
 from contribution_lens.choices import FACTORS, Factor
 from contribution_lens.decomposition import Decomposition
@@ -480,5 +483,193 @@ def sink_ratio_scatter(per_query: pd.DataFrame, *, layer: int | None = None, max
     where = "all layers" if layer is None else f"layer {layer}"
     figure.update_layout(
         title=f"Sink ratio vs output norm ({where})", xaxis={"title": "sink ratio"}, yaxis={"title": "||o||"}
+    )
+    return figure
+
+
+# --- Flow across layers -----------------------------------------------------------------------------
+
+
+def _flow_hover(row: pd.Series, tokens: list[str]) -> str:
+    source, target = f"{row['source']}:{tokens[row['source']]}", f"{row['target']}:{tokens[row['target']]}"
+    if row["head"] < 0:
+        return f"L{row['layer']} residual {source}<br>weight={row['weight']:.4f}"
+    return (
+        f"L{row['layer']}H{row['head']} {source} → {target}<br>attention={row['attention']:.4f}<br>"
+        f"relative norm={row['relative_norm']:.4f}<br>cosine={row['cosine']:.4f}<br>weight={row['weight']:.4f}"
+    )
+
+
+def flow_graph(
+    flow: Flow, *, position: int | None = None, threshold: float | None = None, max_edges: int = 400
+) -> go.Figure:
+    """`Flow.graph` drawn: layers as columns, tokens as rows; width = ``|weight|``, colour = sign.
+
+    Column ``l`` is the stream entering layer ``l`` (the last column: after the last layer); an
+    edge of layer ``l`` joins column ``l`` to ``l + 1``. Hover: the head, the three factors and
+    the weight (at each edge's midpoint). The ``max_edges`` strongest edges are drawn.
+    """
+    edges = flow.graph(position, threshold)
+    if len(edges) > max_edges:
+        edges = edges.loc[edges["weight"].abs().nlargest(max_edges).index].sort_index()
+    tokens = flow.str_tokens[0]
+    labels = flow.labels()
+    largest = float(edges["weight"].abs().max()) if len(edges) else 1.0
+    figure = go.Figure()
+    for _, row in edges.iterrows():
+        colour = "#2166ac" if row["weight"] >= 0 else "#b2182b"
+        width = round(0.5 + 7.5 * abs(row["weight"]) / largest, 2)
+        figure.add_trace(
+            go.Scatter(
+                x=[row["layer"], row["layer"] + 1],
+                y=[row["source"], row["target"]],
+                mode="lines",
+                line={"width": width, "color": colour},
+                opacity=0.7,
+                hoverinfo="skip",
+                showlegend=False,
+            )
+        )
+    figure.add_trace(
+        go.Scatter(
+            x=(edges["layer"] + 0.5).tolist(),
+            y=((edges["source"] + edges["target"]) / 2).tolist(),
+            mode="markers",
+            marker={"size": 6, "color": np.where(edges["weight"] >= 0, "#2166ac", "#b2182b"), "opacity": 0.4},
+            hovertext=[_flow_hover(row, tokens) for _, row in edges.iterrows()],
+            hoverinfo="text",
+            showlegend=False,
+            name="edges",
+        )
+    )
+    nodes = {(int(r["layer"]), int(r["source"])) for _, r in edges.iterrows()}
+    nodes |= {(int(r["layer"]) + 1, int(r["target"])) for _, r in edges.iterrows()}
+    nodes.add((flow.n_layers, flow.position if position is None else position % len(tokens)))
+    figure.add_trace(
+        go.Scatter(
+            x=[c for c, _ in sorted(nodes)],
+            y=[p for _, p in sorted(nodes)],
+            mode="markers",
+            marker={"size": 7, "color": "#444444"},
+            hovertext=[
+                f"{'after the last layer' if c == flow.n_layers else f'into L{c}'}: {labels[p]}"
+                for c, p in sorted(nodes)
+            ],
+            hoverinfo="text",
+            showlegend=False,
+            name="nodes",
+        )
+    )
+    explained = labels[flow.position if position is None else position % len(tokens)]
+    shown = flow.threshold if threshold is None else threshold
+    figure.update_layout(
+        title=f"Flow into {explained} (|weight| ≥ {shown:g}; blue +, red −)",
+        xaxis={
+            "title": "layer",
+            "tickvals": list(range(flow.n_layers + 1)),
+            "ticktext": ["emb"] + [f"L{layer}" for layer in range(flow.n_layers)],
+        },
+        yaxis={"title": "token", "tickvals": list(range(len(labels))), "ticktext": labels, "autorange": "reversed"},
+        height=max(350, 22 * len(labels)),
+    )
+    return figure
+
+
+def flow_rollout(flow: Flow, *, position: int | None = None) -> go.Figure:
+    """The rollout ``[layer key]`` of the explained position: each input token's signed share per layer."""
+    rollout = flow.rollout if position is None else flow.rollout_at(position)
+    labels = flow.labels()
+    figure = go.Figure(
+        go.Heatmap(
+            z=_numpy(rollout),
+            x=labels,
+            y=[f"L{layer}" for layer in flow.layers],
+            colorscale=DIVERGING,
+            zmid=0,
+            colorbar={"title": "share"},
+            hovertemplate="%{y} · %{x}<br>share=%{z:.4f}<extra></extra>",
+        )
+    )
+    target = labels[flow.position if position is None else position % len(labels)]
+    figure.update_layout(
+        title=f"Rollout of {target}: input-token shares after each layer", xaxis={"title": "input token"}
+    )
+    return figure
+
+
+# --- Logit attribution ------------------------------------------------------------------------------
+
+
+def logit_heads(result: LogitAttribution) -> go.Figure:
+    """Layer x head heatmap of each head's attention terms (summed over keys): who writes the logit."""
+    values = result.attention.sum(-1)
+    return head_grid(
+        values,
+        title=f"Direct attention terms of {result.quantity} at position {result.position}, per head",
+        signed=True,
+        colorbar_title="logit",
+    )
+
+
+def logit_keys(result: LogitAttribution) -> go.Figure:
+    """One bar per key the position sees: its attention terms summed over layers and heads, tokens labelled."""
+    series = result.by_key()
+    labels = [f"{j}:{result.str_tokens[j]}" for j in series.index]
+    figure = go.Figure(
+        go.Bar(
+            x=labels,
+            y=series.to_numpy(),
+            marker={"color": ["#b2182b" if v >= 0 else "#2166ac" for v in series.to_numpy()]},
+            hovertemplate="key %{x}<br>%{y:.4f}<extra></extra>",
+        )
+    )
+    figure.update_layout(
+        title=f"Direct attention terms of {result.quantity} at position {result.position}, per key",
+        xaxis={"title": "key", "tickangle": -60, "tickmode": "array", "tickvals": labels, "ticktext": labels},
+        yaxis={"title": "logit"},
+    )
+    return figure
+
+
+def logit_layers(result: LogitAttribution) -> go.Figure:
+    """Per layer, the attention terms, attention's biases and the MLP's term side by side."""
+    table = result.by_layer()
+    figure = go.Figure()
+    names = {"attention": "attention (heads x keys)", "attention_bias": "attention biases", "mlp": "MLP"}
+    for column, name in names.items():
+        figure.add_bar(
+            name=name,
+            x=list(table.index),
+            y=table[column].to_numpy(),
+            hovertemplate=f"layer %{{x}}<br>{name} %{{y:.4f}}<extra></extra>",
+        )
+    figure.update_layout(
+        barmode="group",
+        title=f"Direct terms of {result.quantity} per layer (embedding {result.embed:.3f}, total {result.logit:.3f})",
+        xaxis={"title": "layer", "dtick": 1},
+        yaxis={"title": "logit"},
+    )
+    return figure
+
+
+def generation_keys(explanation: GenerationExplanation) -> go.Figure:
+    """Answer tokens x keys heatmap: each generated token's attention terms per key (diverging, centred at 0)."""
+    table = explanation.key_matrix()
+    figure = go.Figure(
+        go.Heatmap(
+            z=table.to_numpy(),
+            x=list(table.columns),
+            y=list(table.index),
+            colorscale=DIVERGING,
+            zmid=0,
+            hovertemplate="generated %{y}<br>key %{x}<br>%{z:.4f}<extra></extra>",
+            colorbar={"title": "logit", "x": 1.02, "xanchor": "left"},
+        )
+    )
+    figure.update_layout(
+        title="Direct attention terms of each generated token's logit, per key",
+        xaxis={"title": "key", "tickangle": -60},
+        yaxis={"title": "generated token", "autorange": "reversed"},
+        height=max(360, 22 * len(table.index) + 200),
     )
     return figure

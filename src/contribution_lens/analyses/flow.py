@@ -1,0 +1,338 @@
+"""Flow across layers: how a prediction's residual stream is mixed from the input tokens, layer by layer.
+
+At every layer ``l`` the residual stream after attention, ``r_i = x_i + a_i`` (``x_i`` =
+``hook_resid_pre``, ``a_i`` = the attention output with ``b_O``), splits by the contribution rule
+into one signed part per (head, key) and the residual term (`contribution_lens.methods.rollout`):
+
+    w_ij^h = <r_i, alpha_ij^h vt_j^h> / ||r_i||^2 = alpha_ij^h * (||vt_j^h|| / ||r_i||) * cos(r_i, vt_j^h)
+    M_ij   = sum_h w_ij^h + [i == j] <r_i, x_i + b_O> / ||r_i||^2          (sum_j M_ij = 1)
+
+``flow.mixing[l]`` is ``M`` of layer ``l`` (``[query key]``); composed, ``R^l = M^l R^{l-1}``,
+its row at the explained position is ``flow.rollout[l]`` (``[layer key]``, rows summing to 1):
+the signed share of each input token in that position's residual stream after layer ``l``.
+
+How the rest of the block is treated, and what the composition ignores:
+
+* **MLPs** act on each position alone: they mix no tokens, and the stream entering layer ``l+1``
+  is taken to carry the token shares of ``r_i`` (what an MLP writes is credited to the tokens in
+  the proportions of its input; its non-linearity, and any token-specific work it does, is ignored).
+* **Norms.** The pre-attention norm of ``x_j`` sits inside ``vt_j`` with its scale taken as given;
+  a norm after the attention (Gemma's ``ln1_post``) maps every part through its linear part with
+  the scale frozen at the position (its bias, like ``b_O``, goes to the residual term); a norm
+  after the residual sum (BERT's post-LN) or after the MLP is per-position and is ignored.
+* **Biases** (``b_O``, a post-norm's bias) belong to no token: they count in the residual term.
+* The rollout multiplies *signed* shares: a negative share of a negative share is positive; it is
+  a linear bookkeeping of the residual stream, not a causal effect (the faithfulness protocol
+  ``prediction`` tests that).
+
+The pruned graph (as in information-flow routes, Ferrando & Voita 2024) starts at the explained
+position after the last layer and, layer by layer downwards, keeps every edge (a head's key, or the
+residual) whose ``|w|`` reaches ``threshold`` into a node already kept.
+
+Example:
+    >>> import contribution_lens as cl
+    >>> model = cl.load_model()
+    >>> f = cl.flow(model, "The cat sat on the mat.")
+    >>> round(f.mixing[3].sum(-1).max().item(), 4), round(f.rollout[-1].sum().item(), 4)
+    (1.0, 1.0)
+"""
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from contribution_lens import adapter
+from contribution_lens.engine import LayerResults, map_layers
+from contribution_lens.files import atomic_path
+from contribution_lens.methods.rollout import layer_mixing
+
+DEFAULT_THRESHOLD = 0.02
+"""Smallest ``|w_ij^h|`` kept as an edge (and the graph's default threshold)."""
+
+
+@dataclass(frozen=True)
+class FlowEdges:
+    """The (head, query, key) parts of one layer with ``|w| >= threshold``, and their three factors."""
+
+    head: Int[Tensor, " edge"]
+    query: Int[Tensor, " edge"]
+    key: Int[Tensor, " edge"]
+    weight: Float[Tensor, " edge"]
+    attention: Float[Tensor, " edge"]
+    relative_norm: Float[Tensor, " edge"]
+    cosine: Float[Tensor, " edge"]
+
+    def __post_init__(self) -> None:
+        sizes = {getattr(self, f.name).shape for f in fields(self)}
+        if len(sizes) != 1 or len(next(iter(sizes))) != 1:
+            raise ValueError(f"edge fields must be 1-D of one length, got shapes {sorted(sizes)}")
+
+
+@dataclass(frozen=True)
+class FlowLayer:
+    """One layer of a `Flow`: the token mixing, its residual term, and the strong per-head edges."""
+
+    mixing: Float[Tensor, "query key"]
+    residual: Float[Tensor, " query"]
+    edges: FlowEdges
+
+
+def _flow_layer(model: adapter.Model, layer: adapter.LayerInputs, threshold: float) -> FlowLayer:
+    mixing = layer_mixing(layer, adapter.attention_update(model, layer), factors=True)
+    weights = mixing.weights[0]
+    head, query, key = (weights.abs() >= threshold).nonzero(as_tuple=True)
+    batch = torch.zeros_like(head)
+    weight = weights[head, query, key]
+    attention = layer.pattern[0][head, query, key].float()
+    relative = mixing.relative_norm(batch, head, query, key)
+    product = attention * relative
+    cosine = torch.where(product > 0, weight / torch.where(product > 0, product, 1), 0)
+    edges = FlowEdges(head.cpu(), query.cpu(), key.cpu(), weight.cpu(), attention.cpu(), relative.cpu(), cosine.cpu())
+    return FlowLayer(mixing.token_mixing()[0].cpu(), mixing.residual[0].cpu(), edges)
+
+
+class Flow(LayerResults[FlowLayer]):
+    """Per-layer token mixing of one text, with the explained position(s) and the strong edges.
+
+    ``flow.mixing[l]`` is ``[query key]``; ``flow.rollout`` is ``[layer key]`` for the explained
+    position (with several, ``flow.at(p).rollout``); ``flow.graph()`` the pruned edges.
+    """
+
+    def __init__(
+        self,
+        layers: Mapping[int, FlowLayer],
+        *,
+        positions: Sequence[int],
+        threshold: float = DEFAULT_THRESHOLD,
+        **results: Any,
+    ) -> None:
+        super().__init__(layers, **results)
+        if self.tokens.shape[0] != 1:
+            raise ValueError(f"a Flow explains one text, got a batch of {self.tokens.shape[0]}")
+        if self.layers != list(range(self.n_layers)):
+            raise ValueError(f"a Flow needs every layer 0..{self.n_layers - 1}, got {self.layers}")
+        n = len(self.str_tokens[0])
+        self.positions = [_position(p, n) for p in positions]
+        if not self.positions:
+            raise ValueError("a Flow needs at least one explained position")
+        self.threshold = float(threshold)
+        self._rollouts: dict[int, Tensor] = {}
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", positions={self.positions}, threshold={self.threshold:g})"
+
+    @property
+    def mixing(self) -> LayerResults[Tensor]:
+        """``mixing[l]``: layer ``l``'s signed ``[query key]`` mixing, every row summing to 1."""
+        return self.map(lambda layer: layer.mixing)
+
+    def at(self, position: int) -> "Flow":
+        """The same flow explaining ``position`` (no new pass: every position's mixing is kept)."""
+        flow = Flow(
+            dict(self.items()),
+            positions=[position],
+            threshold=self.threshold,
+            tokens=self.tokens,
+            attention_mask=self.attention_mask,
+            str_tokens=self.str_tokens,
+            n_layers=self.n_layers,
+            logits=self.logits,
+        )
+        flow._rollouts = self._rollouts
+        return flow
+
+    @property
+    def position(self) -> int:
+        """The explained position (refused when there are several: use `at`)."""
+        if len(self.positions) != 1:
+            raise ValueError(f"this flow explains positions {self.positions}: pick one with flow.at(position)")
+        return self.positions[0]
+
+    @property
+    def rollout(self) -> Float[Tensor, "layer key"]:
+        """Row ``l``: the explained position's residual stream after layer ``l`` over the input tokens."""
+        return self.rollout_at(self.position)
+
+    def rollout_at(self, position: int) -> Float[Tensor, "layer key"]:
+        """`rollout` of any position: ``e_p M^l M^{l-1} ... M^0`` for every ``l`` (float64 products)."""
+        position = _position(position, len(self.str_tokens[0]))
+        if position not in self._rollouts:
+            mixings = [self[layer].mixing.double() for layer in self.layers]
+            rows = []
+            for top in range(len(mixings)):
+                row = mixings[top][position]
+                for below in range(top - 1, -1, -1):
+                    row = row @ mixings[below]
+                rows.append(row)
+            self._rollouts[position] = torch.stack(rows).float()
+        return self._rollouts[position]
+
+    def graph(self, position: int | None = None, threshold: float | None = None) -> pd.DataFrame:
+        """The pruned graph of ``position`` (default: the explained one): one row per kept edge.
+
+        Nodes are (column, position): column ``l`` is the stream entering layer ``l`` and column
+        ``n_layers`` the stream after the last. Columns: ``layer, head`` (-1: the residual),
+        ``source`` (position in column ``layer``), ``target`` (in ``layer + 1``), their tokens,
+        ``attention, relative_norm, cosine, weight``.
+        """
+        position = self.position if position is None else _position(position, len(self.str_tokens[0]))
+        threshold = self.threshold if threshold is None else float(threshold)
+        if threshold < self.threshold:
+            raise ValueError(f"threshold {threshold:g} is below the {self.threshold:g} the edges were kept at")
+        table = self.to_dataframe(min_abs_weight=threshold)
+        kept, frontier = [], {position}
+        for layer in reversed(self.layers):
+            rows = table[(table["layer"] == layer) & table["target"].isin(frontier)]
+            kept.append(rows)
+            frontier = set(rows["source"].tolist())
+        return pd.concat(kept[::-1], ignore_index=True)
+
+    def to_dataframe(self, *, layers: int | Sequence[int] | None = None, min_abs_weight: float = 0.0) -> pd.DataFrame:
+        """Every kept edge and every residual term as a tidy table (columns as in `graph`)."""
+        chosen = self.layers if layers is None else [self.resolve(x) for x in _as_list(layers)]
+        tokens = self.str_tokens[0]
+        frames = []
+        for layer in chosen:
+            value = self[layer]
+            e = value.edges
+            n = value.residual.shape[0]
+            nan = torch.full((n,), float("nan"))
+            frames.append(
+                pd.DataFrame(
+                    {
+                        "layer": layer,
+                        "head": torch.cat([e.head, torch.full((n,), -1)]).numpy(),
+                        "source": torch.cat([e.key, torch.arange(n)]).numpy(),
+                        "target": torch.cat([e.query, torch.arange(n)]).numpy(),
+                        "attention": torch.cat([e.attention, nan]).numpy(),
+                        "relative_norm": torch.cat([e.relative_norm, nan]).numpy(),
+                        "cosine": torch.cat([e.cosine, nan]).numpy(),
+                        "weight": torch.cat([e.weight, value.residual.float()]).numpy(),
+                    }
+                )
+            )
+        table = pd.concat(frames, ignore_index=True)
+        table = table[table["weight"].abs() >= min_abs_weight].reset_index(drop=True)
+        table.insert(3, "source_token", [tokens[i] for i in table["source"]])
+        table.insert(5, "target_token", [tokens[i] for i in table["target"]])
+        return table
+
+    def figures(self) -> dict[str, Any]:
+        """``{"graph": ..., "rollout": ...}``: the pruned graph and the rollout heatmap (plotly)."""
+        from contribution_lens.views import plot
+
+        return {"graph": plot.flow_graph(self), "rollout": plot.flow_rollout(self)}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the mixings, residual terms and edges to one ``.safetensors`` file."""
+        from safetensors.torch import save_file
+
+        target = Path(path)
+        if target.is_dir():
+            raise IsADirectoryError(f"{target} is a folder; give a file path such as {target / 'flow.safetensors'}")
+        tensors = {"tokens": self.tokens.cpu().contiguous(), "attention_mask": self.attention_mask.cpu().contiguous()}
+        for layer, value in self.items():
+            tensors[f"{layer}.mixing"] = value.mixing.contiguous().clone()
+            tensors[f"{layer}.residual"] = value.residual.contiguous().clone()
+            for f in fields(FlowEdges):
+                tensors[f"{layer}.edges.{f.name}"] = getattr(value.edges, f.name).contiguous().clone()
+        metadata = {
+            "format": "contribution_lens.Flow/1",
+            "n_layers": str(self.n_layers),
+            "positions": json.dumps(self.positions),
+            "threshold": repr(self.threshold),
+            "str_tokens": json.dumps(self.str_tokens),
+        }
+        with atomic_path(target) as staging:
+            save_file(tensors, str(staging), metadata=metadata)
+        return target
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "Flow":
+        """Read a file written by `save`."""
+        from safetensors import safe_open
+
+        source = Path(path)
+        if not source.is_file():
+            raise FileNotFoundError(f"no saved Flow at {source}")
+        with safe_open(str(source), framework="pt", device="cpu") as handle:
+            metadata = handle.metadata() or {}
+            if metadata.get("format") != "contribution_lens.Flow/1":
+                raise ValueError(f"{source} was not written by Flow.save (format {metadata.get('format')!r})")
+            n_layers = int(metadata["n_layers"])
+            layers = {
+                layer: FlowLayer(
+                    handle.get_tensor(f"{layer}.mixing"),
+                    handle.get_tensor(f"{layer}.residual"),
+                    FlowEdges(**{f.name: handle.get_tensor(f"{layer}.edges.{f.name}") for f in fields(FlowEdges)}),
+                )
+                for layer in range(n_layers)
+            }
+            tokens, mask = handle.get_tensor("tokens"), handle.get_tensor("attention_mask")
+        return cls(
+            layers,
+            positions=json.loads(metadata["positions"]),
+            threshold=float(metadata["threshold"]),
+            tokens=tokens,
+            attention_mask=mask,
+            str_tokens=json.loads(metadata["str_tokens"]),
+            n_layers=n_layers,
+        )
+
+
+def _as_list(value: int | Sequence[int]) -> list[int]:
+    return [value] if isinstance(value, int) else list(value)
+
+
+def _position(position: Any, n: int) -> int:
+    position = adapter.as_index(position, "a position is an integer")
+    if not -n <= position < n:
+        raise IndexError(f"position {position} does not exist: the text has {n} tokens (0..{n - 1})")
+    return position % n
+
+
+def flow(
+    model: adapter.Model,
+    inputs: str | Tensor,
+    position: int | Sequence[int] = -1,
+    *,
+    threshold: float = DEFAULT_THRESHOLD,
+    prepend_bos: bool = True,
+) -> Flow:
+    """The signed token mixing of every layer and its rollout at ``position``, in one forward pass.
+
+    Args:
+        model: a TransformerLens ``TransformerBridge`` (decoder or encoder).
+        inputs: one text, or token ids ``[pos]`` / ``[1 pos]``.
+        position: the explained position(s) (negative ones count from the end); several share
+            the one pass (``flow.at(p)`` picks one).
+        threshold: the smallest ``|w_ij^h|`` kept as an edge of the graph.
+        prepend_bos: prepend the tokenizer's BOS to a text.
+
+    Every layer keeps its ``[query key]`` mixing (``n_layers * pos^2`` floats) and the edges
+    above ``threshold``; the per-head ``[head query key]`` weights live only inside the layer's hook.
+    """
+    if isinstance(inputs, Tensor) and inputs.ndim == 2 and inputs.shape[0] != 1:
+        raise ValueError(f"flow explains one text: got a batch of {inputs.shape[0]} token rows")
+    if not isinstance(inputs, str | Tensor):
+        raise TypeError(f"flow explains one text (a str or token ids), got {type(inputs).__name__}")
+    if not threshold > 0:
+        raise ValueError(f"threshold must be positive, got {threshold}")
+    batch = adapter.to_token_batch(model, inputs, prepend_bos=prepend_bos)
+    n = batch.tokens.shape[1]
+    positions = [_position(p, n) for p in _as_list(position)]  # bad positions fail before the pass
+    results = map_layers(
+        model,
+        batch,
+        lambda layer: _flow_layer(model, layer, threshold),
+        capture=adapter.flow_capture(model),
+    )
+    return Flow.from_results(results, positions=positions, threshold=threshold)

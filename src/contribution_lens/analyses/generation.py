@@ -1,0 +1,234 @@
+"""Explaining a generated answer: every new token's logit attribution from one teacher-forced pass.
+
+Generation itself is a greedy loop (one forward pass per new token, no key-value cache: the
+bridge's own ``generate()`` needs ``use_past_kv_cache=False`` for its hooks to see every position).
+Then prompt and answer run once more, together: step ``k`` explains the logit of answer token
+``k`` at the position before it, with every position's terms read from that single pass.
+
+    >>> import contribution_lens as cl
+    >>> model = cl.load_model()
+    >>> explained = cl.explain_generation(model, "The capital of France is", max_new_tokens=3)
+    >>> explained[0].token
+    ' Paris'
+    >>> all(abs(step.attribution.total() - step.attribution.logit) < 1e-3 for step in explained)
+    True
+"""
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, overload
+
+import pandas as pd
+import torch
+from jaxtyping import Int
+from torch import Tensor
+from tqdm.auto import tqdm
+
+from contribution_lens import adapter
+from contribution_lens.analyses.flow import DEFAULT_THRESHOLD, Flow, _flow_layer
+from contribution_lens.analyses.logit_attribution import (
+    LogitAttribution,
+    TokenLike,
+    attribute_with,
+    check_decoder,
+    one_text,
+    token_id,
+)
+
+
+@dataclass(frozen=True, eq=False)
+class GenerationStep:
+    """One generated token: which it is, where it was predicted, and why.
+
+    ``attribution`` splits its logit into direct terms (`LogitAttribution`); ``flow`` is the
+    token mixing of every layer, rolled out at ``position`` (`contribution_lens.flow`), or None
+    when `explain_generation` ran with ``flow=False``.
+    """
+
+    token: str
+    token_id: int
+    position: int
+    """The position whose next-token prediction this token is (the token itself sits at ``position + 1``)."""
+    attribution: LogitAttribution
+    flow: Flow | None = None
+
+    def __repr__(self) -> str:
+        key = int(self.attribution.by_key().idxmax())
+        return (
+            f"GenerationStep({self.token!r} from position {self.position}, logit {self.attribution.logit:.4g}, "
+            f"top key {key}:{self.attribution.str_tokens[key]!r})"
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class GenerationExplanation(Sequence[GenerationStep]):
+    """A prompt, the answer generated from it and one `GenerationStep` per answer token."""
+
+    prompt: str | None
+    tokens: Int[Tensor, " pos"]
+    str_tokens: list[str]
+    prompt_length: int
+    """Tokens of the prompt (BOS included): the answer starts at this position."""
+    steps: tuple[GenerationStep, ...]
+
+    @property
+    def answer(self) -> str:
+        return "".join(step.token for step in self.steps)
+
+    @overload
+    def __getitem__(self, index: int) -> GenerationStep: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[GenerationStep]: ...
+    def __getitem__(self, index: int | slice) -> GenerationStep | Sequence[GenerationStep]:
+        return self.steps[index]
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __iter__(self) -> Iterator[GenerationStep]:
+        return iter(self.steps)
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """One row per answer token: its logit, the key with the largest attention terms and theirs, the MLPs' sum."""
+        rows = []
+        for index, step in enumerate(self.steps):
+            keys = step.attribution.by_key()
+            top = int(keys.idxmax())
+            rows.append(
+                {
+                    "step": index,
+                    "position": step.position,
+                    "token": step.token,
+                    "logit": step.attribution.logit,
+                    "top_key": top,
+                    "top_key_token": self.str_tokens[top],
+                    "top_key_value": float(keys[top]),
+                    "attention": float(keys.sum()),
+                    "mlp": float(step.attribution.mlp.sum()),
+                }
+            )
+        return pd.DataFrame(rows).set_index("step")
+
+    def key_matrix(self) -> pd.DataFrame:
+        """Rows: answer tokens; columns: key positions; each cell the key's attention terms (0 where unseen)."""
+        width = len(self.str_tokens)
+        rows = {}
+        for index, step in enumerate(self.steps):
+            keys = step.attribution.by_key()
+            rows[f"{index}:{step.token}"] = keys.reindex(range(width), fill_value=0.0).to_numpy()
+        table = pd.DataFrame.from_dict(
+            rows, orient="index", columns=[f"{j}:{t}" for j, t in enumerate(self.str_tokens)]
+        )
+        return table.iloc[:, : max(1, width - 1)]
+
+    def figures(self) -> dict[str, Any]:
+        """``keys``: the answer tokens x keys heatmap of attention terms."""
+        from contribution_lens.views import plot
+
+        return {"keys": plot.generation_keys(self)}
+
+    def __repr__(self) -> str:
+        return (
+            f"GenerationExplanation({len(self.steps)} tokens: {self.answer!r}, prompt of {self.prompt_length} tokens)"
+        )
+
+
+def greedy_tokens(
+    model: adapter.Model, prompt: Int[Tensor, " pos"], max_new_tokens: int, *, stop_at_eos: bool = True
+) -> Int[Tensor, " new"]:
+    """Greedy continuation of ``prompt``: one full forward pass per new token (no key-value cache)."""
+    tokens = prompt.clone()
+    eos = getattr(getattr(model, "tokenizer", None), "eos_token_id", None)
+    new: list[int] = []
+    for _ in tqdm(range(max_new_tokens), desc="generating", leave=False):
+        adapter.check_length(model, tokens.shape[0] + 1, "prompt and answer")
+        batch = adapter.TokenBatch(tokens[None], torch.ones(1, tokens.shape[0], dtype=torch.bool), [[]])
+        next_id = int(adapter.forward(model, batch)[0, -1].argmax())
+        new.append(next_id)
+        tokens = torch.cat([tokens, torch.tensor([next_id], device=tokens.device)])
+        if stop_at_eos and eos is not None and next_id == int(eos):
+            break
+    return torch.tensor(new, dtype=torch.long)
+
+
+def _answer_ids(model: adapter.Model, answer: str | Sequence[TokenLike] | Tensor) -> list[int]:
+    if isinstance(answer, str):
+        ids = model.tokenizer.encode(answer, add_special_tokens=False)
+    elif isinstance(answer, Tensor):
+        ids = answer.reshape(-1).tolist()
+    else:
+        ids = [token_id(model, token, "answer token") for token in answer]
+    checked = [token_id(model, int(i), "answer token") for i in ids]
+    if not checked:
+        raise ValueError("answer is empty: there is no token to explain")
+    return checked
+
+
+def explain_generation(
+    model: adapter.Model,
+    prompt: str | Tensor,
+    max_new_tokens: int = 20,
+    *,
+    answer: str | Sequence[TokenLike] | Tensor | None = None,
+    stop_at_eos: bool = True,
+    flow: bool = True,
+    threshold: float = DEFAULT_THRESHOLD,
+    prepend_bos: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> GenerationExplanation:
+    """Generate greedily from ``prompt`` (or take ``answer``) and explain every answer token's logit.
+
+    Step ``k`` is `contribution_lens.logit_attribution` of answer token ``k`` at the position
+    before it, and (with ``flow``) `contribution_lens.flow` rolled out at that position; all
+    steps, attributions and flows, come from one teacher-forced forward pass over prompt + answer.
+
+    Args:
+        model: a decoder ``TransformerBridge`` with an LM head.
+        prompt: a text (BOS prepended) or token ids ``[pos]``.
+        max_new_tokens: how many tokens to generate at most (greedy decoding).
+        answer: explain this continuation instead of generating one (a text, tokens or ids).
+        stop_at_eos: stop generating after the tokenizer's end-of-sequence token.
+        flow: also compute every step's flow in the same pass (``step.flow``).
+        threshold: the flow graph's smallest kept edge weight (see `contribution_lens.flow`).
+        prepend_bos: prepend the tokenizer's BOS to a text prompt.
+        dtype: accumulation dtype of the terms.
+    """
+    check_decoder(model)
+    if answer is None and (
+        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
+    ):
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    batch = one_text(model, prompt, prepend_bos)
+    prompt_ids = batch.tokens[0]
+    if answer is None:
+        new = greedy_tokens(model, prompt_ids, max_new_tokens, stop_at_eos=stop_at_eos).tolist()
+    else:
+        new = _answer_ids(model, answer)
+    full = torch.cat([prompt_ids, torch.tensor(new, dtype=torch.long, device=prompt_ids.device)])
+    adapter.check_length(model, full.shape[0], "prompt and answer")
+    whole = adapter.to_token_batch(model, full)
+    start = prompt_ids.shape[0]
+    positions = list(range(start - 1, start - 1 + len(new)))
+    also = (lambda layer: _flow_layer(model, layer, threshold)) if flow else None
+    capture = adapter.flow_capture(model) if flow else ()
+    explained, flows = attribute_with(
+        model, whole, positions, new, [None] * len(new), dtype=dtype, also=also, also_capture=capture
+    )
+    shared = None if flows is None else Flow.from_results(flows, positions=positions, threshold=threshold)
+    steps = tuple(
+        GenerationStep(
+            token=result.target_token,
+            token_id=result.target,
+            position=result.position,
+            attribution=result,
+            flow=None if shared is None else shared.at(result.position),
+        )
+        for result in explained
+    )
+    return GenerationExplanation(
+        prompt=prompt if isinstance(prompt, str) else None,
+        tokens=whole.tokens[0].cpu(),
+        str_tokens=whole.str_tokens[0],
+        prompt_length=start,
+        steps=steps,
+    )

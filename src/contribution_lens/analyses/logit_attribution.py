@@ -1,0 +1,558 @@
+"""Logit attribution by key: a next-token logit (or a logit difference) split into exact signed terms.
+
+At position ``i`` the logit of token ``t`` is ``<N(x_i), W_U[:, t]> + b_U[t]``, with ``x_i`` the
+residual stream after the last block and ``N`` the final norm. With ``N``'s scale frozen at ``i``
+(its value in this forward pass) ``N`` is affine, so with ``u = W_U[:, t] - W_U[:, f]`` (``f`` the
+foil; no foil: ``u = W_U[:, t]``) seen through the norm, ``u_N = P(g * u) / s_i``,
+
+    logit = <x_i, u_N> + <b_N, u> + b_U[t] - b_U[f]
+    x_i   = embed_i + sum_l (attn_out_l,i + mlp_l,i)
+    <attn_out_l,i, u_N> = sum_h sum_j alpha_ij^h <vt_j^h, u_l> + <b_O, u_l>
+
+where ``vt_j^h = v_j^h W_O^h`` and ``u_l = u_N``, or, where the attention output is normed before it
+joins the residual stream (Gemma 2/3), that norm's own pull-back of ``u_N`` with its scale frozen
+at ``i`` too (its bias then adds a term). Each key's term is computed as
+``alpha * (v @ (W_O u_l))``: no ``[head key d_model]`` vector is ever formed. Every term is a direct
+effect: what that component writes into the residual stream, read by the unembedding. What it
+causes through later layers is counted in those layers' terms, not in its own.
+
+Exact: the terms add up to the model's own logit (the unembedding's output; where a model
+soft-caps its logits, Gemma 2's ``c * tanh(z / c)``, the ``z`` before the cap), checked on every
+call. Frozen: the final norm's scale (and the post-attention norms' scales): a term says what the
+logit would lose if that component's output were removed *and the scales stayed as they are*.
+
+    >>> import contribution_lens as cl
+    >>> model = cl.load_model()
+    >>> text = "When Mary and John went to the store, John gave a drink to"
+    >>> result = cl.logit_attribution(model, text, target=" Mary", foil=" John")
+    >>> bool(abs(result.to_dataframe()["value"].sum() - result.logit) < 1e-4 * max(1.0, abs(result.logit)))
+    True
+    >>> result.str_tokens[int(result.by_key().idxmax())]
+    ' Mary'
+"""
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import einops
+import pandas as pd
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from contribution_lens import adapter
+from contribution_lens.engine import LayerResults, map_layers
+from contribution_lens.files import atomic_path
+
+TOLERANCE = 1e-3
+"""Relative gap between the sum of the terms and the model's logit above which a call fails."""
+_FORMAT = "contribution_lens.LogitAttribution/1"
+_TENSORS = ("tokens", "attention", "attention_bias", "post_norm_bias", "mlp")
+_SCALARS = ("embed", "final_norm_bias", "unembed_bias", "logit")
+
+
+@dataclass(frozen=True, eq=False)
+class LogitAttribution:
+    """Signed terms that add up to one next-token logit (or logit difference) of a decoder.
+
+    ``attention[l, h, j]`` is key ``j``'s term through head ``h`` of layer ``l``; the others are
+    one number per layer (``mlp``, ``attention_bias`` = ``b_O``, ``post_norm_bias``) or per model
+    (``embed``, ``final_norm_bias``, ``unembed_bias``). ``logit`` is the model's own value, and
+    ``total()`` the terms' sum. Biases a model does not have are 0 and get no table row.
+    """
+
+    tokens: Int[Tensor, " pos"]
+    str_tokens: list[str]
+    position: int
+    target: int
+    target_token: str
+    foil: int | None
+    foil_token: str | None
+    logit: float
+    attention: Float[Tensor, "layer head key"]
+    attention_bias: Float[Tensor, " layer"]
+    post_norm_bias: Float[Tensor, " layer"]
+    mlp: Float[Tensor, " layer"]
+    embed: float
+    final_norm_bias: float = 0.0
+    unembed_bias: float = 0.0
+    has_biases: tuple[str, ...] = ()
+    """Which bias terms the model has: among ``b_O``, ``post_norm``, ``final_norm``, ``unembed``."""
+    softcap: float | None = None
+    """Where the model soft-caps its logits (Gemma 2: ``c * tanh(z / c)``), ``c``: `logit` is then ``z``,
+    the unembedding's output before the cap, which is what the terms add up to."""
+
+    def __post_init__(self) -> None:
+        n_layers = self.attention.shape[0]
+        for name in ("attention_bias", "post_norm_bias", "mlp"):
+            if getattr(self, name).shape != (n_layers,):
+                raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected ({n_layers},)")
+        if self.attention.shape[-1] != len(self.str_tokens) or self.tokens.shape != (len(self.str_tokens),):
+            raise ValueError(
+                f"attention covers {self.attention.shape[-1]} keys, tokens {tuple(self.tokens.shape)} "
+                f"and {len(self.str_tokens)} labels"
+            )
+        if not 0 <= self.position < len(self.str_tokens):
+            raise ValueError(f"position {self.position} is outside the {len(self.str_tokens)} tokens")
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.attention.shape[0])
+
+    @property
+    def quantity(self) -> str:
+        """What is explained, in words: ``logit(' Mary')`` or ``logit(' Mary') - logit(' John')``."""
+        if self.foil is None:
+            return f"logit({self.target_token!r})"
+        return f"logit({self.target_token!r}) - logit({self.foil_token!r})"
+
+    def total(self) -> float:
+        """The sum of every term: equals `logit` up to float rounding."""
+        parts = [self.attention.sum(), self.attention_bias.sum(), self.post_norm_bias.sum(), self.mlp.sum()]
+        return float(sum(float(p) for p in parts) + self.embed + self.final_norm_bias + self.unembed_bias)
+
+    def by_key(self) -> pd.Series:
+        """Attention terms summed over layers and heads, per key position (index ``key``)."""
+        values = self.attention[..., : self.visible].sum((0, 1)).double().numpy()
+        return pd.Series(values, index=pd.RangeIndex(self.visible, name="key"), name="value")
+
+    def by_head(self) -> pd.DataFrame:
+        """Attention terms summed over keys: rows are layers, columns heads."""
+        table = pd.DataFrame(self.attention.sum(-1).double().numpy())
+        table.index.name, table.columns.name = "layer", "head"
+        return table
+
+    def by_layer(self) -> pd.DataFrame:
+        """Per layer: the attention terms (heads and keys summed, ``b_O`` and post-norm bias apart) and the MLP's."""
+        return pd.DataFrame(
+            {
+                "attention": self.attention.sum((1, 2)).double().numpy(),
+                "attention_bias": (self.attention_bias + self.post_norm_bias).double().numpy(),
+                "mlp": self.mlp.double().numpy(),
+            },
+            index=pd.RangeIndex(self.n_layers, name="layer"),
+        )
+
+    @property
+    def visible(self) -> int:
+        """How many keys the position sees (a decoder's keys ``0..position``)."""
+        return self.position + 1
+
+    def to_dataframe(self) -> pd.DataFrame:
+        """One row per term: ``component, term, layer, head, key, key_token, value``; ``value`` sums to `logit`.
+
+        ``component`` is ``"embed"``, ``"attention"`` (one row per layer, head and visible key),
+        ``"mlp"`` (one per layer) or ``"bias"`` (``term`` says which: ``b_O``, ``post_norm``,
+        ``final_norm``, ``unembed``); ``layer``/``head``/``key`` are missing where they do not apply.
+        """
+        n_heads, keys = self.attention.shape[1], self.visible
+        grid = torch.cartesian_prod(torch.arange(self.n_layers), torch.arange(n_heads), torch.arange(keys))
+        rows = [_rows("embed", "embed", [self.embed])]
+        rows.append(
+            pd.DataFrame(
+                {
+                    "component": "attention",
+                    "term": "alpha v W_O",
+                    "layer": grid[:, 0].numpy(),
+                    "head": grid[:, 1].numpy(),
+                    "key": grid[:, 2].numpy(),
+                    "key_token": [self.str_tokens[j] for j in grid[:, 2].tolist()],
+                    "value": self.attention[..., :keys].reshape(-1).double().numpy(),
+                }
+            )
+        )
+        rows.append(_rows("mlp", "mlp", self.mlp.tolist(), layers=True))
+        per_layer = {"b_O": self.attention_bias, "post_norm": self.post_norm_bias}
+        for name, values in per_layer.items():
+            if name in self.has_biases:
+                rows.append(_rows("bias", name, values.tolist(), layers=True))
+        for name, value in (("final_norm", self.final_norm_bias), ("unembed", self.unembed_bias)):
+            if name in self.has_biases:
+                rows.append(_rows("bias", name, [value]))
+        table = pd.concat(rows, ignore_index=True)
+        for column in ("layer", "head", "key"):
+            table[column] = table[column].astype("Int64")
+        return table
+
+    def top(self, k: int = 10) -> pd.DataFrame:
+        """The ``k`` terms of largest magnitude (any component), largest first."""
+        if k < 1:
+            raise ValueError(f"k must be a positive integer, got {k}")
+        table = self.to_dataframe()
+        return table.loc[table["value"].abs().sort_values(ascending=False).index[:k]].reset_index(drop=True)
+
+    def figures(self) -> dict[str, Any]:
+        """``heads`` (layers x heads heatmap), ``keys`` (per-key bars with tokens), ``layers`` (attention vs MLP)."""
+        from contribution_lens.views import plot
+
+        return {"heads": plot.logit_heads(self), "keys": plot.logit_keys(self), "layers": plot.logit_layers(self)}
+
+    def __repr__(self) -> str:
+        key = int(self.by_key().idxmax())
+        return (
+            f"LogitAttribution({self.quantity} = {self.logit:.4g} at position {self.position}, "
+            f"layers={self.n_layers}, heads={self.attention.shape[1]}, top key {key}:{self.str_tokens[key]!r})"
+        )
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the terms to one ``.safetensors`` file (tokens, target and foil in its metadata)."""
+        from safetensors.torch import save_file
+
+        target = Path(path)
+        if target.is_dir():
+            raise IsADirectoryError(f"{target} is a folder; give a file path such as {target / 'logit.safetensors'}")
+        tensors = {name: getattr(self, name).detach().cpu().contiguous().clone() for name in _TENSORS}
+        metadata = {name: json.dumps(getattr(self, name)) for name in _SCALARS}
+        for name in ("str_tokens", "position", "target", "target_token", "foil", "foil_token", "has_biases", "softcap"):
+            metadata[name] = json.dumps(getattr(self, name))
+        metadata["format"] = _FORMAT
+        with atomic_path(target) as staging:
+            save_file(tensors, str(staging), metadata=metadata)
+        return target
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "LogitAttribution":
+        """Read a file written by `save`."""
+        from safetensors import safe_open
+
+        source = Path(path)
+        if not source.is_file():
+            raise FileNotFoundError(f"no saved LogitAttribution at {source}")
+        with safe_open(str(source), framework="pt", device="cpu") as handle:
+            metadata = handle.metadata() or {}
+            if metadata.get("format") != _FORMAT:
+                raise ValueError(
+                    f"{source} was not written by LogitAttribution.save (format {metadata.get('format')!r})"
+                )
+            tensors = {name: handle.get_tensor(name) for name in _TENSORS}
+        fields = {name: json.loads(value) for name, value in metadata.items() if name != "format"}
+        fields["has_biases"] = tuple(fields["has_biases"])
+        return cls(**tensors, **fields)
+
+
+def _rows(component: str, term: str, values: list[float], *, layers: bool = False) -> pd.DataFrame:
+    return pd.DataFrame(
+        {
+            "component": component,
+            "term": term,
+            "layer": list(range(len(values))) if layers else [None] * len(values),
+            "head": None,
+            "key": None,
+            "key_token": None,
+            "value": [float(v) for v in values],
+        }
+    )
+
+
+TokenLike = str | int
+"""A token as a string that is exactly one token (``" Mary"``, leading space included) or an id."""
+
+
+@dataclass(frozen=True, eq=False)
+class _LayerRecord:
+    """What one layer keeps for the positions being explained (everything else is dropped in the pass)."""
+
+    alpha: Float[Tensor, "head pos key"]
+    v: Float[Tensor, "key kv_head d_head"]
+    W_O: Float[Tensor, "head d_head d_model"]
+    b_O: Float[Tensor, " d_model"] | None
+    resid_pre: Float[Tensor, "pos d_model"] | None
+    """``hook_resid_pre`` of layer 0 (the embedding); None at the other layers."""
+    update: Float[Tensor, "pos d_model"]
+    """``resid_post - resid_pre``: the whole block's write into the residual stream."""
+    attn_out: Float[Tensor, "pos d_model"]
+    """``hook_attn_out``: attention's share of ``update`` (after the post-attention norm where there is one)."""
+    post_scale: Float[Tensor, " pos"] | None
+
+
+def check_decoder(model: adapter.Model) -> None:
+    """Refuse, before any pass, a model whose next-token logits this analysis cannot split."""
+    adapter.n_layers(model)
+    if not adapter.is_causal_model(model):
+        raise ValueError(
+            "logit attribution explains a decoder's next-token logit; this model's attention is bidirectional "
+            "(an encoder such as BERT), and its masked-LM head transforms the residual stream non-linearly"
+        )
+    adapter.unembedding(model)
+
+
+def token_id(model: adapter.Model, token: TokenLike, what: str) -> int:
+    """``token`` as an id of the model's vocabulary; a string must be exactly one token.
+
+    Example:
+        >>> import contribution_lens as cl
+        >>> from contribution_lens.analyses.logit_attribution import token_id
+        >>> model = cl.load_model()
+        >>> model.tokenizer.decode([token_id(model, " Mary", "target")])
+        ' Mary'
+        >>> token_id(model, 9, "target")
+        9
+    """
+    d_vocab = int(adapter.unembedding(model)[0].shape[1])
+    if isinstance(token, str):
+        tokenizer = getattr(model, "tokenizer", None)
+        if tokenizer is None:
+            raise ValueError(f"{what} {token!r} is a string, but this model has no tokenizer: pass a token id")
+        ids = tokenizer.encode(token, add_special_tokens=False)
+        if len(ids) != 1:
+            pieces = [tokenizer.decode([i]) for i in ids]
+            raise ValueError(
+                f"{what} {token!r} is {len(ids)} tokens for this tokenizer ({pieces}); give exactly one token, "
+                "as a string or an id (a leading space is part of a token: ' Mary', not 'Mary')"
+            )
+        return int(ids[0])
+    index = adapter.as_index(token, f"{what} must be a token string or an integer id")
+    if not 0 <= index < d_vocab:
+        raise ValueError(f"{what} id {index} is outside the model's vocabulary of {d_vocab} ids (0..{d_vocab - 1})")
+    return index
+
+
+def check_position(position: Any, length: int) -> int:
+    """``position`` as an index into ``length`` tokens (negative ones count from the end)."""
+    index = adapter.as_index(position, "position must be an integer")
+    if not -length <= index < length:
+        raise ValueError(
+            f"position {index} does not exist: the text has {length} tokens (positions {-length}..{length - 1})"
+        )
+    return index % length
+
+
+def one_text(model: adapter.Model, text: str | Tensor, prepend_bos: bool) -> adapter.TokenBatch:
+    """One text (or one row of token ids) as a batch of one."""
+    if not isinstance(text, str | Tensor):
+        raise TypeError(f"text must be one string or a tensor of token ids, got {type(text).__name__}")
+    if isinstance(text, Tensor) and text.ndim == 2 and text.shape[0] != 1:
+        raise ValueError(f"logit attribution explains one text at a time; got a batch of {text.shape[0]}")
+    return adapter.to_token_batch(model, text, prepend_bos=prepend_bos)
+
+
+def _recorder(model: adapter.Model, positions: Tensor) -> Any:
+    def record(layer: adapter.LayerInputs) -> _LayerRecord:
+        pre = layer.captured[adapter.RESID_PRE][0]
+        post = layer.captured[adapter.RESID_POST][0]
+        scale = adapter.captured_post_scale(model, layer)
+        rows = positions.to(pre.device)
+        return _LayerRecord(
+            alpha=layer.pattern[0][:, rows, :],
+            v=layer.v[0],
+            W_O=layer.W_O,
+            b_O=layer.b_O,
+            resid_pre=pre[rows] if layer.layer == 0 else None,
+            update=post[rows] - pre[rows],
+            attn_out=layer.captured[adapter.ATTN_OUT][0][rows],
+            post_scale=None if scale is None else scale[0, rows],
+        )
+
+    return record
+
+
+def _dot(bias: Tensor | None, direction: Tensor) -> Tensor:
+    if bias is None:
+        return torch.zeros(direction.shape[:-1], dtype=direction.dtype, device=direction.device)
+    return direction @ bias.to(direction)
+
+
+def _layer_terms(
+    model: adapter.Model, layer: int, record: _LayerRecord, u: Float[Tensor, "pos d_model"]
+) -> dict[str, Tensor]:
+    """One layer's terms for every explained position: ``attention`` ``[pos head key]``, the rest ``[pos]``."""
+    dtype = u.dtype
+    norm = adapter.post_attention_norm(model, layer)
+    u_layer = u if norm is None or record.post_scale is None else norm.pull_back(u, record.post_scale)
+    # <alpha_ij vt_j, u> = alpha_ij * (v_j @ (W_O u)): the projected values are never formed.
+    read = einops.einsum(record.W_O.to(dtype), u_layer, "head d_head d_model, pos d_model -> pos head d_head")
+    n_heads, n_kv = record.alpha.shape[0], record.v.shape[1]
+    values = record.v.to(dtype).repeat_interleave(n_heads // n_kv, dim=1)
+    per_key = einops.einsum(values, read, "key head d_head, pos head d_head -> pos head key")
+    alpha = einops.rearrange(record.alpha.to(dtype), "head pos key -> pos head key")
+    return {
+        "attention": alpha * per_key,
+        "attention_bias": _dot(record.b_O, u_layer),
+        "post_norm_bias": _dot(None if norm is None else norm.bias, u),
+        "mlp": ((record.update - record.attn_out).to(dtype) * u).sum(-1),
+    }
+
+
+def _directions(
+    model: adapter.Model, targets: list[int], foils: list[int | None], dtype: torch.dtype
+) -> tuple[Float[Tensor, "pos d_model"], Float[Tensor, " pos"]]:
+    """``W_U[:, t] - W_U[:, f]`` per explained position, and ``b_U[t] - b_U[f]``."""
+    W_U, b_U = adapter.unembedding(model)
+    rows = W_U[:, targets].T.to(dtype)
+    bias = torch.zeros(len(targets), dtype=dtype, device=rows.device) if b_U is None else b_U[targets].to(dtype)
+    for index, foil in enumerate(foils):
+        if foil is not None:
+            rows[index] -= W_U[:, foil].to(dtype)
+            if b_U is not None:
+                bias[index] -= b_U[foil].to(dtype)
+    return rows, bias
+
+
+def _check_total(model: adapter.Model, result: LogitAttribution) -> None:
+    total = result.total()
+    gap = abs(total - result.logit) / max(1.0, abs(result.logit))
+    if not gap <= TOLERANCE:
+        raise RuntimeError(
+            f"the terms of {result.quantity} at position {result.position} add up to {total:.6g} but the model's "
+            f"value is {result.logit:.6g} (relative gap {gap:.2g}): {type(model).__name__}'s residual stream or "
+            "norms are not wired the way the adapter reads them"
+        )
+
+
+def attribute_positions(
+    model: adapter.Model,
+    batch: adapter.TokenBatch,
+    positions: Sequence[int],
+    targets: Sequence[int | None],
+    foils: Sequence[int | None],
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> list[LogitAttribution]:
+    """`LogitAttribution` at every position of ``positions`` of a batch of one, from one forward pass.
+
+    ``targets[k]`` is the token explained at ``positions[k]`` (None: the model's top prediction
+    there); ``foils[k]`` the token it is contrasted with, or None. Memory: per layer the pattern's
+    rows at those positions and ``hook_v``; the largest intermediate is ``[pos head key]``.
+    """
+    return attribute_with(model, batch, positions, targets, foils, dtype=dtype)[0]
+
+
+def attribute_with(
+    model: adapter.Model,
+    batch: adapter.TokenBatch,
+    positions: Sequence[int],
+    targets: Sequence[int | None],
+    foils: Sequence[int | None],
+    *,
+    dtype: torch.dtype = torch.float32,
+    also: Callable[[adapter.LayerInputs], Any] | None = None,
+    also_capture: Sequence[str] = (),
+) -> tuple[list[LogitAttribution], LayerResults[Any] | None]:
+    """`attribute_positions`, and another per-layer function ``also`` run in the same pass (its results second)."""
+    store: dict[str, Tensor] = {}
+    rows = torch.tensor(list(positions), dtype=torch.long)
+    record = _recorder(model, rows)
+    capture = list(dict.fromkeys([*adapter.residual_capture(model), *also_capture]))
+    both = map_layers(
+        model,
+        batch,
+        record if also is None else (lambda layer: (record(layer), also(layer))),
+        capture=capture,
+        keep_logits=True,
+        extra_hooks=adapter.final_hooks(model, rows.tolist(), store),
+    )
+    records = both if also is None else both.map(lambda pair: pair[0])
+    extra = None if also is None else both.map(lambda pair: pair[1])
+    return _assemble(model, batch, rows.tolist(), targets, foils, records, store, dtype), extra
+
+
+def _assemble(
+    model: adapter.Model,
+    batch: adapter.TokenBatch,
+    positions: list[int],
+    targets: Sequence[int | None],
+    foils: Sequence[int | None],
+    records: LayerResults[_LayerRecord],
+    store: dict[str, Tensor],
+    dtype: torch.dtype,
+) -> list[LogitAttribution]:
+    """The terms of every explained position from what the pass kept, each checked against the model's value."""
+    logits = store["logits"].to(dtype)
+    chosen = [int(logits[k].argmax()) if t is None else int(t) for k, t in enumerate(targets)]
+    for position, target, foil in zip(positions, chosen, foils, strict=True):
+        if foil is not None and foil == target:
+            raise ValueError(f"foil {foil} is the top prediction at position {position}: the difference would be 0")
+    direction, unembed_bias = _directions(model, chosen, list(foils), dtype)
+    final = adapter.final_norm(model)
+    u = direction if final is None else final.pull_back(direction, store["final_scale"].reshape(-1))
+    final_bias = _dot(None if final is None else final.bias, direction)
+    first = records[0].resid_pre
+    assert first is not None  # layer 0 keeps the embedding
+    embed = (first.to(dtype) * u).sum(-1)
+    per_layer = [_layer_terms(model, layer, record, u) for layer, record in records.items()]
+    stacked = {name: torch.stack([terms[name] for terms in per_layer], dim=1).cpu() for name in per_layer[0]}
+    has = _biases(model, records, final)
+    results = []
+    for k, (position, target, foil) in enumerate(zip(positions, chosen, foils, strict=True)):
+        value = logits[k, target] - (0.0 if foil is None else logits[k, foil])
+        result = LogitAttribution(
+            tokens=batch.tokens[0].cpu(),
+            str_tokens=batch.str_tokens[0],
+            position=position,
+            target=target,
+            target_token=adapter.token_labels(model, [target])[0],
+            foil=foil,
+            foil_token=None if foil is None else adapter.token_labels(model, [foil])[0],
+            logit=float(value),
+            **{name: tensor[k] for name, tensor in stacked.items()},
+            embed=float(embed[k]),
+            final_norm_bias=float(final_bias[k]),
+            unembed_bias=float(unembed_bias[k]),
+            has_biases=has,
+            softcap=adapter.logit_softcap(model),
+        )
+        _check_total(model, result)
+        results.append(result)
+    return results
+
+
+def _biases(model: adapter.Model, records: Any, final: adapter.FrozenNorm | None) -> tuple[str, ...]:
+    names = []
+    if any(record.b_O is not None for record in records.values()):
+        names.append("b_O")
+    if any(
+        (norm := adapter.post_attention_norm(model, layer)) is not None and norm.bias is not None for layer in records
+    ):
+        names.append("post_norm")
+    if final is not None and final.bias is not None:
+        names.append("final_norm")
+    if adapter.unembedding(model)[1] is not None:
+        names.append("unembed")
+    return tuple(names)
+
+
+def logit_attribution(
+    model: adapter.Model,
+    text: str | Tensor,
+    target: TokenLike | None = None,
+    foil: TokenLike | None = None,
+    position: int = -1,
+    *,
+    prepend_bos: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> LogitAttribution:
+    """Split the logit of ``target`` at ``position`` (or ``logit(target) - logit(foil)``) into exact signed terms.
+
+    Every layer, head and key gets ``alpha_ij^h <vt_j^h, u_l>``; the embedding, every MLP, ``b_O``,
+    the norms' biases and the unembedding bias get the rest, and all of them add up to the model's
+    own value (see the module's docstring for the maths and what is frozen).
+
+    Args:
+        model: a decoder ``TransformerBridge`` with an LM head.
+        text: one text (BOS prepended) or token ids ``[pos]``.
+        target: the token whose logit is explained, as a one-token string (``" Mary"``) or an id;
+            None: the model's top prediction at ``position``.
+        foil: a token to contrast with ("why Mary and not John"): the difference is explained.
+        position: the position whose next-token prediction is explained (negative: from the end).
+        prepend_bos: prepend the tokenizer's BOS to a text.
+        dtype: accumulation dtype of the terms (float32; float64 for a tighter sum).
+
+    Example:
+        >>> import contribution_lens as cl
+        >>> model = cl.load_model()
+        >>> result = cl.logit_attribution(model, "The capital of France is")
+        >>> result.target_token, result.by_head().shape
+        (' Paris', (30, 9))
+    """
+    check_decoder(model)
+    target_id = None if target is None else token_id(model, target, "target")
+    foil_id = None if foil is None else token_id(model, foil, "foil")
+    if foil_id is not None and foil_id == target_id:
+        raise ValueError(f"foil {foil!r} is the target: logit(target) - logit(foil) would be 0 by definition")
+    batch = one_text(model, text, prepend_bos)
+    index = check_position(position, batch.tokens.shape[1])
+    return attribute_positions(model, batch, [index], [target_id], [foil_id], dtype=dtype)[0]
