@@ -197,3 +197,19 @@ def test_alti_rollout_is_the_product_of_the_naive_layers() -> None:
 
 
 # --- through the harness -------------------------------------------------------------------
+
+
+def test_alti_without_prepare_reads_the_form_from_the_context_model_or_says_what_it_needs() -> None:
+    model = tiny_bridge("gqa", biases=True)
+    batch = tiny_batch(model)
+    method = cl.get_method("alti")
+    prepared = method_scores(model, batch, "alti", [1])[1]
+
+    def score(context):
+        return cl.map_layers(
+            model, batch, lambda layer: method.token_scores(layer, context), layers=[1], capture=method.capture
+        )[1]
+
+    assert_close(score(cl.ScoreContext(model=model)), prepared)
+    with pytest.raises(ValueError, match=r"ALTI needs the block form of layer 1: pass ScoreContext\(model=model\)"):
+        score(cl.ScoreContext())

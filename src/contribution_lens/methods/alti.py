@@ -153,12 +153,18 @@ def alti_layer(layer: adapter.LayerInputs, norm: adapter.PostNorm | None) -> Flo
 
 
 def alti_score(layer: adapter.LayerInputs, context: ScoreContext) -> Float[Tensor, "batch query key"]:
-    """Registered ``alti``: `alti_layer` in the form its ``prepare`` (`block_norms`) found."""
-    if not isinstance(context.prepared, dict) or layer.layer not in context.prepared:
+    """Registered ``alti``: `alti_layer` in the form its ``prepare`` (`block_norms`) found.
+
+    Without prepared state the form is read from ``context.model`` (the probe is cached per model).
+    """
+    if isinstance(context.prepared, dict) and layer.layer in context.prepared:
+        return alti_layer(layer, context.prepared[layer.layer])
+    if context.model is None:
         raise ValueError(
-            f"no prepared block form for layer {layer.layer}: run the method's prepare on this batch first"
+            f"ALTI needs the block form of layer {layer.layer}: pass ScoreContext(model=model) or run the "
+            "method's prepare on this batch first"
         )
-    return alti_layer(layer, context.prepared[layer.layer])
+    return alti_layer(layer, block_norms(context.model, [layer.layer])[layer.layer])
 
 
 def alti_rollout_scores(
