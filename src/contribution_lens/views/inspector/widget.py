@@ -132,6 +132,8 @@ class Inspector(anywidget.AnyWidget):
             # Hide module/define so the UMD bundle sets globalThis.Plotly whatever loader the page has.
             source = "(function (module, exports, define) {\n" + plotly.offline.get_plotlyjs() + "\n})();"
             self.send({"type": "plotly", "source": source})
+        elif content.get("type") == "ping":  # the front-end asks whether a kernel is there
+            self.send({"type": "pong"})
 
     def render_html(
         self, *, layers: Sequence[int] | None = None, start: int | None = None, tokens: int | None = None
