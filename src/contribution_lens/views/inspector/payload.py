@@ -24,15 +24,18 @@ as do the colour scales: the page holds no constant of its own.
 """
 
 import base64
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import einops
 import numpy as np
 import torch
 from jaxtyping import Float
 from plotly.colors import get_colorscale
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from contribution_lens import adapter
 from contribution_lens.choices import FACTORS, SCOPES, Factor, Scope
@@ -61,8 +64,20 @@ ARRAYS: dict[str, str] = {
     "all_attention": "attention",
     **{f"all_{factor}_{scope}": codec for scope in SCOPES for factor, codec in
        (("cosine", "cosine"), ("relative_norm", "half"), ("contribution", "half"))},
+    "group_attention": "attention",
+    **{f"group_{factor}_{scope}": codec for scope in SCOPES for factor, codec in
+       (("cosine", "cosine"), ("relative_norm", "half"), ("contribution", "half"))},
+    **{f"total_{scope}": "exact" for scope in SCOPES},
+    **{f"all_total_{scope}": "exact" for scope in SCOPES},
+    **{f"group_total_{scope}": "exact" for scope in SCOPES},
 }  # fmt: skip
-"""Each array of a layer's payload and the codec it is written in (where its values fit)."""
+"""Each array of a layer's payload and the codec it is written in (where its values fit).
+
+``group_*`` (``[kv_head cell]``, only where several query heads share a value head) combine the
+heads of one KV group as ``all_*`` combine every head. ``total_{scope}`` ``[head query]``,
+``all_total_{scope}`` ``[query]`` and ``group_total_{scope}`` ``[kv_head query]`` are each
+query's contribution summed over all its keys (inside the window or not): `hide_sink` needs them.
+"""
 HALF_MAX = float(np.finfo(np.float16).max)
 
 
@@ -119,13 +134,24 @@ def token_label(position: int, token: str) -> str:
 
 
 def quantise(values: np.ndarray, codec: str) -> np.ndarray:
-    """``values`` in the codec's numbers (`CODECS`)."""
+    """``values`` in the codec's numbers (`CODECS`); torch does the arithmetic (NumPy's float16 cast is slow)."""
     spec = CODECS[codec]
+    x = torch.from_numpy(np.ascontiguousarray(values))
     if spec["kind"] == "sqrt":
-        return np.rint(np.sqrt(np.clip(values, 0.0, 1.0)) * spec["levels"]).astype(np.uint16)
+        return (
+            x.to(torch.float32)
+            .clamp(0.0, 1.0)
+            .sqrt_()
+            .mul_(spec["levels"])
+            .round_()
+            .to(torch.int32)
+            .numpy()
+            .astype(np.uint16)
+        )
     if spec["kind"] == "linear":
-        return (np.rint(np.clip(values, -1.0, 1.0) * spec["levels"]) + spec["offset"]).astype(np.uint16)
-    return np.asarray(values, dtype=np.float16 if spec["kind"] == "float16" else np.float32)
+        codes = x.to(torch.float32).clamp(-1.0, 1.0).mul_(spec["levels"]).round_().add_(spec["offset"])
+        return codes.to(torch.int32).numpy().astype(np.uint16)
+    return x.to(torch.float16 if spec["kind"] == "float16" else torch.float32).numpy()
 
 
 def dequantise(codes: np.ndarray, codec: str) -> np.ndarray:
@@ -178,7 +204,165 @@ def _cut(values: Float[Tensor, "*head query key"], window: Window) -> np.ndarray
     return rows[..., window.mask]
 
 
-def layer_payload(inter: Decomposition, intra: Decomposition, window: Window, *, index: int = 0) -> dict[str, Any]:
+def kv_groups(n_heads: int, n_kv_heads: int) -> list[list[int]]:
+    """The query heads reading each value head (GQA/MQA): head ``h`` reads kv head ``h // (n_heads / n_kv_heads)``.
+
+    Example:
+        >>> kv_groups(9, 3)
+        [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    """
+    if n_kv_heads < 1 or n_heads % n_kv_heads:
+        raise ValueError(f"{n_kv_heads} kv heads do not divide {n_heads} query heads")
+    size = n_heads // n_kv_heads
+    return [list(range(g * size, (g + 1) * size)) for g in range(n_kv_heads)]
+
+
+def hide_sink(values: np.ndarray, totals: np.ndarray, sink: int = 0) -> np.ndarray:
+    """Shares without the sink, renormalised: ``x'_ij = x_ij * S_i / (S_i - x_i0)``, the sink column NaN.
+
+    ``S_i`` is query ``i``'s total over all its keys (1 for attention and for inter-head
+    token-level contribution): the other keys keep the row's total between them. A row with
+    nothing left besides the sink (``|S_i - x_i0| <= 1e-6 max(1, |S_i|)``) is NaN. Relative
+    norm and cosine are properties of a key, not shares: they are shown as they are. The page
+    computes the same.
+
+    Example:
+        >>> hide_sink(np.array([[1.0, 0.0], [0.5, 0.25]]), np.array([1.0, 0.75]))
+        array([[nan, nan],
+               [nan, 0.75]])
+    """
+    values = np.asarray(values, dtype=np.float64)
+    totals = np.asarray(totals, dtype=np.float64)[..., None]
+    rest = totals - values[..., sink : sink + 1]
+    empty = np.abs(rest) <= 1e-6 * np.maximum(1.0, np.abs(totals))
+    out = np.where(empty, np.nan, values * totals / np.where(empty, 1.0, rest))
+    out[..., sink] = np.nan
+    return out
+
+
+def combine_cells(
+    attention: np.ndarray, relative_norm: np.ndarray, cosine: np.ndarray, n_groups: int
+) -> dict[str, np.ndarray]:
+    """Each KV group's heads combined, ``[kv_head cell]`` per factor, as `Decomposition.token_factors` combines all.
+
+    Attention averaged, contribution summed, relative norm and cosine their attention-weighted
+    mean over the group, ``sum_h alpha_ij^h x_ij^h / sum_h alpha_ij^h`` (0 where no head of the
+    group attends). ``n_groups=1`` is the token level ("all heads"). The page computes the same.
+    """
+    products = {"relative_norm": attention * relative_norm, "cosine": attention * cosine}
+    products["contribution"] = products["relative_norm"] * cosine
+    return combine_products(attention, products, n_groups)
+
+
+def combine_products(attention: np.ndarray, products: dict[str, np.ndarray], n_groups: int) -> dict[str, np.ndarray]:
+    """`combine_cells` from ``alpha``, ``alpha * relative_norm``, ``alpha * cosine`` and the contribution."""
+    shape = (n_groups, attention.shape[0] // n_groups, attention.shape[-1])
+    total = attention.reshape(shape).sum(1)
+    inverse = np.divide(1.0, total, out=np.zeros_like(total), where=total > 1e-30)
+    combined = {"attention": total / shape[1]}
+    for name, values in products.items():
+        summed = values.reshape(shape).sum(1)
+        combined[name] = summed if name == "contribution" else summed * inverse
+    return combined
+
+
+@dataclass(frozen=True)
+class LayerArrays:
+    """One layer over the whole text, coded once: windows are cuts of it (`window_payload`).
+
+    ``codes`` holds each array of `ARRAYS` in its codec (``codecs``): by cell ``[*head cell]``
+    (the displayable (query, key) pairs of the text, row-major), by query ``[*head query]``
+    (`PER_QUERY`) or by key (``value_norm [head key]``); ``cell [query key]`` numbers the cells
+    (-1 where not displayable); ``attention [head cell]`` is kept in float32 for the compact codec.
+    """
+
+    codes: dict[str, np.ndarray]
+    codecs: dict[str, str]
+    cell: np.ndarray
+    attention: np.ndarray
+    kv_groups: list[list[int]]
+
+
+def _numpy(tensor: Tensor) -> np.ndarray:
+    return tensor.detach().to("cpu", torch.float32).numpy()
+
+
+def layer_arrays(
+    inter: Decomposition, intra: Decomposition, n_kv_heads: int | None = None, *, index: int = 0
+) -> LayerArrays:
+    """Everything a payload of this layer needs, for every query and key, coded (`LayerArrays`)."""
+    if inter.scope != Scope.INTER or intra.scope != Scope.INTRA:
+        raise ValueError(
+            f"layer_payload takes the inter then the intra decomposition, got {inter.scope}, {intra.scope}"
+        )
+    n_heads, n = inter.shape[1], inter.shape[2]
+    groups = kv_groups(n_heads, n_heads if n_kv_heads is None else n_kv_heads)
+    valid = inter.valid[index].cpu().numpy()
+    flat = torch.from_numpy(np.flatnonzero(valid))
+    cell = np.full(valid.shape, -1, dtype=np.int64)
+    cell[valid] = np.arange(flat.numel())
+    query_of, key_of = np.nonzero(valid)
+    if not valid.any(1).all():
+        raise ValueError("every query must see at least one key")
+    row_starts = np.concatenate([[0], np.cumsum(valid.sum(1))[:-1]])
+
+    def cells(x: Tensor) -> np.ndarray:
+        return _numpy(x[index].reshape(n_heads, n * n).index_select(1, flat))
+
+    attention = cells(inter.attention)
+    value_norm = _numpy(inter.value_norm[index])
+    arrays = {"attention": attention, "value_norm": value_norm}
+    for scope, d in (("inter", inter), ("intra", intra)):
+        cosine = cells(d.cosine)
+        output_norm = _numpy(d.output_norm[index])
+        arrays[f"cosine_{scope}"] = cosine
+        arrays[f"output_norm_{scope}"] = output_norm if scope == "intra" else output_norm[0]
+        out = output_norm[:, query_of]
+        relative_norm = np.divide(value_norm[:, key_of], out, out=np.zeros_like(out), where=out > 0)
+        products = {"relative_norm": attention * relative_norm, "cosine": attention * cosine}
+        products["contribution"] = products["relative_norm"] * cosine
+        # Cells are row-major: each query's cells are one run, summed in one reduceat.
+        arrays[f"total_{scope}"] = np.add.reduceat(products["contribution"], row_starts, axis=1)
+        levels = {"all": 1, "group": len(groups)} if 1 < len(groups) < n_heads else {"all": 1}
+        for level, n_groups in levels.items():
+            combined = combine_products(attention, products, n_groups)
+            if level == "all":
+                combined = {name: x[0] for name, x in combined.items()}
+            per_group = arrays[f"total_{scope}"].reshape(n_groups, -1, n).sum(1)
+            arrays[f"{level}_total_{scope}"] = per_group[0] if level == "all" else per_group
+            if scope == "inter":
+                arrays[f"{level}_attention"] = combined["attention"]
+            for factor in ("cosine", "relative_norm", "contribution"):
+                arrays[f"{level}_{factor}_{scope}"] = combined[factor]
+    codecs = {name: codec_for(name, values) for name, values in arrays.items()}
+    codes = {name: quantise(values, codecs[name]) for name, values in arrays.items()}
+    return LayerArrays(codes, codecs, cell, attention, groups)
+
+
+PER_QUERY = {"output_norm_intra", "output_norm_inter"} | {f"{level}total_{scope}" for level in ("", "all_", "group_")
+                                                          for scope in SCOPES}  # fmt: skip
+"""Arrays indexed by query only (``[*head query]``); ``value_norm`` is by key, every other array by cell."""
+
+
+def window_cells(arrays: LayerArrays, window: Window) -> np.ndarray:
+    """The numbers (in ``arrays.cell``) of the window's displayable cells, row-major over (query, key)."""
+    return arrays.cell[np.ix_(window.queries, window.keys)][window.mask]
+
+
+def window_payload(arrays: LayerArrays, window: Window) -> dict[str, Any]:
+    """The window's cells of `layer_arrays`, each array base64 in its codec (named in ``codecs``)."""
+    ids, queries, keys = window_cells(arrays, window), np.asarray(window.queries), np.asarray(window.keys)
+    out: dict[str, Any] = {}
+    for name, codes in arrays.codes.items():
+        cut = codes[:, keys] if name == "value_norm" else codes[..., queries] if name in PER_QUERY else codes[..., ids]
+        data = np.ascontiguousarray(cut, dtype=_LITTLE_ENDIAN[CODECS[arrays.codecs[name]]["dtype"]])
+        out[name] = base64.b64encode(data.tobytes()).decode("ascii")
+    return {**out, "codecs": dict(arrays.codecs), "kv_groups": arrays.kv_groups}
+
+
+def layer_payload(
+    inter: Decomposition, intra: Decomposition, window: Window, *, index: int = 0, n_kv_heads: int | None = None
+) -> dict[str, Any]:
     """What the page needs of one layer: each array of `ARRAYS` base64 in its codec, named in ``codecs``.
 
     Example:
@@ -192,42 +376,69 @@ def layer_payload(inter: Decomposition, intra: Decomposition, window: Window, *,
         >>> len(base64.b64decode(p["attention"]))  # 2 heads x 6 causal cells x 2 bytes
         24
     """
-    if inter.scope != Scope.INTER or intra.scope != Scope.INTRA:
-        raise ValueError(
-            f"layer_payload takes the inter then the intra decomposition, got {inter.scope}, {intra.scope}"
-        )
-    keys, queries = torch.tensor(window.keys), torch.tensor(window.queries)
-    arrays = {
-        "attention": _cut(inter.attention[index], window),
-        "cosine_inter": _cut(inter.cosine[index], window),
-        "cosine_intra": _cut(intra.cosine[index], window),
-        "value_norm": inter.value_norm[index][:, keys].float().cpu().numpy(),
-        "output_norm_intra": intra.output_norm[index][:, queries].float().cpu().numpy(),
-        "output_norm_inter": inter.output_norm[index][0, queries].float().cpu().numpy(),
-    }
-    for scope, d in (("inter", inter), ("intra", intra)):
-        combined = d.token_factors()
-        if scope == "inter":
-            arrays["all_attention"] = _cut(combined["attention"][index], window)
-        for factor in ("cosine", "relative_norm", "contribution"):
-            arrays[f"all_{factor}_{scope}"] = _cut(combined[factor][index], window)
-    codecs = {name: codec_for(name, values) for name, values in arrays.items()}
-    return {**{name: _b64(values, codecs[name]) for name, values in arrays.items()}, "codecs": codecs}
+    return window_payload(layer_arrays(inter, intra, n_kv_heads, index=index), window)
 
 
 def compute_payloads(
     model: adapter.Model, batch: adapter.TokenBatch, layers: Sequence[int], window: Window
 ) -> dict[int, dict[str, Any]]:
     """`layer_payload` of each layer, on the per-layer engine (the pass stops after the last of them)."""
-    results = map_layers(
-        model, batch, lambda inputs: layer_payload(inputs.decompose("inter"), inputs.decompose("intra"), window),
-        layers=list(layers),
-    )  # fmt: skip
+    return {
+        layer: by_window[window.key] for layer, by_window in compute_windows(model, batch, layers, [window]).items()
+    }
+
+
+def compute_windows(
+    model: adapter.Model,
+    batch: adapter.TokenBatch,
+    layers: Sequence[int],
+    windows: Sequence[Window],
+    *,
+    progress: bool = False,
+    compact: bool = False,
+) -> dict[int, dict[str, dict[str, Any]]]:
+    """The payload of every layer for every window (by `Window.key`), all from one forward pass.
+
+    Each layer is decomposed once, over the whole text; each window is then a cut of it, in
+    the fine codecs (`window_payload`) or, with ``compact``, those of `compact_payload`.
+    """
+    wanted = list(layers)
+    bar = tqdm(total=len(wanted), desc="inspector: layers", unit="layer", disable=not progress, leave=False)
+
+    def per_layer(inputs: adapter.LayerInputs) -> dict[str, dict[str, Any]]:
+        arrays = layer_arrays(inputs.decompose("inter"), inputs.decompose("intra"), n_kv_heads=inputs.v.shape[2])
+        if compact:
+            factors = unit_factors(inputs)
+            out = {w.key: compact_payload(arrays, factors, w) for w in windows}
+        else:
+            out = {window.key: window_payload(arrays, window) for window in windows}
+        bar.update()
+        return out
+
+    try:
+        results = map_layers(model, batch, per_layer, layers=wanted)
+    finally:
+        bar.close()
     return dict(results.items())
 
 
-def meta(labels: list[str], window: Window, layers: list[int], n_heads: int, initial: dict) -> dict[str, Any]:
-    """What the page needs besides the layers' numbers: tokens, window, layers, codecs, colour scales."""
+def payload_bytes(window: Window, n_heads: int, n_kv_heads: int) -> int:
+    """About how many bytes one layer's `window_payload` takes (base64 of the 2-byte codes per cell)."""
+    levels = n_heads * 3 + 7 + (7 * n_kv_heads if n_kv_heads < n_heads else 0)
+    return window.cells * levels * 2 * 4 // 3
+
+
+def meta(
+    labels: list[str],
+    window: Window,
+    layers: list[int],
+    n_heads: int,
+    initial: dict,
+    *,
+    kv_groups: list[list[int]] | None = None,
+    compact: bool = False,
+) -> dict[str, Any]:
+    """What the page needs besides the layers' numbers: tokens, window, layers, KV groups, codecs, colour scales."""
     return {
         "queries": window.queries,
         "keys": window.keys,
@@ -235,6 +446,7 @@ def meta(labels: list[str], window: Window, layers: list[int], n_heads: int, ini
         "key_labels": [labels[j] for j in window.keys],
         "causal": window.causal,
         "n_heads": n_heads,
+        "kv_groups": kv_groups or [[h] for h in range(n_heads)],
         "n_tokens": len(labels),
         "layers": layers,
         "initial": initial,
@@ -242,6 +454,135 @@ def meta(labels: list[str], window: Window, layers: list[int], n_heads: int, ini
         "factors": list(FACTORS),
         "signed": [str(factor) for factor in Factor if factor.signed],
         "scopes": list(SCOPES),
-        "codecs": CODECS,
+        "codecs": {**CODECS, **COMPACT_CODECS} if compact else CODECS,
+        "compact": compact,
         "colorscales": {"diverging": get_colorscale(DIVERGING), "sequential": get_colorscale(SEQUENTIAL)},
     }
+
+
+# --- the compact codec of static pages ---------------------------------------------------------
+
+COMPACT_CODECS: dict[str, dict[str, Any]] = {
+    "attention8": {"kind": "linear", "dtype": "uint8", "levels": 255, "offset": 0},
+    "vector8": {"kind": "int8", "dtype": "int8"},
+    "exact": CODECS["exact"],
+}
+"""How a compact page codes its arrays (`compact_payload`); sent in ``meta.codecs`` beside `CODECS`."""
+COMPACT_ATTENTION_ERROR = 0.5 / 255
+"""``|a_hat - a|`` of a compact page (one byte per weight, linear)."""
+
+
+def cosine_error_bound(query_scale: np.ndarray, key_scale: np.ndarray, d_head: int) -> np.ndarray:
+    """The bound on ``|cos_hat - cos|`` of a compact page for unit-or-shorter vectors coded as ``round(x / s)``.
+
+    Each coordinate is off by at most ``s / 2``, a vector by ``e = sqrt(d_head) s / 2``, so
+    ``|q_hat . k_hat - q . k| <= e_q + e_k + e_q e_k`` (``|q| <= 1``, ``|k| = 1``).
+
+    Example:
+        >>> float(cosine_error_bound(np.array(0.5 / 127), np.array(0.5 / 127), 64)[()]) < 0.032
+        True
+    """
+    e_q, e_k = np.sqrt(d_head) * query_scale / 2, np.sqrt(d_head) * key_scale / 2
+    return e_q + e_k + e_q * e_k
+
+
+def _vectors8(vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """int8 codes ``round(x / s)`` and float32 scales ``s = max |x| / 127`` of each vector (last axis)."""
+    scale = (np.abs(vectors).max(-1) / 127).astype(np.float32)
+    codes = np.rint(vectors / np.where(scale > 0, scale, 1)[..., None]).clip(-127, 127).astype(np.int8)
+    return codes, scale
+
+
+def unit_factors(inputs: adapter.LayerInputs, index: int = 0) -> dict[str, np.ndarray]:
+    """Per head, unit vectors whose dot products are the cosines of both scopes, ``[head pos d_head]``.
+
+    With ``W_O^h = U S V^T`` (SVD), ``vt_j^h = (v_j U S) V^T``: in the orthonormal basis ``V`` of
+    the head's output space, key ``j`` is ``k_j = v_j U S`` (``||k_j|| = ||vt_j^h||``), the head's
+    output ``o_i^h = (z_i U S) V^T``, and the layer output projects onto it as ``o_i V``. So
+    ``cos(o_i^h, vt_j^h) = q_i^h . k_j/||k_j||`` with ``q_i^h = z_i U S / ||o_i^h||`` and
+    ``cos(o_i, vt_j^h) = (o_i V / ||o_i||) . k_j/||k_j||``: ``d_head`` numbers per head and
+    position instead of one per (query, key) pair.
+    """
+    W_O = inputs.W_O.to(torch.float32)
+    n_heads, n_kv = W_O.shape[0], inputs.v.shape[2]
+    U, S, Vt = torch.linalg.svd(W_O, full_matrices=False)  # [head d_head r], [head r], [head r d_model]
+    US = U * S[:, None, :]
+    v = inputs.v[index].to(torch.float32)  # [key kv_head d_head]
+    v_heads = einops.repeat(v, "key kv_head d_head -> (kv_head group) key d_head", group=n_heads // n_kv)
+    z = inputs.z[index].to(torch.float32) if inputs.z is not None else None
+    if z is None:
+        pattern = inputs.pattern[index].to(torch.float32)
+        z = einops.rearrange(pattern @ v_heads, "head query d_head -> query head d_head")
+    keys = einops.einsum(v_heads, US, "head key d_head, head d_head r -> head key r")
+    intra = einops.einsum(z, US, "query head d_head, head d_head r -> head query r")
+    output = einops.einsum(z, W_O, "query head d_head, head d_head d_model -> query d_model")
+    inter = einops.einsum(output, Vt, "query d_model, head r d_model -> head query r")
+
+    def unit(x: Tensor, norm: Tensor) -> np.ndarray:
+        return (x / torch.where(norm > 0, norm, 1)[..., None]).numpy()
+
+    return {
+        "key": unit(keys, keys.norm(dim=-1)),
+        "query_intra": unit(intra, intra.norm(dim=-1)),
+        "query_inter": unit(inter, output.norm(dim=-1)[None]),
+    }
+
+
+def compact_payload(arrays: LayerArrays, factors: dict[str, np.ndarray], window: Window) -> dict[str, Any]:
+    """A layer of a compact page: one zlib stream (base64) of attention in one byte, cosines as unit vectors.
+
+    Holds, for the window: ``attention`` (``round(a * 255)``, ``|a_hat - a| <= 0.5/255``),
+    the norms and contribution totals exact (float32), and per head and position the unit
+    vectors of `unit_factors` in int8 with a float32 scale each (their cosines within
+    `cosine_error_bound`). The page derives each cell's cosines, then every factor and the
+    all-heads and KV-group numbers as `combine_cells` does. ``layout`` names each
+    array's codec, byte offset and length in the inflated stream.
+    """
+    keys, queries = np.asarray(window.keys), np.asarray(window.queries)
+    attention = arrays.attention[:, window_cells(arrays, window)]
+    parts: dict[str, tuple[np.ndarray, str]] = {
+        "attention": (np.rint(np.clip(attention, 0, 1) * 255).astype(np.uint8), "attention8"),
+        "value_norm": (arrays.codes["value_norm"][:, keys], "exact"),
+    }
+    for name in ("output_norm_intra", "output_norm_inter", "total_inter", "total_intra"):
+        parts[name] = (np.asarray(arrays.codes[name][..., queries], dtype=np.float32), "exact")
+    for name, positions in (("key", keys), ("query_intra", queries), ("query_inter", queries)):
+        codes, scale = _vectors8(factors[name][:, positions])
+        parts[f"{name}_vectors"], parts[f"{name}_scales"] = (codes, "vector8"), (scale, "exact")
+    layout, chunks, offset = {}, [], 0
+    for name, (values, codec) in parts.items():
+        data = np.ascontiguousarray(values, dtype=values.dtype.newbyteorder("<")).tobytes()
+        layout[name] = [codec, offset, len(data)]
+        chunks.append(data)
+        offset += len(data) + (-len(data)) % 4  # float32 views need 4-byte alignment
+        chunks.append(b"\0" * ((-len(data)) % 4))
+    packed = base64.b64encode(zlib.compress(b"".join(chunks), 6)).decode("ascii")
+    return {"packed": packed, "layout": layout, "d_head": int(factors["key"].shape[-1]), "kv_groups": arrays.kv_groups}
+
+
+def unpack_compact(payload: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The arrays of a `compact_payload`, as the page reads them (codes, not yet numbers)."""
+    data = zlib.decompress(base64.b64decode(payload["packed"]))
+    dtypes = {"attention8": "<u1", "vector8": "<i1", "exact": "<f4"}
+    return {
+        name: np.frombuffer(data, dtype=dtypes[codec], count=length // np.dtype(dtypes[codec]).itemsize, offset=offset)
+        for name, (codec, offset, length) in payload["layout"].items()
+    }
+
+
+def decode_compact(payload: dict[str, Any], window: Window) -> dict[str, np.ndarray]:
+    """What the page computes from a `compact_payload`: per head ``attention`` and both cosines ``[head cell]``.
+
+    The reference for ``inspector.js`` (the same formulas), and what the tests hold to the bounds.
+    """
+    raw = unpack_compact(payload)
+    d_head = payload["d_head"]
+    n_keys, n_queries = len(window.keys), len(window.queries)
+    key = raw["key_vectors"].reshape(-1, n_keys, d_head) * raw["key_scales"].reshape(-1, n_keys, 1)
+    out = {"attention": raw["attention"].reshape(key.shape[0], -1) / 255.0}
+    for scope in SCOPES:
+        query = raw[f"query_{scope}_vectors"].reshape(-1, n_queries, d_head)
+        query = query * raw[f"query_{scope}_scales"].reshape(-1, n_queries, 1)
+        full = np.einsum("hqr,hkr->hqk", query.astype(np.float64), key.astype(np.float64))
+        out[f"cosine_{scope}"] = full[:, window.mask]
+    return out

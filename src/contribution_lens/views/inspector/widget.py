@@ -7,7 +7,7 @@ notebook page: the first widget that finds no ``globalThis.Plotly`` asks the ker
 custom message.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,22 +21,42 @@ from contribution_lens.views.inspector import page
 from contribution_lens.views.inspector.payload import (
     DEFAULT_TOKENS,
     Window,
-    compute_payloads,
+    compute_windows,
     meta,
+    payload_bytes,
     token_label,
     token_window,
 )
 
-RECENT_LAYERS = 4
-"""Layers kept in the kernel (about 0.6 MB each at 128 tokens): they come back without the model."""
+COMPACT_ABOVE_BYTES = 20_000_000
+"""A page whose fine payloads would pass this many bytes is written in the compact codec (`write_html`)."""
+PRECOMPUTE_BYTES = 400_000_000
+"""The most payload bytes one pass precomputes beyond the window shown (other windows of the same size)."""
+
+
+class InspectorError(traitlets.TraitError, ValueError):
+    """A value the inspector refuses; its message is also in the widget's ``error`` trait."""
 
 
 class Inspector(anywidget.AnyWidget):
-    """The live inspector: one layer's payload at a time, recomputed when ``layer`` or ``start`` changes.
+    """The live inspector: every layer's payload computed once, in one forward pass; switches send one.
 
     ``head`` is -1 for all heads (token level); ``query`` is the position whose per-key factors
-    are drawn as bars. Head, factor, scope and query are drawn by the front-end from the payload
-    already sent; only a new layer or token window runs the model.
+    are drawn as bars; ``hide_sink`` hides key 0 and renormalises the other keys' shares
+    (`contribution_lens.views.inspector.payload.hide_sink`); ``group_kv`` shows, in place of
+    ``head``, the KV group it belongs to (the heads sharing its value head, combined: meta
+    ``kv_groups``, payload ``group_*``). Head, factor, scope, query, ``hide_sink`` and
+    ``group_kv`` are drawn by the front-end from the payload already sent.
+
+    The first view runs one forward pass that decomposes every layer once and cuts from it the
+    payload of every half-overlapping window of ``tokens`` queries (`PRECOMPUTE_BYTES` at most
+    beyond the shown window): a later layer or window switch only sends what is ready. A new
+    ``tokens`` (or a start off those windows) runs one more pass.
+
+    A bad value (``start``, ``tokens``, ``layer``, ``head``, ``query``, ``factor``, ``scope``) is
+    refused before anything changes: Python gets an `InspectorError` (a ``TraitError`` and a
+    ``ValueError``), the front-end the reason in the ``error`` trait ("" when all is well) and
+    the value it had.
     """
 
     _esm = page.asset("inspector.js")
@@ -48,6 +68,9 @@ class Inspector(anywidget.AnyWidget):
     query = traitlets.Int(-1).tag(sync=True)
     start = traitlets.Int(0).tag(sync=True)
     tokens = traitlets.Int(DEFAULT_TOKENS).tag(sync=True)
+    hide_sink = traitlets.Bool(False).tag(sync=True)
+    group_kv = traitlets.Bool(False).tag(sync=True)
+    error = traitlets.Unicode("").tag(sync=True)
     meta = traitlets.Dict().tag(sync=True)
     payload = traitlets.Dict().tag(sync=True)
 
@@ -59,35 +82,77 @@ class Inspector(anywidget.AnyWidget):
         self._batch = batch
         self._labels = [token_label(i, t) for i, t in enumerate(batch.str_tokens[0])]
         self._ready = False
-        self._computed: dict[str, dict[str, Any]] = {}
+        self._computed: dict[str, dict[int, dict[str, Any]]] = {}
         self._n_heads = int(model.cfg.n_heads)
+        # For the memory estimate only: each payload names its own groups (read off hook_v).
+        self._n_kv_heads = int(getattr(model.cfg, "n_key_value_heads", None) or self._n_heads)
         self._causal = adapter.is_causal_model(model)
+        check: dict[str, Callable[[Any], None]] = {
+            name: getattr(self, f"_check_{name}") for name in ("layer", "head", "factor", "scope", "start", "tokens")
+        }
+        for name, value in kwargs.items():
+            if name in check:
+                check[name](value)
         super().__init__(**kwargs)
+        self._check_query(self.query, allow_unset=True)
         self._ready = True
         self._refresh_window()
         self.on_msg(self._on_message)
 
-    @traitlets.validate("layer")
-    def _valid_layer(self, proposal: dict) -> int:
-        if proposal["value"] not in self._layers:
-            raise traitlets.TraitError(f"layer {proposal['value']} is not among the inspected layers {self._layers}")
-        return proposal["value"]
+    def _refuse(self, message: str) -> InspectorError:
+        self.error = message
+        return InspectorError(message)
 
-    @traitlets.validate("head")
-    def _valid_head(self, proposal: dict) -> int:
-        if not -1 <= proposal["value"] < self._n_heads:
-            raise traitlets.TraitError(
-                f"head {proposal['value']} does not exist: -1 (all heads) or 0..{self._n_heads - 1}"
-            )
-        return proposal["value"]
+    def _check_layer(self, value: int) -> None:
+        if value not in self._layers:
+            raise self._refuse(f"layer {value} is not among the inspected layers {self._layers}")
 
-    @traitlets.validate("factor", "scope")
-    def _valid_choice(self, proposal: dict) -> str:
+    def _check_head(self, value: int) -> None:
+        if not -1 <= value < self._n_heads:
+            raise self._refuse(f"head {value} does not exist: -1 (all heads) or 0..{self._n_heads - 1}")
+
+    def _check_factor(self, value: str) -> None:
+        if value not in FACTORS:
+            raise self._refuse(f"unknown factor {value!r}; expected one of {FACTORS}")
+
+    def _check_scope(self, value: str) -> None:
+        if value not in SCOPES:
+            raise self._refuse(f"unknown scope {value!r}; expected one of {SCOPES}")
+
+    def _check_start(self, value: int) -> None:
+        n = len(self._labels)
+        if not 0 <= value < n:
+            raise self._refuse(f"start {value} is outside the text of {n} tokens (0..{n - 1})")
+
+    def _check_tokens(self, value: int) -> None:
+        if value < 1:
+            raise self._refuse(f"tokens must be at least 1, got {value}")
+
+    def _check_query(self, value: int, allow_unset: bool = False) -> None:
+        if allow_unset and value == -1:
+            return
+        queries = self.window.queries
+        if value not in queries:
+            raise self._refuse(f"query {value} is not in the token window {queries[0]}..{queries[-1]}: set start first")
+
+    @traitlets.validate("layer", "head", "factor", "scope", "start", "tokens", "query")
+    def _valid(self, proposal: dict) -> Any:
         name, value = proposal["trait"].name, proposal["value"]
-        allowed = FACTORS if name == "factor" else SCOPES
-        if value not in allowed:
-            raise traitlets.TraitError(f"unknown {name} {value!r}; expected one of {allowed}")
+        if self._ready:
+            getattr(self, f"_check_{name}")(value)
         return value
+
+    @traitlets.observe("layer", "head", "factor", "scope", "start", "tokens", "query", "hide_sink", "group_kv")
+    def _accepted(self, change: dict) -> None:
+        self.error = ""
+
+    def set_state(self, sync_data: dict) -> None:
+        """A change from the front-end: a refused one leaves ``error`` set and sends back the values kept."""
+        try:
+            super().set_state(sync_data)
+        except traitlets.TraitError as refused:
+            self.error = str(refused)
+            self.send_state([name for name in sync_data if name in self.keys])
 
     def __repr__(self) -> str:
         head = "all" if self.head < 0 else self.head
@@ -115,17 +180,40 @@ class Inspector(anywidget.AnyWidget):
         window = self.window
         if self.query not in window.queries:
             self.query = window.queries[-1]
-        initial = {"layer": self.layer, "head": "all", "factor": self.factor, "scope": self.scope, "query": self.query}
-        self.meta = meta(self._labels, window, self._layers, self._n_heads, initial)
+        groups = self._layer_payload(window, self.layer)["kv_groups"]
+        initial = {"layer": self.layer, "head": "all", "factor": self.factor, "scope": self.scope,
+                   "query": self.query, "hide_sink": self.hide_sink, "group_kv": self.group_kv}  # fmt: skip
+        self.meta = meta(self._labels, window, self._layers, self._n_heads, initial, kv_groups=groups)
         self._compute()
 
+    def _windows_to_precompute(self) -> list[Window]:
+        """The shown window first, then the other half-overlapping windows of its size, nearest first, within budget."""
+        n, size, shown = len(self._labels), self.tokens, self.window
+        step = max(1, size // 2)
+        starts = sorted({*range(0, max(1, n - size + step), step)} - {shown.queries[0]})
+        starts = [s for s in starts if s < n]
+        starts.sort(key=lambda s: abs(s - shown.queries[0]))
+        chosen, budget = [shown], PRECOMPUTE_BYTES
+        for start in starts:
+            window = token_window(n, start=start, tokens=size, causal=self._causal)
+            budget -= payload_bytes(window, self._n_heads, self._n_kv_heads) * len(self._layers)
+            if budget < 0:
+                break
+            chosen.append(window)
+        return chosen
+
+    def _layer_payload(self, window: Window, layer: int) -> dict[str, Any]:
+        if window.key not in self._computed:
+            windows = self._windows_to_precompute()
+            computed = compute_windows(self._model, self._batch, self._layers, windows, progress=True)
+            # Windows of an earlier size are dropped: the memory goes to the size in use.
+            self._computed = {w.key: {layer: computed[layer][w.key] for layer in self._layers} for w in windows}
+        return self._computed[window.key][layer]
+
     def _compute(self) -> None:
-        key = f"{self.meta['key']}/{self.layer}"
-        if key not in self._computed:
-            self._computed[key] = compute_payloads(self._model, self._batch, [self.layer], self.window)[self.layer]
-            while len(self._computed) > RECENT_LAYERS:
-                del self._computed[next(iter(self._computed))]
-        self.payload = {**self._computed[key], "layer": self.layer, "key": key}
+        window = self.window
+        payload = self._layer_payload(window, self.layer)
+        self.payload = {**payload, "layer": self.layer, "key": f"{window.key}/{self.layer}"}
 
     def _on_message(self, widget: Any, content: dict, buffers: list) -> None:
         if content.get("type") == "need_plotly":
@@ -136,7 +224,12 @@ class Inspector(anywidget.AnyWidget):
             self.send({"type": "pong"})
 
     def render_html(
-        self, *, layers: Sequence[int] | None = None, start: int | None = None, tokens: int | None = None
+        self,
+        *,
+        layers: Sequence[int] | None = None,
+        start: int | None = None,
+        tokens: int | None = None,
+        compact: bool | None = None,
     ) -> str:
         """The self-contained page of `write_html` as a string."""
         wanted = self._layers if layers is None else adapter.check_layers(self._model, layers)
@@ -144,12 +237,23 @@ class Inspector(anywidget.AnyWidget):
         window = token_window(
             len(self._labels), start=first, tokens=self.tokens if tokens is None else tokens, causal=self._causal
         )
-        payloads = compute_payloads(self._model, self._batch, wanted, window)
+        if compact is None:
+            fine = payload_bytes(window, self._n_heads, self._n_kv_heads) * len(wanted)
+            compact = fine > COMPACT_ABOVE_BYTES
+        cached = None if compact else self._computed.get(window.key)
+        if cached is not None:
+            payloads = {layer: cached[layer] for layer in wanted}
+        else:
+            computed = compute_windows(self._model, self._batch, wanted, [window], progress=True, compact=compact)
+            payloads = {layer: by_window[window.key] for layer, by_window in computed.items()}
         shown = self.layer if self.layer in wanted else wanted[-1]
-        query = self.query if self.query in window.queries else window.queries[-1]
         head: int | str = "all" if self.head < 0 else self.head
-        initial = {"layer": shown, "head": head, "factor": self.factor, "scope": self.scope, "query": query}
-        return page.render(meta(self._labels, window, wanted, self._n_heads, initial), payloads)
+        # The page opens on the window's last query, whatever the widget's query.
+        initial = {"layer": shown, "head": head, "factor": self.factor, "scope": self.scope,
+                   "query": window.queries[-1], "hide_sink": self.hide_sink, "group_kv": self.group_kv}  # fmt: skip
+        groups = next(iter(payloads.values()))["kv_groups"]
+        about = meta(self._labels, window, wanted, self._n_heads, initial, kv_groups=groups, compact=compact)
+        return page.render(about, payloads)
 
     def write_html(
         self,
@@ -158,6 +262,7 @@ class Inspector(anywidget.AnyWidget):
         layers: Sequence[int] | None = None,
         start: int | None = None,
         tokens: int | None = None,
+        compact: bool | None = None,
     ) -> Path:
         """One self-contained HTML file (plotly.js once, every requested layer's data once, offline).
 
@@ -166,8 +271,15 @@ class Inspector(anywidget.AnyWidget):
             layers: layers to embed (default: the inspector's).
             start: first query position of the token window (default: the widget's).
             tokens: queries in the window (default: the widget's, 128); keys add the sink.
+            compact: code each layer as `contribution_lens.views.inspector.payload.compact_payload`
+                (attention in one byte, ``|da| <= 0.5/255``; cosines from int8 unit vectors, within
+                `contribution_lens.views.inspector.payload.cosine_error_bound`, about 0.03 at most
+                for ``d_head = 64``) instead of the fine codecs (``|da|, |dcos| <= 1.5e-5``).
+                None (default): compact when the fine page would pass `COMPACT_ABOVE_BYTES`
+                (all 30 layers of SmolLM2 at 512 tokens: 290 MB fine, under 50 MB compact).
 
-        The page opens the view named in its URL fragment, ``#layer=L&head=H&factor=F&scope=S``
-        (``H`` a head or ``all``), and rewrites the fragment when the view changes.
+        The page opens on the window's last query, in the view named in its URL fragment,
+        ``#layer=L&head=H&factor=F&scope=S&query=Q`` (``H`` a head or ``all``), and rewrites the
+        fragment when the view changes.
         """
-        return page.write(path, self.render_html(layers=layers, start=start, tokens=tokens))
+        return page.write(path, self.render_html(layers=layers, start=start, tokens=tokens, compact=compact))

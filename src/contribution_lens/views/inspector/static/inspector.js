@@ -26,11 +26,12 @@ function half(h) {
   return sign * 2 ** (exponent - 15) * (1 + fraction / 1024);
 }
 
-// One payload array back to numbers, as its codec says (see payload.py, CODECS).
-function dequantise(b64, codec) {
-  const buffer = bytes(b64);
+// One payload array (base64, or the bytes themselves) back to numbers, as its codec says (payload.py, CODECS).
+function dequantise(data, codec) {
+  const buffer = typeof data === "string" ? bytes(data) : data;
   if (codec.kind === "float32") return new Float32Array(buffer);
-  const codes = new Uint16Array(buffer);
+  const codes = codec.dtype === "uint8" ? new Uint8Array(buffer) : codec.dtype === "int8" ? new Int8Array(buffer) : new Uint16Array(buffer);
+  if (codec.kind === "int8") return codes;
   if (codec.kind === "float16") return Float64Array.from(codes, half);
   const values = new Float64Array(codes.length);
   if (codec.kind === "sqrt") {
@@ -60,16 +61,155 @@ function cellIndex(meta) {
   return { index, cells: c };
 }
 
+// A compact page's layer (payload.py, compact_payload) is one zlib stream: inflated once, before decode.
+export async function inflate(payload) {
+  if (!payload.packed || payload.buffer) return payload;
+  const stream = new Blob([bytes(payload.packed)]).stream().pipeThrough(new DecompressionStream("deflate"));
+  return Object.assign({}, payload, { buffer: await new Response(stream).arrayBuffer() });
+}
+
+// Heads combined as the library does (payload.py, combine_cells): attention averaged, contribution
+// summed, relative norm and cosine attention-weighted; one array [group cell] per factor and scope.
+function combine(meta, a, index, cells, groups, prefix) {
+  const nq = meta.queries.length;
+  const nk = meta.keys.length;
+  const G = groups.length;
+  a[prefix + "attention"] = new Float64Array(G * cells);
+  for (const scope of meta.scopes) {
+    for (const f of ["relative_norm", "cosine", "contribution"]) a[prefix + f + "_" + scope] = new Float64Array(G * cells);
+    a[prefix + "total_" + scope] = new Float64Array(G * nq);
+  }
+  groups.forEach((heads, g) => {
+    for (let qi = 0; qi < nq; qi++) {
+      for (const scope of meta.scopes) {
+        let total = 0;
+        for (const h of heads) total += a["total_" + scope][h * nq + qi];
+        a[prefix + "total_" + scope][g * nq + qi] = total;
+      }
+      for (let ki = 0; ki < nk; ki++) {
+        const c = index[qi * nk + ki];
+        if (c < 0) continue;
+        let sa = 0;
+        for (const h of heads) sa += a.attention[h * cells + c];
+        a[prefix + "attention"][g * cells + c] = sa / heads.length;
+        for (const scope of meta.scopes) {
+          let rnSum = 0, cosSum = 0, contribution = 0;
+          for (const h of heads) {
+            const o = scope === "intra" ? a.output_norm_intra[h * nq + qi] : a.output_norm_inter[qi];
+            const rn = o > 0 ? a.value_norm[h * nk + ki] / o : 0;
+            const at = a.attention[h * cells + c];
+            const cos = a["cosine_" + scope][h * cells + c];
+            rnSum += at * rn;
+            cosSum += at * cos;
+            contribution += at * rn * cos;
+          }
+          a[prefix + "relative_norm_" + scope][g * cells + c] = sa > 0 ? rnSum / sa : 0;
+          a[prefix + "cosine_" + scope][g * cells + c] = sa > 0 ? cosSum / sa : 0;
+          a[prefix + "contribution_" + scope][g * cells + c] = contribution;
+        }
+      }
+    }
+  });
+}
+
+// The arrays of a compact layer: each cell's cosines are dot products of the int8 unit vectors
+// (query side per scope, key side shared), times their scales; then the combined heads.
+function decodeCompact(meta, payload, index, cells) {
+  const raw = {};
+  for (const [name, [codec, offset, length]] of Object.entries(payload.layout)) {
+    raw[name] = dequantise(payload.buffer.slice(offset, offset + length), meta.codecs[codec]);
+  }
+  const a = {};
+  for (const name of ["attention", "value_norm", "output_norm_intra", "output_norm_inter", "total_inter", "total_intra"]) a[name] = raw[name];
+  const H = meta.n_heads;
+  const nq = meta.queries.length;
+  const nk = meta.keys.length;
+  const D = payload.d_head;
+  const kv = raw.key_vectors;
+  const ks = raw.key_scales;
+  for (const scope of meta.scopes) {
+    const qv = raw["query_" + scope + "_vectors"];
+    const qs = raw["query_" + scope + "_scales"];
+    const cos = new Float64Array(H * cells);
+    for (let h = 0; h < H; h++) {
+      for (let qi = 0; qi < nq; qi++) {
+        const q0 = (h * nq + qi) * D;
+        for (let ki = 0; ki < nk; ki++) {
+          const c = index[qi * nk + ki];
+          if (c < 0) continue;
+          const k0 = (h * nk + ki) * D;
+          let dot = 0;
+          for (let r = 0; r < D; r++) dot += qv[q0 + r] * kv[k0 + r];
+          cos[h * cells + c] = dot * qs[h * nq + qi] * ks[h * nk + ki];
+        }
+      }
+    }
+    a["cosine_" + scope] = cos;
+  }
+  combine(meta, a, index, cells, [[...Array(H).keys()]], "all_");
+  const groups = payload.kv_groups || meta.kv_groups;
+  if (groups && groups.some((heads) => heads.length > 1)) combine(meta, a, index, cells, groups, "group_");
+  return a;
+}
+
 export function decode(meta, payload) {
   const { index, cells } = cellIndex(meta);
-  const arrays = {};
-  for (const [name, codec] of Object.entries(payload.codecs)) arrays[name] = dequantise(payload[name], meta.codecs[codec]);
+  let arrays = {};
+  if (payload.layout) {
+    if (!payload.buffer) throw new Error("a compact layer must be inflated (inflate) before decode");
+    arrays = decodeCompact(meta, payload, index, cells);
+  } else {
+    for (const [name, codec] of Object.entries(payload.codecs)) arrays[name] = dequantise(payload[name], meta.codecs[codec]);
+  }
   return { index, cells, H: meta.n_heads, arrays };
 }
 
-// The four factors of one head (h >= 0) or of all heads (h < 0), one scope, per cell.
-export function viewFactors(meta, d, h, scope) {
+// The KV group (payload kv_groups) head h belongs to.
+export function groupOf(meta, h) {
+  return Math.max(0, meta.kv_groups.findIndex((heads) => heads.includes(h)));
+}
+
+// Shares without the sink, renormalised as payload.hide_sink does: x'_ij = x_ij S_i / (S_i - x_i0)
+// for attention (S_i = 1) and contribution (S_i the query's total over all its keys, sent as
+// total_*), the sink's own cell NaN, a row with nothing but the sink NaN. Relative norm and
+// cosine are properties of a key, not shares: they stay as they are.
+export function hideSink(meta, d, f, totals) {
+  const nq = meta.queries.length;
+  const nk = meta.keys.length;
+  const out = Object.assign({}, f);
+  for (const [name, total] of [["attention", () => 1], ["contribution", (qi) => totals[qi]]]) {
+    const shares = new Float64Array(d.cells);
+    for (let qi = 0; qi < nq; qi++) {
+      const sink = meta.keys[0] === 0 ? d.index[qi * nk] : -1;
+      const S = total(qi);
+      const rest = S - (sink >= 0 ? f[name][sink] : 0);
+      const empty = Math.abs(rest) <= 1e-6 * Math.max(1, Math.abs(S));
+      for (let ki = 0; ki < nk; ki++) {
+        const c = d.index[qi * nk + ki];
+        if (c >= 0) shares[c] = c === sink || empty ? NaN : (f[name][c] * S) / rest;
+      }
+    }
+    out[name] = shares;
+  }
+  return out;
+}
+
+// The four factors of one head (h >= 0) or of all heads (h < 0), one scope, per cell; with
+// group = true, h is a KV group and its heads are combined (payload group_*; a group of one head
+// is that head).
+export function viewFactors(meta, d, h, scope, group = false) {
   const a = d.arrays;
+  if (group && a.group_attention) {
+    const C = d.cells;
+    const take = (name) => a[name].subarray(h * C, (h + 1) * C);
+    return {
+      attention: take("group_attention"),
+      relative_norm: take("group_relative_norm_" + scope),
+      cosine: take("group_cosine_" + scope),
+      contribution: take("group_contribution_" + scope),
+    };
+  }
+  if (group) h = meta.kv_groups[h][0];
   if (h < 0) {
     return {
       attention: a.all_attention,
@@ -238,9 +378,35 @@ export function mount(root, host) {
     return cache.get(key);
   }
 
-  function factors(meta, entry, head, scope) {
-    const key = head + "/" + scope;
-    if (!entry.views.has(key)) entry.views.set(key, viewFactors(meta, entry.d, head === "all" ? -1 : head, scope));
+  // What the view shows: all heads, one head, or (group_kv) the KV group of the head.
+  function level(meta, state) {
+    if (state.head === "all") return { kind: "all", index: -1 };
+    if (state.group_kv && meta.kv_groups) return { kind: "group", index: groupOf(meta, state.head) };
+    return { kind: "head", index: state.head };
+  }
+
+  function viewKey(meta, state) {
+    const { kind, index } = level(meta, state);
+    return kind + index + (state.hide_sink ? "/no-sink" : "");
+  }
+
+  function factors(meta, entry, state, scope) {
+    const key = viewKey(meta, state) + "/" + scope;
+    if (!entry.views.has(key)) {
+      const { kind, index } = level(meta, state);
+      let f = viewFactors(meta, entry.d, index, scope, kind === "group");
+      if (state.hide_sink) {
+        const a = entry.d.arrays;
+        const nq = meta.queries.length;
+        const head = (i) => (kind === "group" ? meta.kv_groups[i][0] : i);
+        const totals =
+          kind === "all" ? a["all_total_" + scope]
+          : kind === "group" && a["group_total_" + scope] ? a["group_total_" + scope].subarray(index * nq, (index + 1) * nq)
+          : a["total_" + scope].subarray(head(index) * nq, (head(index) + 1) * nq);
+        f = hideSink(meta, entry.d, f, totals);
+      }
+      entry.views.set(key, f);
+    }
     return entry.views.get(key);
   }
 
@@ -268,7 +434,8 @@ export function mount(root, host) {
       controls.window.parentNode.style.display = starts.length > 1 ? "" : "none";
     }
     for (const [name] of TOGGLES) {
-      toggles[name].parentNode.style.display = typeof state[name] === "boolean" ? "" : "none";
+      const useful = name !== "group_kv" || (meta.kv_groups || []).some((heads) => heads.length > 1);
+      toggles[name].parentNode.style.display = typeof state[name] === "boolean" && useful ? "" : "none";
       toggles[name].checked = Boolean(state[name]);
     }
   }
@@ -295,7 +462,7 @@ export function mount(root, host) {
     }
     status.textContent = "";
     const entry = decoded(meta, payload);
-    const both = { intra: factors(meta, entry, state.head, "intra"), inter: factors(meta, entry, state.head, "inter") };
+    const both = { intra: factors(meta, entry, state, "intra"), inter: factors(meta, entry, state, "inter") };
     current = { queries: meta.queries, qLabels: meta.query_labels };
     flow.style.display = view === "text" ? "" : "none";
     heatmap.style.display = view === "text" ? "none" : "";
@@ -305,7 +472,11 @@ export function mount(root, host) {
   }
 
   function where(meta, state) {
-    return "L" + state.layer + (state.head === "all" ? ", all heads" : " " + headLabel(meta, state.head));
+    const { kind, index } = level(meta, state);
+    const shown = kind === "all" ? ", all heads"
+      : kind === "group" ? " KV group " + index + " (heads " + meta.kv_groups[index].join(", ") + ")"
+      : " " + headLabel(meta, state.head);
+    return "L" + state.layer + shown + (state.hide_sink ? ", sink hidden" : "");
   }
 
   function title(meta, state) {
@@ -324,12 +495,12 @@ export function mount(root, host) {
       const zRow = new Array(nk).fill(null);
       for (let ki = 0; ki < nk; ki++) {
         const c = entry.d.index[qi * nk + ki];
-        if (c >= 0) zRow[ki] = shown[c];
+        if (c >= 0 && !Number.isNaN(shown[c])) zRow[ki] = shown[c];
       }
       z.push(zRow);
     }
     // The hover text depends on the head only: built once per (layer, head), reused by every factor and scope.
-    const textKey = "text/" + state.head;
+    const textKey = "text/" + viewKey(meta, state);
     if (!entry.views.has(textKey)) entry.views.set(textKey, hoverText(entry.d.index, both, qLabels, kLabels));
     const text = entry.views.get(textKey);
     const signed = meta.signed.includes(state.factor);
@@ -395,7 +566,7 @@ export function mount(root, host) {
     let top = 0;
     for (let ki = 0; ki < nk; ki++) {
       const c = entry.d.index[qi * nk + ki];
-      if (c >= 0) top = Math.max(top, signed ? Math.abs(shown[c]) : shown[c]);
+      if (c >= 0 && !Number.isNaN(shown[c])) top = Math.max(top, signed ? Math.abs(shown[c]) : shown[c]);
     }
     const low = signed ? -top : 0;
     flow.innerHTML = "";
@@ -413,7 +584,10 @@ export function mount(root, host) {
       const span = element("span", { className: "cl-token", textContent: raw.replaceAll("\\n", "↵").replaceAll("\\t", "⇥") }, text);
       span.dataset.position = String(meta.keys[ki]);
       const c = entry.d.index[qi * nk + ki];
-      if (c >= 0) {
+      if (c >= 0 && Number.isNaN(shown[c])) {
+        span.classList.add("cl-future");
+        span.title = "key " + meta.key_labels[ki] + ": hidden (the sink)";
+      } else if (c >= 0) {
         const t = top > 0 ? (shown[c] - low) / (top - low) : signed ? 0.5 : 0;
         const [r, g, b] = colourAt(scale, t);
         span.style.background = "rgb(" + r + "," + g + "," + b + ")";
@@ -444,7 +618,7 @@ export function mount(root, host) {
     const rows = meta.factors.map(() => []);
     for (let ki = 0; ki < nk; ki++) {
       const c = qi < 0 ? -1 : entry.d.index[qi * nk + ki];
-      if (c < 0) continue;
+      if (c < 0 || Number.isNaN(values.attention[c])) continue;
       keys.push(kLabels[ki]);
       meta.factors.forEach((f, i) => rows[i].push(values[f][c]));
     }
@@ -503,7 +677,7 @@ export function mount(root, host) {
 
 // --- the static page: every layer embedded, the view named in the URL fragment -----------------
 
-const SETTINGS = ["layer", "head", "factor", "scope", "query", "view"];
+const SETTINGS = ["layer", "head", "factor", "scope", "query", "view", "hide_sink", "group_kv"];
 
 // The view a fragment names, and why each setting it names that the page cannot show was refused
 // (the page then shows its own choice and says so: a link never changes meaning silently).
@@ -534,6 +708,9 @@ export function readFragment(meta, hash) {
     } else if (name === "view") {
       if (VIEWS.some(([v]) => v === value)) state.view = value;
       else refuse(name, value, "is not one of heatmap, text", state.view);
+    } else if (name === "hide_sink" || name === "group_kv") {
+      if (value === "1" || value === "0") state[name] = value === "1";
+      else refuse(name, value, "is not 1 or 0", state[name] ? "1" : "0");
     } else {
       problems.push(name + "=" + value + " is not a view setting (" + SETTINGS.join(", ") + "); ignored");
     }
@@ -543,7 +720,8 @@ export function readFragment(meta, hash) {
 
 export function fragment(state) {
   return "#layer=" + state.layer + "&head=" + state.head + "&factor=" + state.factor + "&scope=" + state.scope +
-    "&query=" + state.query + (state.view === "text" ? "&view=text" : "");
+    "&query=" + state.query + (state.view === "text" ? "&view=text" : "") + (state.hide_sink ? "&hide_sink=1" : "") +
+    (state.group_kv ? "&group_kv=1" : "");
 }
 
 // Rewrite the URL's fragment where the page may: JupyterLab's HTML viewer serves the page from a
@@ -559,25 +737,44 @@ function showFragment(state) {
 export function page(root, data) {
   const meta = data.meta;
   let { state, problems } = readFragment(meta, window.location.hash);
+  // Compact layers are inflated on first view (asynchronously), then kept with the others.
+  const inflating = new Map();
+  function ready(l) {
+    const payload = data.layers[String(l)];
+    if (!payload || !payload.packed || payload.buffer) return Promise.resolve(payload || null);
+    if (!inflating.has(l)) {
+      inflating.set(l, inflate(payload).then((full) => {
+        data.layers[String(l)] = full;
+        return full;
+      }));
+    }
+    return inflating.get(l);
+  }
+  const waiting = (l) => {
+    const payload = data.layers[String(l)];
+    return Boolean(payload && payload.packed && !payload.buffer);
+  };
+  // Drawn at once where the layer is ready (as before), after its inflation where not.
+  const draw = () => (waiting(state.layer) ? (view.refresh(), ready(state.layer).then(() => view.refresh())) : view.refresh());
   const view = mount(root, {
     meta: () => meta,
-    layer: (l) => data.layers[String(l)] || null,
+    layer: (l) => (waiting(l) ? null : data.layers[String(l)] || null),
     state: () => state,
     error: () => (problems.length ? "This link names a view the page cannot show: " + problems.join("; ") + "." : ""),
     set(partial) {
       state = Object.assign({}, state, partial);
       problems = [];
       showFragment(state);
-      view.refresh();
+      draw();
     },
   });
   window.addEventListener("hashchange", () => {
     ({ state, problems } = readFragment(meta, window.location.hash));
-    view.refresh();
+    draw();
   });
   showFragment(state);
   root.dataset.ready = "false";
-  view.refresh().then(() => (root.dataset.ready = "true"));
+  draw().then(() => (root.dataset.ready = "true"));
   return view;
 }
 
