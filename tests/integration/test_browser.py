@@ -721,3 +721,60 @@ def test_text_view_reads_at_a_thousand_tokens(browser, bundled_model, library, t
     assert all(t["value"] is None for t in tokens if t["position"] > 40)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     assert browser.save_screenshot(str(ARTIFACTS / "inspector_text_1000_tokens.png"))
+
+
+def drawn_z(drawn: dict) -> np.ndarray:
+    return np.array([[np.nan if v is None else v for v in row] for row in drawn["z"]], dtype=float)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factor", ["attention", "relative_norm", "cosine", "contribution"])
+def test_kv_group_view_draws_the_group_combined(browser, page, library, factor) -> None:
+    # SmolLM2: 9 query heads read 3 value heads; head 4 is in group 1 (heads 3, 4, 5).
+    drawn = open_view(browser, page, f"#layer=9&head=4&factor={factor}&scope=intra&group_kv=1")
+    d = library["intra"][9]
+    heads = [3, 4, 5]
+    a = d.attention[0, heads].double().numpy()
+    weight = a.sum(0)
+    combined = {
+        "attention": a.mean(0),
+        "contribution": d.contribution[0, heads].double().numpy().sum(0),
+        **{
+            name: np.divide((a * getattr(d, name)[0, heads].double().numpy()).sum(0), weight,
+                            out=np.zeros_like(weight), where=weight > 0)
+            for name in ("relative_norm", "cosine")
+        },
+    }  # fmt: skip
+    z = drawn_z(drawn)
+    causal = ins.token_window(z.shape[0]).mask
+    error = np.abs(z - combined[factor])[causal]
+    assert np.all(error <= 2e-4 + 1e-3 * np.abs(combined[factor][causal])), f"worst {error.max():.3g}"
+    title = browser.execute_script("return document.querySelector('.cl-heatmap .gtitle').textContent")
+    assert "KV group 1 (heads 3, 4, 5)" in title, title
+    assert "&group_kv=1" in drawn["hash"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("head", "factor", "scope"), [(3, "attention", "inter"), (None, "contribution", "inter"),
+                                                       (3, "contribution", "intra")])  # fmt: skip
+def test_hidden_sink_renormalises_the_other_keys(browser, page, library, head, factor, scope) -> None:
+    from contribution_lens.views.inspector.payload import hide_sink
+
+    name = "all" if head is None else head
+    drawn = open_view(browser, page, f"#layer=2&head={name}&factor={factor}&scope={scope}&hide_sink=1")
+    values, tolerance = expected(library, 2, head, scope)
+    totals = values[factor].sum(-1)  # the whole text is the window: every key is in the row
+    want = hide_sink(values[factor], totals)
+    z = drawn_z(drawn)
+    assert np.isnan(z[:, 0]).all(), "the sink column is hidden"
+    causal = ins.token_window(z.shape[0]).mask
+    causal[:, 0] = False
+    ok = ~np.isnan(want) & causal
+    # x' = x S / (S - x0): |dx'| <= S / |S - x0| (|dx| + |x| |dx0| / |S - x0|).
+    rest = np.abs(totals[:, None] - values[factor][:, :1])
+    t = tolerance[factor]
+    bound = np.abs(totals)[:, None] / rest * (t + np.abs(values[factor]) * t[:, :1] / rest)
+    error = np.abs(z - want)[ok]
+    assert np.all(error <= bound[ok] + 1e-6), f"worst {error.max():.3g}"
+    bars = browser.execute_script("return document.querySelector('.cl-bars').data[0].y")
+    assert not any(label.startswith("0:") for label in bars)
