@@ -217,5 +217,18 @@ def test_shared_page_opens_from_the_notebook_link_in_jupyterlab(page, lab) -> No
     frame.locator("select[data-control='head']").select_option("3")
     title = frame.locator(".cl-heatmap .gtitle").text_content(timeout=30_000)
     assert "H3" in title or "head 3" in title, title
+    # The viewer drops the link's fragment: the page says so rather than showing another view silently.
+    assert "drops the #view of a link" in frame.locator(".cl-note").text_content()
     page.screenshot(path=str(ARTIFACTS / "jupyterlab_shared_page.png"))
+    # The same relative link in a browser tab (a middle-click): served by Jupyter, the fragment names the view.
+    # JupyterLab points the link at the file it resolves to, beside the notebook, fragment kept.
+    href = page.locator(".jp-RenderedMarkdown a").get_attribute("href")
+    assert href.startswith(f"{lab['url']}/files/tour.html") and href.endswith("#layer=2&head=1&factor=cosine&scope=intra")
+    context = page.context.browser.new_context()
+    tab = context.new_page()
+    tab.goto(href.replace("#", f"&token={lab['token']}#", 1))
+    tab.wait_for_selector(".cl-inspector[data-ready='true']", timeout=60_000)
+    assert tab.locator(".cl-heatmap .gtitle").text_content() == "cosine (intra), L2 head 1"
+    assert tab.locator(".cl-error").is_hidden() and tab.locator(".cl-note").count() == 0
+    context.close()
     assert not page.errors, page.errors

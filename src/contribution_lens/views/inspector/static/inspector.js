@@ -772,6 +772,14 @@ export function page(root, data) {
     ({ state, problems } = readFragment(meta, window.location.hash));
     draw();
   });
+  // JupyterLab's HTML viewer shows the page from a blob: URL and drops a link's fragment.
+  if (window.location.protocol === "blob:") {
+    const note = element("div", { className: "cl-note" });
+    note.textContent =
+      "Shown in JupyterLab's HTML viewer, which drops the #view of a link: choose the view in the menus, " +
+      "or open the link in a browser tab (middle-click it) to see the view it names.";
+    root.parentNode.insertBefore(note, root);
+  }
   showFragment(state);
   root.dataset.ready = "false";
   draw().then(() => (root.dataset.ready = "true"));
