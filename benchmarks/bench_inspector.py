@@ -1,22 +1,26 @@
-"""Size and speed of the inspector on the bundled SmolLM2-135M (30 layers, 9 heads), CPU.
+"""Speed and size of the inspector on the bundled SmolLM2-135M (30 layers, 9 heads, 3 KV heads), CPU.
 
-For 64, 128, 256 and 512 tokens: the static page with every layer and the whole text as its
-token window (total size, size beyond plotly.js, payload bytes per displayable cell counting the
-attention plus three factors in two scopes for every layer, head and causal pair, build time),
-and the widget (first payload, with its default 128-token window; time to switch layer, which
-runs the model; head, factor and scope switches run in the front-end only, from the payload
-already sent). Run: ``python benchmarks/bench_inspector.py``.
+On a 512-token text: the widget's first view (one forward pass that decomposes every layer once
+and cuts every window from it), then the time of every layer switch and every window switch
+after it (they only send what is ready), for the default 128-token windows and for one
+512-token window; the static page of all 30 layers at 512 tokens in the compact codec (size,
+build time, the fine codec's size for comparison) and its error against the library's float32
+numbers beside the stated bounds. Run: ``python benchmarks/bench_inspector.py``.
 """
 
 import json
-import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import plotly.offline
+import torch
 
 import contribution_lens as cl
+from contribution_lens.views import inspector as ins
+from contribution_lens.views.inspector import payload
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "fineweb_edu" / "sample-10BT_first150.jsonl"
 TEXT = (
@@ -24,87 +28,82 @@ TEXT = (
     if SHARED.is_file()
     else " ".join(["The quick brown fox jumps over the lazy dog."] * 80)
 )
-PLOTLY_BYTES = len(plotly.offline.get_plotlyjs().encode())
-SWITCH = """
-const views = [['head', '3'], ['factor', 'cosine'], ['scope', 'intra'], ['head', 'all'], ['factor', 'attention']];
-const times = [];
-for (const [name, value] of views) {
-  const t0 = performance.now();
-  const node = document.getElementById('cl-' + name);
-  node.value = value;
-  node.dispatchEvent(new Event('change'));
-  times.push(performance.now() - t0);
-}
-return times.reduce((a, b) => a + b) / times.length;
-"""
+N_TOKENS = 512
 
 
-def browser():
-    """Headless Chromium, or None where Debian's chromium and chromium-driver are missing."""
-    if shutil.which("chromium") is None or shutil.which("chromedriver") is None:
-        return None
-    from selenium import webdriver
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"):  # fmt: skip
-        options.add_argument(flag)
-    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
-    return webdriver.Chrome(service=service, options=options)
+def timed(action) -> float:
+    began = time.perf_counter()
+    action()
+    return time.perf_counter() - began
 
 
-def front_end_switch_ms(driver, page: Path) -> float:
-    """Mean time of a head, factor or scope switch in the page (decode once, then derive and redraw)."""
-    from selenium.webdriver.support.ui import WebDriverWait
+def widget(model, ids, tokens: int) -> None:
+    inspector = None
 
-    driver.get(page.resolve().as_uri())
-    WebDriverWait(driver, 300).until(
-        lambda d: d.execute_script("return document.getElementById('cl-root').dataset.ready") == "true"
+    def first() -> None:
+        nonlocal inspector
+        inspector = cl.inspect(model, ids, layer=29, tokens=tokens)
+
+    first_view = timed(first)
+    assert inspector is not None
+    layers = [timed(lambda layer=layer: setattr(inspector, "layer", layer)) for layer in range(30)]
+    starts = [0, *range(tokens // 2, N_TOKENS - tokens + tokens // 2, tokens // 2)] if tokens < N_TOKENS else []
+    windows = [timed(lambda start=start: setattr(inspector, "start", start)) for start in reversed(starts)]
+    window_text = f"max {max(windows):.3f} s over {len(windows)} windows" if windows else "one window"
+    print(
+        f"| {tokens} | {first_view:.1f} | {max(layers):.4f} (median {statistics.median(layers):.4f}) "
+        f"| {window_text} | {max(layers) / first_view:.1e} |"
     )
-    return driver.execute_script(SWITCH)
+
+
+def page_errors(model, ids, data: dict, window: ins.Window) -> tuple[float, float, float]:
+    """Largest |attention error|, |cosine error| and cosine bound over layers 0, 15 and 29 of the page."""
+    attention_error = cosine_error = bound = 0.0
+    rows, columns = np.nonzero(window.mask)
+    for layer in (0, 15, 29):
+        sent = data["layers"][str(layer)]
+        got, raw = ins.decode_compact(sent, window), payload.unpack_compact(sent)
+        truth = {s: cl.attention_geometry(model, ids, layers=[layer], scope=s)[layer] for s in cl.SCOPES}
+        attention = payload._cut(truth["inter"].attention[0], window)
+        attention_error = max(attention_error, float(np.abs(got["attention"] - attention).max()))
+        key_scale = raw["key_scales"].reshape(9, -1)[:, columns]
+        for scope in cl.SCOPES:
+            query_scale = raw[f"query_{scope}_scales"].reshape(9, -1)[:, rows]
+            cells_bound = ins.cosine_error_bound(query_scale, key_scale, sent["d_head"])
+            error = np.abs(got[f"cosine_{scope}"] - payload._cut(truth[scope].cosine[0], window))
+            assert (error <= cells_bound + 1e-6).all()
+            cosine_error, bound = max(cosine_error, float(error.max())), max(bound, float(cells_bound.max()))
+    return attention_error, cosine_error, bound
 
 
 def main() -> None:
+    torch.set_num_threads(1)
     model = cl.load_model()
-    all_tokens = cl.to_token_batch(model, TEXT).tokens
-    print(f"bundled SmolLM2-135M, CPU; plotly.js is {PLOTLY_BYTES / 1e6:.2f} MB, embedded once per page")
-    print("widget: 128-token window (the default); layer switch runs the model up to that layer (first visit),")
-    print("head/factor/scope switch is front-end only (same JS as the page, timed in headless Chromium)")
-    print("| tokens | page MB | page MB beyond plotly.js | bytes / displayable cell | page build s "
-          "| widget first payload KB | layer switch s (L7 / L15 / L29) | head/factor/scope switch ms (widget window) "
-          "| same, whole-text page window |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
-    driver = browser()
+    ids = cl.to_token_batch(model, TEXT).tokens[:, :N_TOKENS]
+    print(f"bundled SmolLM2-135M, CPU, one torch thread; a {N_TOKENS}-token text; the widget opens on layer 29")
+    print("| window tokens | first view s | layer switch s, worst of 30 | window switch | worst switch / first view |")
+    print("|---|---|---|---|---|")
+    for tokens in (128, 512):
+        widget(model, ids, tokens)
+    inspector = cl.inspect(model, ids, layer=29, tokens=8)
+    window = ins.token_window(N_TOKENS, tokens=N_TOKENS)
+    fine = payload.payload_bytes(window, 9, 3) * 30 + len(plotly.offline.get_plotlyjs())
     with tempfile.TemporaryDirectory() as folder:
-        for n in (64, 128, 256, 512):
-            ids = all_tokens[:, :n]
-            inspector = cl.inspect(model, ids, layer=0)
-            first = len(json.dumps({"meta": inspector.meta, "payload": inspector.payload}).encode())
-            switches = []
-            for layer in (7, 15, 29):
-                began = time.perf_counter()
-                inspector.layer = layer
-                switches.append(time.perf_counter() - began)
-            widget_ms = page_ms = float("nan")
-            if driver is not None:
-                one = inspector.write_html(Path(folder) / "one.html", layers=[29])
-                widget_ms = front_end_switch_ms(driver, one)
-                one = inspector.write_html(Path(folder) / "one.html", layers=[29], tokens=n)
-                page_ms = front_end_switch_ms(driver, one)
-            began = time.perf_counter()
-            path = inspector.write_html(Path(folder) / f"inspect{n}.html", tokens=n)
-            built = time.perf_counter() - began
-            size = path.stat().st_size
-            cells = 30 * 9 * (n * (n + 1) // 2) * 7
-            print(
-                f"| {n} | {size / 1e6:.1f} | {(size - PLOTLY_BYTES) / 1e6:.2f} | {(size - PLOTLY_BYTES) / cells:.3f} "
-                f"| {built:.1f} | {first / 1e3:.0f} | {' / '.join(f'{t:.2f}' for t in switches)} "
-                f"| {widget_ms:.0f} | {page_ms:.0f} |"
-            )
-            path.unlink()
-    if driver is not None:
-        driver.quit()
+        path = Path(folder) / "inspect.html"
+        built = timed(lambda: inspector.write_html(path, tokens=N_TOKENS))
+        size = path.stat().st_size
+        html = path.read_text()
+    data = json.loads(html.split("class='cl-data'>")[1].split("</script>")[0].replace("<\\/", "</"))
+    attention_error, cosine_error, bound = page_errors(model, ids, data, window)
+    print(
+        f"page, all 30 layers, {N_TOKENS} tokens, compact: {size / 1e6:.1f} MB "
+        f"(fine codecs with the KV-group arrays: about {fine / 1e6:.0f} MB), "
+        f"built in {built:.1f} s; opens on query {data['meta']['initial']['query']}"
+    )
+    print(
+        f"page error (layers 0, 15, 29): |attention| {attention_error:.2e} (bound {ins.COMPACT_ATTENTION_ERROR:.2e}), "
+        f"|cosine| {cosine_error:.2e} (bound of the worst cell {bound:.2e})"
+    )
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ import json
 import re
 
 import numpy as np
-import plotly.offline
 import pytest
 import torch
 import traitlets
@@ -94,14 +93,149 @@ def test_bidirectional_models_show_every_pair() -> None:
 
 
 @pytest.mark.slow
-def test_static_page_is_compact_and_first_widget_payload_small(bundled_model) -> None:
+def test_static_page_of_every_layer_at_512_tokens_is_under_50_mb(bundled_model) -> None:
     text = " ".join(["The quick brown fox jumps over the lazy dog."] * 60)
     ids = cl.to_token_batch(bundled_model, text).tokens[:, :512]
-    inspector = cl.inspect(bundled_model, ids)
+    inspector = cl.inspect(bundled_model, ids, tokens=16)
     first = json.dumps({"meta": inspector.meta, "payload": inspector.payload})
     assert len(first) < 1_000_000, f"first widget payload {len(first)} bytes"
-    html = inspector.render_html(tokens=64)
-    n_layers, n_heads = 30, 9
-    cells = n_layers * n_heads * (64 * 65 // 2) * 7  # attention + 3 factors x 2 scopes
-    beyond_plotly = len(html.encode()) - len(plotly.offline.get_plotlyjs().encode())
-    assert beyond_plotly / cells <= 1.5, f"{beyond_plotly / cells:.3f} bytes per displayable cell"
+    html = inspector.render_html(tokens=512)  # compact: the fine codecs would take about 290 MB
+    assert len(html.encode()) <= 50_000_000, f"{len(html.encode()) / 1e6:.1f} MB"
+    data = json.loads(re.search(r"class='cl-data'>(.*?)</script>", html).group(1).replace("<\\/", "</"))
+    assert sorted(map(int, data["layers"])) == list(range(30)) and data["meta"]["initial"]["query"] == 511
+    window = ins.token_window(512, tokens=512)
+    got = ins.decode_compact(data["layers"]["29"], window)
+    truth = cl.attention_geometry(bundled_model, ids, layers=[29], scope="intra")[29]
+    assert (
+        np.abs(got["attention"] - payload._cut(truth.attention[0], window)).max() <= ins.COMPACT_ATTENTION_ERROR + 1e-7
+    )
+    assert np.abs(got["cosine_intra"] - payload._cut(truth.cosine[0], window)).max() <= 0.05
+
+
+BAD_VALUES = [
+    ("start", 300, "start 300 is outside the text of 20 tokens (0..19)"),
+    ("start", -1, "start -1 is outside the text of 20 tokens (0..19)"),
+    ("tokens", 0, "tokens must be at least 1, got 0"),
+    ("layer", 5, "layer 5 is not among the inspected layers [0, 1, 2]"),
+    ("head", 9, "head 9 does not exist: -1 (all heads) or 0..3"),
+    ("query", 3, "query 3 is not in the token window 10..17: set start first"),
+    ("factor", "norm", "unknown factor 'norm'; expected one of"),
+    ("scope", "outer", "unknown scope 'outer'; expected one of"),
+]
+
+
+@pytest.fixture(scope="module")
+def gqa_inspector():
+    model = tiny_bridge("gqa", biases=True, n_layers=3)
+    ids = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(0))
+    return model, ids, cl.inspect(model, ids, layer=1, tokens=8, start=10)
+
+
+@pytest.mark.parametrize(("name", "value", "message"), BAD_VALUES, ids=[f"{n}={v}" for n, v, _ in BAD_VALUES])
+def test_bad_values_are_refused_before_anything_changes(gqa_inspector, monkeypatch, name, value, message) -> None:
+    _, _, inspector = gqa_inspector
+    before = {key: getattr(inspector, key) for key in ("layer", "head", "factor", "scope", "query", "start", "tokens")}
+    sent, shown = dict(inspector.payload), dict(inspector.meta)
+    with pytest.raises(ins.InspectorError, match=re.escape(message)) as refused:
+        setattr(inspector, name, value)
+    assert isinstance(refused.value, ValueError) and isinstance(refused.value, traitlets.TraitError)
+    assert inspector.error.startswith(message)
+    after = {key: getattr(inspector, key) for key in before}
+    assert after == before and inspector.payload == sent and inspector.meta == shown
+    # From the front-end: no exception in the kernel, the reason in `error`, the kept value sent back.
+    resent = []
+    inspector.error = ""
+    monkeypatch.setattr(inspector, "send_state", lambda key=None: resent.append(key))
+    inspector.set_state({name: value})
+    assert inspector.error.startswith(message) and getattr(inspector, name) == before[name]
+    assert [name] in resent
+    # A good change clears the reason.
+    inspector.head = 1 if inspector.head != 1 else 2
+    assert inspector.error == ""
+
+
+def test_a_bad_keyword_is_refused_before_the_model_runs(monkeypatch) -> None:
+    model = tiny_bridge("mha")
+    monkeypatch.setattr(ins.widget, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
+    with pytest.raises(ins.InspectorError, match=re.escape("start 300 is outside the text of 6 tokens")):
+        cl.inspect(model, torch.arange(6), start=300)
+    with pytest.raises(ins.InspectorError, match="head 7 does not exist"):
+        cl.inspect(model, torch.arange(6), head=7)
+
+
+def test_every_layer_and_window_is_ready_after_the_first_view(monkeypatch) -> None:
+    model = tiny_bridge("gqa", biases=True, n_layers=3)
+    ids = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(1))
+    passes = []
+    original = ins.widget.compute_windows
+    monkeypatch.setattr(ins.widget, "compute_windows", lambda *a, **k: passes.append(1) or original(*a, **k))
+    inspector = cl.inspect(model, ids, layer=0, tokens=8)
+    assert len(passes) == 1
+    for layer, start in [(2, 0), (1, 4), (2, 12), (0, 8), (2, 12)]:  # the windows the front-end offers
+        inspector.start, inspector.layer = start, layer
+        assert_payload(inspector, model, ids, layer)
+    assert len(passes) == 1, "a layer or window switch ran the model again"
+    inspector.tokens = 5  # a new size is one more pass
+    assert_payload(inspector, model, ids, 2) and len(passes) == 2
+
+
+def dequantised(payload_: dict, name: str) -> np.ndarray:
+    dtype = {"attention": "<u2", "cosine": "<u2", "half": "<f2", "exact": "<f4"}[payload_["codecs"][name]]
+    return payload.dequantise(np.frombuffer(base64.b64decode(payload_[name]), dtype=dtype), payload_["codecs"][name])
+
+
+def test_kv_groups_and_the_totals_hide_sink_needs(gqa_inspector) -> None:
+    model, ids, inspector = gqa_inspector
+    inspector.layer, inspector.start = 1, 10
+    window, sent = inspector.window, inspector.payload
+    assert inspector.meta["kv_groups"] == [[0, 1], [2, 3]] == sent["kv_groups"]
+    d = cl.attention_geometry(model, ids, layers=[1], scope="inter")[1]
+    attention = payload._cut(d.attention[0], window)
+    contribution = payload._cut(d.contribution[0], window)
+    group_attention = dequantised(sent, "group_attention").reshape(2, -1)
+    np.testing.assert_allclose(group_attention, attention.reshape(2, 2, -1).mean(1), atol=4e-5)
+    group_contribution = dequantised(sent, "group_contribution_inter").reshape(2, -1)
+    np.testing.assert_allclose(group_contribution, contribution.reshape(2, 2, -1).sum(1), rtol=2e-3, atol=1e-4)
+    # Totals cover every key, those left of the window included: the weights of a query sum to 1.
+    totals = dequantised(sent, "total_inter").reshape(4, -1)
+    np.testing.assert_allclose(totals.sum(0), 1, atol=1e-5)
+    np.testing.assert_allclose(dequantised(sent, "all_total_inter"), 1, atol=1e-5)
+    np.testing.assert_allclose(totals, d.contribution[0].sum(-1)[:, window.queries].numpy(), atol=1e-5)
+    # Hidden sink: the other keys keep the row's total; key 0 is not drawn.
+    full = d.contribution[0].sum(0).numpy()
+    hidden = ins.hide_sink(full, full.sum(-1))
+    assert np.isnan(hidden[:, 0]).all() and np.isnan(hidden[0]).all()
+    np.testing.assert_allclose(np.nansum(hidden[1:], -1), 1, atol=1e-5)
+    np.testing.assert_allclose(hidden[5, 1:6] / hidden[5, 1], full[5, 1:6] / full[5, 1], rtol=1e-5)
+    for name in ("hide_sink", "group_kv"):
+        setattr(inspector, name, True)
+        assert inspector.payload == sent, "drawn by the front-end from what was sent"
+        setattr(inspector, name, False)
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa", "mqa"])
+def test_compact_page_is_within_its_stated_bounds_and_opens_on_the_last_query(variant) -> None:
+    model = tiny_bridge(variant, biases=True, n_layers=2)
+    ids = torch.randint(0, 50, (1, 24), generator=torch.Generator().manual_seed(2))
+    inspector = cl.inspect(model, ids, layer=1, tokens=10, start=9)
+    inspector.query = 12
+    html = inspector.render_html(compact=True)
+    data = json.loads(re.search(r"class='cl-data'>(.*?)</script>", html).group(1).replace("<\\/", "</"))
+    assert data["meta"]["initial"]["query"] == 18 and data["meta"]["compact"] is True
+    window = inspector.window
+    for layer in (0, 1):
+        sent = data["layers"][str(layer)]
+        got = ins.decode_compact(sent, window)
+        raw = payload.unpack_compact(sent)
+        by_scope = {s: cl.attention_geometry(model, ids, layers=[layer], scope=s)[layer] for s in cl.SCOPES}
+        truth = payload._cut(by_scope["inter"].attention[0], window)
+        assert np.abs(got["attention"] - truth).max() <= ins.COMPACT_ATTENTION_ERROR + 1e-7
+        n_heads, nq, nk = truth.shape[0], len(window.queries), len(window.keys)
+        rows, columns = np.nonzero(window.mask)
+        key_scale = raw["key_scales"].reshape(n_heads, nk)[:, columns]
+        for scope in cl.SCOPES:
+            query_scale = raw[f"query_{scope}_scales"].reshape(n_heads, nq)[:, rows]
+            bound = ins.cosine_error_bound(query_scale, key_scale, sent["d_head"])
+            error = np.abs(got[f"cosine_{scope}"] - payload._cut(by_scope[scope].cosine[0], window))
+            assert (error <= bound + 1e-6).all(), f"{scope}: {error.max()} beyond {bound.max()}"
+            assert error.max() > 0, "the codes are lossy: a zero error means the test compares the codes to themselves"

@@ -73,3 +73,21 @@ def test_an_encoders_heatmap_and_bars_show_every_key() -> None:
     bars = cl.plot.factor_bars(g, layer=0, query=2, head=1)
     assert len(bars.data[0].y) == 6
     assert len(cl.plot.compare_measures(g, layer=0, query=2).data[0].x) == 6
+
+
+def test_hiding_the_sink_drops_key_0_and_renormalises_the_rest(geometry) -> None:
+    d = geometry[1]
+    attention = cl.plot.token_heatmap(geometry, layer=1, head=2, factor="attention", hide_sink=True)
+    heatmap = attention.data[0]
+    assert heatmap.x[0] == "1:<7>" and len(heatmap.x) == 7 and "sink hidden" in attention.layout.title.text
+    z = np.asarray(heatmap.z, dtype=float)
+    a = d.attention[0, 2].double()
+    expected = a[:, 1:] / (1 - a[:, :1])
+    assert np.isnan(z[0]).all()
+    assert_close(torch.tensor(np.nan_to_num(z[1:])), torch.tril(expected[1:], 0), atol=1e-6)
+    # Token-level inter-head contribution still sums to 1 over the keys left.
+    z = np.asarray(cl.plot.token_heatmap(geometry, layer=0, hide_sink=True).data[0].z, dtype=float)
+    assert_close(torch.tensor(np.nansum(z[1:], axis=1)), torch.ones(7, dtype=torch.float64), atol=1e-5)
+    bars = cl.plot.factor_bars(geometry, layer=1, query=5, head=2, hide_sink=True)
+    assert list(bars.data[0].y) == [f"{j}:{t}" for j, t in enumerate(geometry.str_tokens[0])][1:6]
+    assert_close(torch.tensor(np.asarray(bars.data[0].x, dtype=float)), expected[5, :5], atol=1e-6)

@@ -52,6 +52,41 @@ def token_factors(d: Decomposition, head: int | None, index: int, n: int) -> dic
     return {name: values[index, :n, :n] for name, values in d.token_factors().items()}
 
 
+def hide_sink(values: np.ndarray, totals: np.ndarray, sink: int = 0) -> np.ndarray:
+    """Shares without the sink, renormalised: ``x'_ij = x_ij * S_i / (S_i - x_i0)``, the sink column NaN.
+
+    ``S_i`` is query ``i``'s total over all its keys (1 for attention and for inter-head
+    token-level contribution): the other keys keep the row's total between them. A row with
+    nothing left besides the sink (``|S_i - x_i0| <= 1e-6 max(1, |S_i|)``) is NaN. Relative
+    norm and cosine are properties of a key, not shares: they are shown as they are. The page
+    computes the same.
+
+    Example:
+        >>> hide_sink(np.array([[1.0, 0.0], [0.5, 0.25]]), np.array([1.0, 0.75])).tolist()
+        [[nan, nan], [nan, 0.75]]
+    """
+    values = np.asarray(values, dtype=np.float64)
+    totals = np.asarray(totals, dtype=np.float64)[..., None]
+    rest = totals - values[..., sink : sink + 1]
+    empty = np.abs(rest) <= 1e-6 * np.maximum(1.0, np.abs(totals))
+    out = np.where(empty, np.nan, values * totals / np.where(empty, 1.0, rest))
+    out[..., sink] = np.nan
+    return out
+
+
+SHARES = (Factor.ATTENTION, Factor.CONTRIBUTION)
+"""The factors that are shares of a query's total, renormalised when the sink is hidden."""
+
+
+def _without_sink(factors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`hide_sink` of attention and contribution ``[query key]`` (rows total over every key), cosine and norm kept."""
+    out = dict(factors)
+    for name in SHARES:
+        values = _numpy(factors[name]).astype(np.float64)
+        out[name] = torch.from_numpy(hide_sink(values, values.sum(-1)))
+    return out
+
+
 def _hover(factors: dict[str, Tensor]) -> np.ndarray:
     arrays = [_numpy(factors[name]) for name in FACTORS]
     return np.stack(arrays, axis=-1)
@@ -85,10 +120,13 @@ def token_heatmap(
     head: int | None = None,
     factor: Factor | str = Factor.CONTRIBUTION,
     index: int = 0,
+    hide_sink: bool = False,
 ) -> go.Figure:
     """Query x key heatmap of one factor for one layer and head (token level if ``head`` is None).
 
-    Hovering a cell shows all four numbers; future keys are blank.
+    Hovering a cell shows all four numbers; future keys are blank. ``hide_sink`` drops key 0
+    and renormalises the other keys' attention and contribution (`hide_sink`), so the colour
+    scale shows how the rest is shared.
 
     Example:
         >>> import torch, contribution_lens as cl
@@ -105,12 +143,19 @@ def token_heatmap(
     _check_head(d, head)
     n = _check_index(geometry, index)
     factors = token_factors(d, head, index, n)
+    if hide_sink:
+        factors = _without_sink(factors)
     values = _numpy(factors[factor]).copy()  # .numpy() shares memory with the result
     # Blank what the query cannot see: future keys of a causal model (an encoder sees every key).
     values[~d.valid[index, :n, :n].cpu().numpy()] = np.nan
     labels = geometry.labels(index)
     where = f"L{layer}H{head}" if head is not None else f"L{layer}, all heads"
-    figure = go.Figure(_heatmap(values, labels, factor, _hover(factors)))
+    hover = _hover(factors)
+    if hide_sink:
+        where += ", sink hidden"
+    figure = go.Figure(_heatmap(values, labels, factor, hover))
+    if hide_sink:
+        figure.update_traces(z=values[:, 1:], x=labels[1:], customdata=hover[:, 1:])
     # Every label, not every other one: plotly thins category ticks unless told which to draw.
     ticks = {"tickmode": "array", "tickvals": labels, "ticktext": labels, "tickfont": {"size": 10}}
     figure.update_layout(
@@ -165,24 +210,33 @@ def factor_bars(
     query: int,
     head: int | None = None,
     index: int = 0,
+    hide_sink: bool = False,
 ) -> go.Figure:
-    """For one query, the three factors and their product per key: what makes this token count?"""
+    """For one query, the three factors and their product per key: what makes this token count?
+
+    ``hide_sink`` drops key 0 and renormalises the other keys' attention and contribution (`hide_sink`).
+    """
     d = geometry[layer]
     _check_head(d, head)
     keys = _query_keys(geometry, index, query)
     seen = len(keys)
     factors = token_factors(d, head, index, len(geometry.str_tokens[index]))
+    first = 0
+    if hide_sink:
+        factors, first = _without_sink(factors), 1
     where = f"L{layer}H{head}" if head is not None else f"L{layer}, all heads"
     # One panel and one scale per factor: on a shared axis the contribution bars (~0.01) vanish
     # beside relative norms (~1-5).
     figure = make_subplots(rows=1, cols=len(FACTORS), shared_yaxes=True, subplot_titles=[*FACTORS])
     for column, name in enumerate(FACTORS, start=1):
-        values = _numpy(factors[name][query, :seen])
+        values = _numpy(factors[name][query, first:seen])
         figure.add_bar(
-            x=values, y=keys, orientation="h", name=name, showlegend=False, row=1, col=column,
+            x=values, y=keys[first:], orientation="h", name=name, showlegend=False, row=1, col=column,
             hovertemplate="key %{y}<br>" + name + " %{x:.4f}<extra></extra>",
         )  # fmt: skip
-    figure.update_yaxes(autorange="reversed", tickmode="array", tickvals=keys, ticktext=keys, row=1, col=1)
+    figure.update_yaxes(
+        autorange="reversed", tickmode="array", tickvals=keys[first:], ticktext=keys[first:], row=1, col=1
+    )
     figure.update_layout(
         title=f"Factors of the contribution of each key to query {geometry.labels(index)[query]!r}, {where}",
         height=max(360, 16 * len(keys) + 160),

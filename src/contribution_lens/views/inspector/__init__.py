@@ -1,7 +1,9 @@
 """The inspector: per-head contribution heatmaps, live in Jupyter and as one light shareable HTML file.
 
-Three parts: `payload` (what is sent: one layer's numbers for a token window, with their codecs),
-`widget` (`Inspector`, the live anywidget) and `page` (the static file). Both front-ends run the
+Three parts: `payload` (what is sent: one layer's numbers for a token window, with their codecs:
+fine for the widget, `compact_payload` for large pages), `widget` (`Inspector`, the live anywidget,
+which refuses bad values with `InspectorError` and names the reason in its ``error`` trait) and
+`page` (the static file). Both front-ends run the
 same ES module, ``static/inspector.js``, whose elements are found inside its own root, so several
 inspectors live on one page.
 """
@@ -14,36 +16,57 @@ from contribution_lens import adapter
 from contribution_lens.views.inspector.payload import (
     ATTENTION_CODES,
     CODECS,
+    COMPACT_ATTENTION_ERROR,
+    COMPACT_CODECS,
     COSINE_CODES,
     DEFAULT_TOKENS,
     Window,
+    combine_cells,
+    compact_payload,
     compute_payloads,
+    compute_windows,
+    cosine_error_bound,
+    decode_compact,
     dequantise_attention,
     dequantise_cosine,
+    hide_sink,
+    kv_groups,
     layer_payload,
     quantise_attention,
     quantise_cosine,
     token_label,
     token_window,
+    unit_factors,
 )
-from contribution_lens.views.inspector.widget import Inspector
+from contribution_lens.views.inspector.widget import Inspector, InspectorError
 
 __all__ = [
     "ATTENTION_CODES",
     "CODECS",
+    "COMPACT_ATTENTION_ERROR",
+    "COMPACT_CODECS",
     "COSINE_CODES",
     "DEFAULT_TOKENS",
     "Inspector",
+    "InspectorError",
     "Window",
+    "combine_cells",
+    "compact_payload",
     "compute_payloads",
+    "compute_windows",
+    "cosine_error_bound",
+    "decode_compact",
     "dequantise_attention",
     "dequantise_cosine",
+    "hide_sink",
     "inspect",
+    "kv_groups",
     "layer_payload",
     "quantise_attention",
     "quantise_cosine",
     "token_label",
     "token_window",
+    "unit_factors",
 ]
 
 
@@ -58,6 +81,8 @@ def inspect(
     scope: str = "inter",
     start: int = 0,
     tokens: int = DEFAULT_TOKENS,
+    hide_sink: bool = False,
+    group_kv: bool = False,
 ) -> Inspector:
     """A live inspector of every layer, head, factor and scope of one text (display it in Jupyter).
 
@@ -71,6 +96,12 @@ def inspect(
         scope: ``inter`` or ``intra``.
         start: first query position of the token window.
         tokens: queries in the token window (keys are the same positions plus the sink).
+        hide_sink: hide key 0 and renormalise the other keys' shares (`hide_sink`).
+        group_kv: show the KV group of ``head`` (the heads sharing its value head) combined.
+
+    The first view runs one forward pass for every layer and every window of ``tokens``
+    queries; switching layer or window afterwards sends what is ready. A bad value is refused
+    before anything changes, with `InspectorError` (a ``ValueError``).
 
     Example:
         >>> import contribution_lens as cl
@@ -94,4 +125,6 @@ def inspect(
         scope=scope,
         start=start,
         tokens=tokens,
+        hide_sink=hide_sink,
+        group_kv=group_kv,
     )

@@ -41,7 +41,9 @@ from contribution_lens import adapter
 from contribution_lens.choices import FACTORS, SCOPES, Factor, Scope
 from contribution_lens.decomposition import Decomposition
 from contribution_lens.engine import map_layers
-from contribution_lens.views.plot import DIVERGING, SEQUENTIAL
+from contribution_lens.views.plot import DIVERGING, SEQUENTIAL, hide_sink
+
+__all__ = ["hide_sink"]  # defined with the figures, which hide the sink the same way
 
 ATTENTION_CODES = 65535
 COSINE_CODES = 32767
@@ -215,29 +217,6 @@ def kv_groups(n_heads: int, n_kv_heads: int) -> list[list[int]]:
         raise ValueError(f"{n_kv_heads} kv heads do not divide {n_heads} query heads")
     size = n_heads // n_kv_heads
     return [list(range(g * size, (g + 1) * size)) for g in range(n_kv_heads)]
-
-
-def hide_sink(values: np.ndarray, totals: np.ndarray, sink: int = 0) -> np.ndarray:
-    """Shares without the sink, renormalised: ``x'_ij = x_ij * S_i / (S_i - x_i0)``, the sink column NaN.
-
-    ``S_i`` is query ``i``'s total over all its keys (1 for attention and for inter-head
-    token-level contribution): the other keys keep the row's total between them. A row with
-    nothing left besides the sink (``|S_i - x_i0| <= 1e-6 max(1, |S_i|)``) is NaN. Relative
-    norm and cosine are properties of a key, not shares: they are shown as they are. The page
-    computes the same.
-
-    Example:
-        >>> hide_sink(np.array([[1.0, 0.0], [0.5, 0.25]]), np.array([1.0, 0.75]))
-        array([[nan, nan],
-               [nan, 0.75]])
-    """
-    values = np.asarray(values, dtype=np.float64)
-    totals = np.asarray(totals, dtype=np.float64)[..., None]
-    rest = totals - values[..., sink : sink + 1]
-    empty = np.abs(rest) <= 1e-6 * np.maximum(1.0, np.abs(totals))
-    out = np.where(empty, np.nan, values * totals / np.where(empty, 1.0, rest))
-    out[..., sink] = np.nan
-    return out
 
 
 def combine_cells(
@@ -482,8 +461,8 @@ def cosine_error_bound(query_scale: np.ndarray, key_scale: np.ndarray, d_head: i
         >>> float(cosine_error_bound(np.array(0.5 / 127), np.array(0.5 / 127), 64)[()]) < 0.032
         True
     """
-    e_q, e_k = np.sqrt(d_head) * query_scale / 2, np.sqrt(d_head) * key_scale / 2
-    return e_q + e_k + e_q * e_k
+    e_q, e_k = np.sqrt(d_head) * np.asarray(query_scale) / 2, np.sqrt(d_head) * np.asarray(key_scale) / 2
+    return np.asarray(e_q + e_k + e_q * e_k)
 
 
 def _vectors8(vectors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
