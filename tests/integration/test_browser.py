@@ -527,7 +527,8 @@ def kernel_answers(browser, inspector, index: int = 0) -> None:
     for name in ("query", "meta", "payload"):
         browser.execute_script(
             "const h = window.hosts[arguments[0]];"
-            "if (JSON.stringify(h.model.get(arguments[1])) !== JSON.stringify(arguments[2])) h.receive(arguments[1], arguments[2]);",
+            "if (JSON.stringify(h.model.get(arguments[1])) !== JSON.stringify(arguments[2]))"
+            "  h.receive(arguments[1], arguments[2]);",
             index,
             name,
             getattr(inspector, name),
@@ -570,7 +571,8 @@ def click_heatmap_cell(browser, row: int, column: int) -> None:
     element = browser.find_element("css selector", ".cl-inspector .cl-heatmap")
     dx, dy = browser.execute_script(
         "const gd = arguments[0], fl = gd._fullLayout, r = gd.getBoundingClientRect();"
-        "return [fl.xaxis.l2p(arguments[2]) + fl._size.l - r.width / 2, fl.yaxis.l2p(arguments[1]) + fl._size.t - r.height / 2];",
+        "return [fl.xaxis.l2p(arguments[2]) + fl._size.l - r.width / 2,"
+        "        fl.yaxis.l2p(arguments[1]) + fl._size.t - r.height / 2];",
         element,
         row,
         column,
@@ -605,11 +607,17 @@ def test_widget_controls_in_random_orders_never_dead_end(
             browser.find_element("css selector", f".cl-flow .cl-token[data-position='{q}']").click()
         elif action == "click":
             row = rng.randrange(len(inspector.window.queries))
-            column = rng.choice([j for j, key in enumerate(inspector.window.keys) if key <= inspector.window.queries[row]])
+            column = rng.choice(
+                [j for j, key in enumerate(inspector.window.keys) if key <= inspector.window.queries[row]]
+            )
             click_heatmap_cell(browser, row, column)
         else:
             menu = Select(control(browser, action))
-            values = [o.get_attribute("value") for o in menu.options if o.get_attribute("value") != menu.first_selected_option.get_attribute("value")]
+            values = [
+                o.get_attribute("value")
+                for o in menu.options
+                if o.get_attribute("value") != menu.first_selected_option.get_attribute("value")
+            ]
             if not values:
                 continue
             menu.select_by_value(rng.choice(values))
@@ -656,7 +664,9 @@ def test_page_refuses_a_bad_fragment_and_says_why(browser, bundled_model, tmp_pa
     page = inspector.write_html(tmp_path / "window.html", layers=[9], start=5, tokens=6)
     drawn = open_view(browser, page, link)
     assert shown in drawn["hash"], drawn["hash"]
-    message = browser.execute_script("const e = document.querySelector('.cl-error'); return [e.textContent, e.offsetHeight]")
+    message = browser.execute_script(
+        "const e = document.querySelector('.cl-error'); return [e.textContent, e.offsetHeight]"
+    )
     assert reason in message[0] and message[1] > 0, message
     # The message goes with the first change of view; a good link shows none.
     from selenium.webdriver.support.ui import Select
@@ -682,7 +692,8 @@ def test_long_window_heatmap_fits_the_width_with_its_colour_bar(browser, bundled
             "const gd = document.querySelector('.cl-heatmap'); const r = gd.getBoundingClientRect();"
             "const c = gd.querySelector('.colorbar').getBoundingClientRect();"
             "return {right: r.right, bar: c.right, page: document.documentElement.clientWidth,"
-            " scroll: document.documentElement.scrollWidth, cells: gd.querySelector('.heatmaplayer image').getBoundingClientRect().width,"
+            " scroll: document.documentElement.scrollWidth,"
+            " cells: gd.querySelector('.heatmaplayer image').getBoundingClientRect().width,"
             " ticks: gd.querySelectorAll('.xtick').length}"
         )
         assert box["bar"] <= box["page"] and box["right"] <= box["page"], box
@@ -690,7 +701,8 @@ def test_long_window_heatmap_fits_the_width_with_its_colour_bar(browser, bundled
         assert box["cells"] > 0.5 * box["page"], box
         # Zoom: a smaller key range labels more of its tokens than the whole window does.
         browser.execute_script(
-            "return Plotly.relayout(document.querySelector('.cl-heatmap'), {'xaxis.range': [-0.5, 20.5], 'yaxis.range': [20.5, -0.5]})"
+            "return Plotly.relayout(document.querySelector('.cl-heatmap'),"
+            " {'xaxis.range': [-0.5, 20.5], 'yaxis.range': [20.5, -0.5]})"
         )
         zoomed = browser.execute_script(
             "return [...document.querySelectorAll('.cl-heatmap .xaxislayer-above .xtick text')].map(t => t.textContent)"
@@ -817,7 +829,9 @@ def test_widget_shows_the_kernels_refusal(browser, bundled_model, tmp_path, monk
     with pytest.raises(traitlets.TraitError):
         inspector.start = 99
     browser.execute_script("window.host.receive('error', arguments[0])", inspector.error)
-    message = browser.execute_script("const e = document.querySelector('.cl-error'); return [e.textContent, e.offsetHeight]")
+    message = browser.execute_script(
+        "const e = document.querySelector('.cl-error'); return [e.textContent, e.offsetHeight]"
+    )
     assert message[0] == inspector.error and "start 99 is outside the text" in message[0] and message[1] > 0
     browser.execute_script("window.host.receive('error', '')")
     assert browser.execute_script("return document.querySelector('.cl-error').offsetHeight") == 0

@@ -65,6 +65,7 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     pytest.importorskip("jupyterlab", reason="needs jupyterlab (pip install jupyterlab)")
+    pytest.importorskip("playwright.sync_api", reason="needs playwright (pip install playwright)")
     folder = tmp_path_factory.mktemp("lab")
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SETUP), nbformat.v4.new_code_cell(SHARE)])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
@@ -223,7 +224,9 @@ def test_shared_page_opens_from_the_notebook_link_in_jupyterlab(page, lab) -> No
     # The same relative link in a browser tab (a middle-click): served by Jupyter, the fragment names the view.
     # JupyterLab points the link at the file it resolves to, beside the notebook, fragment kept.
     href = page.locator(".jp-RenderedMarkdown a").get_attribute("href")
-    assert href.startswith(f"{lab['url']}/files/tour.html") and href.endswith("#layer=2&head=1&factor=cosine&scope=intra")
+    assert href.startswith(f"{lab['url']}/files/tour.html") and href.endswith(
+        "#layer=2&head=1&factor=cosine&scope=intra"
+    )
     context = page.context.browser.new_context()
     tab = context.new_page()
     tab.goto(href.replace("#", f"&token={lab['token']}#", 1))
