@@ -716,7 +716,7 @@ def test_long_window_heatmap_fits_the_width_with_its_colour_bar(browser, bundled
 
 @pytest.mark.slow
 def test_text_view_reads_at_a_thousand_tokens(browser, bundled_model, library, tmp_path) -> None:
-    text = " ".join(["Alice gave Bob the book, and then Bob read it to Carol."] * 70)
+    text = " ".join(["Alice gave Bob the book, and then Bob read it to Carol."] * 75)
     inspector = cl.inspect(bundled_model, text, layers=[2], tokens=1000)
     assert len(inspector.window.queries) >= 1000
     page = inspector.write_html(tmp_path / "thousand.html")
