@@ -2,6 +2,7 @@
 
 import base64
 import json
+import random
 import re
 import shutil
 from pathlib import Path
@@ -10,6 +11,7 @@ import numpy as np
 import plotly.offline
 import pytest
 import torch
+import traitlets
 
 import contribution_lens as cl
 from conftest import ARTIFACTS, assert_self_contained
@@ -95,8 +97,8 @@ HOVER = re.compile(
 DRAWN = """
 const root = document.querySelectorAll('.cl-inspector')[arguments[0] || 0];
 const gd = root.querySelector('.cl-heatmap');
-const visible = gd.data.filter(t => t.type === 'heatmap' && t.visible !== false);
-const t = visible[0];
+const visible = (gd.data || []).filter(t => t.type === 'heatmap' && t.visible !== false);
+const t = visible[0] || {};
 return {visible: visible.length, z: t.z, text: t.text, x: t.x, y: t.y, hash: location.hash,
         ready: root.dataset.ready};
 """
@@ -334,15 +336,26 @@ const roots = document.querySelectorAll('.widget-root');
 for (const [index, state] of states.entries()) {
   const listeners = {};
   const emit = (name, value) => (listeners[name] || []).forEach((f) => f(value));
-  const host = { sent: [], saved: [], state };
+  // saved: the whole state at each save; changes: what each save sends the kernel (the traits set since).
+  const host = { sent: [], saved: [], changes: [], dirty: {}, state };
+  // The kernel's side: a trait it changed arrives.
+  host.receive = (k, v) => { state[k] = v; emit('change:' + k); };
   host.model = {
     get: (k) => state[k],
-    set: (k, v) => { state[k] = v; emit('change:' + k); },
+    set: (k, v) => { host.dirty[k] = v; host.receive(k, v); },
     on: (e, f) => (listeners[e] = listeners[e] || []).push(f),
     off: (e, f) => (listeners[e] = (listeners[e] || []).filter((g) => g !== f)),
-    save_changes: () => host.saved.push(JSON.stringify(state)),
+    save_changes: () => {
+      host.saved.push(JSON.stringify(state));
+      host.changes.push(JSON.stringify(host.dirty));
+      host.dirty = {};
+    },
     send: (message) => {
       host.sent.push(message.type);
+      if (message.type === 'ping') {
+        if (!host.deaf) setTimeout(() => emit('msg:custom', { type: 'pong' }), 0);
+        return;
+      }
       const source = JSON.parse(document.getElementById('plotly').textContent);
       setTimeout(() => emit('msg:custom', { type: 'plotly', source }), 0);
     },
@@ -497,3 +510,328 @@ def test_two_inspectors_on_one_page_each_draw_their_own_view(
     assert json.loads(browser.execute_script("return window.hosts[1].saved.at(-1)"))["head"] == 1
     errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
     assert not errors, errors
+
+
+def kernel_answers(browser, inspector, index: int = 0) -> None:
+    """What the kernel does with the front-end's saved changes: set those traits, send back what changed.
+
+    The traits come back one message each, query before meta before payload, as ipywidgets sends
+    the changes an observer makes: the front-end draws every intermediate state on the way.
+    """
+    changes = browser.execute_script(
+        "const h = window.hosts[arguments[0]]; const c = h.changes; h.changes = []; return c", index
+    )
+    for change in changes:
+        for name, value in json.loads(change).items():
+            setattr(inspector, name, value)
+    for name in ("query", "meta", "payload"):
+        browser.execute_script(
+            "const h = window.hosts[arguments[0]];"
+            "if (JSON.stringify(h.model.get(arguments[1])) !== JSON.stringify(arguments[2]))"
+            "  h.receive(arguments[1], arguments[2]);",
+            index,
+            name,
+            getattr(inspector, name),
+        )
+
+
+TEXT_VIEW = """
+const root = document.querySelectorAll('.cl-inspector')[0];
+return [...root.querySelectorAll('.cl-flow .cl-token')].map(s => ({
+  position: Number(s.dataset.position), value: s.dataset.value === undefined ? null : Number(s.dataset.value),
+  title: s.title, query: s.classList.contains('cl-query'), text: s.textContent}));
+"""
+
+
+def check_text_view(browser, library, inspector) -> None:
+    """Each token of the window coloured by the library's factor for the selected query, all numbers on hover."""
+    head = None if inspector.head < 0 else inspector.head
+    values, tolerance = expected(library, inspector.layer, head, inspector.scope)
+    window = inspector.window
+    tokens = browser.execute_script(TEXT_VIEW)
+    assert [t["position"] for t in tokens] == window.keys
+    labels = library["inter"].str_tokens[0]
+    q = inspector.query
+    for token in tokens:
+        j = token["position"]
+        assert token["text"] == labels[j].replace("\n", "↵").replace("\t", "⇥")
+        assert token["query"] == (j == q)
+        if j > q:
+            assert token["value"] is None and "after the query" in token["title"]
+            continue
+        want = values[inspector.factor][q, j]
+        assert abs(token["value"] - want) <= tolerance[inspector.factor][q, j], (j, token["value"], want)
+        assert HOVER.match(token["title"].replace("\n", "<br>")), token["title"]
+
+
+def click_heatmap_cell(browser, row: int, column: int) -> None:
+    """A real mouse click on the cell (row, column) of the drawn heatmap."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    element = browser.find_element("css selector", ".cl-inspector .cl-heatmap")
+    dx, dy = browser.execute_script(
+        "const gd = arguments[0], fl = gd._fullLayout, r = gd.getBoundingClientRect();"
+        "return [fl.xaxis.l2p(arguments[2]) + fl._size.l - r.width / 2,"
+        "        fl.yaxis.l2p(arguments[1]) + fl._size.t - r.height / 2];",
+        element,
+        row,
+        column,
+    )
+    ActionChains(browser).move_to_element_with_offset(element, int(dx), int(dy)).click().perform()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 3])
+def test_widget_controls_in_random_orders_never_dead_end(
+    browser, bundled_model, library, tmp_path, monkeypatch, seed
+) -> None:
+    # Failed before: after a window change a click on a cell kept the first window's labels, the bars
+    # read "query undefined" and the query menu went blank.
+    from selenium.webdriver.support.ui import Select
+
+    inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS, layer=9, tokens=8)
+    browser.get(widget_page(inspector, tmp_path, monkeypatch).resolve().as_uri())
+    wait_ready(browser, hash_too=False)
+    rng = random.Random(seed)
+    view = "heatmap"
+    drawn_before = None
+    # Every control after every other: first a walk through the orders that dead-ended, then random ones.
+    first = ["window", "click", "query", "view", "click", "window", "view", "layer", "click", "head", "window"]
+    actions = ["layer", "head", "factor", "scope", "query", "window", "view", "click", "click"]
+    for step, action in enumerate(first[seed:] + [rng.choice(actions) for _ in range(8)]):
+        if action == "view":
+            view = "text" if view == "heatmap" else "heatmap"
+            Select(control(browser, "view")).select_by_value(view)
+        elif action == "click" and view == "text":
+            q = rng.choice(inspector.window.queries)
+            browser.find_element("css selector", f".cl-flow .cl-token[data-position='{q}']").click()
+        elif action == "click":
+            row = rng.randrange(len(inspector.window.queries))
+            column = rng.choice(
+                [j for j, key in enumerate(inspector.window.keys) if key <= inspector.window.queries[row]]
+            )
+            click_heatmap_cell(browser, row, column)
+        else:
+            menu = Select(control(browser, action))
+            values = [
+                o.get_attribute("value")
+                for o in menu.options
+                if o.get_attribute("value") != menu.first_selected_option.get_attribute("value")
+            ]
+            if not values:
+                continue
+            menu.select_by_value(rng.choice(values))
+        kernel_answers(browser, inspector)
+        wait_ready(browser, hash_too=False)
+        # The menus show the kernel's state, none blank; the bars belong to the query.
+        for name in ("layer", "head", "factor", "scope", "query", "window"):
+            value = Select(control(browser, name)).first_selected_option.get_attribute("value")
+            want = {"head": "all" if inspector.head < 0 else inspector.head, "window": inspector.start}.get(
+                name, getattr(inspector, name, None)
+            )
+            assert value == str(want), f"step {step} ({action}): {name} menu shows {value!r}, the kernel {want!r}"
+        label = inspector.meta["query_labels"][inspector.window.queries.index(inspector.query)]
+        bars_title = browser.execute_script("return document.querySelector('.cl-bars').layout.title.text")
+        assert bars_title.startswith(f"query {label}:"), bars_title
+        head = None if inspector.head < 0 else inspector.head
+        if view == "heatmap":
+            drawn = wait_ready(browser, hash_too=False)
+            check_drawn(drawn, library, inspector.layer, head, inspector.factor, inspector.scope, inspector.window)
+            state = (inspector.layer, inspector.head, inspector.factor, inspector.scope, inspector.start)
+            if drawn_before and drawn_before[0] != state and action in ("layer", "head", "factor", "scope"):
+                assert drawn["z"] != drawn_before[1], f"step {step}: {action} changed and the heatmap did not"
+            drawn_before = (state, drawn["z"])
+        else:
+            check_text_view(browser, library, inspector)
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("link", "shown", "reason"),
+    [
+        ("#layer=5&head=1", "#layer=9&head=1&", "layer=5 is not on this page (it holds layers 9); showing layer 9"),
+        ("#head=9", "#layer=9&head=all&", "head=9 does not exist (heads 0–8 or all); showing all heads"),
+        ("#factor=norm&scope=intra", "&factor=contribution&scope=intra", "factor=norm is not one of attention"),
+        ("#query=2", "&query=10", "query=2 is outside this page's queries 5–10; showing query 10"),
+        ("#layer=9&colour=red", "#layer=9&", "colour=red is not a view setting"),
+    ],
+)
+def test_page_refuses_a_bad_fragment_and_says_why(browser, bundled_model, tmp_path, link, shown, reason) -> None:
+    # Failed before: a bad value was replaced by the page's own choice without a word.
+    inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS)
+    page = inspector.write_html(tmp_path / "window.html", layers=[9], start=5, tokens=6)
+    drawn = open_view(browser, page, link)
+    assert shown in drawn["hash"], drawn["hash"]
+    message = browser.execute_script(
+        "const e = document.querySelector('.cl-error'); return [e.textContent, e.offsetHeight]"
+    )
+    assert reason in message[0] and message[1] > 0, message
+    # The message goes with the first change of view; a good link shows none.
+    from selenium.webdriver.support.ui import Select
+
+    Select(control(browser, "factor")).select_by_value("cosine")
+    wait_ready(browser)
+    assert browser.execute_script("return document.querySelector('.cl-error').offsetHeight") == 0
+    open_view(browser, page, "#layer=9&head=2&factor=cosine&scope=inter&query=7&view=text")
+    assert browser.execute_script("return document.querySelector('.cl-error').offsetHeight") == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [1000, 1440])
+def test_long_window_heatmap_fits_the_width_with_its_colour_bar(browser, bundled_model, tmp_path, width) -> None:
+    # Failed before: at 128 tokens and more the heatmap was ~1,900 px wide, its colour bar cut off.
+    text = " ".join(["the quick brown fox jumps over the lazy dog"] * 30)
+    inspector = cl.inspect(bundled_model, text, layers=[3], tokens=200)
+    page = inspector.write_html(tmp_path / "long.html")
+    browser.set_window_size(width, 1000)
+    try:
+        open_view(browser, page, "")
+        box = browser.execute_script(
+            "const gd = document.querySelector('.cl-heatmap'); const r = gd.getBoundingClientRect();"
+            "const c = gd.querySelector('.colorbar').getBoundingClientRect();"
+            "return {right: r.right, bar: c.right, page: document.documentElement.clientWidth,"
+            " scroll: document.documentElement.scrollWidth,"
+            " cells: gd.querySelector('.heatmaplayer image').getBoundingClientRect().width,"
+            " ticks: gd.querySelectorAll('.xtick').length}"
+        )
+        assert box["bar"] <= box["page"] and box["right"] <= box["page"], box
+        assert box["scroll"] <= box["page"], f"the page scrolls sideways: {box}"
+        assert box["cells"] > 0.5 * box["page"], box
+        # Zoom: a smaller key range labels more of its tokens than the whole window does.
+        browser.execute_script(
+            "return Plotly.relayout(document.querySelector('.cl-heatmap'),"
+            " {'xaxis.range': [-0.5, 20.5], 'yaxis.range': [20.5, -0.5]})"
+        )
+        zoomed = browser.execute_script(
+            "return [...document.querySelectorAll('.cl-heatmap .xaxislayer-above .xtick text')].map(t => t.textContent)"
+        )
+        assert set(inspector.meta["key_labels"][:21]) <= set(zoomed), zoomed
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        assert browser.save_screenshot(str(ARTIFACTS / f"inspector_200_tokens_{width}px.png"))
+    finally:
+        browser.set_window_size(1400, 1000)
+
+
+@pytest.mark.slow
+def test_text_view_reads_at_a_thousand_tokens(browser, bundled_model, library, tmp_path) -> None:
+    text = " ".join(["Alice gave Bob the book, and then Bob read it to Carol."] * 75)
+    inspector = cl.inspect(bundled_model, text, layers=[2], tokens=1000)
+    assert len(inspector.window.queries) >= 1000
+    page = inspector.write_html(tmp_path / "thousand.html")
+    open_view(browser, page, "#layer=2&head=3&factor=attention&view=text")
+    tokens = browser.execute_script(TEXT_VIEW)
+    assert len(tokens) == len(inspector.window.keys)
+    style = browser.execute_script(
+        "const s = getComputedStyle(document.querySelector('.cl-flow .cl-token'));"
+        "const f = document.querySelector('.cl-flow').getBoundingClientRect();"
+        "return {size: parseFloat(s.fontSize), width: f.width, page: document.documentElement.clientWidth}"
+    )
+    assert style["size"] >= 13 and style["width"] <= style["page"], style
+    # A click on a token makes it the query: the link and the coloured row follow.
+    browser.find_element("css selector", ".cl-flow .cl-token[data-position='40']").click()
+    wait_ready(browser)
+    assert "&query=40" in browser.execute_script("return location.hash")
+    tokens = browser.execute_script(TEXT_VIEW)
+    assert [t["position"] for t in tokens if t["query"]] == [40]
+    assert all(t["value"] is None for t in tokens if t["position"] > 40)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    assert browser.save_screenshot(str(ARTIFACTS / "inspector_text_1000_tokens.png"))
+
+
+def drawn_z(drawn: dict) -> np.ndarray:
+    return np.array([[np.nan if v is None else v for v in row] for row in drawn["z"]], dtype=float)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("factor", ["attention", "relative_norm", "cosine", "contribution"])
+def test_kv_group_view_draws_the_group_combined(browser, page, library, factor) -> None:
+    # SmolLM2: 9 query heads read 3 value heads; head 4 is in group 1 (heads 3, 4, 5).
+    drawn = open_view(browser, page, f"#layer=9&head=4&factor={factor}&scope=intra&group_kv=1")
+    d = library["intra"][9]
+    heads = [3, 4, 5]
+    a = d.attention[0, heads].double().numpy()
+    weight = a.sum(0)
+    combined = {
+        "attention": a.mean(0),
+        "contribution": d.contribution[0, heads].double().numpy().sum(0),
+        **{
+            name: np.divide((a * getattr(d, name)[0, heads].double().numpy()).sum(0), weight,
+                            out=np.zeros_like(weight), where=weight > 0)
+            for name in ("relative_norm", "cosine")
+        },
+    }  # fmt: skip
+    z = drawn_z(drawn)
+    causal = ins.token_window(z.shape[0]).mask
+    error = np.abs(z - combined[factor])[causal]
+    assert np.all(error <= 2e-4 + 1e-3 * np.abs(combined[factor][causal])), f"worst {error.max():.3g}"
+    title = browser.execute_script("return document.querySelector('.cl-heatmap .gtitle').textContent")
+    assert "KV group 1 (heads 3, 4, 5)" in title, title
+    assert "&group_kv=1" in drawn["hash"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("head", "factor", "scope"), [(3, "attention", "inter"), (None, "contribution", "inter"),
+                                                       (3, "contribution", "intra")])  # fmt: skip
+def test_hidden_sink_renormalises_the_other_keys(browser, page, library, head, factor, scope) -> None:
+    from contribution_lens.views.inspector.payload import hide_sink
+
+    name = "all" if head is None else head
+    drawn = open_view(browser, page, f"#layer=2&head={name}&factor={factor}&scope={scope}&hide_sink=1")
+    values, tolerance = expected(library, 2, head, scope)
+    totals = values[factor].sum(-1)  # the whole text is the window: every key is in the row
+    want = hide_sink(values[factor], totals)
+    z = drawn_z(drawn)
+    assert np.isnan(z[:, 0]).all(), "the sink column is hidden"
+    causal = ins.token_window(z.shape[0]).mask
+    causal[:, 0] = False
+    ok = ~np.isnan(want) & causal
+    # x' = x S / (S - x0): |dx'| <= S / |S - x0| (|dx| + |x| |dx0| / |S - x0|).
+    rest = np.abs(totals[:, None] - values[factor][:, :1])
+    t = tolerance[factor]
+    with np.errstate(divide="ignore", invalid="ignore"):  # query 0 has nothing but the sink: NaN, not compared
+        bound = np.abs(totals)[:, None] / rest * (t + np.abs(values[factor]) * t[:, :1] / rest)
+    error = np.abs(z - want)[ok]
+    assert np.all(error <= bound[ok] + 1e-6), f"worst {error.max():.3g}"
+    bars = browser.execute_script("return document.querySelector('.cl-bars').data[0].y")
+    assert not any(label.startswith("0:") for label in bars)
+
+
+@pytest.mark.slow
+def test_widget_without_its_kernel_says_so(browser, bundled_model, tmp_path, monkeypatch) -> None:
+    # Failed before: a notebook reopened with its saved widget and no kernel said "computing layer 9…" forever.
+    inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS, layer=2)
+    browser.get(widget_page(inspector, tmp_path, monkeypatch).resolve().as_uri())
+    wait_ready(browser, hash_too=False)
+    browser.execute_script("window.host.deaf = true")  # the kernel is gone: nothing answers
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    Select(control(browser, "layer")).select_by_value("9")
+    status = "return document.querySelector('.cl-status').textContent"
+    assert browser.execute_script(status) == "computing layer 9…"
+    WebDriverWait(browser, 30).until(lambda b: b.execute_script(status).startswith("No kernel answered"))
+    assert "Run the cell again" in browser.execute_script(status)
+    assert "ping" in browser.execute_script("return window.host.sent")
+    # A kernel that answers late still draws.
+    browser.execute_script("window.host.deaf = false")
+    inspector.layer = 9
+    browser.execute_script("window.host.receive('payload', arguments[0])", inspector.payload)
+    wait_ready(browser, hash_too=False)
+    assert browser.execute_script(status) == ""
+
+
+@pytest.mark.slow
+def test_widget_shows_the_kernels_refusal(browser, bundled_model, tmp_path, monkeypatch) -> None:
+    inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS, layer=2)
+    browser.get(widget_page(inspector, tmp_path, monkeypatch).resolve().as_uri())
+    wait_ready(browser, hash_too=False)
+    with pytest.raises(traitlets.TraitError):
+        inspector.start = 99
+    browser.execute_script("window.host.receive('error', arguments[0])", inspector.error)
+    message = browser.execute_script(
+        "const e = document.querySelector('.cl-error'); return [e.textContent, e.offsetHeight]"
+    )
+    assert message[0] == inspector.error and "start 99 is outside the text" in message[0] and message[1] > 0
+    browser.execute_script("window.host.receive('error', '')")
+    assert browser.execute_script("return document.querySelector('.cl-error').offsetHeight") == 0

@@ -239,3 +239,12 @@ def test_compact_page_is_within_its_stated_bounds_and_opens_on_the_last_query(va
             error = np.abs(got[f"cosine_{scope}"] - payload._cut(by_scope[scope].cosine[0], window))
             assert (error <= bound + 1e-6).all(), f"{scope}: {error.max()} beyond {bound.max()}"
             assert error.max() > 0, "the codes are lossy: a zero error means the test compares the codes to themselves"
+
+
+def test_widget_answers_the_front_ends_ping(monkeypatch) -> None:
+    # The front-end says "no kernel" when a ping goes unanswered for 10 s; a live kernel answers at once.
+    inspector = cl.inspect(tiny_bridge("mha"), torch.arange(6))
+    sent = []
+    monkeypatch.setattr(inspector, "send", sent.append)
+    inspector._on_message(inspector, {"type": "ping"}, [])
+    assert sent == [{"type": "pong"}]

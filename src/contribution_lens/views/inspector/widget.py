@@ -225,6 +225,8 @@ class Inspector(anywidget.AnyWidget):
             # Hide module/define so the UMD bundle sets globalThis.Plotly whatever loader the page has.
             source = "(function (module, exports, define) {\n" + plotly.offline.get_plotlyjs() + "\n})();"
             self.send({"type": "plotly", "source": source})
+        elif content.get("type") == "ping":  # the front-end asks whether a kernel is there
+            self.send({"type": "pong"})
 
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict, dict] | None:
         """The widget view and, as ``text/html`` beside it, a figure of the current view.

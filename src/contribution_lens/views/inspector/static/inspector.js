@@ -164,9 +164,52 @@ export function decode(meta, payload) {
   return { index, cells, H: meta.n_heads, arrays };
 }
 
-// The four factors of one head (h >= 0) or of all heads (h < 0), one scope, per cell.
-export function viewFactors(meta, d, h, scope) {
+// The KV group (payload kv_groups) head h belongs to.
+export function groupOf(meta, h) {
+  return Math.max(0, meta.kv_groups.findIndex((heads) => heads.includes(h)));
+}
+
+// Shares without the sink, renormalised as payload.hide_sink does: x'_ij = x_ij S_i / (S_i - x_i0)
+// for attention (S_i = 1) and contribution (S_i the query's total over all its keys, sent as
+// total_*), the sink's own cell NaN, a row with nothing but the sink NaN. Relative norm and
+// cosine are properties of a key, not shares: they stay as they are.
+export function hideSink(meta, d, f, totals) {
+  const nq = meta.queries.length;
+  const nk = meta.keys.length;
+  const out = Object.assign({}, f);
+  for (const [name, total] of [["attention", () => 1], ["contribution", (qi) => totals[qi]]]) {
+    const shares = new Float64Array(d.cells);
+    for (let qi = 0; qi < nq; qi++) {
+      const sink = meta.keys[0] === 0 ? d.index[qi * nk] : -1;
+      const S = total(qi);
+      const rest = S - (sink >= 0 ? f[name][sink] : 0);
+      const empty = Math.abs(rest) <= 1e-6 * Math.max(1, Math.abs(S));
+      for (let ki = 0; ki < nk; ki++) {
+        const c = d.index[qi * nk + ki];
+        if (c >= 0) shares[c] = c === sink || empty ? NaN : (f[name][c] * S) / rest;
+      }
+    }
+    out[name] = shares;
+  }
+  return out;
+}
+
+// The four factors of one head (h >= 0) or of all heads (h < 0), one scope, per cell; with
+// group = true, h is a KV group and its heads are combined (payload group_*; a group of one head
+// is that head).
+export function viewFactors(meta, d, h, scope, group = false) {
   const a = d.arrays;
+  if (group && a.group_attention) {
+    const C = d.cells;
+    const take = (name) => a[name].subarray(h * C, (h + 1) * C);
+    return {
+      attention: take("group_attention"),
+      relative_norm: take("group_relative_norm_" + scope),
+      cosine: take("group_cosine_" + scope),
+      contribution: take("group_contribution_" + scope),
+    };
+  }
+  if (group) h = meta.kv_groups[h][0];
   if (h < 0) {
     return {
       attention: a.all_attention,
@@ -200,20 +243,25 @@ export function viewFactors(meta, d, h, scope) {
 const LABELS = { attention: "attention", relative_norm: "relative norm", cosine: "cosine", contribution: "contribution" };
 const fmt = (x) => Number(x.toPrecision(4)).toString();
 
-// Query and key labels and all four numbers in both scopes (attention has no scope), per cell.
+// Query and key labels and all four numbers in both scopes (attention has no scope), of cell c.
+function hoverCell(c, both, qLabel, kLabel) {
+  return (
+    "query " + qLabel + "<br>key " + kLabel +
+    "<br>attention " + fmt(both.inter.attention[c]) +
+    "<br>relative norm intra " + fmt(both.intra.relative_norm[c]) + ", inter " + fmt(both.inter.relative_norm[c]) +
+    "<br>cosine intra " + fmt(both.intra.cosine[c]) + ", inter " + fmt(both.inter.cosine[c]) +
+    "<br>contribution intra " + fmt(both.intra.contribution[c]) + ", inter " + fmt(both.inter.contribution[c])
+  );
+}
+
+// The hover text of every cell, [query][key] ("" where the cell is not displayable).
 function hoverText(index, both, qLabels, kLabels) {
   const nk = kLabels.length;
   return qLabels.map((qLabel, qi) => {
     const row = new Array(nk).fill("");
     for (let ki = 0; ki < nk; ki++) {
       const c = index[qi * nk + ki];
-      if (c < 0) continue;
-      row[ki] =
-        "query " + qLabel + "<br>key " + kLabels[ki] +
-        "<br>attention " + fmt(both.inter.attention[c]) +
-        "<br>relative norm intra " + fmt(both.intra.relative_norm[c]) + ", inter " + fmt(both.inter.relative_norm[c]) +
-        "<br>cosine intra " + fmt(both.intra.cosine[c]) + ", inter " + fmt(both.inter.cosine[c]) +
-        "<br>contribution intra " + fmt(both.intra.contribution[c]) + ", inter " + fmt(both.inter.contribution[c]);
+      if (c >= 0) row[ki] = hoverCell(c, both, qLabel, kLabels[ki]);
     }
     return row;
   });
@@ -237,6 +285,17 @@ function select(parent, name, onChange) {
   return node;
 }
 
+function checkbox(parent, name, text, onChange) {
+  const label = element("label", { className: "cl-control" }, parent);
+  const node = element("input", { type: "checkbox", className: "cl-check" }, label);
+  node.dataset.control = name;
+  label.appendChild(document.createTextNode(" " + text));
+  node.addEventListener("change", () => onChange(node.checked));
+  return node;
+}
+
+// The menu holds `options` and shows `value`; the caller passes a value the options hold (another
+// would blank the menu).
 function setOptions(node, options, value) {
   const key = JSON.stringify(options);
   if (node.dataset.options !== key) {
@@ -247,7 +306,44 @@ function setOptions(node, options, value) {
   node.value = String(value);
 }
 
-// host: {meta(), layer(L) -> payload or null, state(), set(partial), windows?()}
+// The colour of a plotly colour scale ([[t, "rgb(r, g, b)" or "#rrggbb"], ...]) at t in [0, 1], as [r, g, b].
+function rgb(colour) {
+  if (colour.startsWith("#")) return [1, 3, 5].map((i) => parseInt(colour.slice(i, i + 2), 16));
+  return colour.replace(/[^0-9.,]/g, "").split(",").slice(0, 3).map(Number);
+}
+
+export function colourAt(scale, t) {
+  const x = Math.min(1, Math.max(0, Number.isFinite(t) ? t : 0));
+  for (let i = 1; i < scale.length; i++) {
+    if (x <= scale[i][0] || i === scale.length - 1) {
+      const [t0, c0] = scale[i - 1];
+      const [t1, c1] = scale[i];
+      const f = t1 > t0 ? (x - t0) / (t1 - t0) : 0;
+      const a = rgb(c0);
+      const b = rgb(c1);
+      return a.map((v, k) => Math.round(v + f * (b[k] - v)));
+    }
+  }
+  return rgb(scale[0][1]);
+}
+
+// A label "position:token" back to the token as written (line breaks and tabs were escaped).
+function tokenText(label) {
+  return label.slice(label.indexOf(":") + 1);
+}
+
+const VIEWS = [
+  ["heatmap", "heatmap"],
+  ["text", "text"],
+];
+const TOGGLES = [
+  ["hide_sink", "hide sink"],
+  ["group_kv", "group KV heads"],
+];
+
+// host: {meta(), layer(L) -> payload or null, state(), set(partial), windows?(), error?(), pending?(state)}
+// state: layer, head ("all" or a number), factor, scope, query, view ("heatmap" or "text") and, where
+// the host has them, start, hide_sink, group_kv.
 export function mount(root, host) {
   const Plotly = globalThis.Plotly;
   root.classList.add("cl-inspector");
@@ -259,11 +355,19 @@ export function mount(root, host) {
   }
   // The token window is a control only where the host can recompute it (the widget).
   if (host.windows) controls.window = select(bar, "window", (value) => host.set({ start: Number(value) }));
+  controls.view = select(bar, "view", (value) => host.set({ view: value }));
+  // Sink hiding and KV grouping are computed by the library: a toggle shows where the host has the setting.
+  const toggles = {};
+  for (const [name, text] of TOGGLES) toggles[name] = checkbox(bar, name, text, (on) => host.set({ [name]: on }));
   const status = element("span", { className: "cl-status" }, bar);
+  const problem = element("div", { className: "cl-error" }, root);
+  problem.setAttribute("role", "alert");
+  const flow = element("div", { className: "cl-text" }, root);
   const heatmap = element("div", { className: "cl-heatmap" }, root);
   const bars = element("div", { className: "cl-bars" }, root);
   const cache = new Map();
-  let current = null; // what the last drawing showed: the click handler reads it, never a stale window
+  let current = null; // what the last drawing showed: the click handlers read it, never a stale window
+  let drawnWidth = 0;
 
   function decoded(meta, payload) {
     const key = meta.key + "/" + payload.key;
@@ -274,36 +378,115 @@ export function mount(root, host) {
     return cache.get(key);
   }
 
-  function factors(meta, entry, head, scope) {
-    const key = head + "/" + scope;
-    if (!entry.views.has(key)) entry.views.set(key, viewFactors(meta, entry.d, head === "all" ? -1 : head, scope));
+  // What the view shows: all heads, one head, or (group_kv) the KV group of the head.
+  function level(meta, state) {
+    if (state.head === "all") return { kind: "all", index: -1 };
+    if (state.group_kv && meta.kv_groups) return { kind: "group", index: groupOf(meta, state.head) };
+    return { kind: "head", index: state.head };
+  }
+
+  function viewKey(meta, state) {
+    const { kind, index } = level(meta, state);
+    return kind + index + (state.hide_sink ? "/no-sink" : "");
+  }
+
+  function factors(meta, entry, state, scope) {
+    const key = viewKey(meta, state) + "/" + scope;
+    if (!entry.views.has(key)) {
+      const { kind, index } = level(meta, state);
+      let f = viewFactors(meta, entry.d, index, scope, kind === "group");
+      if (state.hide_sink) {
+        const a = entry.d.arrays;
+        const nq = meta.queries.length;
+        const head = (i) => (kind === "group" ? meta.kv_groups[i][0] : i);
+        const totals =
+          kind === "all" ? a["all_total_" + scope]
+          : kind === "group" && a["group_total_" + scope] ? a["group_total_" + scope].subarray(index * nq, (index + 1) * nq)
+          : a["total_" + scope].subarray(head(index) * nq, (head(index) + 1) * nq);
+        f = hideSink(meta, entry.d, f, totals);
+      }
+      entry.views.set(key, f);
+    }
     return entry.views.get(key);
   }
 
-  function refresh() {
-    const meta = host.meta();
-    const state = host.state();
-    const qLabels = meta.query_labels;
-    const kLabels = meta.key_labels;
+  // The width the figures may take: the output's (JupyterLab's output area, the page's body).
+  function available() {
+    const width = root.getBoundingClientRect().width || (root.parentNode && root.parentNode.clientWidth) || 900;
+    return Math.max(360, Math.floor(width) - 8);
+  }
+
+  function headLabel(meta, h) {
+    return meta.head_labels ? meta.head_labels[h] : "head " + h;
+  }
+
+  function showControls(meta, state, view) {
     setOptions(controls.layer, meta.layers.map((l) => [l, String(l)]), state.layer);
-    const heads = [["all", "all heads"]].concat([...Array(meta.n_heads).keys()].map((h) => [h, "head " + h]));
+    const heads = [["all", "all heads"]].concat([...Array(meta.n_heads).keys()].map((h) => [h, headLabel(meta, h)]));
     setOptions(controls.head, heads, state.head);
     setOptions(controls.factor, meta.factors.map((f) => [f, LABELS[f]]), state.factor);
     setOptions(controls.scope, meta.scopes.map((s) => [s, s]), state.scope);
-    setOptions(controls.query, meta.queries.map((q, i) => [q, qLabels[i]]), state.query);
+    setOptions(controls.query, meta.queries.map((q, i) => [q, meta.query_labels[i]]), state.query);
+    setOptions(controls.view, VIEWS, view);
     if (controls.window) {
       const starts = host.windows();
       setOptions(controls.window, starts.map(([start, end]) => [start, "tokens " + start + "–" + end]), meta.queries[0]);
       controls.window.parentNode.style.display = starts.length > 1 ? "" : "none";
     }
-    const payload = host.layer(state.layer);
+    for (const [name] of TOGGLES) {
+      const useful = name !== "group_kv" || (meta.kv_groups || []).some((heads) => heads.length > 1);
+      toggles[name].parentNode.style.display = typeof state[name] === "boolean" && useful ? "" : "none";
+      toggles[name].checked = Boolean(state[name]);
+    }
+  }
+
+  function refresh() {
+    const meta = host.meta();
+    const message = host.error ? host.error() : "";
+    problem.textContent = message || "";
+    problem.style.display = message ? "" : "none";
+    if (!meta || !meta.queries) {
+      status.textContent = host.pending ? host.pending(null) : "";
+      return Promise.resolve();
+    }
+    const state = Object.assign({}, host.state());
+    // A query outside this window (the kernel has not moved it yet) is drawn as the window's last query.
+    if (!meta.queries.includes(state.query)) state.query = meta.queries[meta.queries.length - 1];
+    if (!(state.head === "all" || (state.head >= 0 && state.head < meta.n_heads))) state.head = "all";
+    const view = state.view === "text" ? "text" : "heatmap";
+    showControls(meta, state, view);
+    const payload = meta.layers.includes(state.layer) ? host.layer(state.layer) : null;
     if (!payload) {
-      status.textContent = "computing layer " + state.layer + "…";
+      status.textContent = host.pending ? host.pending(state) : "computing layer " + state.layer + "…";
       return Promise.resolve();
     }
     status.textContent = "";
     const entry = decoded(meta, payload);
-    const both = { intra: factors(meta, entry, state.head, "intra"), inter: factors(meta, entry, state.head, "inter") };
+    const both = { intra: factors(meta, entry, state, "intra"), inter: factors(meta, entry, state, "inter") };
+    current = { queries: meta.queries, qLabels: meta.query_labels };
+    flow.style.display = view === "text" ? "" : "none";
+    heatmap.style.display = view === "text" ? "none" : "";
+    drawnWidth = available();
+    const drawn = view === "text" ? drawText(meta, entry, both, state) : drawHeatmap(meta, entry, both, state);
+    return Promise.all([drawn, drawBars(meta, entry, both[state.scope], state)]);
+  }
+
+  function where(meta, state) {
+    const { kind, index } = level(meta, state);
+    const shown = kind === "all" ? ", all heads"
+      : kind === "group" ? " KV group " + index + " (heads " + meta.kv_groups[index].join(", ") + ")"
+      : " " + headLabel(meta, state.head);
+    return "L" + state.layer + shown + (state.hide_sink ? ", sink hidden" : "");
+  }
+
+  function title(meta, state) {
+    const scopeText = state.factor === "attention" ? "" : " (" + state.scope + ")";
+    return LABELS[state.factor] + scopeText + ", " + where(meta, state);
+  }
+
+  function drawHeatmap(meta, entry, both, state) {
+    const qLabels = meta.query_labels;
+    const kLabels = meta.key_labels;
     const shown = both[state.scope][state.factor];
     const nq = meta.queries.length;
     const nk = meta.keys.length;
@@ -312,29 +495,30 @@ export function mount(root, host) {
       const zRow = new Array(nk).fill(null);
       for (let ki = 0; ki < nk; ki++) {
         const c = entry.d.index[qi * nk + ki];
-        if (c >= 0) zRow[ki] = shown[c];
+        if (c >= 0 && !Number.isNaN(shown[c])) zRow[ki] = shown[c];
       }
       z.push(zRow);
     }
     // The hover text depends on the head only: built once per (layer, head), reused by every factor and scope.
-    const textKey = "text/" + state.head;
+    const textKey = "text/" + viewKey(meta, state);
     if (!entry.views.has(textKey)) entry.views.set(textKey, hoverText(entry.d.index, both, qLabels, kLabels));
     const text = entry.views.get(textKey);
     const signed = meta.signed.includes(state.factor);
-    const where = "L" + state.layer + (state.head === "all" ? ", all heads" : "H" + state.head);
-    const scopeText = state.factor === "attention" ? "" : " (" + state.scope + ")";
-    // Every label readable up to 128 tokens: one tick per row and column, sized to the cell.
-    const cell = nk > 129 ? 8 : nk > 65 ? 13 : nk > 33 ? 15 : 18;
-    const font = nk > 129 ? 7 : nk > 65 ? 10 : nk > 33 ? 11 : 12;
-    const axis = (title, names) => ({
-      title: { text: title },
-      type: "category",
-      tickmode: "array",
-      tickvals: names,
-      ticktext: names,
-      tickfont: { size: font },
-      automargin: true,
-    });
+    // The figure fits the output's width whatever the length, colour bar included: the query labels
+    // and the colour bar take about 240 px, the cells share the rest. Where a label fits its cell
+    // (7 px and more) every token is labelled; below, plotly labels a readable subset and a dragged
+    // box zooms in until each cell is labelled (double-click goes back).
+    const width = drawnWidth;
+    const cell = Math.max(1, Math.min(18, Math.floor((width - 240) / nk)));
+    const every = cell >= 7;
+    const font = every ? Math.min(12, Math.max(7, cell - 3)) : 10;
+    const axis = (name, names, length) =>
+      Object.assign(
+        { title: { text: name }, type: "category", tickfont: { size: font }, automargin: true },
+        every
+          ? { tickmode: "array", tickvals: names, ticktext: names }
+          : { tickmode: "auto", nticks: Math.max(4, Math.floor((cell * length) / 24)) },
+      );
     const trace = {
       type: "heatmap",
       x: kLabels,
@@ -347,27 +531,86 @@ export function mount(root, host) {
       colorbar: { title: { text: LABELS[state.factor] }, thickness: 14 },
       hoverongaps: false,
     };
+    const hint = every ? "" : " · drag a box to zoom, double-click to reset";
     const layout = {
-      title: { text: LABELS[state.factor] + scopeText + ", " + where, x: 0.02, xanchor: "left" },
-      xaxis: Object.assign(axis("key", kLabels), { tickangle: -60 }),
-      yaxis: Object.assign(axis("query", qLabels), { autorange: "reversed" }),
-      width: Math.max(560, cell * nk + 260),
-      height: Math.max(460, cell * nq + 200),
+      title: { text: title(meta, state) + hint, x: 0.02, xanchor: "left" },
+      xaxis: Object.assign(axis("key", kLabels, nk), { tickangle: -60 }),
+      yaxis: Object.assign(axis("query", qLabels, nq), { autorange: "reversed" }),
+      width,
+      height: Math.max(420, cell * nq + 200),
       margin: { t: 50, r: 20 },
     };
     const first = !heatmap.data;
-    const drawn = first ? Plotly.newPlot(heatmap, [trace], layout) : Plotly.react(heatmap, [trace], layout);
-    current = { queries: meta.queries, qLabels };
+    const config = { displaylogo: false, responsive: false };
+    const drawn = first ? Plotly.newPlot(heatmap, [trace], layout, config) : Plotly.react(heatmap, [trace], layout, config);
     if (first) {
       heatmap.on("plotly_click", (event) => {
-        const row = current.qLabels.indexOf(event.points[0].y);
-        if (row >= 0) host.set({ query: current.queries[row] });
+        const point = event.points[0];
+        let row = current.qLabels.indexOf(point.y);
+        if (row < 0 && Array.isArray(point.pointNumber)) row = point.pointNumber[0];
+        if (row >= 0 && row < current.queries.length) host.set({ query: current.queries[row] });
       });
     }
-    return Promise.all([drawn, drawBars(meta, entry, both[state.scope], state, kLabels)]);
+    return drawn;
   }
 
-  function drawBars(meta, entry, values, state, kLabels) {
+  // The text as text: each token coloured by the factor's weight for the selected query (the
+  // query's own row of the heatmap), its four numbers on hover, a click makes it the query.
+  function drawText(meta, entry, both, state) {
+    const nk = meta.keys.length;
+    const qi = meta.queries.indexOf(state.query);
+    const values = both[state.scope];
+    const shown = values[state.factor];
+    const signed = meta.signed.includes(state.factor);
+    const scale = signed ? meta.colorscales.diverging : meta.colorscales.sequential;
+    let top = 0;
+    for (let ki = 0; ki < nk; ki++) {
+      const c = entry.d.index[qi * nk + ki];
+      if (c >= 0 && !Number.isNaN(shown[c])) top = Math.max(top, signed ? Math.abs(shown[c]) : shown[c]);
+    }
+    const low = signed ? -top : 0;
+    flow.innerHTML = "";
+    const caption = element("div", { className: "cl-text-caption" }, flow);
+    caption.appendChild(
+      document.createTextNode(title(meta, state) + ", query " + meta.query_labels[qi] + ": colour " + fmt(low) + " "),
+    );
+    const stops = scale.map(([t, c]) => "rgb(" + colourAt(scale, t).join(",") + ") " + (100 * t).toFixed(1) + "%");
+    element("span", { className: "cl-legend", style: "background: linear-gradient(to right, " + stops.join(", ") + ")" }, caption);
+    caption.appendChild(document.createTextNode(" " + fmt(top) + " · hover a token for its numbers, click it to make it the query"));
+    const text = element("div", { className: "cl-flow" }, flow);
+    for (let ki = 0; ki < nk; ki++) {
+      if (ki > 0 && meta.keys[ki] !== meta.keys[ki - 1] + 1) element("span", { className: "cl-gap", textContent: " … " }, text);
+      const raw = tokenText(meta.key_labels[ki]);
+      const span = element("span", { className: "cl-token", textContent: raw.replaceAll("\\n", "↵").replaceAll("\\t", "⇥") }, text);
+      span.dataset.position = String(meta.keys[ki]);
+      const c = entry.d.index[qi * nk + ki];
+      if (c >= 0 && Number.isNaN(shown[c])) {
+        span.classList.add("cl-future");
+        span.title = "key " + meta.key_labels[ki] + ": hidden (the sink)";
+      } else if (c >= 0) {
+        const t = top > 0 ? (shown[c] - low) / (top - low) : signed ? 0.5 : 0;
+        const [r, g, b] = colourAt(scale, t);
+        span.style.background = "rgb(" + r + "," + g + "," + b + ")";
+        span.style.color = 0.299 * r + 0.587 * g + 0.114 * b < 140 ? "#fff" : "#000";
+        span.dataset.value = String(shown[c]);
+        span.title = hoverCell(c, both, meta.query_labels[qi], meta.key_labels[ki]).replaceAll("<br>", "\n");
+      } else {
+        span.classList.add("cl-future");
+        span.title = "key " + meta.key_labels[ki] + ": after the query, no weight in a causal model";
+      }
+      if (meta.keys[ki] === state.query) span.classList.add("cl-query");
+      if (raw.includes("\\n")) text.appendChild(document.createElement("br"));
+    }
+    return Promise.resolve();
+  }
+
+  flow.addEventListener("click", (event) => {
+    const position = Number(event.target.dataset && event.target.dataset.position);
+    if (current && current.queries.includes(position)) host.set({ query: position });
+  });
+
+  function drawBars(meta, entry, values, state) {
+    const kLabels = meta.key_labels;
     const nk = meta.keys.length;
     const qi = meta.queries.indexOf(state.query);
     const traces = [];
@@ -375,7 +618,7 @@ export function mount(root, host) {
     const rows = meta.factors.map(() => []);
     for (let ki = 0; ki < nk; ki++) {
       const c = qi < 0 ? -1 : entry.d.index[qi * nk + ki];
-      if (c < 0) continue;
+      if (c < 0 || Number.isNaN(values.attention[c])) continue;
       keys.push(kLabels[ki]);
       meta.factors.forEach((f, i) => rows[i].push(values[f][c]));
     }
@@ -393,14 +636,15 @@ export function mount(root, host) {
     });
     const layout = {
       title: {
-        text: "query " + state.query + ": per-key factors (" + state.scope + "), their product is the contribution",
+        text: "query " + meta.query_labels[qi] + ": per-key factors (" + state.scope + ", " + where(meta, state) +
+          "), their product is the contribution",
         x: 0.02,
         xanchor: "left",
       },
       showlegend: false,
       yaxis: { autorange: "reversed", type: "category", tickfont: { size: keys.length > 129 ? 7 : 10 }, automargin: true },
       height: Math.max(300, (keys.length > 129 ? 8 : 13) * keys.length + 140),
-      width: 1000,
+      width: Math.min(1000, drawnWidth),
       margin: { t: 60 },
     };
     const n = meta.factors.length;
@@ -412,7 +656,20 @@ export function mount(root, host) {
         zeroline: true,
       };
     });
-    return Plotly.react(bars, traces, layout);
+    return Plotly.react(bars, traces, layout, { displaylogo: false });
+  }
+
+  // A new output width (a resized window or panel) draws the figures again to fit it.
+  if (globalThis.ResizeObserver) {
+    let queued = false;
+    new ResizeObserver(() => {
+      if (queued || !current || Math.abs(available() - drawnWidth) < 24) return;
+      queued = true;
+      requestAnimationFrame(() => {
+        queued = false;
+        refresh();
+      });
+    }).observe(root);
   }
 
   return { refresh };
@@ -420,27 +677,55 @@ export function mount(root, host) {
 
 // --- the static page: every layer embedded, the view named in the URL fragment -----------------
 
+const SETTINGS = ["layer", "head", "factor", "scope", "query", "view", "hide_sink", "group_kv"];
+
+// The view a fragment names, and why each setting it names that the page cannot show was refused
+// (the page then shows its own choice and says so: a link never changes meaning silently).
 export function readFragment(meta, hash) {
-  const state = Object.assign({}, meta.initial);
-  const params = new URLSearchParams(hash.slice(1));
-  if (params.has("layer") && meta.layers.includes(Number(params.get("layer")))) state.layer = Number(params.get("layer"));
-  if (params.has("head")) {
-    const h = params.get("head");
-    if (h === "all") state.head = "all";
-    else if (Number(h) >= 0 && Number(h) < meta.n_heads) state.head = Number(h);
+  const state = Object.assign({ view: "heatmap" }, meta.initial);
+  const problems = [];
+  const params = new URLSearchParams(hash.replace(/^#/, ""));
+  const integer = (text) => (/^-?[0-9]+$/.test(text) ? Number(text) : NaN);
+  const refuse = (name, value, why, shown) => problems.push(name + "=" + value + " " + why + "; showing " + shown);
+  for (const [name, value] of params) {
+    if (name === "layer") {
+      if (meta.layers.includes(integer(value))) state.layer = integer(value);
+      else refuse(name, value, "is not on this page (it holds layers " + meta.layers.join(", ") + ")", "layer " + state.layer);
+    } else if (name === "head") {
+      const h = integer(value);
+      if (value === "all") state.head = "all";
+      else if (h >= 0 && h < meta.n_heads) state.head = h;
+      else refuse(name, value, "does not exist (heads 0–" + (meta.n_heads - 1) + " or all)", state.head === "all" ? "all heads" : "head " + state.head);
+    } else if (name === "factor" || name === "scope") {
+      const allowed = name === "factor" ? meta.factors : meta.scopes;
+      if (allowed.includes(value)) state[name] = value;
+      else refuse(name, value, "is not one of " + allowed.join(", "), state[name]);
+    } else if (name === "query") {
+      const q = integer(value);
+      const [first, last] = [meta.queries[0], meta.queries[meta.queries.length - 1]];
+      if (meta.queries.includes(q)) state.query = q;
+      else refuse(name, value, "is outside this page's queries " + first + "–" + last, "query " + state.query);
+    } else if (name === "view") {
+      if (VIEWS.some(([v]) => v === value)) state.view = value;
+      else refuse(name, value, "is not one of heatmap, text", state.view);
+    } else if (name === "hide_sink" || name === "group_kv") {
+      if (value === "1" || value === "0") state[name] = value === "1";
+      else refuse(name, value, "is not 1 or 0", state[name] ? "1" : "0");
+    } else {
+      problems.push(name + "=" + value + " is not a view setting (" + SETTINGS.join(", ") + "); ignored");
+    }
   }
-  if (meta.factors.includes(params.get("factor"))) state.factor = params.get("factor");
-  if (meta.scopes.includes(params.get("scope"))) state.scope = params.get("scope");
-  if (params.has("query") && meta.queries.includes(Number(params.get("query")))) state.query = Number(params.get("query"));
-  return state;
+  return { state, problems };
 }
 
 export function fragment(state) {
   return "#layer=" + state.layer + "&head=" + state.head + "&factor=" + state.factor + "&scope=" + state.scope +
-    "&query=" + state.query;
+    "&query=" + state.query + (state.view === "text" ? "&view=text" : "") + (state.hide_sink ? "&hide_sink=1" : "") +
+    (state.group_kv ? "&group_kv=1" : "");
 }
 
-// Rewrite the URL's fragment where the page may (a blob: URL, as JupyterLab's HTML viewer serves, refuses).
+// Rewrite the URL's fragment where the page may: JupyterLab's HTML viewer serves the page from a
+// blob: URL, where history.replaceState throws.
 function showFragment(state) {
   try {
     history.replaceState(null, "", fragment(state));
@@ -451,7 +736,7 @@ function showFragment(state) {
 
 export function page(root, data) {
   const meta = data.meta;
-  let state = readFragment(meta, window.location.hash);
+  let { state, problems } = readFragment(meta, window.location.hash);
   // Compact layers are inflated on first view (asynchronously), then kept with the others.
   const inflating = new Map();
   function ready(l) {
@@ -475,16 +760,26 @@ export function page(root, data) {
     meta: () => meta,
     layer: (l) => (waiting(l) ? null : data.layers[String(l)] || null),
     state: () => state,
+    error: () => (problems.length ? "This link names a view the page cannot show: " + problems.join("; ") + "." : ""),
     set(partial) {
       state = Object.assign({}, state, partial);
+      problems = [];
       showFragment(state);
       draw();
     },
   });
   window.addEventListener("hashchange", () => {
-    state = readFragment(meta, window.location.hash);
+    ({ state, problems } = readFragment(meta, window.location.hash));
     draw();
   });
+  // JupyterLab's HTML viewer shows the page from a blob: URL and drops a link's fragment.
+  if (window.location.protocol === "blob:") {
+    const note = element("div", { className: "cl-note" });
+    note.textContent =
+      "Shown in JupyterLab's HTML viewer, which drops the #view of a link: choose the view in the menus, " +
+      "or open the link in a browser tab (middle-click it) to see the view it names.";
+    root.parentNode.insertBefore(note, root);
+  }
   showFragment(state);
   root.dataset.ready = "false";
   draw().then(() => (root.dataset.ready = "true"));
@@ -492,6 +787,11 @@ export function page(root, data) {
 }
 
 // --- the Jupyter widget (anywidget) ------------------------------------------------------------
+
+const NO_KERNEL =
+  "No kernel answered: this inspector's numbers come from the Python kernel, and a notebook reopened " +
+  "from disk keeps only the last view drawn. Run the cell again to use it (the page of write_html needs no kernel).";
+const KERNEL_WAIT_MS = 10000;
 
 // plotly.js is loaded once per notebook page: the first widget that finds no globalThis.Plotly
 // asks the kernel for the plotly.min.js of the installed plotly package (one custom message) and
@@ -511,10 +811,50 @@ function ensurePlotly(model) {
   return globalThis.__contributionLensPlotly;
 }
 
-const TRAITS = ["layer", "head", "factor", "scope", "query", "start"];
+const TRAITS = ["layer", "head", "factor", "scope", "query", "start", "hide_sink", "group_kv"];
+
+// Whether the kernel is there: a ping it answers with a pong (widget.py); none within
+// KERNEL_WAIT_MS means a widget restored from the notebook file without its kernel.
+function kernelWatch(model, onChange) {
+  let answered = false;
+  let missing = false;
+  let timer = null;
+  model.on("msg:custom", (message) => {
+    if (message.type !== "pong") return;
+    answered = true;
+    clearTimeout(timer);
+    timer = null;
+    if (missing) {
+      missing = false;
+      onChange();
+    }
+  });
+  return {
+    get missing() {
+      return missing;
+    },
+    check() {
+      if (answered || timer) return;
+      model.send({ type: "ping" });
+      timer = setTimeout(() => {
+        timer = null;
+        if (!answered) {
+          missing = true;
+          onChange();
+        }
+      }, KERNEL_WAIT_MS);
+    },
+  };
+}
 
 async function render({ model, el }) {
+  const waiting = element("div", { className: "cl-status", textContent: "waiting for the kernel…" }, el);
+  const slow = setTimeout(() => (waiting.textContent = NO_KERNEL), KERNEL_WAIT_MS);
   await ensurePlotly(model);
+  clearTimeout(slow);
+  waiting.remove();
+  let shown = "heatmap"; // the heatmap or the text: the front-end's own choice, nothing to compute
+  const kernel = kernelWatch(model, () => view.refresh());
   const view = mount(el, {
     meta: () => model.get("meta"),
     layer: (l) => {
@@ -524,7 +864,14 @@ async function render({ model, el }) {
     state: () => {
       const state = Object.fromEntries(TRAITS.map((name) => [name, model.get(name)]));
       state.head = state.head < 0 ? "all" : state.head;
+      state.view = shown;
       return state;
+    },
+    error: () => model.get("error") || "",
+    pending: (state) => {
+      kernel.check();
+      if (kernel.missing) return NO_KERNEL;
+      return state ? "computing layer " + state.layer + "…" : "waiting for the kernel…";
     },
     // Windows of the widget's size, half-overlapping, over the whole text.
     windows: () => {
@@ -535,20 +882,24 @@ async function render({ model, el }) {
         starts.push([start, Math.min(n, start + size) - 1]);
         if (start + size >= n) break;
       }
-      const current = model.get("start");
+      const current = model.get("meta").queries[0];
       if (!starts.some(([s]) => s === current)) starts.push([current, Math.min(n, current + size) - 1]);
       return starts.sort((a, b) => a[0] - b[0]);
     },
     set(partial) {
-      for (const [name, value] of Object.entries(partial)) model.set(name, name === "head" && value === "all" ? -1 : value);
-      model.save_changes();
+      const traits = Object.entries(partial).filter(([name]) => name !== "view");
+      if ("view" in partial) shown = partial.view;
+      for (const [name, value] of traits) model.set(name, name === "head" && value === "all" ? -1 : value);
+      if (traits.length) model.save_changes();
+      else view.refresh();
     },
   });
   const redraw = () => view.refresh();
-  for (const name of [...TRAITS, "payload", "meta"]) model.on("change:" + name, redraw);
+  const names = [...TRAITS, "payload", "meta", "error"];
+  for (const name of names) model.on("change:" + name, redraw);
   await view.refresh();
   return () => {
-    for (const name of [...TRAITS, "payload", "meta"]) model.off("change:" + name, redraw);
+    for (const name of names) model.off("change:" + name, redraw);
   };
 }
 

@@ -1,0 +1,237 @@
+"""The inspector in a real JupyterLab, driven by playwright with Debian's Chromium.
+
+A temporary folder holds a small notebook on a tiny random model; JupyterLab runs on a free port
+with a token. The checks are what a reader does: run the notebook, choose a token window, click a
+cell, switch the view, open the shared page from the notebook's link and trust it.
+"""
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from conftest import ARTIFACTS
+
+CHROMIUM = shutil.which("chromium")
+TESTS = Path(__file__).resolve().parents[1]
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.slow,
+    pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)"),
+]
+ARGS = [
+    "--no-sandbox",
+    "--headless",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+SETUP = f"""\
+import sys
+
+sys.path.insert(0, {str(TESTS)!r})
+import torch
+from IPython.display import Markdown
+
+import contribution_lens as cl
+from conftest import tiny_bridge
+
+model = tiny_bridge("mha", n_layers=3)
+ids = torch.randint(0, 50, (1, 40), generator=torch.Generator().manual_seed(0))
+inspector = cl.inspect(model, ids, layer=1, tokens=16)
+inspector"""
+SHARE = """\
+page = inspector.write_html("tour.html")
+Markdown("[head 1, cosine, intra](tour.html#layer=2&head=1&factor=cosine&scope=intra)")"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    pytest.importorskip("jupyterlab", reason="needs jupyterlab (pip install jupyterlab)")
+    pytest.importorskip("playwright.sync_api", reason="needs playwright (pip install playwright)")
+    folder = tmp_path_factory.mktemp("lab")
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SETUP), nbformat.v4.new_code_cell(SHARE)])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(notebook, folder / "inspect.ipynb")
+    port, token = free_port(), secrets.token_hex(16)
+    home = tmp_path_factory.mktemp("home")
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
+               JUPYTERLAB_SETTINGS_DIR=str(home / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"),
+               PYTHONPATH=os.pathsep.join([str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "lab", "--allow-root", "--ip=127.0.0.1", "--no-browser", f"--port={port}",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={folder}", "--LabApp.expose_app_in_browser=True",
+         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
+        cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=open(home / "lab.log", "w"),
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("JupyterLab did not start: " + (home / "lab.log").read_text()[-2000:])
+        yield {"url": url, "token": token, "folder": folder}
+    finally:
+        server.terminate()
+        server.wait(30)
+
+
+@pytest.fixture(scope="module")
+def page(lab):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (pip install playwright)")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        tab = browser.new_page(viewport={"width": 1440, "height": 1000})
+        errors: list[str] = []
+        tab.on("pageerror", lambda error: errors.append(str(error)))
+        tab.goto(f"{lab['url']}/lab/tree/inspect.ipynb?token={lab['token']}")
+        tab.wait_for_selector(".jp-Notebook", timeout=120_000)
+        tab.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=60_000)
+        tab.wait_for_function(
+            "window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.connectionStatus === 'connected'",
+            timeout=120_000,
+        )
+        tab.evaluate("window.jupyterapp.commands.execute('notebook:run-all-cells')")
+        tab.errors = errors
+        yield tab
+        browser.close()
+
+
+def kernel(tab, code: str) -> str:
+    """What ``code`` prints in the notebook's kernel."""
+    return tab.evaluate(
+        """async (code) => {
+          const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;
+          const future = k.requestExecute({ code });
+          let out = "";
+          future.onIOPub = (m) => { if (m.header.msg_type === "stream") out += m.content.text; };
+          await future.done;
+          return out;
+        }""",
+        code,
+    )
+
+
+HEATMAP = """() => {
+  const gd = document.querySelector('.cl-inspector .cl-heatmap');
+  const t = gd && gd.data && gd.data[0];
+  if (!t) return null;
+  const bars = document.querySelector('.cl-inspector .cl-bars');
+  return {y: t.y, x: t.x, z: t.z, text: t.text, bars: bars.layout && bars.layout.title.text,
+          query: document.querySelector(".cl-inspector select[data-control='query']").value,
+          status: document.querySelector('.cl-inspector .cl-status').textContent};
+}"""
+
+
+def drawn(tab, until: str = "true") -> dict:
+    tab.wait_for_function(f"(() => {{ const d = ({HEATMAP})(); return d && ({until}); }})()", timeout=60_000)
+    return tab.evaluate(HEATMAP)
+
+
+def click_cell(tab, row: int, column: int) -> None:
+    x, y = tab.evaluate(
+        """([row, column]) => {
+          const gd = document.querySelector('.cl-inspector .cl-heatmap'), fl = gd._fullLayout;
+          gd.scrollIntoView();
+          const r = gd.getBoundingClientRect();
+          return [r.left + fl._size.l + fl.xaxis.l2p(column), r.top + fl._size.t + fl.yaxis.l2p(row)];
+        }""",
+        [row, column],
+    )
+    tab.mouse.click(x, y)
+
+
+def test_window_then_click_then_every_control_in_jupyterlab(page) -> None:
+    # Failed in JupyterLab 4.6 before: after "tokens 16-31" a click on a cell read "query undefined",
+    # blanked the query menu and left inspector.query unchanged.
+    first = drawn(page, "d.y[0].startsWith('0:')")
+    assert len(first["y"]) == 16 and first["status"] == ""
+    page.select_option(".cl-inspector select[data-control='window']", "16")
+    second = drawn(page, "d.y[0].startsWith('16:')")
+    assert second["x"][0].startswith("0:") and second["x"][1].startswith("16:") and len(second["y"]) == 16
+    click_cell(page, 4, 2)  # query 20, key 17
+    third = drawn(page, "d.query === '20'")
+    assert third["bars"].startswith("query 20:"), third["bars"]
+    assert kernel(page, "print(inspector.query, inspector.start)").split() == ["20", "16"]
+    # Every control after the window change: the kernel follows and the drawing changes.
+    for name, value, trait in [("head", "2", "inspector.head"), ("factor", "cosine", "inspector.factor"),
+                               ("scope", "intra", "inspector.scope"), ("layer", "2", "inspector.layer")]:  # fmt: skip
+        before = drawn(page)["z"]
+        page.select_option(f".cl-inspector select[data-control='{name}']", value)
+        after = drawn(page, f"JSON.stringify(d.z) !== {json.dumps(json.dumps(before))} && d.status === ''")
+        assert after["y"][0].startswith("16:") and after["query"] == "20"
+        assert kernel(page, f"print({trait})").strip() == value
+    assert "key 17:" in after["text"][4][2] and "contribution intra" in after["text"][4][2]
+    # The text view: the window's tokens, a click makes a token the query.
+    page.select_option(".cl-inspector select[data-control='view']", "text")
+    page.click(".cl-inspector .cl-flow .cl-token[data-position='25']")
+    page.wait_for_function("document.querySelector(\".cl-inspector select[data-control='query']\").value === '25'")
+    assert kernel(page, "print(inspector.query)").strip() == "25"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "jupyterlab_inspector.png"), full_page=True)
+    assert not page.errors, page.errors
+
+
+def test_heatmap_fits_jupyterlab_output(page, lab) -> None:
+    kernel(page, "wide = cl.inspect(model, torch.randint(0, 50, (1, 64)), tokens=64)")
+    box = page.evaluate(
+        """() => {
+          const gd = document.querySelector('.cl-inspector .cl-heatmap');
+          const out = gd.closest('.jp-OutputArea-output').getBoundingClientRect();
+          return {bar: gd.querySelector('.colorbar').getBoundingClientRect().right, right: out.right};
+        }"""
+    )
+    assert box["bar"] <= box["right"], box
+
+
+def test_shared_page_opens_from_the_notebook_link_in_jupyterlab(page, lab) -> None:
+    page.wait_for_selector(".jp-RenderedMarkdown a", timeout=120_000)
+    assert (lab["folder"] / "tour.html").is_file()  # beside the notebook, so the relative link resolves
+    page.click(".jp-RenderedMarkdown a")
+    page.wait_for_selector(".jp-HTMLViewer iframe", timeout=60_000)
+    page.evaluate("window.jupyterapp.commands.execute('htmlviewer:trust-html')")
+    frame = page.frame_locator(".jp-HTMLViewer iframe")
+    frame.locator(".cl-inspector[data-ready='true']").wait_for(timeout=60_000)
+    options = frame.locator("select[data-control='layer'] option").all_text_contents()
+    assert options == ["0", "1", "2"], options
+    frame.locator("select[data-control='head']").select_option("3")
+    title = frame.locator(".cl-heatmap .gtitle").text_content(timeout=30_000)
+    assert "H3" in title or "head 3" in title, title
+    # The viewer drops the link's fragment: the page says so rather than showing another view silently.
+    assert "drops the #view of a link" in frame.locator(".cl-note").text_content()
+    page.screenshot(path=str(ARTIFACTS / "jupyterlab_shared_page.png"))
+    # The same relative link in a browser tab (a middle-click): served by Jupyter, the fragment names the view.
+    # JupyterLab points the link at the file it resolves to, beside the notebook, fragment kept.
+    href = page.locator(".jp-RenderedMarkdown a").get_attribute("href")
+    assert href.startswith(f"{lab['url']}/files/tour.html") and href.endswith(
+        "#layer=2&head=1&factor=cosine&scope=intra"
+    )
+    context = page.context.browser.new_context()
+    tab = context.new_page()
+    tab.goto(href.replace("#", f"&token={lab['token']}#", 1))
+    tab.wait_for_selector(".cl-inspector[data-ready='true']", timeout=60_000)
+    assert tab.locator(".cl-heatmap .gtitle").text_content() == "cosine (intra), L2 head 1"
+    assert tab.locator(".cl-error").is_hidden() and tab.locator(".cl-note").count() == 0
+    context.close()
+    assert not page.errors, page.errors
