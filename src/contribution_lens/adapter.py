@@ -811,6 +811,26 @@ def block_forms(model: Model) -> dict[int, str]:
     cached = _FORMS.get(model)
     if cached is not None:
         return cached
+    if model in _PROBING:
+        # Asked again from inside the probe: the caller is a hook of a pass already running on this
+        # model, whose hooks fire on the probe too. Refuse rather than recurse.
+        raise ValueError(
+            "the block form of each layer is read by a probe pass, which cannot run inside another pass on the "
+            "same model: read it before the pass (cl.get_method('alti').prepare(model, None, layers)) and pass "
+            "it as ScoreContext(prepared=...)"
+        )
+    _PROBING.add(model)
+    try:
+        return _probe_block_forms(model)
+    finally:
+        _PROBING.discard(model)
+
+
+_PROBING: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def _probe_block_forms(model: Model) -> dict[int, str]:
+    """`block_forms` without its cache: one probe pass."""
     total = n_layers(model)
     d_vocab = int(getattr(model.cfg, "d_vocab", None) or PROBE_LENGTH + 1)
     batch = to_token_batch(model, (torch.arange(PROBE_LENGTH) + 1) % d_vocab)

@@ -100,13 +100,13 @@ FAITH = ["faithfulness", "--data", "{text}"]
         (
             [*FAITH, "--methods", "attention,saliency"],
             "--methods: expected 'all' or a comma-separated subset of attention, value_weighted, output_normalized, "
-            "contribution, random, kobayashi, alti, alti_rollout, value_zeroing, grad_attention, "
-            "got 'attention,saliency'",
+            "contribution, random, kobayashi, alti, alti_rollout, value_zeroing, grad_attention, flow, "
+            "attention_rollout, logit_attribution, got 'attention,saliency'",
         ),
         (
             [*FAITH, "--protocol", "every_layer,leave_one_out"],
             "--protocol: expected 'all' or a comma-separated subset of every_layer, one_layer, input_deletion, "
-            "got 'every_layer,leave_one_out'",
+            "prediction, got 'every_layer,leave_one_out'",
         ),
         ([*FAITH, "--rank-by", "rank"], "--rank-by: expected a comma-separated subset of abs, signed, got 'rank'"),
         (

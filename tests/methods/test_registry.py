@@ -95,7 +95,9 @@ def test_methods_and_scopes_name_what_exists() -> None:
 def test_a_method_returning_the_wrong_shape_is_named() -> None:
     model = tiny_bridge("mha")
     bad = cl.Method("flat", lambda layer, context: layer.pattern[:, 0, 0])
-    with pytest.raises(ValueError, match=r"method 'flat' returned \(1, 3\), expected \[batch head query key\]"):
+    with pytest.raises(
+        ValueError, match=r"method 'flat' returned \(1, 3\) at layer 0, expected \[batch head query key\]"
+    ):
         cl.map_layers(model, torch.tensor([[1, 2, 3]]), lambda layer: bad.token_scores(layer, cl.ScoreContext()))
 
 

@@ -98,7 +98,8 @@ def test_static_page_of_every_layer_at_512_tokens_is_under_50_mb(bundled_model) 
     ids = cl.to_token_batch(bundled_model, text).tokens[:, :512]
     inspector = cl.inspect(bundled_model, ids)
     first = json.dumps({"meta": inspector.meta, "payload": inspector.payload})
-    assert len(first) < 1_000_000, f"first widget payload {len(first)} bytes"
+    # 128 x 128 cells of 9 heads, plus the KV-group and per-query total arrays that hide_sink and group_kv draw.
+    assert len(first) < 1_500_000, f"first widget payload {len(first)} bytes"
     html = inspector.render_html(tokens=512)  # compact: the fine codecs would take about 290 MB
     assert len(html.encode()) <= 50_000_000, f"{len(html.encode()) / 1e6:.1f} MB"
     data = json.loads(re.search(r"class='cl-data'>(.*?)</script>", html).group(1).replace("<\\/", "</"))

@@ -140,9 +140,14 @@ def greedy_tokens(
     tokens = prompt.clone()
     eos = getattr(getattr(model, "tokenizer", None), "eos_token_id", None)
     new: list[int] = []
-    for _ in tqdm(range(max_new_tokens), desc="generating", leave=False):
+    for _ in tqdm(
+        range(max_new_tokens), desc="generating"
+    ):  # left at its last frame, not its first, in saved notebooks
         adapter.check_length(model, tokens.shape[0] + 1, "prompt and answer")
-        batch = adapter.TokenBatch(tokens[None], torch.ones(1, tokens.shape[0], dtype=torch.bool), [[]])
+        # Only the logits are read here, so the labels are placeholders (one per token, as a batch must have).
+        batch = adapter.TokenBatch(
+            tokens[None], torch.ones(1, tokens.shape[0], dtype=torch.bool), [[""] * tokens.shape[0]]
+        )
         next_id = int(adapter.forward(model, batch)[0, -1].argmax())
         new.append(next_id)
         tokens = torch.cat([tokens, torch.tensor([next_id], device=tokens.device)])

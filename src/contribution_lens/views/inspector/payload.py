@@ -382,7 +382,8 @@ def compute_windows(
     the fine codecs (`window_payload`) or, with ``compact``, those of `compact_payload`.
     """
     wanted = list(layers)
-    bar = tqdm(total=len(wanted), desc="inspector: layers", unit="layer", disable=not progress, leave=False)
+    # leave=True: a closed bar shows its last frame, so a saved notebook does not keep its first one (0%).
+    bar = tqdm(total=len(wanted), desc="inspector: layers", unit="layer", disable=not progress, leave=True)
 
     def per_layer(inputs: adapter.LayerInputs) -> dict[str, dict[str, Any]]:
         arrays = layer_arrays(inputs.decompose("inter"), inputs.decompose("intra"), n_kv_heads=inputs.v.shape[2])
