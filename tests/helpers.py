@@ -1,8 +1,10 @@
 """Helpers shared by several test files: small inputs and a method run the way the harnesses run it."""
 
+import shutil
 from pathlib import Path
 
 import einops
+import pytest
 import torch
 
 import contribution_lens as cl
@@ -11,6 +13,32 @@ from contribution_lens import adapter, faithfulness
 from contribution_lens.methods import ScoreContext, get_method
 
 TEXT = "The cat sat on the mat because it was warm."
+
+CHROMIUM = shutil.which("chromium")
+CHROMEDRIVER = shutil.which("chromedriver")
+NO_CHROMIUM = "needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)"
+CHROMIUM_FLAGS = (
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-quic",
+)
+"""Headless, with no network use of its own: this machine's closed network refuses Chromium's background calls."""
+
+
+def chromium_driver(profile: Path):
+    """Selenium's Chrome on Debian's Chromium and chromedriver: 1400 x 1000, a fresh profile, console logs kept."""
+    webdriver = pytest.importorskip("selenium.webdriver")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (*CHROMIUM_FLAGS, "--window-size=1400,1000", f"--user-data-dir={profile}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=options)
 
 
 def tiny_batch(model) -> adapter.TokenBatch:

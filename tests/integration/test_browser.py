@@ -4,7 +4,6 @@ import base64
 import json
 import random
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -17,38 +16,20 @@ import contribution_lens as cl
 from conftest import ARTIFACTS, assert_self_contained
 from contribution_lens.views import inspector as ins
 from contribution_lens.views.plot import token_factors
+from helpers import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, chromium_driver
 
-CHROMIUM = shutil.which("chromium")
-CHROMEDRIVER = shutil.which("chromedriver")
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.skipif(
         CHROMIUM is None or CHROMEDRIVER is None,
-        reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+        reason=NO_CHROMIUM,
     ),
 ]
 
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    webdriver = pytest.importorskip("selenium.webdriver")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--disable-quic",
-        "--window-size=1400,1000",
-    ):
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=options)
+    driver = chromium_driver(tmp_path_factory.mktemp("chromium-profile"))
     yield driver
     driver.quit()
 

@@ -8,7 +8,6 @@ cell, switch the view, open the shared page from the notebook's link and trust i
 import json
 import os
 import secrets
-import shutil
 import socket
 import subprocess
 import sys
@@ -20,22 +19,13 @@ import nbformat
 import pytest
 
 from conftest import ARTIFACTS
+from helpers import CHROMIUM, CHROMIUM_FLAGS
 
-CHROMIUM = shutil.which("chromium")
 TESTS = Path(__file__).resolve().parents[1]
 pytestmark = [
     pytest.mark.browser,
     pytest.mark.slow,
     pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's chromium (apt-get install chromium)"),
-]
-ARGS = [
-    "--no-sandbox",
-    "--headless",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
 ]
 SETUP = f"""\
 import sys
@@ -101,7 +91,7 @@ def lab(tmp_path_factory):
 def page(lab):
     sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (pip install playwright)")
     with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=list(CHROMIUM_FLAGS))
         tab = browser.new_page(viewport={"width": 1440, "height": 1000})
         errors: list[str] = []
         tab.on("pageerror", lambda error: errors.append(str(error)))

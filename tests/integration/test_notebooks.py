@@ -12,7 +12,6 @@ the inspector's view where a cell shows an inspector. The HTML pages are kept un
 """
 
 import re
-import shutil
 import time
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 
 import contribution_lens as cl
 from conftest import ARTIFACTS
+from helpers import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, chromium_driver
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -183,33 +183,16 @@ def test_export_problems_names_what_a_reader_would_miss() -> None:
     ]
 
 
-CHROMIUM = shutil.which("chromium")
-CHROMEDRIVER = shutil.which("chromedriver")
 needs_chromium = pytest.mark.skipif(
     CHROMIUM is None or CHROMEDRIVER is None,
-    reason="needs Debian's chromium and chromium-driver (apt-get install chromium chromium-driver)",
+    reason=NO_CHROMIUM,
 )
 
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
     """Headless Chromium with no network use of its own: an exported page must render from its folder."""
-    webdriver = pytest.importorskip("selenium.webdriver")
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--no-first-run",
-        "--window-size=1400,1000",
-    ):
-        options.add_argument(flag)  # fmt: skip
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    driver = webdriver.Chrome(service=webdriver.ChromeService(executable_path=CHROMEDRIVER), options=options)
+    driver = chromium_driver(tmp_path_factory.mktemp("chromium-profile"))
     yield driver
     driver.quit()
 
