@@ -113,3 +113,18 @@ def as_index(value: Any, what: str) -> int:
         except TypeError:
             pass
     raise TypeError(f"{what}, got {type(value).__name__} {value!r}")
+
+
+def as_indices(value: Any, what: str) -> list[int]:
+    """One integer or a sequence of them (NumPy and 0-d tensor integers too) as a list of Python ints.
+
+    ``what`` names the values in the message, e.g. ``"layers"``: ``"layers must be integers, got ..."``.
+
+    Example:
+        >>> import numpy as np, torch
+        >>> as_indices(np.int64(3), "layers"), as_indices(torch.tensor([0, -1]), "layers")
+        ([3], [0, -1])
+    """
+    if isinstance(value, str) or getattr(value, "ndim", 1) == 0 or not hasattr(value, "__iter__"):
+        return [as_index(value, f"{what} must be integers")]
+    return [as_index(item, f"{what} must be integers") for item in value]

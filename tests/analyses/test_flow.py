@@ -1,5 +1,6 @@
 """cl.flow: signed token mixing per layer, its rollout, the pruned graph, save/load, figures."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -142,6 +143,19 @@ def test_bad_input_is_refused_before_the_pass():
         cl.flow(model, IDS.repeat(2, 1))
     with pytest.raises(ValueError, match="threshold must be positive"):
         cl.flow(model, IDS, threshold=0)
+    with pytest.raises(TypeError, match=r"positions must be integers, got float 2\.0"):
+        cl.flow(model, IDS, position=2.0)
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_numpy_and_0d_tensor_integers_are_positions_and_layers():
+    model = tiny_bridge("gqa", biases=True)
+    f = cl.flow(model, IDS, position=[-1, 2])
+    assert cl.flow(model, IDS, position=np.int64(2)).positions == [2]
+    assert cl.flow(model, IDS, position=torch.tensor(-1)).positions == [7]
+    assert cl.flow(model, IDS, position=np.array([-1, 2])).positions == [7, 2]
+    assert f.to_dataframe(layers=torch.tensor(1)).equals(f.to_dataframe(layers=1))
+    assert f.to_dataframe(layers=np.array([0])).equals(f.to_dataframe(layers=[0]))
 
 
 def test_bundled_model_rows_sum_to_one(bundled_model):

@@ -50,6 +50,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from contribution_lens import adapter
+from contribution_lens.choices import as_indices
 from contribution_lens.engine import LayerResults, map_layers
 from contribution_lens.files import atomic_path
 from contribution_lens.methods.rollout import layer_mixing
@@ -197,7 +198,7 @@ class Flow(LayerResults[FlowLayer]):
 
     def to_dataframe(self, *, layers: int | Sequence[int] | None = None, min_abs_weight: float = 0.0) -> pd.DataFrame:
         """Every kept edge and every residual term as a tidy table (columns as in `graph`)."""
-        chosen = self.layers if layers is None else [self.resolve(x) for x in _as_list(layers)]
+        chosen = self.layers if layers is None else [self.resolve(x) for x in as_indices(layers, "layers")]
         tokens = self.str_tokens[0]
         frames = []
         for layer in chosen:
@@ -288,10 +289,6 @@ class Flow(LayerResults[FlowLayer]):
         )
 
 
-def _as_list(value: int | Sequence[int]) -> list[int]:
-    return [value] if isinstance(value, int) else list(value)
-
-
 def _position(position: Any, n: int) -> int:
     position = adapter.as_index(position, "a position is an integer")
     if not -n <= position < n:
@@ -328,7 +325,7 @@ def flow(
         raise ValueError(f"threshold must be positive, got {threshold}")
     batch = adapter.to_token_batch(model, inputs, prepend_bos=prepend_bos)
     n = batch.tokens.shape[1]
-    positions = [_position(p, n) for p in _as_list(position)]  # bad positions fail before the pass
+    positions = [_position(p, n) for p in as_indices(position, "positions")]  # bad positions fail before the pass
     results = map_layers(
         model,
         batch,

@@ -18,7 +18,7 @@ from torch import Tensor
 from transformer_lens import ActivationCache
 
 from contribution_lens import adapter
-from contribution_lens.choices import as_index
+from contribution_lens.choices import as_index, as_indices
 from contribution_lens.decomposition import Decomposition, Factor, Scope, decompose
 from contribution_lens.engine import LayerResults, map_layers
 from contribution_lens.files import atomic_path, reading
@@ -117,7 +117,7 @@ class Geometry(LayerResults[Decomposition]):
         index = as_index(index, "index must be an integer")
         if not 0 <= index < len(self.str_tokens):
             raise IndexError(f"index {index} is outside the batch of {len(self.str_tokens)}")
-        chosen_layers = self.layers if layers is None else [self.resolve(x) for x in _as_list(layers, "layers")]
+        chosen_layers = self.layers if layers is None else [self.resolve(x) for x in as_indices(layers, "layers")]
         n = len(self.str_tokens[index])
         frames = []
         for layer in chosen_layers:
@@ -179,18 +179,11 @@ class Geometry(LayerResults[Decomposition]):
             )
 
 
-def _as_list(value: int | Sequence[int], what: str) -> list[int]:
-    """One integer or a sequence of them (NumPy and 0-d tensor integers too) as a list of ints."""
-    if isinstance(value, str) or getattr(value, "ndim", 1) == 0 or not hasattr(value, "__iter__"):
-        return [as_index(value, f"{what} must be integers")]
-    return [as_index(item, f"{what} must be integers") for item in value]
-
-
 def _positions(value: int | Sequence[int] | None, size: int, what: str) -> list[int]:
     if value is None:
         return list(range(size))
     resolved = []
-    for item in _as_list(value, {"query": "queries"}.get(what, f"{what}s")):
+    for item in as_indices(value, {"query": "queries"}.get(what, f"{what}s")):
         if not -size <= item < size:
             raise IndexError(f"{what} {item} does not exist (0..{size - 1})")
         resolved.append(item % size)
