@@ -134,6 +134,17 @@ def test_save_load_repr_and_figures(tmp_path):
     assert list(rollout.data[0].z.shape) == [2, 8] and rollout.data[0].zmid == 0
 
 
+def test_a_truncated_or_foreign_file_is_named_in_the_error(tmp_path):
+    path = cl.flow(tiny_bridge(), IDS).save(tmp_path / "flow.safetensors")
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError, match=rf"^{truncated} is not a Flow written by Flow.save \(SafetensorError"):
+        Flow.load(truncated)
+    geometry = cl.attention_geometry(tiny_bridge(), IDS).save(tmp_path / "g.safetensors")
+    with pytest.raises(ValueError, match=rf"^{geometry} is not a Flow .*its format is 'contribution_lens.Geometry/1'"):
+        Flow.load(geometry)
+
+
 @pytest.mark.usefixtures("as_a_user")
 def test_bad_input_is_refused_before_the_pass():
     model = tiny_bridge()

@@ -107,6 +107,16 @@ def test_save_and_load_round_trip(tmp_path) -> None:
         LogitAttribution.load(tmp_path / "missing.safetensors")
 
 
+def test_a_truncated_file_is_named_in_the_error(tmp_path) -> None:
+    path = cl.logit_attribution(tiny_bridge("gqa"), IDS, target=4).save(tmp_path / "r.safetensors")
+    truncated = tmp_path / "truncated.safetensors"
+    truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(
+        ValueError, match=rf"^{truncated} is not a LogitAttribution written by LogitAttribution.save \(SafetensorError"
+    ):
+        LogitAttribution.load(truncated)
+
+
 def test_figures_draw_the_tables() -> None:
     model = tiny_bridge("gqa")
     result = cl.logit_attribution(model, IDS, target=4)

@@ -52,7 +52,7 @@ from torch import Tensor
 from contribution_lens import adapter
 from contribution_lens.choices import as_indices
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.files import atomic_path
+from contribution_lens.files import atomic_path, reading
 from contribution_lens.methods.rollout import layer_mixing
 
 DEFAULT_THRESHOLD = 0.02
@@ -264,29 +264,31 @@ class Flow(LayerResults[FlowLayer]):
         source = Path(path)
         if not source.is_file():
             raise FileNotFoundError(f"no saved Flow at {source}")
-        with safe_open(str(source), framework="pt", device="cpu") as handle:
-            metadata = handle.metadata() or {}
-            if metadata.get("format") != "contribution_lens.Flow/1":
-                raise ValueError(f"{source} was not written by Flow.save (format {metadata.get('format')!r})")
-            n_layers = int(metadata["n_layers"])
-            layers = {
-                layer: FlowLayer(
-                    handle.get_tensor(f"{layer}.mixing"),
-                    handle.get_tensor(f"{layer}.residual"),
-                    FlowEdges(**{f.name: handle.get_tensor(f"{layer}.edges.{f.name}") for f in fields(FlowEdges)}),
-                )
-                for layer in range(n_layers)
-            }
-            tokens, mask = handle.get_tensor("tokens"), handle.get_tensor("attention_mask")
-        return cls(
-            layers,
-            positions=json.loads(metadata["positions"]),
-            threshold=float(metadata["threshold"]),
-            tokens=tokens,
-            attention_mask=mask,
-            str_tokens=json.loads(metadata["str_tokens"]),
-            n_layers=n_layers,
-        )
+        # A truncated file or edited metadata: the error names the file, as Geometry.load's does.
+        with reading(source, "a Flow written by Flow.save"):
+            with safe_open(str(source), framework="pt", device="cpu") as handle:
+                metadata = handle.metadata() or {}
+                if metadata.get("format") != "contribution_lens.Flow/1":
+                    raise ValueError(f"its format is {metadata.get('format')!r}")
+                n_layers = int(metadata["n_layers"])
+                layers = {
+                    layer: FlowLayer(
+                        handle.get_tensor(f"{layer}.mixing"),
+                        handle.get_tensor(f"{layer}.residual"),
+                        FlowEdges(**{f.name: handle.get_tensor(f"{layer}.edges.{f.name}") for f in fields(FlowEdges)}),
+                    )
+                    for layer in range(n_layers)
+                }
+                tokens, mask = handle.get_tensor("tokens"), handle.get_tensor("attention_mask")
+            return cls(
+                layers,
+                positions=json.loads(metadata["positions"]),
+                threshold=float(metadata["threshold"]),
+                tokens=tokens,
+                attention_mask=mask,
+                str_tokens=json.loads(metadata["str_tokens"]),
+                n_layers=n_layers,
+            )
 
 
 def _position(position: Any, n: int) -> int:

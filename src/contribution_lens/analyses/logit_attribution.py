@@ -46,7 +46,7 @@ from torch import Tensor
 
 from contribution_lens import adapter
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.files import atomic_path
+from contribution_lens.files import atomic_path, reading
 
 TOLERANCE = 1e-3
 """Relative gap between the sum of the terms and the model's logit above which a call fails."""
@@ -222,16 +222,16 @@ class LogitAttribution:
         source = Path(path)
         if not source.is_file():
             raise FileNotFoundError(f"no saved LogitAttribution at {source}")
-        with safe_open(str(source), framework="pt", device="cpu") as handle:
-            metadata = handle.metadata() or {}
-            if metadata.get("format") != _FORMAT:
-                raise ValueError(
-                    f"{source} was not written by LogitAttribution.save (format {metadata.get('format')!r})"
-                )
-            tensors = {name: handle.get_tensor(name) for name in _TENSORS}
-        fields = {name: json.loads(value) for name, value in metadata.items() if name != "format"}
-        fields["has_biases"] = tuple(fields["has_biases"])
-        return cls(**tensors, **fields)
+        # A truncated file or edited metadata: the error names the file, as Geometry.load's does.
+        with reading(source, "a LogitAttribution written by LogitAttribution.save"):
+            with safe_open(str(source), framework="pt", device="cpu") as handle:
+                metadata = handle.metadata() or {}
+                if metadata.get("format") != _FORMAT:
+                    raise ValueError(f"its format is {metadata.get('format')!r}")
+                tensors = {name: handle.get_tensor(name) for name in _TENSORS}
+            fields = {name: json.loads(value) for name, value in metadata.items() if name != "format"}
+            fields["has_biases"] = tuple(fields["has_biases"])
+            return cls(**tensors, **fields)
 
 
 def _rows(component: str, term: str, values: list[float], *, layers: bool = False) -> pd.DataFrame:
