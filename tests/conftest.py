@@ -121,6 +121,18 @@ def bundled_model() -> TransformerBridge:
 
 
 @pytest.fixture(scope="session")
+def gemma() -> TransformerBridge:
+    """The real Gemma 3 270M bridge (float32), the second model family. Shared by the session: never mutate it."""
+    from contribution_lens import loading
+
+    try:
+        loading.gguf_pieces(loading.GEMMA)
+    except (ModuleNotFoundError, FileNotFoundError) as error:
+        pytest.skip(f"second model family unavailable: {error}")
+    return cl.load_model(loading.GEMMA)
+
+
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real evaluation data not found at {SHARED_DATA} (see shared/data/README.md)")

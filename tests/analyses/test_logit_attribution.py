@@ -8,7 +8,7 @@ import torch
 import architectures
 import contribution_lens as cl
 from conftest import VARIANTS, assert_close, tiny_bridge, tiny_encoder
-from contribution_lens import adapter, loading
+from contribution_lens import adapter
 from contribution_lens.analyses.logit_attribution import LogitAttribution
 
 ARCHS = [pytest.param(v, b, id=f"{v}-{'bias' if b else 'nobias'}") for v in VARIANTS for b in (False, True)]
@@ -221,15 +221,6 @@ def test_generation_is_greedy() -> None:
     assert list(figure.y) == [f"{k}:{step.token}" for k, step in enumerate(explained)]
     with pytest.raises(ValueError, match="max_new_tokens must be a positive integer, got 0"):
         cl.explain_generation(model, IDS[:4], max_new_tokens=0)
-
-
-@pytest.fixture(scope="module")
-def gemma() -> object:
-    try:
-        loading.gguf_pieces(loading.GEMMA)
-    except (ModuleNotFoundError, FileNotFoundError) as error:
-        pytest.skip(f"second model family unavailable: {error}")
-    return cl.load_model(loading.GEMMA)
 
 
 @pytest.mark.slow

@@ -22,16 +22,6 @@ LAYERS = [0, 5, 17]  # sliding, the first global, the last (global)
 WINDOW = 512
 
 
-@pytest.fixture(scope="module")
-def gemma() -> object:
-    """The real Gemma 3 270M bridge (float32). Shared by the module: never mutate it."""
-    try:
-        loading.gguf_pieces(loading.GEMMA)
-    except (ModuleNotFoundError, FileNotFoundError) as error:
-        pytest.skip(f"second model family unavailable: {error}")
-    return cl.load_model(loading.GEMMA)
-
-
 def per_query_sums(d: cl.Decomposition, scope: str) -> torch.Tensor:
     return d.contribution.sum(-1) if scope == "intra" else d.sum_over_heads().sum(-1)
 
