@@ -140,15 +140,10 @@ def greedy_tokens(
     tokens = prompt.clone()
     eos = getattr(getattr(model, "tokenizer", None), "eos_token_id", None)
     new: list[int] = []
-    for _ in tqdm(
-        range(max_new_tokens), desc="generating"
-    ):  # left at its last frame, not its first, in saved notebooks
+    # The bar is left at its last frame (leave=True), so a saved notebook does not keep its first one.
+    for _ in tqdm(range(max_new_tokens), desc="generating"):
         adapter.check_length(model, tokens.shape[0] + 1, "prompt and answer")
-        # Only the logits are read here, so the labels are placeholders (one per token, as a batch must have).
-        batch = adapter.TokenBatch(
-            tokens[None], torch.ones(1, tokens.shape[0], dtype=torch.bool), [[""] * tokens.shape[0]]
-        )
-        next_id = int(adapter.forward(model, batch)[0, -1].argmax())
+        next_id = int(adapter.forward(model, adapter.to_token_batch(model, tokens))[0, -1].argmax())
         new.append(next_id)
         tokens = torch.cat([tokens, torch.tensor([next_id], device=tokens.device)])
         if stop_at_eos and eos is not None and next_id == int(eos):
