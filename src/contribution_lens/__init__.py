@@ -36,6 +36,7 @@ _EXPORTS: dict[str, str] = {
     "LayerInputs": "contribution_lens.adapter:LayerInputs",
     "TokenBatch": "contribution_lens.adapter:TokenBatch",
     "to_token_batch": "contribution_lens.adapter:to_token_batch",
+    "block_forms": "contribution_lens.adapter:block_forms",
     "LayerResults": "contribution_lens.engine:LayerResults",
     "map_layers": "contribution_lens.engine:map_layers",
     "load_model": "contribution_lens.loading:load_model",
@@ -83,6 +84,7 @@ __all__ = [
     "analyses",
     "attention_geometry",
     "available_methods",
+    "block_forms",
     "decompose",
     "default_methods",
     "explain_generation",
@@ -110,7 +112,7 @@ _compat.install()  # ``import contribution_lens.evaluation`` and other 0.2 paths
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from contribution_lens import analyses, faithfulness, methods, views
-    from contribution_lens.adapter import LayerInputs, TokenBatch, to_token_batch
+    from contribution_lens.adapter import LayerInputs, TokenBatch, block_forms, to_token_batch
     from contribution_lens.analyses.flow import Flow, flow
     from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
     from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary

@@ -801,27 +801,38 @@ def _block_form(model: Model, layer: int, caught: dict[str, Tensor], tolerance: 
 
 
 def block_forms(model: Model) -> dict[int, str]:
-    """The form of every layer's attention block: `PRE_LN`, `POST_LN`, or what it is instead.
+    """The form of every layer's attention block: ``"pre-LN"``, ``"post-LN"``, or what it is instead.
 
-    Read once per model from a probe forward pass (ids 1..`PROBE_LENGTH`), to a relative 1e-3
-    (3e-2 in half precision): pre-LN where ``hook_resid_mid == hook_resid_pre + o``
-    (``o = sum_h z^h W_O^h + b_O``, `output_hook`); post-LN where ``ln1``'s input is
-    ``hook_resid_pre + o`` and its output that input through the LayerNorm `post_norm` reads.
+    pre-LN where ``hook_resid_mid = hook_resid_pre + o`` (``y = x + Attn(LN(x))``, with
+    ``o = sum_h z^h W_O^h + b_O``, `output_hook`); post-LN where ``ln1``'s input is
+    ``hook_resid_pre + o`` and its output that input through the LayerNorm `post_norm` reads
+    (``y = LN(x + Attn(x))``); both to a relative 1e-3 (3e-2 in half precision). ALTI is defined
+    for these two forms and refuses the others by the description given here.
+
+    Read by a probe forward pass (ids 1..`PROBE_LENGTH`) the first time, then remembered for the
+    model. The probe cannot run inside another pass on the same model: where your own
+    `contribution_lens.map_layers` function scores ``alti``, call this once before it.
+
+    Example:
+        >>> import contribution_lens as cl
+        >>> model = cl.load_model()
+        >>> forms = cl.block_forms(model)  # before a pass that scores ALTI
+        >>> len(forms), set(forms.values())
+        (30, {'pre-LN'})
     """
     cached = _FORMS.get(model)
     if cached is not None:
-        return cached
+        return dict(cached)  # a copy: what a caller changes is not what ALTI reads
     if model in _PROBING:
         # Asked again from inside the probe: the caller is a hook of a pass already running on this
         # model, whose hooks fire on the probe too. Refuse rather than recurse.
         raise ValueError(
             "the block form of each layer is read by a probe pass, which cannot run inside another pass on the "
-            "same model: read it before the pass (cl.get_method('alti').prepare(model, None, layers)) and pass "
-            "it as ScoreContext(prepared=...)"
+            "same model: call cl.block_forms(model) once before the pass (the forms are remembered for the model)"
         )
     _PROBING.add(model)
     try:
-        return _probe_block_forms(model)
+        return dict(_probe_block_forms(model))
     finally:
         _PROBING.discard(model)
 

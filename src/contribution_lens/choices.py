@@ -115,6 +115,28 @@ def as_index(value: Any, what: str) -> int:
     raise TypeError(f"{what}, got {type(value).__name__} {value!r}")
 
 
+def as_position(value: Any, length: int) -> int:
+    """``value`` as a token position ``p`` in ``0..length-1``; ``-length <= value < 0`` counts from the end.
+
+    ``p = value mod length`` when ``-length <= value < length``; anything else is refused with
+    the text's length and the positions it has (a non-integer: a ``TypeError``, as `as_index`).
+
+    Example:
+        >>> as_position(-1, 15), as_position(3, 15)
+        (14, 3)
+        >>> as_position(30, 15)
+        Traceback (most recent call last):
+        ...
+        ValueError: position 30 does not exist: the text has 15 tokens (positions -15..14)
+    """
+    index = as_index(value, "position must be an integer")
+    if not -length <= index < length:
+        raise ValueError(
+            f"position {index} does not exist: the text has {length} tokens (positions {-length}..{length - 1})"
+        )
+    return index % length
+
+
 def as_indices(value: Any, what: str) -> list[int]:
     """One integer or a sequence of them (NumPy and 0-d tensor integers too) as a list of Python ints.
 

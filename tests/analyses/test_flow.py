@@ -146,9 +146,10 @@ def test_a_truncated_or_foreign_file_is_named_in_the_error(tmp_path):
 
 
 @pytest.mark.usefixtures("as_a_user")
-def test_bad_input_is_refused_before_the_pass():
+def test_bad_input_is_refused_before_the_pass_and_a_bad_position_after_it():
     model = tiny_bridge()
-    with pytest.raises(IndexError, match="position 9 does not exist"):
+    # One check of positions, one message, in flow as in logit_attribution.
+    with pytest.raises(ValueError, match=r"^position 9 does not exist: the text has 8 tokens \(positions -8\.\.7\)$"):
         cl.flow(model, IDS, position=9)
     with pytest.raises(ValueError, match="one text"):
         cl.flow(model, IDS.repeat(2, 1))
@@ -156,6 +157,10 @@ def test_bad_input_is_refused_before_the_pass():
         cl.flow(model, IDS, threshold=0)
     with pytest.raises(TypeError, match=r"positions must be integers, got float 2\.0"):
         cl.flow(model, IDS, position=2.0)
+    computed = cl.flow(model, IDS)
+    for refused in (lambda: computed.at(8), lambda: computed.rollout_at(-9), lambda: computed.graph(position=8)):
+        with pytest.raises(ValueError, match=r"does not exist: the text has 8 tokens \(positions -8\.\.7\)$"):
+            refused()
 
 
 @pytest.mark.usefixtures("as_a_user")

@@ -50,13 +50,14 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.choices import as_indices
+from contribution_lens.choices import as_indices, as_position
 from contribution_lens.engine import LayerResults, map_layers
 from contribution_lens.files import atomic_path, reading
 from contribution_lens.methods.rollout import layer_mixing
 
 DEFAULT_THRESHOLD = 0.02
 """Smallest ``|w_ij^h|`` kept as an edge (and the graph's default threshold)."""
+_FORMAT = "contribution_lens.Flow/1"
 
 
 @dataclass(frozen=True)
@@ -121,7 +122,7 @@ class Flow(LayerResults[FlowLayer]):
         if self.layers != list(range(self.n_layers)):
             raise ValueError(f"a Flow needs every layer 0..{self.n_layers - 1}, got {self.layers}")
         n = len(self.str_tokens[0])
-        self.positions = [_position(p, n) for p in positions]
+        self.positions = [as_position(p, n) for p in positions]
         if not self.positions:
             raise ValueError("a Flow needs at least one explained position")
         self.threshold = float(threshold)
@@ -137,9 +138,13 @@ class Flow(LayerResults[FlowLayer]):
 
     def at(self, position: int) -> "Flow":
         """The same flow explaining ``position`` (no new pass: every position's mixing is kept)."""
+        return self._explaining([position])
+
+    def _explaining(self, positions: Sequence[int]) -> "Flow":
+        """`at` for several positions: the layers (and the rollouts computed so far) are shared, not copied."""
         flow = Flow(
             dict(self.items()),
-            positions=[position],
+            positions=positions,
             threshold=self.threshold,
             tokens=self.tokens,
             attention_mask=self.attention_mask,
@@ -164,7 +169,7 @@ class Flow(LayerResults[FlowLayer]):
 
     def rollout_at(self, position: int) -> Float[Tensor, "layer key"]:
         """`rollout` of any position: ``e_p M^l M^{l-1} ... M^0`` for every ``l`` (float64 products)."""
-        position = _position(position, len(self.str_tokens[0]))
+        position = as_position(position, len(self.str_tokens[0]))
         if position not in self._rollouts:
             mixings = [self[layer].mixing.double() for layer in self.layers]
             rows = []
@@ -184,7 +189,7 @@ class Flow(LayerResults[FlowLayer]):
         ``source`` (position in column ``layer``), ``target`` (in ``layer + 1``), their tokens,
         ``attention, relative_norm, cosine, weight``.
         """
-        position = self.position if position is None else _position(position, len(self.str_tokens[0]))
+        position = self.position if position is None else as_position(position, len(self.str_tokens[0]))
         threshold = self.threshold if threshold is None else float(threshold)
         if threshold < self.threshold:
             raise ValueError(f"threshold {threshold:g} is below the {self.threshold:g} the edges were kept at")
@@ -239,21 +244,9 @@ class Flow(LayerResults[FlowLayer]):
         target = Path(path)
         if target.is_dir():
             raise IsADirectoryError(f"{target} is a folder; give a file path such as {target / 'flow.safetensors'}")
-        tensors = {"tokens": self.tokens.cpu().contiguous(), "attention_mask": self.attention_mask.cpu().contiguous()}
-        for layer, value in self.items():
-            tensors[f"{layer}.mixing"] = value.mixing.contiguous().clone()
-            tensors[f"{layer}.residual"] = value.residual.contiguous().clone()
-            for f in fields(FlowEdges):
-                tensors[f"{layer}.edges.{f.name}"] = getattr(value.edges, f.name).contiguous().clone()
-        metadata = {
-            "format": "contribution_lens.Flow/1",
-            "n_layers": str(self.n_layers),
-            "positions": json.dumps(self.positions),
-            "threshold": repr(self.threshold),
-            "str_tokens": json.dumps(self.str_tokens),
-        }
+        tensors, metadata = self._parts()
         with atomic_path(target) as staging:
-            save_file(tensors, str(staging), metadata=metadata)
+            save_file(tensors, str(staging), metadata={"format": _FORMAT, **metadata})
         return target
 
     @classmethod
@@ -268,34 +261,53 @@ class Flow(LayerResults[FlowLayer]):
         with reading(source, "a Flow written by Flow.save"):
             with safe_open(str(source), framework="pt", device="cpu") as handle:
                 metadata = handle.metadata() or {}
-                if metadata.get("format") != "contribution_lens.Flow/1":
+                if metadata.get("format") != _FORMAT:
                     raise ValueError(f"its format is {metadata.get('format')!r}")
-                n_layers = int(metadata["n_layers"])
-                layers = {
-                    layer: FlowLayer(
-                        handle.get_tensor(f"{layer}.mixing"),
-                        handle.get_tensor(f"{layer}.residual"),
-                        FlowEdges(**{f.name: handle.get_tensor(f"{layer}.edges.{f.name}") for f in fields(FlowEdges)}),
-                    )
-                    for layer in range(n_layers)
-                }
-                tokens, mask = handle.get_tensor("tokens"), handle.get_tensor("attention_mask")
-            return cls(
-                layers,
-                positions=json.loads(metadata["positions"]),
-                threshold=float(metadata["threshold"]),
-                tokens=tokens,
-                attention_mask=mask,
-                str_tokens=json.loads(metadata["str_tokens"]),
-                n_layers=n_layers,
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+            return cls._from_parts(tensors, metadata)
+
+    def _parts(self) -> tuple[dict[str, Tensor], dict[str, str]]:
+        """What `save` writes: tensors (tokens, mask, each layer's mixing, residual and edges) and string metadata.
+
+        Also how a `GenerationExplanation` file holds the one flow its steps share (under a prefix).
+        The logits of the pass, where the flow kept them, are not written.
+        """
+        # Cloned: the tokens may share storage with another tensor of the same file, which safetensors refuses.
+        tensors = {name: getattr(self, name).cpu().contiguous().clone() for name in ("tokens", "attention_mask")}
+        for layer, value in self.items():
+            tensors[f"{layer}.mixing"] = value.mixing.contiguous().clone()
+            tensors[f"{layer}.residual"] = value.residual.contiguous().clone()
+            for f in fields(FlowEdges):
+                tensors[f"{layer}.edges.{f.name}"] = getattr(value.edges, f.name).contiguous().clone()
+        metadata = {
+            "n_layers": str(self.n_layers),
+            "positions": json.dumps(self.positions),
+            "threshold": repr(self.threshold),
+            "str_tokens": json.dumps(self.str_tokens),
+        }
+        return tensors, metadata
+
+    @classmethod
+    def _from_parts(cls, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> "Flow":
+        """The flow `_parts` wrote."""
+        n_layers = int(metadata["n_layers"])
+        layers = {
+            layer: FlowLayer(
+                tensors[f"{layer}.mixing"],
+                tensors[f"{layer}.residual"],
+                FlowEdges(**{f.name: tensors[f"{layer}.edges.{f.name}"] for f in fields(FlowEdges)}),
             )
-
-
-def _position(position: Any, n: int) -> int:
-    position = adapter.as_index(position, "a position is an integer")
-    if not -n <= position < n:
-        raise IndexError(f"position {position} does not exist: the text has {n} tokens (0..{n - 1})")
-    return position % n
+            for layer in range(n_layers)
+        }
+        return cls(
+            layers,
+            positions=json.loads(metadata["positions"]),
+            threshold=float(metadata["threshold"]),
+            tokens=tensors["tokens"],
+            attention_mask=tensors["attention_mask"],
+            str_tokens=json.loads(metadata["str_tokens"]),
+            n_layers=n_layers,
+        )
 
 
 def flow(
@@ -327,7 +339,7 @@ def flow(
         raise ValueError(f"threshold must be positive, got {threshold}")
     batch = adapter.to_token_batch(model, inputs, prepend_bos=prepend_bos)
     n = batch.tokens.shape[1]
-    positions = [_position(p, n) for p in as_indices(position, "positions")]  # bad positions fail before the pass
+    positions = [as_position(p, n) for p in as_indices(position, "positions")]  # bad positions fail before the pass
     results = map_layers(
         model,
         batch,

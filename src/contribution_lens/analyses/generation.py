@@ -12,11 +12,18 @@ Then prompt and answer run once more, together: step ``k`` explains the logit of
     ' Paris'
     >>> all(abs(step.attribution.total() - step.attribution.logit) < 1e-3 for step in explained)
     True
+    >>> import tempfile
+    >>> path = explained.save(tempfile.mkdtemp() + "/answer.safetensors")  # one file, every step
+    >>> cl.GenerationExplanation.load(path)[0].token
+    ' Paris'
 """
 
-from collections.abc import Iterator, Sequence
+import json
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from pathlib import Path
+from typing import Any, TypeVar, overload
 
 import pandas as pd
 import torch
@@ -34,6 +41,10 @@ from contribution_lens.analyses.logit_attribution import (
     one_text,
     token_id,
 )
+from contribution_lens.files import atomic_path, reading
+
+_FORMAT = "contribution_lens.GenerationExplanation/1"
+V = TypeVar("V")
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,7 +73,11 @@ class GenerationStep:
 
 @dataclass(frozen=True, eq=False)
 class GenerationExplanation(Sequence[GenerationStep]):
-    """A prompt, the answer generated from it and one `GenerationStep` per answer token."""
+    """A prompt, the answer generated from it and one `GenerationStep` per answer token.
+
+    ``save(path)`` writes it all to one ``.safetensors`` file, ``GenerationExplanation.load(path)``
+    reads it back.
+    """
 
     prompt: str | None
     tokens: Int[Tensor, " pos"]
@@ -131,6 +146,132 @@ class GenerationExplanation(Sequence[GenerationStep]):
         return (
             f"GenerationExplanation({len(self.steps)} tokens: {self.answer!r}, prompt of {self.prompt_length} tokens)"
         )
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the prompt, the tokens and every step (attribution and flow) to one ``.safetensors`` file.
+
+        Steps whose flows come from one pass (all of `explain_generation`'s) share one copy of its
+        mixings and edges, as they do in memory; an attribution's tokens are written only where they
+        are not the explanation's. Not written: a flow's logits (as `Flow.save` does not).
+        """
+        from safetensors.torch import save_file
+
+        target = Path(path)
+        if target.is_dir():
+            raise IsADirectoryError(
+                f"{target} is a folder; give a file path such as {target / 'generation.safetensors'}"
+            )
+        tensors, metadata = self._parts()
+        with atomic_path(target) as staging:
+            save_file(tensors, str(staging), metadata={**metadata, "format": _FORMAT})
+        return target
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "GenerationExplanation":
+        """Read a file written by `save`; the steps' flows share one set of layers again."""
+        from safetensors import safe_open
+
+        source = Path(path)
+        if source.is_dir():
+            raise IsADirectoryError(f"{source} is a folder; give the file GenerationExplanation.save wrote")
+        if not source.is_file():
+            raise FileNotFoundError(f"no saved GenerationExplanation at {source}")
+        # A truncated file or edited metadata: the error names the file, as Flow.load's does.
+        with reading(source, "a GenerationExplanation written by GenerationExplanation.save"):
+            with safe_open(str(source), framework="pt", device="cpu") as handle:
+                metadata = handle.metadata() or {}
+                if metadata.get("format") != _FORMAT:
+                    raise ValueError(f"its format is {metadata.get('format')!r}")
+                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+            return cls._from_parts(tensors, metadata)
+
+    def _parts(self) -> tuple[dict[str, Tensor], dict[str, str]]:
+        """The tensors and string metadata of `save`: step ``k`` under ``steps.{k}.``, flow ``i`` under ``flows.{i}.``.
+
+        A step's attribution and a flow are written as `LogitAttribution.save` and `Flow.save` write
+        them (`LogitAttribution._parts`, `Flow._parts`), their names prefixed.
+        """
+        tensors = {"tokens": self.tokens.cpu().contiguous().clone()}
+        metadata = {name: json.dumps(getattr(self, name)) for name in ("prompt", "str_tokens", "prompt_length")}
+        flows, flow_of = _distinct_flows(self.steps)
+        metadata |= {"n_steps": json.dumps(len(self.steps)), "n_flows": json.dumps(len(flows))}
+        for index, flow in enumerate(flows):
+            flow_tensors, flow_metadata = flow._parts()
+            tensors |= _prefixed(flow_tensors, f"flows.{index}.")
+            metadata |= _prefixed(flow_metadata, f"flows.{index}.")
+        for k, (step, flow_index) in enumerate(zip(self.steps, flow_of, strict=True)):
+            step_tensors, step_metadata = step.attribution._parts()
+            if step.attribution.str_tokens == self.str_tokens and torch.equal(
+                step_tensors["tokens"], tensors["tokens"]
+            ):
+                del step_tensors["tokens"], step_metadata["str_tokens"]  # the explanation's own: written once
+            tensors |= _prefixed(step_tensors, f"steps.{k}.attribution.")
+            metadata |= _prefixed(step_metadata, f"steps.{k}.attribution.")
+            explains = None if step.flow is None else {"index": flow_index, "positions": step.flow.positions}
+            fields = {"token": step.token, "token_id": step.token_id, "position": step.position, "flow": explains}
+            metadata[f"steps.{k}"] = json.dumps(fields)
+        return tensors, metadata
+
+    @classmethod
+    def _from_parts(cls, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> "GenerationExplanation":
+        """The explanation `_parts` wrote."""
+        shared_tensors, shared_metadata = {"tokens": tensors["tokens"]}, {"str_tokens": metadata["str_tokens"]}
+        flows = [
+            Flow._from_parts(_under(tensors, f"flows.{index}."), _under(metadata, f"flows.{index}."))
+            for index in range(json.loads(metadata["n_flows"]))
+        ]
+        steps = []
+        for k in range(json.loads(metadata["n_steps"])):
+            prefix = f"steps.{k}.attribution."
+            attribution = LogitAttribution._from_parts(
+                shared_tensors | _under(tensors, prefix), shared_metadata | _under(metadata, prefix)
+            )
+            fields = json.loads(metadata[f"steps.{k}"])
+            flow = fields.pop("flow")
+            if flow is not None:
+                flow = flows[flow["index"]]._explaining(flow["positions"])
+            steps.append(GenerationStep(**fields, attribution=attribution, flow=flow))
+        return cls(
+            prompt=json.loads(metadata["prompt"]),
+            tokens=tensors["tokens"],
+            str_tokens=json.loads(metadata["str_tokens"]),
+            prompt_length=json.loads(metadata["prompt_length"]),
+            steps=tuple(steps),
+        )
+
+
+def _distinct_flows(steps: Sequence[GenerationStep]) -> tuple[list[Flow], list[int | None]]:
+    """The distinct flows of the steps (`Flow.at` of one flow shares its layers) and each step's index among them."""
+    flows: list[Flow] = []
+    indices: list[int | None] = []
+    for step in steps:
+        if step.flow is None:
+            indices.append(None)
+            continue
+        index = next((i for i, flow in enumerate(flows) if _same_layers(flow, step.flow)), len(flows))
+        if index == len(flows):
+            flows.append(step.flow)
+        indices.append(index)
+    return flows, indices
+
+
+def _same_layers(a: Flow, b: Flow) -> bool:
+    """Whether two flows are one flow explained at other positions: the very same layer objects, tokens, threshold."""
+    return (
+        a.layers == b.layers
+        and all(a[layer] is b[layer] for layer in a.layers)
+        and (a.threshold, a.n_layers, a.str_tokens) == (b.threshold, b.n_layers, b.str_tokens)
+        and torch.equal(a.tokens, b.tokens)
+    )
+
+
+def _prefixed(mapping: Mapping[str, V], prefix: str) -> dict[str, V]:
+    return {prefix + name: value for name, value in mapping.items()}
+
+
+def _under(mapping: Mapping[str, V], prefix: str) -> dict[str, V]:
+    """The entries of ``mapping`` named ``prefix + name``, by ``name`` (`_prefixed` undone)."""
+    return {name.removeprefix(prefix): value for name, value in mapping.items() if name.startswith(prefix)}
 
 
 def greedy_tokens(

@@ -33,7 +33,7 @@ logit would lose if that component's output were removed *and the scales stayed 
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from contribution_lens import adapter
+from contribution_lens.choices import as_position
 from contribution_lens.engine import LayerResults, map_layers
 from contribution_lens.files import atomic_path, reading
 
@@ -52,7 +53,21 @@ TOLERANCE = 1e-3
 """Relative gap between the sum of the terms and the model's logit above which a call fails."""
 _FORMAT = "contribution_lens.LogitAttribution/1"
 _TENSORS = ("tokens", "attention", "attention_bias", "post_norm_bias", "mlp")
-_SCALARS = ("embed", "final_norm_bias", "unembed_bias", "logit")
+_METADATA = (
+    "str_tokens",
+    "position",
+    "target",
+    "target_token",
+    "foil",
+    "foil_token",
+    "logit",
+    "embed",
+    "final_norm_bias",
+    "unembed_bias",
+    "has_biases",
+    "softcap",
+)
+"""The fields a file holds as JSON metadata; `_TENSORS` are its tensors (together: every field)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -205,13 +220,9 @@ class LogitAttribution:
         target = Path(path)
         if target.is_dir():
             raise IsADirectoryError(f"{target} is a folder; give a file path such as {target / 'logit.safetensors'}")
-        tensors = {name: getattr(self, name).detach().cpu().contiguous().clone() for name in _TENSORS}
-        metadata = {name: json.dumps(getattr(self, name)) for name in _SCALARS}
-        for name in ("str_tokens", "position", "target", "target_token", "foil", "foil_token", "has_biases", "softcap"):
-            metadata[name] = json.dumps(getattr(self, name))
-        metadata["format"] = _FORMAT
+        tensors, metadata = self._parts()
         with atomic_path(target) as staging:
-            save_file(tensors, str(staging), metadata=metadata)
+            save_file(tensors, str(staging), metadata={**metadata, "format": _FORMAT})
         return target
 
     @classmethod
@@ -229,9 +240,22 @@ class LogitAttribution:
                 if metadata.get("format") != _FORMAT:
                     raise ValueError(f"its format is {metadata.get('format')!r}")
                 tensors = {name: handle.get_tensor(name) for name in _TENSORS}
-            fields = {name: json.loads(value) for name, value in metadata.items() if name != "format"}
-            fields["has_biases"] = tuple(fields["has_biases"])
-            return cls(**tensors, **fields)
+            return cls._from_parts(tensors, {name: value for name, value in metadata.items() if name != "format"})
+
+    def _parts(self) -> tuple[dict[str, Tensor], dict[str, str]]:
+        """What `save` writes: the tensor fields, and every other field as JSON metadata.
+
+        Also how a `GenerationExplanation` file holds each step's attribution (under a prefix).
+        """
+        tensors = {name: getattr(self, name).detach().cpu().contiguous().clone() for name in _TENSORS}
+        return tensors, {name: json.dumps(getattr(self, name)) for name in _METADATA}
+
+    @classmethod
+    def _from_parts(cls, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> "LogitAttribution":
+        """The attribution `_parts` wrote."""
+        fields: dict[str, Any] = {**tensors, **{name: json.loads(value) for name, value in metadata.items()}}
+        fields["has_biases"] = tuple(fields["has_biases"])
+        return cls(**fields)
 
 
 def _rows(component: str, term: str, values: list[float], *, layers: bool = False) -> pd.DataFrame:
@@ -309,16 +333,6 @@ def token_id(model: adapter.Model, token: TokenLike, what: str) -> int:
     if not 0 <= index < d_vocab:
         raise ValueError(f"{what} id {index} is outside the model's vocabulary of {d_vocab} ids (0..{d_vocab - 1})")
     return index
-
-
-def check_position(position: Any, length: int) -> int:
-    """``position`` as an index into ``length`` tokens (negative ones count from the end)."""
-    index = adapter.as_index(position, "position must be an integer")
-    if not -length <= index < length:
-        raise ValueError(
-            f"position {index} does not exist: the text has {length} tokens (positions {-length}..{length - 1})"
-        )
-    return index % length
 
 
 def one_text(model: adapter.Model, text: str | Tensor, prepend_bos: bool) -> adapter.TokenBatch:
@@ -554,5 +568,5 @@ def logit_attribution(
     if foil_id is not None and foil_id == target_id:
         raise ValueError(f"foil {foil!r} is the target: logit(target) - logit(foil) would be 0 by definition")
     batch = one_text(model, text, prepend_bos)
-    index = check_position(position, batch.tokens.shape[1])
+    index = as_position(position, batch.tokens.shape[1])
     return attribute_positions(model, batch, [index], [target_id], [foil_id], dtype=dtype)[0]
