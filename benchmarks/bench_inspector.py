@@ -5,10 +5,13 @@ and cuts every window from it), then the time of every layer switch and every wi
 after it (they only send what is ready), for the default 128-token windows and for one
 512-token window; the static page of all 30 layers at 512 tokens in the compact codec (size,
 build time, the fine codec's size for comparison) and its error against the library's float32
-numbers beside the stated bounds. Run: ``python benchmarks/bench_inspector.py``.
+numbers beside the stated bounds, and the memory headless Chromium needs to show it (Debian's
+``chromium`` and ``chromedriver``; skipped where they are missing). Run:
+``python benchmarks/bench_inspector.py``.
 """
 
 import json
+import shutil
 import statistics
 import tempfile
 import time
@@ -76,6 +79,61 @@ def page_errors(model, ids, data: dict, window: ins.Window) -> tuple[float, floa
     return attention_error, cosine_error, bound
 
 
+def _chromium_kb(root: int) -> int:
+    """Resident memory of a process and all its descendants (Chromium's browser, GPU and renderer processes)."""
+    children: dict[int, list[int]] = {}
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            fields = dict(line.split(":", 1) for line in status.read_text().splitlines() if ":" in line)
+        except OSError:
+            continue
+        children.setdefault(int(fields["PPid"]), []).append(int(status.parent.name))
+    total, todo = 0, [root]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            rss = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmRSS:"))
+            total += int(rss.split()[1])
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
+def browser_memory(page: Path) -> tuple[float, float, float] | None:
+    """MB of Chromium's processes on a blank page and on this page once drawn, and its JS heap MB (None: none)."""
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        return None
+    from selenium import webdriver
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    flags = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
+             "--disable-component-update", "--disable-sync", "--disable-quic", "--window-size=1400,1000")  # fmt: skip
+    for flag in flags:
+        options.add_argument(flag)
+    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
+    with tempfile.TemporaryDirectory() as profile:
+        options.add_argument(f"--user-data-dir={profile}")
+        driver = webdriver.Chrome(service=service, options=options)
+        try:
+            driver.get("about:blank")
+            time.sleep(2)
+            blank = _chromium_kb(service.process.pid)
+            driver.get(page.resolve().as_uri())
+            WebDriverWait(driver, 300).until(
+                lambda d: d.execute_script("return document.querySelector('.cl-page-root').dataset.ready") == "true"
+            )
+            time.sleep(2)
+            drawn = _chromium_kb(service.process.pid)
+            driver.execute_cdp_cmd("Performance.enable", {})
+            metrics = {m["name"]: m["value"] for m in driver.execute_cdp_cmd("Performance.getMetrics", {})["metrics"]}
+        finally:
+            driver.quit()
+    return blank / 1024, drawn / 1024, metrics["JSHeapUsedSize"] / 2**20
+
+
 def main() -> None:
     torch.set_num_threads(1)
     model = cl.load_model()
@@ -93,6 +151,7 @@ def main() -> None:
         built = timed(lambda: inspector.write_html(path, tokens=N_TOKENS))
         size = path.stat().st_size
         html = path.read_text()
+        memory = browser_memory(path)
     data = json.loads(html.split("class='cl-data'>")[1].split("</script>")[0].replace("<\\/", "</"))
     attention_error, cosine_error, bound = page_errors(model, ids, data, window)
     print(
@@ -104,6 +163,14 @@ def main() -> None:
         f"page error (layers 0, 15, 29): |attention| {attention_error:.2e} (bound {ins.COMPACT_ATTENTION_ERROR:.2e}), "
         f"|cosine| {cosine_error:.2e} (bound of the worst cell {bound:.2e})"
     )
+    if memory is None:
+        print("browser memory: not measured (needs Debian's chromium and chromedriver)")
+    else:
+        blank, drawn, heap = memory
+        print(
+            f"headless Chromium showing the page (layer 29 drawn): {drawn:.0f} MB in all its processes "
+            f"({drawn - blank:.0f} MB more than a blank page), JS heap {heap:.0f} MB"
+        )
 
 
 if __name__ == "__main__":
