@@ -91,9 +91,14 @@ def page(bundled_model, tmp_path_factory) -> Path:
     return inspector.write_html(tmp_path_factory.mktemp("inspector") / "inspect.html")
 
 
+def geometries(model, text, layers: list[int]) -> dict[str, cl.Geometry]:
+    """The library's numbers of ``text`` (a text or ids ``[1 pos]``) in both scopes: what the heatmaps must draw."""
+    return {scope: cl.attention_geometry(model, text, layers=layers, scope=scope) for scope in cl.SCOPES}
+
+
 @pytest.fixture(scope="module")
 def library(bundled_model) -> dict[str, cl.Geometry]:
-    return {scope: cl.attention_geometry(bundled_model, TEXT, layers=LAYERS, scope=scope) for scope in cl.SCOPES}
+    return geometries(bundled_model, TEXT, LAYERS)
 
 
 def quantised(d: cl.Decomposition) -> cl.Decomposition:
@@ -178,7 +183,7 @@ def check_drawn(
         values, tolerance = expected(library, layer, head, s)
         by_scope[s] = ({k: v[cut] for k, v in values.items()}, {k: v[cut] for k, v in tolerance.items()})
     values, tolerance = by_scope[scope]
-    labels = [f"{i}:{t}" for i, t in enumerate(library[scope].str_tokens[0])]
+    labels = [ins.token_label(i, t) for i, t in enumerate(library[scope].str_tokens[0])]
     assert drawn["y"] == [labels[i] for i in window.queries] and drawn["x"] == [labels[j] for j in window.keys]
     z = np.array([[np.nan if v is None else v for v in row] for row in drawn["z"]], dtype=float)
     causal = window.mask
@@ -308,7 +313,7 @@ WIDGET_HOST = """<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>R
 <script type='application/json' id='plotly'>PLOTLY</script>
 <script type='module'>
 // A minimal anywidget host, as a notebook page holds it: one model per widget (the interface render()
-// uses), one ES module shared by all, and a kernel that answers need_plotly.
+// uses), one ES module shared by all, and a kernel that answers need_plotly and ping (the test answers the rest).
 const states = JSON.parse(document.getElementById('states').textContent);
 const esm = JSON.parse(document.getElementById('esm').textContent);
 const widget = await import(URL.createObjectURL(new Blob([esm], { type: 'text/javascript' })));
@@ -318,7 +323,7 @@ for (const [index, state] of states.entries()) {
   const listeners = {};
   const emit = (name, value) => (listeners[name] || []).forEach((f) => f(value));
   // saved: the whole state at each save; changes: what each save sends the kernel (the traits set since).
-  const host = { sent: [], saved: [], changes: [], dirty: {}, state };
+  const host = { sent: [], messages: [], saved: [], changes: [], dirty: {}, state };
   // The kernel's side: a trait it changed arrives.
   host.receive = (k, v) => { state[k] = v; emit('change:' + k); };
   host.model = {
@@ -331,14 +336,16 @@ for (const [index, state] of states.entries()) {
       host.changes.push(JSON.stringify(host.dirty));
       host.dirty = {};
     },
+    // sent: each message's type; messages: the messages a test hands to the kernel (e.g. 'open').
     send: (message) => {
       host.sent.push(message.type);
+      host.messages.push(message);
       if (message.type === 'ping') {
         if (!host.deaf) setTimeout(() => emit('msg:custom', { type: 'pong' }), 0);
-        return;
+      } else if (message.type === 'need_plotly') {
+        const source = JSON.parse(document.getElementById('plotly').textContent);
+        setTimeout(() => emit('msg:custom', { type: 'plotly', source }), 0);
       }
-      const source = JSON.parse(document.getElementById('plotly').textContent);
-      setTimeout(() => emit('msg:custom', { type: 'plotly', source }), 0);
     },
   };
   window.hosts.push(host);
@@ -350,7 +357,7 @@ window.host = window.hosts[0];
 
 
 def widget_state(inspector) -> dict:
-    names = ("layer", "head", "factor", "scope", "query", "start", "tokens", "meta", "payload")
+    names = ("layer", "head", "factor", "scope", "query", "start", "tokens", "view", "step", "steps", "meta", "payload")
     return {name: getattr(inspector, name) for name in names}
 
 
@@ -493,11 +500,17 @@ def test_two_inspectors_on_one_page_each_draw_their_own_view(
     assert not errors, errors
 
 
+KERNEL_TRAITS = ("step", "view", "layer", "head", "start", "query", "meta", "payload", "error")
+"""The traits the kernel sends back, in this order: those a step or an opened head sets, then query, meta, payload."""
+
+
 def kernel_answers(browser, inspector, index: int = 0) -> None:
     """What the kernel does with the front-end's saved changes: set those traits, send back what changed.
 
-    The traits come back one message each, query before meta before payload, as ipywidgets sends
-    the changes an observer makes: the front-end draws every intermediate state on the way.
+    The traits come back one message each (`KERNEL_TRAITS`), query before meta before payload, as
+    ipywidgets sends the changes an observer makes: the front-end draws every intermediate state on
+    the way. Traits the kernel changed on its own (`Inspector.show_step` from an ``open`` message,
+    handed to ``inspector._on_message`` by the test) come back the same way.
     """
     changes = browser.execute_script(
         "const h = window.hosts[arguments[0]]; const c = h.changes; h.changes = []; return c", index
@@ -505,7 +518,7 @@ def kernel_answers(browser, inspector, index: int = 0) -> None:
     for change in changes:
         for name, value in json.loads(change).items():
             setattr(inspector, name, value)
-    for name in ("query", "meta", "payload"):
+    for name in KERNEL_TRAITS:
         browser.execute_script(
             "const h = window.hosts[arguments[0]];"
             "if (JSON.stringify(h.model.get(arguments[1])) !== JSON.stringify(arguments[2]))"
@@ -545,11 +558,11 @@ def check_text_view(browser, library, inspector) -> None:
         assert HOVER.match(token["title"].replace("\n", "<br>")), token["title"]
 
 
-def click_heatmap_cell(browser, row: int, column: int) -> None:
-    """A real mouse click on the cell (row, column) of the drawn heatmap."""
+def click_heatmap_cell(browser, row: int, column: int, selector: str = ".cl-inspector .cl-heatmap") -> None:
+    """A real mouse click on the cell (row, column) of the heatmap in ``selector`` (default: the per-layer one)."""
     from selenium.webdriver.common.action_chains import ActionChains
 
-    element = browser.find_element("css selector", ".cl-inspector .cl-heatmap")
+    element = browser.find_element("css selector", selector)
     dx, dy = browser.execute_script(
         "const gd = arguments[0], fl = gd._fullLayout, r = gd.getBoundingClientRect();"
         "return [fl.xaxis.l2p(arguments[2]) + fl._size.l - r.width / 2,"
@@ -816,3 +829,280 @@ def test_widget_shows_the_kernels_refusal(browser, bundled_model, tmp_path, monk
     assert message[0] == inspector.error and "start 99 is outside the text" in message[0] and message[1] > 0
     browser.execute_script("window.host.receive('error', '')")
     assert browser.execute_script("return document.querySelector('.cl-error').offsetHeight") == 0
+
+
+# --- explained predictions: the prediction view, its step menu and a head opened from it ----------------
+
+PROMPT = "The capital of France is"
+PAGE_LAYERS = [3, 9, 29]
+OPENED = (9, 4)  # the head clicked in the prediction view: (layer, head), a layer every page below holds
+HEADS = ".cl-inspector .cl-heads"
+PER_LAYER = ("layer", "head", "factor", "scope", "query", "hide_sink", "group_kv")
+"""The controls the prediction view hides: they change nothing it draws."""
+PREDICTION_HOVER = re.compile(
+    rf"layer (\d+), head (\d+)<br>direct term {NUMBER} of (.+) = {NUMBER}<br>click: L(\d+)H(\d+) at query (.+)$"
+)
+KEY_TITLE = re.compile(rf"key (.+)\ndirect term {NUMBER} of (.+)\nflow share after the last layer {NUMBER}$")
+PREDICTION = """
+const root = document.querySelectorAll('.cl-inspector')[arguments[0] || 0];
+const gd = root.querySelector('.cl-heads');
+const t = (gd.data || [])[0] || {};
+const menu = (name) => root.querySelector("select[data-control='" + name + "']");
+const error = root.querySelector('.cl-error');
+return {z: t.z, text: t.text, x: t.x, y: t.y,
+  keys: [...root.querySelectorAll('.cl-keys .cl-flow .cl-token')].map((s) => ({position: Number(s.dataset.position),
+    value: s.dataset.value === undefined ? null : Number(s.dataset.value), title: s.title, classes: [...s.classList]})),
+  step: menu('step').value, view: menu('view').value, query: menu('query').value,
+  options: [...menu('step').options].map((o) => [o.value, o.textContent]),
+  hidden: [...root.querySelectorAll('[data-control]')].filter((e) => e.offsetParent === null)
+    .map((e) => e.dataset.control),
+  shown: {heads: gd.offsetHeight > 0, heatmap: root.querySelector('.cl-heatmap').offsetHeight > 0},
+  error: [error.textContent, error.offsetHeight], hash: location.hash};
+"""
+
+
+@pytest.fixture(scope="module")
+def explanation(bundled_model) -> cl.GenerationExplanation:
+    return cl.explain_generation(bundled_model, PROMPT, max_new_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def explained(bundled_model, explanation) -> ins.Inspector:
+    """The inspector of the explanation, never changed: the pages below are written from it."""
+    return cl.inspect(bundled_model, explanation, layers=PAGE_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def explained_page(explained, tmp_path_factory) -> Path:
+    return explained.write_html(tmp_path_factory.mktemp("explained") / "explained.html")
+
+
+@pytest.fixture(scope="module")
+def explained_library(bundled_model, explanation) -> dict[str, cl.Geometry]:
+    return geometries(bundled_model, explanation.tokens[None], [OPENED[0]])
+
+
+def four_digits(shown: float, want: float) -> bool:
+    """``shown`` is ``want`` written with four significant digits."""
+    return abs(shown - want) <= 6e-4 * abs(want) + 1e-12
+
+
+def check_prediction(shown: dict, explanation: cl.GenerationExplanation, k: int) -> None:
+    """The prediction view draws step ``k``: its direct terms per head (heatmap and hover) and per key (the text).
+
+    The terms are float32 on the page: ``by_head()`` and ``by_key()`` to float32's precision; hover
+    texts and titles show four significant digits.
+    """
+    step = explanation[k]
+    result = step.attribution
+    heads = result.by_head().to_numpy()
+    n_layers, n_heads = heads.shape
+    assert shown["x"] == [f"H{h}" for h in range(n_heads)] and shown["y"] == [f"L{layer}" for layer in range(n_layers)]
+    np.testing.assert_allclose(np.array(shown["z"], dtype=float), heads, rtol=1e-6, atol=1e-12)
+    labels = [ins.token_label(i, t) for i, t in enumerate(explanation.str_tokens)]
+    strongest = tuple(int(i) for i in np.unravel_index(np.abs(heads).argmax(), heads.shape))
+    for layer, head in [(0, 0), (n_layers - 1, n_heads - 1), OPENED, strongest]:
+        match = PREDICTION_HOVER.match(shown["text"][layer][head])
+        assert match, shown["text"][layer][head]
+        assert [int(match[i]) for i in (1, 2, 6, 7)] == [layer, head, layer, head]
+        assert (match[4], match[8]) == (result.quantity, labels[step.position])
+        assert four_digits(float(match[3]), heads[layer, head]), (match[3], heads[layer, head])
+        assert four_digits(float(match[5]), result.logit), (match[5], result.logit)
+    assert shown["step"] == str(k)
+    assert shown["options"] == [
+        [str(i), f"{i}: {json.dumps(s.token)} at {s.position}"] for i, s in enumerate(explanation)
+    ]
+    keys = result.by_key().to_numpy()
+    rollout = step.flow.rollout[-1].double().numpy()
+    spans = shown["keys"]
+    assert [s["position"] for s in spans] == list(range(len(labels)))
+    for span in spans:
+        j = span["position"]
+        assert ("cl-query" in span["classes"]) == (j == step.position), j
+        assert ("cl-target" in span["classes"]) == (j == step.position + 1), j  # the explained token follows
+        if j > step.position:
+            assert span["value"] is None and "cl-future" in span["classes"], span
+            continue
+        assert span["value"] == pytest.approx(keys[j], rel=1e-6, abs=1e-12), (j, span["value"], keys[j])
+        match = KEY_TITLE.match(span["title"])
+        assert match, span["title"]
+        assert (match[1], match[3]) == (labels[j], result.quantity)
+        assert four_digits(float(match[2]), keys[j]) and four_digits(float(match[4]), rollout[j]), (span, rollout[j])
+
+
+def prediction(browser, index: int = 0) -> dict:
+    return browser.execute_script(PREDICTION, index)
+
+
+@pytest.mark.slow
+def test_explained_page_draws_each_steps_terms_and_the_step_menu_redraws(browser, explained_page, explanation) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    open_view(browser, explained_page, "#view=prediction&step=1")
+    one = prediction(browser)
+    check_prediction(one, explanation, 1)
+    assert one["hash"].endswith(f"&query={explanation[1].position}&view=prediction&step=1"), one["hash"]
+    assert (one["view"], one["query"]) == ("prediction", str(explanation[1].position))
+    assert one["shown"] == {"heads": True, "heatmap": False} and one["error"][1] == 0
+    assert set(PER_LAYER) <= set(one["hidden"]) and not {"step", "view"} & set(one["hidden"]), one["hidden"]
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    assert browser.save_screenshot(str(ARTIFACTS / "inspector_prediction.png"))
+    # The step menu: step 0's numbers, its position the query, the fragment rewritten.
+    Select(control(browser, "step")).select_by_value("0")
+    zero = prediction(browser)
+    check_prediction(zero, explanation, 0)
+    assert zero["z"] != one["z"], "steps 0 and 1 draw the same terms"
+    assert zero["hash"].endswith(f"&query={explanation[0].position}&view=prediction&step=0"), zero["hash"]
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+@pytest.mark.slow
+def test_explained_page_opens_a_clicked_head_at_the_steps_position_or_says_why_not(
+    browser, explained, explained_page, explanation, explained_library, tmp_path
+) -> None:
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    layer, head = OPENED
+    position = explanation[1].position
+    open_view(browser, explained_page, "#view=prediction&step=1")
+    click_heatmap_cell(browser, layer, head, HEADS)  # rows are layers, columns heads
+    hash_now = "return location.hash"
+    WebDriverWait(browser, 30).until(lambda b: b.execute_script(hash_now).startswith(f"#layer={layer}&head={head}&"))
+    drawn = wait_ready(browser)
+    assert drawn["hash"] == f"#layer={layer}&head={head}&factor=contribution&scope=inter&query={position}&step=1"
+    check_drawn(drawn, explained_library, layer, head, "contribution", "inter")
+    menus = {name: Select(control(browser, name)).first_selected_option.get_attribute("value")
+             for name in ("view", "layer", "head", "query", "step")}  # fmt: skip
+    assert menus == {"view": "heatmap", "layer": str(layer), "head": str(head), "query": str(position), "step": "1"}
+    label = ins.token_label(position, explanation.str_tokens[position])
+    bars = browser.execute_script("return document.querySelector('.cl-inspector .cl-bars').layout.title.text")
+    assert bars.startswith(f"query {label}:"), bars
+    # A layer the page does not hold: the page says why and stays on the prediction.
+    open_view(browser, explained_page, "#view=prediction&step=1")
+    click_heatmap_cell(browser, 27, head, HEADS)
+    shown = prediction(browser)
+    why = f"L27H{head} at step 1 cannot be shown: layer 27 is not on this page (it holds layers 3, 9, 29)"
+    assert why in shown["error"][0] and shown["error"][1] > 0, shown["error"]
+    assert (shown["view"], shown["shown"]) == ("prediction", {"heads": True, "heatmap": False})
+    assert shown["hash"].endswith("&view=prediction&step=1"), shown["hash"]
+    # The message goes with the next change of view, a new fragment too (a link followed, the address edited).
+    browser.execute_script("location.hash = '#view=prediction&step=0'")
+    WebDriverWait(browser, 30).until(lambda b: prediction(b)["step"] == "0")
+    shown = prediction(browser)
+    check_prediction(shown, explanation, 0)
+    assert shown["error"][1] == 0, shown["error"]
+    # A page whose token window ends before the step's position: the same, with that reason.
+    narrow = explained.write_html(tmp_path / "narrow.html", layers=[layer], tokens=4)
+    open_view(browser, narrow, "#view=prediction&step=1")
+    click_heatmap_cell(browser, layer, head, HEADS)
+    shown = prediction(browser)
+    assert f"position {position} is outside this page's queries 0–3" in shown["error"][0], shown["error"]
+    assert shown["view"] == "prediction" and shown["error"][1] > 0
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+@pytest.mark.slow
+def test_widget_prediction_view_steps_with_the_kernel_and_opens_a_head(
+    browser, bundled_model, explanation, explained_library, tmp_path, monkeypatch
+) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    layer, head = OPENED
+    # Four queries a window: step 1 (position 6) is outside step 0's window (queries 2-5).
+    inspector = cl.inspect(bundled_model, explanation, layers=PAGE_LAYERS, tokens=4)
+    assert (inspector.view, inspector.step, inspector.start, inspector.query) == ("prediction", 0, 2, 5)
+    browser.get(widget_page(inspector, tmp_path, monkeypatch).resolve().as_uri())
+    wait_ready(browser, hash_too=False)
+    zero = prediction(browser)
+    check_prediction(zero, explanation, 0)
+    assert set(PER_LAYER) | {"window"} <= set(zero["hidden"]), zero["hidden"]
+    # The step menu saves the step and draws it; the kernel moves the window and the query to its position.
+    Select(control(browser, "step")).select_by_value("1")
+    assert json.loads(browser.execute_script("return window.host.changes.at(-1)")) == {"step": 1}
+    one = prediction(browser)
+    check_prediction(one, explanation, 1)
+    assert one["z"] != zero["z"], "steps 0 and 1 draw the same terms"
+    kernel_answers(browser, inspector)
+    assert (inspector.step, inspector.start, inspector.query) == (1, 4, 6)
+    shown = prediction(browser)
+    check_prediction(shown, explanation, 1)
+    window = control(browser, "window").get_attribute("value")
+    assert (shown["query"], window, browser.execute_script("return window.host.state.start")) == ("6", "4", 4)
+    opened = "return window.host.messages.filter((m) => m.type === 'open')"
+    # A head on a layer the kernel does not inspect: the front-end asks, the kernel refuses, the page says why.
+    click_heatmap_cell(browser, 0, head, HEADS)
+    assert browser.execute_script(opened) == [{"type": "open", "step": 1, "layer": 0, "head": head}]
+    inspector._on_message(inspector, browser.execute_script(opened)[-1], [])
+    assert inspector.error == "layer 0 is not among the inspected layers [3, 9, 29]"
+    assert (inspector.view, inspector.layer) == ("prediction", 29)
+    kernel_answers(browser, inspector)
+    shown = prediction(browser)
+    assert shown["error"][0] == inspector.error and shown["error"][1] > 0, shown["error"]
+    assert shown["view"] == "prediction"
+    # A head the kernel has: it opens the per-layer view there, the traits come back, the heatmap is drawn.
+    click_heatmap_cell(browser, layer, head, HEADS)
+    message = browser.execute_script(opened)[-1]
+    assert message == {"type": "open", "step": 1, "layer": layer, "head": head}
+    inspector._on_message(inspector, message, [])
+    assert (inspector.view, inspector.step, inspector.layer, inspector.head, inspector.query) == (
+        "heatmap", 1, layer, head, 6
+    )  # fmt: skip
+    assert inspector.error == ""
+    kernel_answers(browser, inspector)
+    check_drawn(wait_ready(browser, hash_too=False), explained_library, layer, head, "contribution", "inter",
+                inspector.window)  # fmt: skip
+    menus = {name: Select(control(browser, name)).first_selected_option.get_attribute("value")
+             for name in ("view", "layer", "head", "query", "step", "window")}  # fmt: skip
+    assert menus == {
+        "view": "heatmap",
+        "layer": str(layer),
+        "head": str(head),
+        "query": "6",
+        "step": "1",
+        "window": "4",
+    }
+    assert browser.execute_script("return document.querySelector('.cl-error').offsetHeight") == 0
+    assert browser.execute_script("return document.querySelector('.cl-status').textContent") == ""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    assert browser.save_screenshot(str(ARTIFACTS / "widget_prediction_opened_head.png"))
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("pages", "link", "reasons"),
+    [
+        ("explained_page", "#view=prediction&step=9", ["step=9 does not exist (steps 0–2); showing step 0"]),
+        ("explained_page", "#step=first&view=prediction", ["step=first does not exist (steps 0–2); showing step 0"]),
+        (
+            "page",
+            "#view=prediction&step=1",
+            [
+                "view=prediction is not one of heatmap, text; showing heatmap",
+                "step=1 names a step, and this page explains none; showing no step",
+            ],
+        ),
+    ],
+    ids=["step=9", "step=first", "no-steps"],
+)
+def test_page_refuses_a_step_it_does_not_explain_and_says_why(
+    browser, request, explanation, pages, link, reasons
+) -> None:
+    from selenium.webdriver.support.ui import Select
+
+    open_view(browser, request.getfixturevalue(pages), link)
+    shown = prediction(browser)
+    assert all(reason in shown["error"][0] for reason in reasons) and shown["error"][1] > 0, shown["error"]
+    if pages == "page":  # a page of a text: the heatmap, no step anywhere
+        assert "step" not in shown["hash"] and shown["shown"] == {"heads": False, "heatmap": True}
+        assert [o.get_attribute("value") for o in Select(control(browser, "view")).options] == ["heatmap", "text"]
+        return
+    # The page's own step is drawn, and named in the rewritten link.
+    assert shown["hash"].endswith("&view=prediction&step=0"), shown["hash"]
+    check_prediction(shown, explanation, 0)
+    # The message goes with the first change of view.
+    Select(control(browser, "step")).select_by_value("1")
+    assert prediction(browser)["error"][1] == 0

@@ -2,7 +2,8 @@
 
 A temporary folder holds a small notebook on a tiny random model; JupyterLab runs on a free port
 with a token. The checks are what a reader does: run the notebook, choose a token window, click a
-cell, switch the view, open the shared page from the notebook's link and trust it.
+cell, switch the view, add a cell that explains an answer of the bundled model and click a head of
+its prediction, open the shared page from the notebook's link and trust it.
 """
 
 import json
@@ -16,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import nbformat
+import numpy as np
 import pytest
 
 from conftest import ARTIFACTS
@@ -134,20 +136,22 @@ HEATMAP = """() => {
 }"""
 
 
-def drawn(tab, until: str = "true") -> dict:
-    tab.wait_for_function(f"(() => {{ const d = ({HEATMAP})(); return d && ({until}); }})()", timeout=60_000)
-    return tab.evaluate(HEATMAP)
+def drawn(tab, until: str = "true", script: str = HEATMAP, timeout: int = 60_000) -> dict:
+    """What ``script`` reads off the page, once it reads something and ``until`` (about ``d``, what it read) holds."""
+    tab.wait_for_function(f"(() => {{ const d = ({script})(); return d && ({until}); }})()", timeout=timeout)
+    return tab.evaluate(script)
 
 
-def click_cell(tab, row: int, column: int) -> None:
+def click_cell(tab, row: int, column: int, selector: str = ".cl-inspector .cl-heatmap", index: int = 0) -> None:
+    """A mouse click on cell (row, column) of the ``index``-th heatmap ``selector`` finds (-1: the last)."""
     x, y = tab.evaluate(
-        """([row, column]) => {
-          const gd = document.querySelector('.cl-inspector .cl-heatmap'), fl = gd._fullLayout;
+        """([row, column, selector, index]) => {
+          const gd = [...document.querySelectorAll(selector)].at(index), fl = gd._fullLayout;
           gd.scrollIntoView();
           const r = gd.getBoundingClientRect();
           return [r.left + fl._size.l + fl.xaxis.l2p(column), r.top + fl._size.t + fl.yaxis.l2p(row)];
         }""",
-        [row, column],
+        [row, column, selector, index],
     )
     tab.mouse.click(x, y)
 
@@ -193,6 +197,90 @@ def test_heatmap_fits_jupyterlab_output(page, lab) -> None:
         }"""
     )
     assert box["bar"] <= box["right"], box
+
+
+EXPLAIN = """\
+smol = cl.load_model()
+answer = cl.explain_generation(smol, "The capital of France is", max_new_tokens=3)
+explained = cl.inspect(smol, answer)
+explained"""
+OPENED = (9, 4)  # the head clicked in the prediction view: (layer, head)
+PREDICTION = """() => {
+  const root = [...document.querySelectorAll('.cl-inspector')].at(-1);
+  const heads = root && root.querySelector('.cl-heads');
+  if (!heads || !heads.data) return null;
+  const menu = (name) => root.querySelector("select[data-control='" + name + "']").value;
+  const gd = root.querySelector('.cl-heatmap');
+  const t = gd.data && gd.offsetHeight > 0 ? gd.data[0] : null;
+  const bars = root.querySelector('.cl-bars');
+  return {heads: heads.data[0].z, heads_shown: heads.offsetHeight > 0, view: menu('view'), step: menu('step'),
+          layer: menu('layer'), head: menu('head'), query: menu('query'), z: t && t.z, y: t && t.y,
+          title: t && gd.layout.title.text, bars: bars.layout && bars.layout.title.text,
+          status: root.querySelector('.cl-status').textContent, error: root.querySelector('.cl-error').textContent};
+}"""
+"""What the last inspector of the notebook draws: its heads heatmap (prediction view), menus, per-layer heatmap."""
+
+
+def add_cell(tab, code: str) -> None:
+    """A new cell at the end of the notebook holding ``code``, run (as a reader types and runs one)."""
+    tab.evaluate(
+        """async (code) => {
+          const app = window.jupyterapp;
+          const panel = [...app.shell.widgets('main')].find((w) => w.content && w.sessionContext);
+          app.shell.activateById(panel.id);
+          const notebook = panel.content;
+          notebook.activeCellIndex = notebook.widgets.length - 1;
+          await app.commands.execute('notebook:insert-cell-below');
+          notebook.activeCell.model.sharedModel.setSource(code);
+          app.commands.execute('notebook:run-cell');
+        }""",
+        code,
+    )
+
+
+def test_explained_answer_steps_and_opens_a_head_in_jupyterlab(page) -> None:
+    layer, head = OPENED
+    add_cell(page, EXPLAIN)
+    # The bundled model loads in the kernel; the inspector opens on the prediction of step 0.
+    zero = drawn(page, "d.step === '0' && d.view === 'prediction'", PREDICTION, timeout=300_000)
+    assert zero["heads_shown"] and zero["z"] is None and zero["error"] == ""
+    positions = json.loads(kernel(page, "import json; print(json.dumps([step.position for step in answer]))"))
+    by_head = json.loads(
+        kernel(page, "print(json.dumps([s.attribution.by_head().to_numpy().tolist() for s in answer]))")
+    )
+    np.testing.assert_allclose(zero["heads"], by_head[0], rtol=1e-6, atol=1e-12)
+    # The step menu: step 1's terms drawn; the kernel follows, the query at the step's position.
+    page.locator(".cl-inspector").last.locator("select[data-control='step']").select_option("1")
+    one = drawn(page, f"d.step === '1' && d.query === '{positions[1]}'", PREDICTION)
+    np.testing.assert_allclose(one["heads"], by_head[1], rtol=1e-6, atol=1e-12)
+    assert one["heads"] != zero["heads"], "steps 0 and 1 draw the same terms"
+    assert kernel(page, "print(explained.step, explained.query)").split() == ["1", str(positions[1])]
+    # A click on a head: the kernel opens its per-layer view at the step's position and the heatmap is drawn.
+    click_cell(page, layer, head, ".cl-inspector .cl-heads", -1)
+    opened = drawn(
+        page, f"d.view === 'heatmap' && d.z && d.layer === '{layer}' && d.head === '{head}' && d.status === ''",
+        PREDICTION,
+    )  # fmt: skip
+    assert opened["title"] == f"contribution (inter), L{layer} head {head}", opened["title"]
+    assert opened["query"] == str(positions[1]) and opened["bars"].startswith(f"query {positions[1]}:")
+    traits = "print(explained.view, explained.step, explained.layer, explained.head, explained.query)"
+    assert kernel(page, traits).split() == ["heatmap", "1", str(layer), str(head), str(positions[1])]
+    # The heatmap is that head's: the library's contribution, within the payload codecs' bound.
+    numbers = kernel(
+        page, f"d = cl.attention_geometry(smol, answer.tokens[None], layers=[{layer}], scope='inter')[{layer}]; "
+        f"print(json.dumps([d.contribution[0, {head}].tolist(), d.relative_norm[0, {head}].tolist()]))",
+    )  # fmt: skip
+    contribution, relative_norm = map(np.array, json.loads(numbers))
+    z = np.array([[np.nan if v is None else v for v in row] for row in opened["z"]], dtype=float)
+    causal = np.tril(np.ones_like(contribution, dtype=bool))
+    assert z.shape == contribution.shape and np.isnan(z[~causal]).all()
+    # |dc| <= relative_norm (|da| + (1 + |da|) |dcos|), |da|, |dcos| <= 1.53e-5 (payload.py).
+    bound = 3.1e-5 * relative_norm + 1e-5 * np.abs(contribution) + 1e-6
+    error = np.abs(z - contribution)[causal]
+    assert np.all(error <= bound[causal]), f"worst error {error.max():.3g}"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "jupyterlab_prediction_opened_head.png"), full_page=True)
+    assert not page.errors, page.errors
 
 
 def test_shared_page_opens_from_the_notebook_link_in_jupyterlab(page, lab) -> None:

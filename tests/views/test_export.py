@@ -87,9 +87,7 @@ def test_the_inspectors_bundle_holds_a_figure_of_the_view_it_shows(model) -> Non
 def test_the_inspectors_figure_is_its_window_of_the_librarys_numbers(model) -> None:
     inspector = cl.inspect(model, IDS, layer=1, head=2, factor="cosine", scope="intra", start=4, tokens=4)
     inspector.query = 6
-    figure = export.inspector_figure(
-        model, inspector._batch, inspector.window, layer=1, head=2, factor="cosine", scope="intra", query=6
-    )
+    figure = inspector._view_figure()
     heatmap = figure.data[0]
     labels = cl.attention_geometry(model, IDS, layers=[1]).labels(0)
     assert list(heatmap.y) == labels[4:8] and list(heatmap.x) == [labels[0], *labels[4:8]]
@@ -98,9 +96,29 @@ def test_the_inspectors_figure_is_its_window_of_the_librarys_numbers(model) -> N
     z = torch.tensor(np.asarray(heatmap.z, dtype=float))
     seen = ~torch.isnan(z)
     assert seen.sum() == 4 + 3 + 2 + 1 + 4  # causal: each query sees the sink and keys up to itself
-    assert_close(z[seen], expected[seen], atol=1e-6)
+    assert_close(z[seen], expected[seen], atol=1.6e-5)  # the cosine's 16-bit code: 0.5 / 32767
     (box,) = figure.layout.shapes
     assert (box.y0, box.y1) == (1.5, 2.5), "the selected query (6, the window's third row) is not outlined"
+
+
+def test_the_inspectors_figure_needs_no_pass_and_shows_the_hidden_sink_and_kv_groups(model, monkeypatch) -> None:
+    # Failed before: the figure ran the model again for its layer and ignored hide_sink and group_kv.
+    inspector = cl.inspect(model, IDS, layer=1, head=3, factor="contribution", scope="inter")
+    monkeypatch.setattr("contribution_lens.adapter.forward", lambda *a, **k: pytest.fail("a forward pass ran"))
+    inspector.hide_sink, inspector.group_kv = True, True
+    data, _ = inspector._repr_mimebundle_()
+    assert "KV group 1 (heads 2, 3), sink hidden" in data["text/html"]
+    figure = inspector._view_figure()
+    z = np.asarray(figure.data[0].z, dtype=float)
+    assert np.isnan(z[:, 0]).all(), "the sink is drawn"
+    monkeypatch.undo()
+    geometry = cl.attention_geometry(model, IDS, layers=[1], scope="inter")[1]
+    group = geometry.contribution[0, 2:4].sum(0).double().numpy()  # heads 2 and 3 share a value head
+    totals = group.sum(-1, keepdims=True)
+    rest = group[1:, 1:] * totals[1:] / (totals[1:] - group[1:, :1])  # query 0 sees only the sink
+    seen = ~np.isnan(z[1:, 1:])
+    assert seen.sum() == 9 * 10 // 2
+    assert np.allclose(z[1:, 1:][seen], rest[seen], rtol=2e-3, atol=1e-4)  # float16 group codes
 
 
 def test_inspector_save_image_writes_the_view(model, tmp_path) -> None:

@@ -249,3 +249,126 @@ def test_widget_answers_the_front_ends_ping(monkeypatch) -> None:
     monkeypatch.setattr(inspector, "send", sent.append)
     inspector._on_message(inspector, {"type": "ping"}, [])
     assert sent == [{"type": "pong"}]
+
+
+# --- explained predictions: the step control and the prediction view --------------------------------
+
+
+def exact(b64: str) -> np.ndarray:
+    return np.frombuffer(base64.b64decode(b64), dtype="<f4")
+
+
+@pytest.fixture(scope="module")
+def explained():
+    model = tiny_bridge("gqa", biases=True, n_layers=3)
+    ids = torch.randint(0, 50, (14,), generator=torch.Generator().manual_seed(3))
+    return model, cl.explain_generation(model, ids, max_new_tokens=4, stop_at_eos=False)
+
+
+def test_an_explained_answer_opens_on_its_prediction_with_every_steps_terms(explained) -> None:
+    model, answer = explained
+    inspector = cl.inspect(model, answer, layer=1)
+    assert (inspector.view, inspector.step, inspector.query) == ("prediction", 0, answer[0].position)
+    sent = inspector.steps
+    assert sent["labels"] == inspector.meta["key_labels"] and (sent["n_layers"], sent["n_heads"]) == (3, 4)
+    assert [s["position"] for s in sent["steps"]] == [step.position for step in answer]
+    for shown, step in zip(sent["steps"], answer, strict=True):
+        result = step.attribution
+        assert shown["token"] == step.token and shown["quantity"] == result.quantity
+        np.testing.assert_allclose(exact(shown["heads"]), result.by_head().to_numpy().ravel(), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(exact(shown["keys"]), result.by_key().to_numpy(), rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(exact(shown["rollout"]), step.flow.rollout[-1][: step.position + 1], atol=1e-7)
+        assert sum(shown["parts"].values()) == pytest.approx(result.logit, rel=1e-4, abs=1e-5)
+    # Two steps explain two different logits: what the view draws differs.
+    assert sent["steps"][0]["heads"] != sent["steps"][1]["heads"]
+
+
+def test_a_step_moves_the_query_and_the_window_to_its_position(explained) -> None:
+    model, answer = explained
+    inspector = cl.inspect(model, answer, tokens=6)  # 18 tokens in half-overlapping windows of 6
+    first = answer[0].position
+    assert first in inspector.window.queries and inspector.query == first
+    inspector.start = 0  # a window without the answer
+    inspector.step = 3
+    assert inspector.query == answer[3].position and inspector.start == 12
+    assert inspector.payload["key"].startswith(inspector.window.key)  # the payload follows the window
+    inspector.query = 15  # the query is free afterwards: the step stays
+    assert inspector.step == 3 and inspector.view == "prediction"
+
+
+def test_a_head_opens_its_per_layer_view_at_the_steps_position(explained, monkeypatch) -> None:
+    model, answer = explained
+    inspector = cl.inspect(model, answer, tokens=6)
+    inspector.query = answer[0].position - 1
+    inspector.show_step(0, layer=2, head=3)  # the step is unchanged: the query still moves back
+    assert (inspector.view, inspector.layer, inspector.head, inspector.query) == ("heatmap", 2, 3, answer[0].position)
+    assert inspector.payload["layer"] == 2
+    # The front-end's click is a custom message; a refused one names the reason and changes nothing.
+    inspector._on_message(inspector, {"type": "open", "step": 2, "layer": 1, "head": 0}, [])
+    assert (inspector.step, inspector.layer, inspector.head, inspector.query) == (2, 1, 0, answer[2].position)
+    before = (inspector.step, inspector.layer, inspector.head, inspector.view)
+    inspector._on_message(inspector, {"type": "open", "step": 1, "layer": 7, "head": 0}, [])
+    assert inspector.error.startswith("layer 7 is not among the inspected layers")
+    assert (inspector.step, inspector.layer, inspector.head, inspector.view) == before
+
+
+def test_the_export_figure_of_the_prediction_view_is_the_steps_heads(explained) -> None:
+    model, answer = explained
+    inspector = cl.inspect(model, answer, step=1)
+    figure = inspector._view_figure()
+    np.testing.assert_allclose(np.asarray(figure.data[0].z, float), answer[1].attribution.by_head().to_numpy())
+    title = figure.layout.title.text
+    assert title.startswith("Inspector: prediction, step 1.") and f"position {answer[1].position}" in title
+    inspector.view = "heatmap"
+    assert figure.layout.title.text != inspector._view_figure().layout.title.text
+
+
+def test_a_page_of_an_explanation_holds_its_steps_and_opens_on_the_step(explained) -> None:
+    model, answer = explained
+    inspector = cl.inspect(model, answer, step=2, layers=[0, 2])
+    data = json.loads(re.search(r"class='cl-data'>(.*?)</script>", inspector.render_html()).group(1))
+    assert data["steps"] == json.loads(json.dumps(inspector.steps))
+    initial = data["meta"]["initial"]
+    assert (initial["view"], initial["step"], initial["query"]) == ("prediction", 2, answer[2].position)
+    plain = cl.inspect(model, answer.tokens)
+    data = json.loads(re.search(r"class='cl-data'>(.*?)</script>", plain.render_html()).group(1))
+    assert data["steps"] is None and data["meta"]["initial"]["view"] == "heatmap"
+
+
+def test_one_logit_attribution_or_several_of_one_text_are_steps(explained) -> None:
+    model, answer = explained
+    single = cl.logit_attribution(model, answer.tokens, position=5)
+    inspector = cl.inspect(model, single)
+    assert (
+        len(inspector.steps["steps"]) == 1 and inspector.query == 5 and inspector.steps["steps"][0]["rollout"] is None
+    )
+    several = [cl.logit_attribution(model, answer.tokens, position=p) for p in (3, 9)]
+    assert [s["position"] for s in cl.inspect(model, several).steps["steps"]] == [3, 9]
+    other = cl.logit_attribution(model, answer.tokens[:10], position=3)
+    with pytest.raises(ValueError, match="explain different texts"):
+        cl.inspect(model, [several[0], other])
+
+
+STEP_REFUSALS = [
+    ({"step": 4}, "step 4 does not exist: the inspector explains steps 0..3"),
+    ({"view": "diagram"}, "unknown view 'diagram'"),
+]
+
+
+@pytest.mark.parametrize(("keywords", "message"), STEP_REFUSALS, ids=["step", "view"])
+def test_bad_steps_and_views_are_refused_before_the_model_runs(explained, monkeypatch, keywords, message) -> None:
+    model, answer = explained
+    monkeypatch.setattr(ins.widget, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
+    with pytest.raises(ins.InspectorError, match=re.escape(message)):
+        cl.inspect(model, answer, **keywords)
+
+
+def test_steps_need_explained_predictions_of_this_model(explained, monkeypatch) -> None:
+    model, answer = explained
+    monkeypatch.setattr(ins.widget, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
+    with pytest.raises(ValueError, match=re.escape("step=1 needs explained predictions")):
+        cl.inspect(model, answer.tokens, step=1)
+    with pytest.raises(ins.InspectorError, match="the prediction view needs explained predictions"):
+        cl.inspect(model, answer.tokens, view="prediction")
+    with pytest.raises(ValueError, match="explained on a model of 3 layers and 4 heads; this one has 2 and 4"):
+        cl.inspect(tiny_bridge("gqa", n_layers=2), answer)

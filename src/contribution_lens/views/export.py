@@ -34,7 +34,6 @@ from contribution_lens import files
 if TYPE_CHECKING:
     import nbformat
 
-    from contribution_lens import adapter
     from contribution_lens.views.inspector.payload import Window
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -207,47 +206,59 @@ def write_mathjax(folder: str | Path) -> str:
 
 
 def inspector_figure(
-    model: "adapter.Model",
-    batch: "adapter.TokenBatch",
+    payload: dict[str, Any],
     window: "Window",
+    labels: list[str],
     *,
     layer: int,
     head: int,
     factor: str,
     scope: str,
     query: int,
+    hide_sink: bool = False,
+    group_kv: bool = False,
 ) -> go.Figure:
     """The inspector's view as a figure: the query x key heatmap of its window, the selected query outlined.
 
-    ``head`` -1 is token level (all heads). The numbers are the library's, unquantised
-    (`contribution_lens.plot.token_heatmap`), with the same hover text.
+    Drawn from the layer's payload the widget already holds (no forward pass), with the numbers
+    the page draws (`contribution_lens.views.inspector.payload.view_factors`: within the fine
+    codecs' bounds of the library's) and the same hover text. ``head`` -1 is token level (all
+    heads); ``hide_sink`` and ``group_kv`` as in the widget.
     """
     import numpy as np
 
-    from contribution_lens.analyses.geometry import attention_geometry
+    from contribution_lens.choices import Factor
     from contribution_lens.views import plot
+    from contribution_lens.views.inspector.payload import view_factors
 
-    geometry = attention_geometry(model, batch.tokens, layers=[layer], scope=scope, attention_mask=batch.attention_mask)
-    figure = plot.token_heatmap(geometry, layer=layer, head=None if head < 0 else head, factor=factor)
-    trace = figure.data[0]
-    rows, columns = np.asarray(window.queries), np.asarray(window.keys)
-    labels = np.asarray(trace.x, dtype=object)
-    keys, queries = labels[columns].tolist(), labels[rows].tolist()
-    trace.update(
-        z=np.asarray(trace.z, dtype=float)[np.ix_(rows, columns)],
-        customdata=np.asarray(trace.customdata, dtype=float)[np.ix_(rows, columns)],
-        x=keys,
-        y=queries,
-    )
+    grids = view_factors(payload, window, head=head, scope=scope, group_kv=group_kv, hide_sink=hide_sink)
+    queries, keys = [labels[i] for i in window.queries], [labels[j] for j in window.keys]
+    hover = np.stack([grids[name] for name in ("attention", "relative_norm", "cosine", "contribution")], axis=-1)
+    trace = plot._heatmap(grids[factor], keys, Factor.of(factor), hover)
+    trace.update(y=queries)
+    figure = go.Figure(trace)
     row = window.queries.index(query) if query in window.queries else len(queries) - 1
     figure.add_shape(
         type="rect", xref="paper", x0=0, x1=1, y0=row - 0.5, y1=row + 0.5, line={"color": "black", "width": 2}
     )
-    where = f"L{layer}, all heads" if head < 0 else f"L{layer}H{head}"
+    if head < 0:
+        where = f"L{layer}, all heads"
+    elif group_kv and "group_attention" in payload:
+        group = next(g for g, heads in enumerate(payload["kv_groups"]) if head in heads)
+        where = f"L{layer} KV group {group} (heads {', '.join(map(str, payload['kv_groups'][group]))})"
+    else:
+        where = f"L{layer}H{head}"
+    where += ", sink hidden" if hide_sink else ""
     figure.update_layout(
         title=f"Inspector: {factor} ({scope}), {where}, query {queries[row]}",
-        xaxis={"tickvals": keys, "ticktext": keys},
-        yaxis={"tickvals": queries, "ticktext": queries},
+        xaxis={"title": "key", "tickangle": -60, "tickmode": "array", "tickvals": keys, "ticktext": keys},
+        yaxis={
+            "title": "query",
+            "autorange": "reversed",
+            "tickmode": "array",
+            "tickvals": queries,
+            "ticktext": queries,
+        },
         height=max(400, 14 * len(queries) + 200),
         width=max(500, 14 * len(keys) + 260),
     )

@@ -22,11 +22,16 @@ def asset(name: str) -> str:
     return (resources.files("contribution_lens.views.inspector") / "static" / name).read_text(encoding="utf-8")
 
 
-def render(meta: dict[str, Any], payloads: dict[int, dict[str, Any]]) -> str:
-    """The page for `contribution_lens.views.inspector.payload.meta` and those layers' payloads."""
+def render(meta: dict[str, Any], payloads: dict[int, dict[str, Any]], steps: dict[str, Any] | None = None) -> str:
+    """The page for `contribution_lens.views.inspector.payload.meta`, those layers' payloads and explained steps.
+
+    ``steps`` (`contribution_lens.views.inspector.payload.steps_payload`) adds the step control and
+    the prediction view.
+    """
     data = {
         "meta": meta,
         "layers": {str(layer): {**payload, "key": str(layer)} for layer, payload in payloads.items()},
+        "steps": steps,
     }
     blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     queries = meta["queries"]

@@ -32,12 +32,14 @@ from typing import Any
 import einops
 import numpy as np
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from plotly.colors import get_colorscale
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from contribution_lens import adapter
+from contribution_lens.analyses.generation import GenerationExplanation
+from contribution_lens.analyses.logit_attribution import LogitAttribution
 from contribution_lens.choices import FACTORS, SCOPES, Factor, Scope
 from contribution_lens.decomposition import Decomposition
 from contribution_lens.engine import map_layers
@@ -123,6 +125,27 @@ def token_window(n: int, *, start: int = 0, tokens: int = DEFAULT_TOKENS, causal
     queries = list(range(start, min(n, start + tokens)))
     keys = queries if start == 0 else [0, *queries]
     return Window(queries, keys, causal)
+
+
+def window_starts(n: int, tokens: int) -> list[int]:
+    """The starts of the half-overlapping windows of ``tokens`` queries over ``n`` tokens (the widget's menu).
+
+    Example:
+        >>> window_starts(15, 8)
+        [0, 4, 8]
+    """
+    step = max(1, tokens // 2)
+    return [start for start in range(0, max(1, n - tokens + step), step) if start < n]
+
+
+def window_start(n: int, position: int, tokens: int) -> int:
+    """The start of the first menu window (`window_starts`) holding ``position``: its keys reach furthest back.
+
+    Example:
+        >>> window_start(15, 9, 8), window_start(15, 3, 8)
+        (4, 0)
+    """
+    return next(start for start in window_starts(n, tokens) if start + tokens > position)
 
 
 def token_label(position: int, token: str) -> str:
@@ -402,6 +425,75 @@ def compute_windows(
     return dict(results.items())
 
 
+def _decoded(payload: dict[str, Any], name: str) -> np.ndarray:
+    codec = payload["codecs"][name]
+    codes = np.frombuffer(base64.b64decode(payload[name]), dtype=_LITTLE_ENDIAN[CODECS[codec]["dtype"]])
+    return dequantise(codes, codec)
+
+
+def view_factors(
+    payload: dict[str, Any],
+    window: Window,
+    *,
+    head: int,
+    scope: str,
+    group_kv: bool = False,
+    hide_sink: bool = False,
+) -> dict[str, np.ndarray]:
+    """The four factors ``[query key]`` of one view of a `window_payload`, as the page draws them.
+
+    ``head`` -1 is all heads; with ``group_kv`` the head's KV group. Per head, relative norm
+    and contribution are derived from the coded attention, cosines and exact norms (as
+    ``inspector.js`` does); NaN marks cells the view does not draw (future keys, the hidden sink).
+
+    Example:
+        >>> import torch
+        >>> from contribution_lens import decompose
+        >>> future = torch.ones(3, 3, dtype=torch.bool).triu(1)
+        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3).masked_fill(future, -torch.inf), -1)
+        >>> both = [decompose(pattern, torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8), scope=s) for s in SCOPES]
+        >>> grid = view_factors(layer_payload(*both, token_window(3)), token_window(3), head=-1, scope="inter")
+        >>> bool(np.isnan(grid["attention"][0, 1])), round(float(np.nansum(grid["contribution"][2])), 4)
+        (True, 1.0)
+    """
+    queries, keys, mask = np.asarray(window.queries), np.asarray(window.keys), window.mask
+    query_of, key_of = np.nonzero(mask)
+    groups = payload["kv_groups"]
+    grouped = group_kv and head >= 0 and "group_attention" in payload
+    if head < 0 or grouped:
+        level, index = ("all", 0) if head < 0 else ("group", next(g for g, hs in enumerate(groups) if head in hs))
+        take = (lambda x: x) if head < 0 else (lambda x: x.reshape(len(groups), -1)[index])
+        cells = {"attention": take(_decoded(payload, f"{level}_attention"))}
+        for factor in ("relative_norm", "cosine", "contribution"):
+            cells[factor] = take(_decoded(payload, f"{level}_{factor}_{scope}"))
+        totals = take(_decoded(payload, f"{level}_total_{scope}"))
+    else:
+        h = groups[next(g for g, hs in enumerate(groups) if head in hs)][0] if group_kv else head
+        n_heads = len(_decoded(payload, "value_norm")) // len(keys)
+        per_head = lambda name: _decoded(payload, name).reshape(n_heads, -1)[h]  # noqa: E731
+        output = per_head("output_norm_intra") if scope == "intra" else _decoded(payload, "output_norm_inter")
+        value_norm, out = per_head("value_norm")[key_of], output[query_of]
+        cells = {"attention": per_head("attention"), "cosine": per_head(f"cosine_{scope}")}
+        cells["relative_norm"] = np.divide(value_norm, out, out=np.zeros_like(out), where=out > 0)
+        cells["contribution"] = cells["attention"] * cells["relative_norm"] * cells["cosine"]
+        totals = per_head(f"total_{scope}")
+    grids = {}
+    for factor, values in cells.items():
+        grid = np.full(mask.shape, np.nan)
+        grid[mask] = values
+        grids[factor] = grid
+    if hide_sink and keys[0] == 0:
+        # Attention rows total 1; contribution rows total the query's sum over every key (sent as totals).
+        grids["attention"] = _hide_sink_grid(grids["attention"], np.ones(len(queries)))
+        grids["contribution"] = _hide_sink_grid(grids["contribution"], totals)
+    return grids
+
+
+def _hide_sink_grid(grid: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    hidden = hide_sink(np.nan_to_num(grid), totals)
+    return np.where(np.isnan(grid), np.nan, hidden)
+
+
 def payload_bytes(window: Window, n_heads: int, n_kv_heads: int) -> int:
     """About how many bytes one layer's `window_payload` takes (base64 of the 2-byte codes per cell)."""
     levels = n_heads * 3 + 7 + (7 * n_kv_heads if n_kv_heads < n_heads else 0)
@@ -566,3 +658,109 @@ def decode_compact(payload: dict[str, Any], window: Window) -> dict[str, np.ndar
         full = np.einsum("hqr,hkr->hqk", query.astype(np.float64), key.astype(np.float64))
         out[f"cosine_{scope}"] = full[:, window.mask]
     return out
+
+
+# --- the prediction view: explained next-token logits ----------------------------------------------
+
+VIEWS = ("heatmap", "text", "prediction")
+"""The inspector's views: the per-layer heatmap, the text coloured by it, and (with explained steps) the prediction."""
+
+
+@dataclass(frozen=True, eq=False)
+class Steps:
+    """Explained next-token predictions of one text: one `LogitAttribution` a step, and its flow rollout if any.
+
+    ``rollouts[k]`` is the last layer's row of step ``k``'s `contribution_lens.Flow` rollout
+    (``[key]``: each input token's signed share of the position's residual stream), or None.
+    """
+
+    results: tuple[LogitAttribution, ...]
+    rollouts: tuple[Tensor | None, ...]
+
+    @classmethod
+    def of(cls, explained: Any) -> "Steps | None":
+        """The steps of a `GenerationExplanation`, a `LogitAttribution` or a sequence of them (one text); else None."""
+        if isinstance(explained, GenerationExplanation):
+            rollouts = tuple(None if s.flow is None else s.flow.rollout[-1] for s in explained)
+            return cls(tuple(step.attribution for step in explained), rollouts)
+        if isinstance(explained, LogitAttribution):
+            return cls((explained,), (None,))
+        if isinstance(explained, Sequence) and explained and all(isinstance(r, LogitAttribution) for r in explained):
+            first = explained[0]
+            if any(not torch.equal(r.tokens, first.tokens) for r in explained):
+                raise ValueError("the logit attributions explain different texts: the inspector shows one text")
+            return cls(tuple(explained), (None,) * len(explained))
+        return None
+
+    @property
+    def tokens(self) -> Int[Tensor, " pos"]:
+        return self.results[0].tokens
+
+    @property
+    def positions(self) -> list[int]:
+        return [result.position for result in self.results]
+
+    def check_model(self, model: adapter.Model, labels: list[str]) -> None:
+        """Refuse steps another model made: the layer and head counts and the tokens' labels must match."""
+        n_layers, n_heads = self.results[0].attention.shape[:2]
+        mine = (adapter.n_layers(model), int(model.cfg.n_heads))
+        if (n_layers, n_heads) != mine:
+            raise ValueError(
+                f"these predictions were explained on a model of {n_layers} layers and {n_heads} heads; "
+                f"this one has {mine[0]} and {mine[1]}: inspect them with the model that made them"
+            )
+        theirs = [token_label(i, t) for i, t in enumerate(self.results[0].str_tokens)]
+        if theirs != labels:
+            raise ValueError(
+                "these predictions' tokens read differently with this model's tokenizer: "
+                "inspect them with the model that made them"
+            )
+
+
+def _exact_b64(values: Tensor | np.ndarray) -> str:
+    array = np.ascontiguousarray(np.asarray(values, dtype=np.float32), dtype="<f4")
+    return base64.b64encode(array.tobytes()).decode("ascii")
+
+
+def steps_payload(steps: Steps, labels: list[str]) -> dict[str, Any]:
+    """What the prediction view draws of each step: the head and key terms, float32 (`CODECS` ``exact``).
+
+    Per step ``k``: ``heads [layer head]``, the attention terms summed over keys
+    (`LogitAttribution.by_head`), ``keys [position + 1]``, summed over layers and heads
+    (`LogitAttribution.by_key`), ``rollout`` (the flow's last-layer shares, when there is one),
+    the explained quantity and how the logit splits: ``parts`` (attention, MLPs, embedding,
+    biases) add up to ``logit`` up to float rounding.
+
+    Example:
+        >>> import torch
+        >>> from contribution_lens import LogitAttribution
+        >>> r = LogitAttribution(tokens=torch.tensor([5, 6]), str_tokens=["a", "b"], position=1, target=7,
+        ...     target_token="c", foil=None, foil_token=None, logit=1.5, attention=torch.full((2, 3, 2), 0.125),
+        ...     attention_bias=torch.zeros(2), post_norm_bias=torch.zeros(2), mlp=torch.zeros(2), embed=0.0)
+        >>> sent = steps_payload(Steps((r,), (None,)), ["0:a", "1:b"])["steps"][0]
+        >>> sent["quantity"], sent["parts"]["attention"], len(base64.b64decode(sent["heads"])) // 4
+        ("logit('c')", 1.5, 6)
+    """
+    n_layers, n_heads = steps.results[0].attention.shape[:2]
+    sent = []
+    for result, rollout in zip(steps.results, steps.rollouts, strict=True):
+        biases = result.attention_bias.sum() + result.post_norm_bias.sum()
+        parts = {
+            "attention": float(result.attention.double().sum()),
+            "mlp": float(result.mlp.double().sum()),
+            "embedding": result.embed,
+            "biases": float(biases) + result.final_norm_bias + result.unembed_bias,
+        }
+        sent.append(
+            {
+                "position": result.position,
+                "token": result.target_token,
+                "quantity": result.quantity,
+                "logit": result.logit,
+                "parts": parts,
+                "heads": _exact_b64(result.by_head().to_numpy()),
+                "keys": _exact_b64(result.by_key().to_numpy()),
+                "rollout": None if rollout is None else _exact_b64(rollout[: result.visible].cpu()),
+            }
+        )
+    return {"labels": labels, "n_layers": int(n_layers), "n_heads": int(n_heads), "steps": sent}

@@ -22,12 +22,17 @@ from contribution_lens.views import export, plot
 from contribution_lens.views.inspector import page
 from contribution_lens.views.inspector.payload import (
     DEFAULT_TOKENS,
+    VIEWS,
+    Steps,
     Window,
     compute_windows,
     meta,
     payload_bytes,
+    steps_payload,
     token_label,
     token_window,
+    window_start,
+    window_starts,
 )
 
 if TYPE_CHECKING:
@@ -53,6 +58,12 @@ class Inspector(anywidget.AnyWidget):
     ``kv_groups``, payload ``group_*``). Head, factor, scope, query, ``hide_sink`` and
     ``group_kv`` are drawn by the front-end from the payload already sent.
 
+    With explained predictions (``steps``, from `contribution_lens.explain_generation` or
+    `contribution_lens.logit_attribution`) the ``prediction`` view draws step ``step``'s direct
+    terms per layer and head and per key; choosing a step moves the query (and, where needed,
+    the token window) to the position it was predicted at, and `show_step` (a click on a head in
+    that view) opens that head's per-layer view there.
+
     The first view runs one forward pass that decomposes every layer once and cuts from it the
     payload of every half-overlapping window of ``tokens`` queries (`PRECOMPUTE_BYTES` at most
     beyond the shown window): a later layer or window switch only sends what is ready. A new
@@ -75,17 +86,29 @@ class Inspector(anywidget.AnyWidget):
     tokens = traitlets.Int(DEFAULT_TOKENS).tag(sync=True)
     hide_sink = traitlets.Bool(False).tag(sync=True)
     group_kv = traitlets.Bool(False).tag(sync=True)
+    view = traitlets.Unicode("heatmap").tag(sync=True)
+    step = traitlets.Int(-1).tag(sync=True)
+    steps = traitlets.Dict().tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
     meta = traitlets.Dict().tag(sync=True)
     payload = traitlets.Dict().tag(sync=True)
 
     def __init__(
-        self, model: adapter.Model, batch: adapter.TokenBatch, layers: Sequence[int] | None = None, **kwargs: Any
+        self,
+        model: adapter.Model,
+        batch: adapter.TokenBatch,
+        layers: Sequence[int] | None = None,
+        *,
+        steps: Steps | None = None,
+        **kwargs: Any,
     ) -> None:
         self._model = model
         self._layers = adapter.check_layers(model, layers)
         self._batch = batch
         self._labels = [token_label(i, t) for i, t in enumerate(batch.str_tokens[0])]
+        if steps is not None:
+            steps.check_model(model, self._labels)
+        self._steps = steps
         self._ready = False
         self._computed: dict[str, dict[int, dict[str, Any]]] = {}
         self._n_heads = int(model.cfg.n_heads)
@@ -93,15 +116,20 @@ class Inspector(anywidget.AnyWidget):
         self._n_kv_heads = int(getattr(model.cfg, "n_key_value_heads", None) or self._n_heads)
         self._causal = adapter.is_causal_model(model)
         check: dict[str, Callable[[Any], None]] = {
-            name: getattr(self, f"_check_{name}") for name in ("layer", "head", "factor", "scope", "start", "tokens")
+            name: getattr(self, f"_check_{name}")
+            for name in ("layer", "head", "factor", "scope", "start", "tokens", "view", "step")
         }
         for name, value in kwargs.items():
             if name in check:
                 check[name](value)
+        if steps is not None:
+            kwargs["steps"] = steps_payload(steps, self._labels)
         super().__init__(**kwargs)
         self._check_query(self.query, allow_unset=True)
         self._ready = True
         self._refresh_window()
+        if self.step >= 0:
+            self._follow_step()
         self.on_msg(self._on_message)
 
     def _refuse(self, message: str) -> InspectorError:
@@ -133,6 +161,26 @@ class Inspector(anywidget.AnyWidget):
         if value < 1:
             raise self._refuse(f"tokens must be at least 1, got {value}")
 
+    def _check_view(self, value: str) -> None:
+        if value not in VIEWS:
+            raise self._refuse(f"unknown view {value!r}; expected one of {VIEWS}")
+        if value == "prediction" and self._steps is None:
+            raise self._refuse(
+                "the prediction view needs explained predictions: inspect cl.explain_generation(...) "
+                "or cl.logit_attribution(...) instead of a text"
+            )
+
+    def _check_step(self, value: int) -> None:
+        if self._steps is None:
+            if value != -1:
+                raise self._refuse(
+                    f"step {value}: this inspector has no explained predictions (inspect cl.explain_generation(...))"
+                )
+        elif not 0 <= value < len(self._steps.results):
+            raise self._refuse(
+                f"step {value} does not exist: the inspector explains steps 0..{len(self._steps.results) - 1}"
+            )
+
     def _check_query(self, value: int, allow_unset: bool = False) -> None:
         if allow_unset and value == -1:
             return
@@ -140,14 +188,16 @@ class Inspector(anywidget.AnyWidget):
         if value not in queries:
             raise self._refuse(f"query {value} is not in the token window {queries[0]}..{queries[-1]}: set start first")
 
-    @traitlets.validate("layer", "head", "factor", "scope", "start", "tokens", "query")
+    @traitlets.validate("layer", "head", "factor", "scope", "start", "tokens", "query", "view", "step")
     def _valid(self, proposal: dict) -> Any:
         name, value = proposal["trait"].name, proposal["value"]
         if self._ready:
             getattr(self, f"_check_{name}")(value)
         return value
 
-    @traitlets.observe("layer", "head", "factor", "scope", "start", "tokens", "query", "hide_sink", "group_kv")
+    @traitlets.observe(
+        "layer", "head", "factor", "scope", "start", "tokens", "query", "hide_sink", "group_kv", "view", "step"
+    )
     def _accepted(self, change: dict) -> None:
         self.error = ""
 
@@ -181,23 +231,60 @@ class Inspector(anywidget.AnyWidget):
         if self._ready:
             self._compute()
 
+    @traitlets.observe("step")
+    def _step_changed(self, change: dict) -> None:
+        if self._ready and change["new"] >= 0:
+            self._follow_step()
+
+    def _follow_step(self) -> None:
+        """The query moves to the step's position; the window too, where it does not hold it."""
+        assert self._steps is not None
+        position = self._steps.positions[self.step]
+        if position not in self.window.queries:
+            with self.hold_sync():
+                self.start = window_start(len(self._labels), position, self.tokens)
+                self.query = position
+        else:
+            self.query = position
+
+    def show_step(self, step: int, *, layer: int | None = None, head: int | None = None) -> None:
+        """Explain step ``step``; with ``layer`` (and ``head``), open that per-layer view at the step's position.
+
+        What a click on a head of the prediction view does. Every value is checked before anything
+        changes (`InspectorError`).
+        """
+        self._check_step(step)
+        if layer is not None:
+            self._check_layer(layer)
+        if head is not None:
+            self._check_head(head)
+        with self.hold_sync():
+            if self.step != step:
+                self.step = step
+            else:
+                self._follow_step()
+            if layer is not None:
+                self.layer = layer
+                self.head = -1 if head is None else head
+                self.view = "heatmap"
+
     def _refresh_window(self) -> None:
         window = self.window
         if self.query not in window.queries:
             self.query = window.queries[-1]
         groups = self._layer_payload(window, self.layer)["kv_groups"]
         initial = {"layer": self.layer, "head": "all", "factor": self.factor, "scope": self.scope,
-                   "query": self.query, "hide_sink": self.hide_sink, "group_kv": self.group_kv}  # fmt: skip
+                   "query": self.query, "hide_sink": self.hide_sink, "group_kv": self.group_kv,
+                   "view": self.view, "step": self.step}  # fmt: skip
         self.meta = meta(self._labels, window, self._layers, self._n_heads, initial, kv_groups=groups)
         self._compute()
 
     def _windows_to_precompute(self) -> list[Window]:
         """The shown window first, then the other half-overlapping windows of its size, nearest first, within budget."""
         n, size, shown = len(self._labels), self.tokens, self.window
-        step = max(1, size // 2)
-        starts = sorted({*range(0, max(1, n - size + step), step)} - {shown.queries[0]})
-        starts = [s for s in starts if s < n]
-        starts.sort(key=lambda s: abs(s - shown.queries[0]))
+        starts = sorted(
+            sorted(set(window_starts(n, size)) - {shown.queries[0]}), key=lambda s: abs(s - shown.queries[0])
+        )
         chosen, budget = [shown], PRECOMPUTE_BYTES
         for start in starts:
             window = token_window(n, start=start, tokens=size, causal=self._causal)
@@ -227,6 +314,11 @@ class Inspector(anywidget.AnyWidget):
             self.send({"type": "plotly", "source": source})
         elif content.get("type") == "ping":  # the front-end asks whether a kernel is there
             self.send({"type": "pong"})
+        elif content.get("type") == "open":  # a head clicked in the prediction view
+            try:
+                self.show_step(int(content["step"]), layer=int(content["layer"]), head=int(content["head"]))
+            except (InspectorError, KeyError, TypeError, ValueError) as refused:
+                self.error = str(refused)
 
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict, dict] | None:
         """The widget view and, as ``text/html`` beside it, a figure of the current view.
@@ -250,9 +342,15 @@ class Inspector(anywidget.AnyWidget):
         return plot.save_image(self._view_figure(), path, scale=scale)
 
     def _view_figure(self) -> "go.Figure":
+        if self.view == "prediction" and self._steps is not None:
+            step = max(0, self.step)
+            figure = plot.logit_heads(self._steps.results[step])
+            return figure.update_layout(title=f"Inspector: prediction, step {step}. {figure.layout.title.text}")
+        # The payload of the layer shown is already here: the figure needs no forward pass.
         return export.inspector_figure(
-            self._model, self._batch, self.window,
+            self._layer_payload(self.window, self.layer), self.window, self._labels,
             layer=self.layer, head=self.head, factor=self.factor, scope=self.scope, query=self.query,
+            hide_sink=self.hide_sink, group_kv=self.group_kv,
         )  # fmt: skip
 
     def render_html(
@@ -282,10 +380,13 @@ class Inspector(anywidget.AnyWidget):
         head: int | str = "all" if self.head < 0 else self.head
         # The page opens on the window's last query, whatever the widget's query.
         initial = {"layer": shown, "head": head, "factor": self.factor, "scope": self.scope,
-                   "query": window.queries[-1], "hide_sink": self.hide_sink, "group_kv": self.group_kv}  # fmt: skip
+                   "query": window.queries[-1], "hide_sink": self.hide_sink, "group_kv": self.group_kv,
+                   "view": self.view, "step": self.step}  # fmt: skip
+        if self._steps is not None and self._steps.positions[max(0, self.step)] in window.queries:
+            initial["query"] = self._steps.positions[max(0, self.step)]  # the explained step's position
         groups = next(iter(payloads.values()))["kv_groups"]
         about = meta(self._labels, window, wanted, self._n_heads, initial, kv_groups=groups, compact=compact)
-        return page.render(about, payloads)
+        return page.render(about, payloads, steps=self.steps or None)
 
     def write_html(
         self,

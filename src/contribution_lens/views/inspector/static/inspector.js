@@ -335,15 +335,35 @@ function tokenText(label) {
 const VIEWS = [
   ["heatmap", "heatmap"],
   ["text", "text"],
+  ["prediction", "prediction"],
 ];
 const TOGGLES = [
   ["hide_sink", "hide sink"],
   ["group_kv", "group KV heads"],
 ];
 
-// host: {meta(), layer(L) -> payload or null, state(), set(partial), windows?(), error?(), pending?(state)}
-// state: layer, head ("all" or a number), factor, scope, query, view ("heatmap" or "text") and, where
-// the host has them, start, hide_sink, group_kv.
+// The explained predictions (payload.py, steps_payload), decoded once: per step its terms per
+// (layer, head) [layer * n_heads + head], per key, and the flow's last-layer shares (or null).
+function decodeSteps(steps) {
+  const exact = { kind: "float32" };
+  return steps.steps.map((step) =>
+    Object.assign({}, step, {
+      heads: dequantise(step.heads, exact),
+      keys: dequantise(step.keys, exact),
+      rollout: step.rollout ? dequantise(step.rollout, exact) : null,
+    }),
+  );
+}
+
+// The views a host offers: the prediction view only with explained steps.
+function viewsOf(steps) {
+  return steps ? VIEWS : VIEWS.filter(([v]) => v !== "prediction");
+}
+
+// host: {meta(), layer(L) -> payload or null, state(), set(partial), windows?(), error?(), pending?(state),
+//        steps?() -> steps_payload or null, open?(step, layer, head)}
+// state: layer, head ("all" or a number), factor, scope, query, view ("heatmap", "text" or "prediction")
+// and, where the host has them, start, hide_sink, group_kv, step.
 export function mount(root, host) {
   const Plotly = globalThis.Plotly;
   root.classList.add("cl-inspector");
@@ -356,6 +376,8 @@ export function mount(root, host) {
   // The token window is a control only where the host can recompute it (the widget).
   if (host.windows) controls.window = select(bar, "window", (value) => host.set({ start: Number(value) }));
   controls.view = select(bar, "view", (value) => host.set({ view: value }));
+  // The explained step: shown where the host has steps (an explained answer or logit).
+  controls.step = select(bar, "step", (value) => host.set({ step: Number(value) }));
   // Sink hiding and KV grouping are computed by the library: a toggle shows where the host has the setting.
   const toggles = {};
   for (const [name, text] of TOGGLES) toggles[name] = checkbox(bar, name, text, (on) => host.set({ [name]: on }));
@@ -365,7 +387,12 @@ export function mount(root, host) {
   const flow = element("div", { className: "cl-text" }, root);
   const heatmap = element("div", { className: "cl-heatmap" }, root);
   const bars = element("div", { className: "cl-bars" }, root);
+  const prediction = element("div", { className: "cl-prediction" }, root);
+  const predictionCaption = element("div", { className: "cl-text-caption" }, prediction);
+  const heads = element("div", { className: "cl-heads" }, prediction);
+  const keyText = element("div", { className: "cl-text cl-keys" }, prediction);
   const cache = new Map();
+  let decodedSteps = null; // [source steps, decoded]: decoded once per steps payload
   let current = null; // what the last drawing showed: the click handlers read it, never a stale window
   let drawnWidth = 0;
 
@@ -420,22 +447,37 @@ export function mount(root, host) {
     return meta.head_labels ? meta.head_labels[h] : "head " + h;
   }
 
-  function showControls(meta, state, view) {
+  function currentSteps() {
+    const steps = host.steps ? host.steps() : null;
+    if (!steps || !steps.steps || !steps.steps.length) return null;
+    if (!decodedSteps || decodedSteps[0] !== steps) decodedSteps = [steps, decodeSteps(steps)];
+    return { about: steps, steps: decodedSteps[1] };
+  }
+
+  function showControls(meta, state, view, steps) {
+    // The prediction view needs only the step: the per-layer controls would change nothing drawn.
+    const perLayer = view !== "prediction";
+    for (const name of ["layer", "head", "factor", "scope", "query"]) controls[name].parentNode.style.display = perLayer ? "" : "none";
+    controls.step.parentNode.style.display = steps ? "" : "none";
+    if (steps) {
+      const options = steps.steps.map((s, k) => [k, k + ": " + JSON.stringify(s.token) + " at " + s.position]);
+      setOptions(controls.step, options, Math.max(0, state.step));
+    }
     setOptions(controls.layer, meta.layers.map((l) => [l, String(l)]), state.layer);
     const heads = [["all", "all heads"]].concat([...Array(meta.n_heads).keys()].map((h) => [h, headLabel(meta, h)]));
     setOptions(controls.head, heads, state.head);
     setOptions(controls.factor, meta.factors.map((f) => [f, LABELS[f]]), state.factor);
     setOptions(controls.scope, meta.scopes.map((s) => [s, s]), state.scope);
     setOptions(controls.query, meta.queries.map((q, i) => [q, meta.query_labels[i]]), state.query);
-    setOptions(controls.view, VIEWS, view);
+    setOptions(controls.view, viewsOf(steps), view);
     if (controls.window) {
       const starts = host.windows();
       setOptions(controls.window, starts.map(([start, end]) => [start, "tokens " + start + "–" + end]), meta.queries[0]);
-      controls.window.parentNode.style.display = starts.length > 1 ? "" : "none";
+      controls.window.parentNode.style.display = starts.length > 1 && perLayer ? "" : "none";
     }
     for (const [name] of TOGGLES) {
       const useful = name !== "group_kv" || (meta.kv_groups || []).some((heads) => heads.length > 1);
-      toggles[name].parentNode.style.display = typeof state[name] === "boolean" && useful ? "" : "none";
+      toggles[name].parentNode.style.display = typeof state[name] === "boolean" && useful && perLayer ? "" : "none";
       toggles[name].checked = Boolean(state[name]);
     }
   }
@@ -453,8 +495,19 @@ export function mount(root, host) {
     // A query outside this window (the kernel has not moved it yet) is drawn as the window's last query.
     if (!meta.queries.includes(state.query)) state.query = meta.queries[meta.queries.length - 1];
     if (!(state.head === "all" || (state.head >= 0 && state.head < meta.n_heads))) state.head = "all";
-    const view = state.view === "text" ? "text" : "heatmap";
-    showControls(meta, state, view);
+    const steps = currentSteps();
+    const view = state.view === "text" ? "text" : state.view === "prediction" && steps ? "prediction" : "heatmap";
+    showControls(meta, state, view, steps);
+    prediction.style.display = view === "prediction" ? "" : "none";
+    if (view === "prediction") {
+      flow.style.display = heatmap.style.display = bars.style.display = "none";
+      status.textContent = "";
+      // The click handlers of the hidden views read `current`; the resize observer needs it set to redraw.
+      current = { queries: meta.queries, qLabels: meta.query_labels };
+      drawnWidth = available();
+      return drawPrediction(meta, steps, state);
+    }
+    bars.style.display = "";
     const payload = meta.layers.includes(state.layer) ? host.layer(state.layer) : null;
     if (!payload) {
       status.textContent = host.pending ? host.pending(state) : "computing layer " + state.layer + "…";
@@ -604,6 +657,104 @@ export function mount(root, host) {
     return Promise.resolve();
   }
 
+  // The explained step: its direct terms per (layer, head) as a heatmap (a click opens that head's
+  // per-layer view at the step's position) and per key as the text, coloured, with the flow's shares.
+  function drawPrediction(meta, steps, state) {
+    const k = Math.min(Math.max(0, state.step), steps.steps.length - 1);
+    const step = steps.steps[k];
+    const { n_layers: L, n_heads: H, labels } = steps.about;
+    const p = step.parts;
+    predictionCaption.textContent =
+      "step " + k + ": " + JSON.stringify(step.token) + ", predicted at position " + step.position + " (the token " +
+      JSON.stringify(tokenText(labels[step.position])) + "). " +
+      step.quantity + " = " + fmt(step.logit) + " = attention " + fmt(p.attention) + " + MLPs " + fmt(p.mlp) +
+      " + embedding " + fmt(p.embedding) + " + biases " + fmt(p.biases) + " (direct terms; norms' scales frozen). " +
+      "Click a head to open its per-layer view at query " + step.position + ".";
+    const z = [];
+    const text = [];
+    for (let l = 0; l < L; l++) {
+      z.push(Array.from(step.heads.subarray(l * H, (l + 1) * H)));
+      text.push(z[l].map((v, h) =>
+        "layer " + l + ", head " + h + "<br>direct term " + fmt(v) + " of " + step.quantity + " = " + fmt(step.logit) +
+        "<br>click: L" + l + "H" + h + " at query " + labels[step.position]));
+    }
+    const trace = {
+      type: "heatmap",
+      x: [...Array(H).keys()].map((h) => "H" + h),
+      y: [...Array(L).keys()].map((l) => "L" + l),
+      z,
+      text,
+      hovertemplate: "%{text}<extra></extra>",
+      colorscale: meta.colorscales.diverging,
+      zmid: 0,
+      colorbar: { title: { text: "logit" }, thickness: 14 },
+    };
+    const layout = {
+      title: { text: "Direct attention terms of " + step.quantity + " per head (step " + k + ")", x: 0.02, xanchor: "left" },
+      xaxis: { title: { text: "head" }, type: "category" },
+      yaxis: { title: { text: "layer" }, type: "category", autorange: "reversed" },
+      width: Math.min(drawnWidth, Math.max(420, 46 * H + 260)),
+      height: Math.max(360, 20 * L + 150),
+      margin: { t: 50, r: 20 },
+    };
+    const first = !heads.data;
+    const config = { displaylogo: false, responsive: false };
+    const drawn = first ? Plotly.newPlot(heads, [trace], layout, config) : Plotly.react(heads, [trace], layout, config);
+    if (first) {
+      heads.on("plotly_click", (event) => {
+        const point = event.points[0];
+        const shown = host.state();
+        const at = Math.min(Math.max(0, shown.step), steps.steps.length - 1);
+        if (host.open) host.open(at, Number(String(point.y).slice(1)), Number(String(point.x).slice(1)));
+      });
+    }
+    drawKeys(meta, step, labels);
+    return drawn;
+  }
+
+  // The text up to the explained position, each token coloured by its direct term (summed over
+  // layers and heads); the predicted token follows, outlined; the rest of the text is greyed.
+  function drawKeys(meta, step, labels) {
+    const scale = meta.colorscales.diverging;
+    let top = 0;
+    for (const v of step.keys) top = Math.max(top, Math.abs(v));
+    keyText.innerHTML = "";
+    const caption = element("div", { className: "cl-text-caption" }, keyText);
+    caption.appendChild(document.createTextNode("Direct attention terms per key, colour " + fmt(-top) + " "));
+    const stops = scale.map(([t]) => "rgb(" + colourAt(scale, t).join(",") + ") " + (100 * t).toFixed(1) + "%");
+    element("span", { className: "cl-legend", style: "background: linear-gradient(to right, " + stops.join(", ") + ")" }, caption);
+    caption.appendChild(document.createTextNode(" " + fmt(top) + (step.rollout ? " · hover: the term and the flow's share" : "")));
+    const body = element("div", { className: "cl-flow" }, keyText);
+    // The text's own next token is the explained one for a generated answer; else it is shown after the position.
+    const escaped = step.token.replaceAll("\n", "\\n").replaceAll("\r", "\\r").replaceAll("\t", "\\t");
+    const next = step.position + 1 < labels.length && tokenText(labels[step.position + 1]) === escaped;
+    labels.forEach((label, j) => {
+      const raw = tokenText(label);
+      const span = element("span", { className: "cl-token", textContent: raw.replaceAll("\\n", "↵").replaceAll("\\t", "⇥") }, body);
+      span.dataset.position = String(j);
+      if (j < step.keys.length) {
+        const v = step.keys[j];
+        const [r, g, b] = colourAt(scale, top > 0 ? (v + top) / (2 * top) : 0.5);
+        span.style.background = "rgb(" + r + "," + g + "," + b + ")";
+        span.style.color = 0.299 * r + 0.587 * g + 0.114 * b < 140 ? "#fff" : "#000";
+        span.dataset.value = String(v);
+        span.title = "key " + label + "\ndirect term " + fmt(v) + " of " + step.quantity +
+          (step.rollout ? "\nflow share after the last layer " + fmt(step.rollout[j]) : "");
+      } else {
+        span.classList.add("cl-future");
+        span.title = next && j === step.position + 1 ? "the explained token " + JSON.stringify(step.token) : "after the explained position";
+      }
+      if (j === step.position) span.classList.add("cl-query");
+      if (next && j === step.position + 1) span.classList.add("cl-target");
+      if (raw.includes("\\n")) body.appendChild(document.createElement("br"));
+      if (!next && j === step.position) {
+        const shown = step.token.replaceAll("\n", "↵").replaceAll("\t", "⇥");
+        const target = element("span", { className: "cl-target cl-explained", textContent: " → " + shown + " " }, body);
+        target.title = "the explained token " + JSON.stringify(step.token) + " (" + step.quantity + ")";
+      }
+    });
+  }
+
   flow.addEventListener("click", (event) => {
     const position = Number(event.target.dataset && event.target.dataset.position);
     if (current && current.queries.includes(position)) host.set({ query: position });
@@ -677,12 +828,14 @@ export function mount(root, host) {
 
 // --- the static page: every layer embedded, the view named in the URL fragment -----------------
 
-const SETTINGS = ["layer", "head", "factor", "scope", "query", "view", "hide_sink", "group_kv"];
+const SETTINGS = ["layer", "head", "factor", "scope", "query", "view", "hide_sink", "group_kv", "step"];
 
 // The view a fragment names, and why each setting it names that the page cannot show was refused
 // (the page then shows its own choice and says so: a link never changes meaning silently).
-export function readFragment(meta, hash) {
+export function readFragment(meta, hash, steps = null) {
   const state = Object.assign({ view: "heatmap" }, meta.initial);
+  if (!steps && state.view === "prediction") state.view = "heatmap";
+  const nSteps = steps ? steps.steps.length : 0;
   const problems = [];
   const params = new URLSearchParams(hash.replace(/^#/, ""));
   const integer = (text) => (/^-?[0-9]+$/.test(text) ? Number(text) : NaN);
@@ -706,8 +859,19 @@ export function readFragment(meta, hash) {
       if (meta.queries.includes(q)) state.query = q;
       else refuse(name, value, "is outside this page's queries " + first + "–" + last, "query " + state.query);
     } else if (name === "view") {
-      if (VIEWS.some(([v]) => v === value)) state.view = value;
-      else refuse(name, value, "is not one of heatmap, text", state.view);
+      const views = viewsOf(steps);
+      if (views.some(([v]) => v === value)) state.view = value;
+      else refuse(name, value, "is not one of " + views.map(([v]) => v).join(", "), state.view);
+    } else if (name === "step") {
+      const k = integer(value);
+      if (k >= 0 && k < nSteps) {
+        state.step = k;
+        // The step's position is the query, where the page holds it (as choosing the step does).
+        if (!params.has("query") && meta.queries.includes(steps.steps[k].position)) state.query = steps.steps[k].position;
+      } else {
+        const why = nSteps ? "does not exist (steps 0–" + (nSteps - 1) + ")" : "names a step, and this page explains none";
+        refuse(name, value, why, nSteps ? "step " + state.step : "no step");
+      }
     } else if (name === "hide_sink" || name === "group_kv") {
       if (value === "1" || value === "0") state[name] = value === "1";
       else refuse(name, value, "is not 1 or 0", state[name] ? "1" : "0");
@@ -720,8 +884,9 @@ export function readFragment(meta, hash) {
 
 export function fragment(state) {
   return "#layer=" + state.layer + "&head=" + state.head + "&factor=" + state.factor + "&scope=" + state.scope +
-    "&query=" + state.query + (state.view === "text" ? "&view=text" : "") + (state.hide_sink ? "&hide_sink=1" : "") +
-    (state.group_kv ? "&group_kv=1" : "");
+    "&query=" + state.query + (state.view && state.view !== "heatmap" ? "&view=" + state.view : "") +
+    (state.hide_sink ? "&hide_sink=1" : "") + (state.group_kv ? "&group_kv=1" : "") +
+    (state.step >= 0 ? "&step=" + state.step : "");
 }
 
 // Rewrite the URL's fragment where the page may: JupyterLab's HTML viewer serves the page from a
@@ -736,7 +901,9 @@ function showFragment(state) {
 
 export function page(root, data) {
   const meta = data.meta;
-  let { state, problems } = readFragment(meta, window.location.hash);
+  const steps = data.steps && data.steps.steps && data.steps.steps.length ? data.steps : null;
+  let { state, problems } = readFragment(meta, window.location.hash, steps);
+  let refusal = ""; // why the last head clicked in the prediction view cannot be shown here
   // Compact layers are inflated on first view (asynchronously), then kept with the others.
   const inflating = new Map();
   function ready(l) {
@@ -760,16 +927,42 @@ export function page(root, data) {
     meta: () => meta,
     layer: (l) => (waiting(l) ? null : data.layers[String(l)] || null),
     state: () => state,
-    error: () => (problems.length ? "This link names a view the page cannot show: " + problems.join("; ") + "." : ""),
-    set(partial) {
-      state = Object.assign({}, state, partial);
-      problems = [];
-      showFragment(state);
-      draw();
-    },
+    error: () => refusal || (problems.length ? "This link names a view the page cannot show: " + problems.join("; ") + "." : ""),
+    steps: () => steps,
+    set,
+    open,
   });
+  function set(partial) {
+    state = Object.assign({}, state, partial);
+    // Choosing a step moves the query to its position, where the page's window holds it.
+    if ("step" in partial && steps && meta.queries.includes(steps.steps[partial.step].position)) {
+      state.query = steps.steps[partial.step].position;
+    }
+    problems = [];
+    refusal = "";
+    showFragment(state);
+    draw();
+  }
+  // A head clicked in the prediction view: its per-layer view at the step's position, where the page holds both.
+  function open(step, layer, head) {
+    const position = steps.steps[step].position;
+    const [first, last] = [meta.queries[0], meta.queries[meta.queries.length - 1]];
+    const why = !meta.layers.includes(layer)
+      ? "layer " + layer + " is not on this page (it holds layers " + meta.layers.join(", ") + ")"
+      : !meta.queries.includes(position)
+        ? "position " + position + " is outside this page's queries " + first + "–" + last
+        : "";
+    if (why) {
+      refusal = "L" + layer + "H" + head + " at step " + step + " cannot be shown: " + why +
+        ". Write the page with write_html(layers=..., start=...) to hold it.";
+      draw();
+      return;
+    }
+    set({ step, layer, head, view: "heatmap", query: position });
+  }
   window.addEventListener("hashchange", () => {
-    ({ state, problems } = readFragment(meta, window.location.hash));
+    ({ state, problems } = readFragment(meta, window.location.hash, steps));
+    refusal = ""; // a new view: the last clicked head's refusal goes, as with set()
     draw();
   });
   // JupyterLab's HTML viewer shows the page from a blob: URL and drops a link's fragment.
@@ -811,7 +1004,7 @@ function ensurePlotly(model) {
   return globalThis.__contributionLensPlotly;
 }
 
-const TRAITS = ["layer", "head", "factor", "scope", "query", "start", "hide_sink", "group_kv"];
+const TRAITS = ["layer", "head", "factor", "scope", "query", "start", "hide_sink", "group_kv", "view", "step"];
 
 // Whether the kernel is there: a ping it answers with a pong (widget.py); none within
 // KERNEL_WAIT_MS means a widget restored from the notebook file without its kernel.
@@ -853,7 +1046,6 @@ async function render({ model, el }) {
   await ensurePlotly(model);
   clearTimeout(slow);
   waiting.remove();
-  let shown = "heatmap"; // the heatmap or the text: the front-end's own choice, nothing to compute
   const kernel = kernelWatch(model, () => view.refresh());
   const view = mount(el, {
     meta: () => model.get("meta"),
@@ -864,10 +1056,12 @@ async function render({ model, el }) {
     state: () => {
       const state = Object.fromEntries(TRAITS.map((name) => [name, model.get(name)]));
       state.head = state.head < 0 ? "all" : state.head;
-      state.view = shown;
       return state;
     },
     error: () => model.get("error") || "",
+    steps: () => model.get("steps") || null,
+    // The kernel moves the window where the step's position needs it (Inspector.show_step).
+    open: (step, layer, head) => model.send({ type: "open", step, layer, head }),
     pending: (state) => {
       kernel.check();
       if (kernel.missing) return NO_KERNEL;
@@ -887,15 +1081,12 @@ async function render({ model, el }) {
       return starts.sort((a, b) => a[0] - b[0]);
     },
     set(partial) {
-      const traits = Object.entries(partial).filter(([name]) => name !== "view");
-      if ("view" in partial) shown = partial.view;
-      for (const [name, value] of traits) model.set(name, name === "head" && value === "all" ? -1 : value);
-      if (traits.length) model.save_changes();
-      else view.refresh();
+      for (const [name, value] of Object.entries(partial)) model.set(name, name === "head" && value === "all" ? -1 : value);
+      model.save_changes();
     },
   });
   const redraw = () => view.refresh();
-  const names = [...TRAITS, "payload", "meta", "error"];
+  const names = [...TRAITS, "payload", "meta", "error", "steps"];
   for (const name of names) model.on("change:" + name, redraw);
   await view.refresh();
   return () => {
