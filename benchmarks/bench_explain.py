@@ -8,13 +8,18 @@ On the bundled SmolLM2-135M, one random token sequence per length (BOS first), e
 * ``32 positions``: the last 32 positions' logit attributions from one pass (what
   ``explain_generation`` does after generating a 32-token answer; generation itself not timed);
 * ``flow``: ``cl.flow(model, tokens)``: every layer's ``[query key]`` mixing and edges from one pass
-  (the rollout is computed when read, and is not timed; target: at most 1.5x).
+  (the rollout is computed when read, and is not timed);
+* ``logit_attribution + flow``: explaining a prediction the way ``explain_generation`` explains each
+  step, but of the model's own top prediction at the last position (what ``logit_attribution``
+  explains): its logit attribution and the flow, from ONE pass (``attribute_with`` with the flow's
+  per-layer function as ``also``), the flow assembled into a ``Flow`` at that position. This is the
+  issue's number: ``(logit attribution + flow) / plain``, target at most 1.5x.
 
 Time: in one process, the methods alternate ``--repeats`` times per length and the fastest run of
 each counts (the others absorb other jobs on the machine); the ratio to ``plain`` is the number to
-read (target: at most 1.5x for ``logit_attribution``). Memory: each method runs once more in a
+read (target: at most 1.5x for ``logit_attribution + flow``). Memory: each method runs once more in a
 fresh process, and the growth of its peak RSS (``VmHWM``) over the loaded, warmed-up model is
-reported. Run: ``python benchmarks/bench_explain.py`` (about 5 minutes on 2 cores) or
+reported. Run: ``python benchmarks/bench_explain.py`` (about 6 minutes on 2 idle cores) or
 ``--lengths 128 --repeats 2``. ``METHODS`` is the table to add a method to.
 """
 
@@ -60,11 +65,32 @@ def _flow(model: Any, tokens: torch.Tensor) -> None:
     cl.flow(model, tokens[0])
 
 
+def _logit_attribution_and_flow(model: Any, tokens: torch.Tensor) -> None:
+    from contribution_lens import adapter
+    from contribution_lens.analyses.flow import DEFAULT_THRESHOLD, Flow, _flow_layer
+    from contribution_lens.analyses.logit_attribution import attribute_with
+
+    last = tokens.shape[1] - 1
+    batch = adapter.to_token_batch(model, tokens)
+    _, flows = attribute_with(
+        model,
+        batch,
+        [last],
+        [None],
+        [None],
+        also=lambda layer: _flow_layer(model, layer, DEFAULT_THRESHOLD),
+        also_capture=adapter.flow_capture(model),
+    )
+    assert flows is not None
+    Flow.from_results(flows, positions=[last], threshold=DEFAULT_THRESHOLD)
+
+
 METHODS: dict[str, Callable[[Any, torch.Tensor], None]] = {
     "plain": _plain,
     "logit_attribution": _logit_attribution,
     "32 positions": _many_positions,
     "flow": _flow,
+    "logit_attribution + flow": _logit_attribution_and_flow,
 }
 
 

@@ -25,7 +25,7 @@ causal attention of the real tokens is the same as for each text alone.
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,14 +46,21 @@ def pattern_hook(layer: int) -> str:
     return f"blocks.{layer}.attn.hook_pattern"
 
 
-def value_hook(layer: int, model: "Model | None" = None) -> str:
+def _hook_names(model: "Model | None", known: Collection[str] | None) -> Collection[str] | None:
+    """``known`` if given, else the model's hook names (a bridge rebuilds ``hook_dict`` on every read: read it once)."""
+    return known if known is not None or model is None else model.hook_dict
+
+
+def value_hook(layer: int, model: "Model | None" = None, *, known: Collection[str] | None = None) -> str:
     """The hook of the values the pattern weighs: ``attn.hook_v``, or ``attn.v_norm.hook_out`` where the bridge has it.
 
     Gemma 3n and Gemma 4 RMS-normalise every value head after ``v_proj`` (``v_norm``); the bridge
-    fires ``hook_v`` before that norm, so there ``pattern @ hook_v`` is not ``hook_z``.
+    fires ``hook_v`` before that norm, so there ``pattern @ hook_v`` is not ``hook_z``. ``known``:
+    the model's ``hook_dict`` where the caller has read it already.
     """
     normed = f"blocks.{layer}.attn.v_norm.hook_out"
-    if model is not None and normed in model.hook_dict:
+    names = _hook_names(model, known)
+    if names is not None and normed in names:
         return normed
     return f"blocks.{layer}.attn.hook_v"
 
@@ -97,14 +104,15 @@ def _per_head(z: Tensor | None, n_heads: int) -> Float[Tensor, "batch query head
     return z.reshape(*z.shape[:2], n_heads, -1)
 
 
-def output_hook(layer: int, model: "Model | None" = None) -> str:
+def output_hook(layer: int, model: "Model | None" = None, *, known: Collection[str] | None = None) -> str:
     """The hook that equals ``sum_h o^h + b_O``: the o-projection's output, before any norm.
 
     That is ``attn.o.hook_out`` where the bridge has it. ``attn.hook_out`` is the same tensor in
-    decoders, but in BERT-style encoders it is ``LayerNorm(o + resid_pre)``.
+    decoders, but in BERT-style encoders it is ``LayerNorm(o + resid_pre)``. ``known`` as in `value_hook`.
     """
     name = f"blocks.{layer}.attn.o.hook_out"
-    if model is not None and name not in model.hook_dict:
+    names = _hook_names(model, known)
+    if names is not None and name not in names:
         return f"blocks.{layer}.attn.hook_out"
     return name
 
@@ -136,18 +144,19 @@ def check_layers(model: Model, layers: int | Sequence[int] | None) -> list[int]:
     return sorted(set(resolved))
 
 
-def check_hooks(model: Model, layers: Sequence[int]) -> None:
-    """Raise if the model lacks the hooks that contribution weights need."""
+def check_hooks(model: Model, layers: Sequence[int]) -> dict[str, Any]:
+    """Raise if the model lacks the hooks that contribution weights need; return its ``hook_dict``."""
     hook_dict = getattr(model, "hook_dict", None)
     if hook_dict is None:
         raise TypeError(f"{type(model).__name__} has no hook_dict: expected a TransformerLens TransformerBridge")
     for layer in layers:
-        for name in (pattern_hook(layer), value_hook(layer, model)):
+        for name in (pattern_hook(layer), value_hook(layer, known=hook_dict)):
             if name not in hook_dict:
                 raise ValueError(
                     f"model has no hook {name!r}; contribution weights need hook_pattern and hook_v "
                     "on every attention layer (is this an attention model booted as a TransformerBridge?)"
                 )
+    return hook_dict
 
 
 _GRAMS: "weakref.WeakKeyDictionary[Any, dict[int, tuple[Tensor, Tensor]]]" = weakref.WeakKeyDictionary()
@@ -419,8 +428,8 @@ class LayerInputs:
     """True for real tokens (all True without padding)."""
     str_tokens: list[list[str]]
     cfg: Any
-    gram: Float[Tensor, "head d_head e_head"] | None = None
-    """`decomposition.head_gram` of ``W_O`` in float32, remembered across passes (see `layer_gram`)."""
+    gram_of: Callable[[], Tensor] | None = field(default=None, repr=False)
+    """What `gram` reads, when first asked for (None: no Gram matrix)."""
     captured: dict[str, Tensor] = field(default_factory=dict)
     """Extra per-layer hooks asked for with ``capture`` (e.g. ``"hook_resid_pre"``), by relative name."""
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
@@ -428,6 +437,16 @@ class LayerInputs:
     @property
     def causal(self) -> bool:
         return getattr(self.cfg, "attention_dir", "causal") == "causal"
+
+    @property
+    def gram(self) -> Float[Tensor, "head d_head e_head"] | None:
+        """`decomposition.head_gram` of ``W_O`` in float32, remembered across passes (see `layer_gram`).
+
+        Read on first use: a per-layer function that needs no Gram matrix pays nothing for it.
+        """
+        if "gram" not in self._cache:
+            self._cache["gram"] = None if self.gram_of is None else self.gram_of()
+        return self._cache["gram"]
 
     @property
     def padding_mask(self) -> Bool[Tensor, "batch pos"] | None:
@@ -472,9 +491,9 @@ class StopForward(Exception):
     """Raised in a hook once the last requested layer is done: nothing after it is needed."""
 
 
-def _check_capture(model: Model, layers: Sequence[int], capture: Sequence[str]) -> None:
+def _check_capture(known: Collection[str], layers: Sequence[int], capture: Sequence[str]) -> None:
     for name in capture:
-        missing = [f"blocks.{layer}.{name}" for layer in layers if f"blocks.{layer}.{name}" not in model.hook_dict]
+        missing = [f"blocks.{layer}.{name}" for layer in layers if f"blocks.{layer}.{name}" not in known]
         if missing:
             raise ValueError(f"model has no hook {missing[0]!r} to capture")
 
@@ -483,7 +502,7 @@ def _layer_inputs(model: Model, batch: TokenBatch, layer: int, slot: dict[str, T
     """What one layer offers, from the tensors its hooks caught."""
     W_O, b_O = output_weights(model, layer)
     return LayerInputs(
-        gram=layer_gram(model, layer, W_O),
+        gram_of=lambda: layer_gram(model, layer, W_O),
         layer=layer,
         pattern=slot["pattern"],
         v=slot["v"],
@@ -517,6 +536,8 @@ def _edited(edit: PatternEdit, layer: int, pattern: Tensor, caught: dict[str, Te
 
 _LOCKS: "weakref.WeakKeyDictionary[Any, threading.RLock]" = weakref.WeakKeyDictionary()
 _LOCKS_GUARD = threading.Lock()
+_INSIDE = threading.local()
+"""Per thread, ``models``: the ids of the models whose `exclusive` block the thread is inside."""
 
 
 def model_lock(model: Model) -> threading.RLock:
@@ -540,12 +561,18 @@ def exclusive(model: Model) -> Iterator[None]:
     mode is restored afterwards.
     """
     with model_lock(model):
-        training = [module for module in _all_modules(model) if module.training]
+        inside: set[int] = _INSIDE.__dict__.setdefault("models", set())
+        # Nested in this thread's own block (the hooks, then the forward): the outer one set eval mode.
+        outer = id(model) not in inside
+        training = [module for module in _all_modules(model) if module.training] if outer else []
         for module in training:
             module.training = False
+        inside.add(id(model))
         try:
             yield
         finally:
+            if outer:
+                inside.discard(id(model))
             for module in training:
                 module.training = True
 
@@ -562,8 +589,12 @@ def _all_modules(model: Model) -> list[torch.nn.Module]:
 @contextmanager
 def hooked(model: Model, fwd_hooks: Sequence[tuple[str, HookFn]]) -> Iterator[None]:
     """``model.hooks(fwd_hooks)`` held `exclusive`: the only way this package attaches hooks."""
-    with exclusive(model), model.hooks(fwd_hooks=list(fwd_hooks)):
-        yield
+    with exclusive(model):
+        if not fwd_hooks:  # nothing to attach: the bridge's hooks context would rebuild its hook names for nothing
+            yield
+            return
+        with model.hooks(fwd_hooks=list(fwd_hooks)):
+            yield
 
 
 @contextmanager
@@ -576,6 +607,7 @@ def layer_hooks(
     edit: PatternEdit | None = None,
     capture: Sequence[str] = (),
     stop_after_last: bool = False,
+    extra: Sequence[tuple[str, HookFn]] = (),
 ) -> Iterator[None]:
     """The one place that wires hooks: call ``fn(LayerInputs)`` for each layer in the forward pass.
 
@@ -583,17 +615,18 @@ def layer_hooks(
     replaced it), ``hook_z`` and ``attn.hook_out`` where the model has them, and any
     ``capture`` names relative to ``blocks.{l}``; ``fn`` runs once all have fired, whatever
     their order. Nothing is kept afterwards: only one layer's activations are alive at a time.
-    With ``stop_after_last``, `StopForward` is raised after the last layer's ``fn``.
+    With ``stop_after_last``, `StopForward` is raised after the last layer's ``fn``. ``extra``
+    (hook name, function) pairs are attached with them, after them.
     """
-    check_hooks(model, layers)
-    _check_capture(model, layers, capture)
-    optional = [("z", z_hook), ("hook_out", lambda layer: output_hook(layer, model))]
+    known = check_hooks(model, layers)
+    _check_capture(known, layers, capture)
+    optional = [("z", z_hook), ("hook_out", lambda layer: output_hook(layer, known=known))]
     pending: dict[int, dict[str, Tensor]] = {}
     last = max(layers)
 
     def slots(layer: int) -> list[tuple[str, str]]:
-        names = [("v", value_hook(layer, model)), ("pattern", pattern_hook(layer))]
-        names += [(kind, make(layer)) for kind, make in optional if make(layer) in model.hook_dict]
+        names = [("v", value_hook(layer, known=known)), ("pattern", pattern_hook(layer))]
+        names += [(kind, make(layer)) for kind, make in optional if make(layer) in known]
         return names + [(f"captured:{name}", f"blocks.{layer}.{name}") for name in capture]
 
     def capture_hook(layer: int, kind: str, needed: int) -> HookFn:
@@ -617,7 +650,7 @@ def layer_hooks(
         names = slots(layer)
         fwd_hooks += [(name, capture_hook(layer, kind, len(names))) for kind, name in names]
     try:
-        with hooked(model, fwd_hooks):
+        with hooked(model, [*fwd_hooks, *extra]):
             yield
     finally:
         pending.clear()
@@ -688,7 +721,9 @@ def attention_problem(model: Model) -> str | None:
     """
     total = n_layers(model)
     hook_dict = model.hook_dict
-    missing = [layer for layer in range(total) if {pattern_hook(layer), value_hook(layer, model)} - hook_dict.keys()]
+    missing = [
+        layer for layer in range(total) if {pattern_hook(layer), value_hook(layer, known=hook_dict)} - hook_dict.keys()
+    ]
     hooks = "blocks.{l}.attn.hook_pattern and hook_v"
     if len(missing) == total:
         return f"its bridge has no attention pattern on any layer (no {hooks})"

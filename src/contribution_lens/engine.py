@@ -220,10 +220,10 @@ def map_layers(
 
     logits = None
     with adapter.layer_hooks(
-        model, batch, wanted, on_layer, edit=edit, capture=capture, stop_after_last=not keep_logits
+        model, batch, wanted, on_layer, edit=edit, capture=capture, stop_after_last=not keep_logits, extra=extra_hooks
     ):
         try:
-            logits = adapter.forward(model, batch, extra_hooks)
+            logits = adapter.forward(model, batch)
         except adapter.StopForward:
             pass
     missing = [layer for layer in wanted if layer not in results]

@@ -107,7 +107,7 @@ def test_post_attention_norm_parts_rebuild_the_residual_stream(tmp_path):
         stream = update.resid_pre + update.added
         # No biases in Gemma: what is not a token's part is the stream entering the block.
         expected = (stream * update.resid_pre).sum(-1) / (stream * stream).sum(-1)
-        seen[layer.layer] = (mixing.residual, expected, mixing.token_mixing().sum(-1))
+        seen[layer.layer] = (mixing.residual, expected, mixing.mixing.sum(-1))
 
     cl.map_layers(model, IDS[:6], per_layer, capture=adapter.flow_capture(model))
     for residual, expected, rows in seen.values():

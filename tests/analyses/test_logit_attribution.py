@@ -209,6 +209,27 @@ def test_explain_generation_is_one_pass_and_matches_each_position_alone() -> Non
     assert all(step.flow is None for step in cl.explain_generation(model, IDS[:5], answer=IDS[5:], flow=False))
 
 
+def test_a_pass_reads_the_models_hook_names_as_often_whatever_its_depth(monkeypatch) -> None:
+    """A bridge rebuilds ``hook_dict`` (aliases and all) on every read: read per layer, it cost ~3 ms a layer."""
+    reads = []
+    built = type(tiny_bridge()).hook_dict  # the property, read off the class
+
+    def counted(self):
+        reads.append(1)
+        return built.fget(self)
+
+    def count(n_layers: int) -> int:
+        model = tiny_bridge("gqa", biases=True, n_layers=n_layers)
+        monkeypatch.setattr(type(model), "hook_dict", property(counted))
+        reads.clear()
+        cl.logit_attribution(model, IDS)
+        cl.explain_generation(model, IDS[:5], answer=IDS[5:])  # logit attribution and flow in one pass
+        monkeypatch.undo()
+        return len(reads)
+
+    assert count(2) == count(6)
+
+
 def test_generation_is_greedy() -> None:
     model = tiny_bridge("mqa")
     explained = cl.explain_generation(model, IDS[:4], max_new_tokens=5, stop_at_eos=False)

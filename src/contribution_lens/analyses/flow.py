@@ -88,17 +88,19 @@ class FlowLayer:
 
 
 def _flow_layer(model: adapter.Model, layer: adapter.LayerInputs, threshold: float) -> FlowLayer:
-    mixing = layer_mixing(layer, adapter.attention_update(model, layer), factors=True)
-    weights = mixing.weights[0]
-    head, query, key = (weights.abs() >= threshold).nonzero(as_tuple=True)
-    batch = torch.zeros_like(head)
-    weight = weights[head, query, key]
+    mixing = layer_mixing(layer, adapter.attention_update(model, layer), factors=True, threshold=threshold)
+    assert mixing.strong is not None  # asked for with the threshold
+    strong = mixing.strong
+    first = strong.batch == 0  # a flow explains one text
+    batch, head, query, key, weight = (
+        t[first] for t in (strong.batch, strong.head, strong.query, strong.key, strong.weight)
+    )
     attention = layer.pattern[0][head, query, key].float()
     relative = mixing.relative_norm(batch, head, query, key)
     product = attention * relative
     cosine = torch.where(product > 0, weight / torch.where(product > 0, product, 1), 0)
     edges = FlowEdges(head.cpu(), query.cpu(), key.cpu(), weight.cpu(), attention.cpu(), relative.cpu(), cosine.cpu())
-    return FlowLayer(mixing.token_mixing()[0].cpu(), mixing.residual[0].cpu(), edges)
+    return FlowLayer(mixing.mixing[0].cpu(), mixing.residual[0].cpu(), edges)
 
 
 class Flow(LayerResults[FlowLayer]):
