@@ -353,3 +353,18 @@ def test_max_item_tokens_beyond_the_context_is_refused_before_loading(tmp_path, 
     assert status == 2
     expected = "--max-item-tokens: expected at most smollm2-135m's context of 8192 tokens, got 9000"
     assert err == f"contribution-lens: error: {expected}\n"
+
+
+def test_the_prediction_protocol_on_multiple_choice_data_is_refused_before_loading(tmp_path, capsys, no_model) -> None:
+    items = tmp_path / "boolq.jsonl"
+    items.write_text('{"question": "is it", "passage": "it is", "label": "true"}\n')
+    out = tmp_path / "out"
+    argv = ["faithfulness", "--data", f"boolq={items}", "--protocol", "every_layer,prediction", "--out", out]
+    status, err = run_cli(capsys, *argv)
+    assert status == 2
+    expected = (
+        f"--protocol: expected a protocol that takes multiple-choice data (--data boolq={items}), "
+        "got 'prediction' (it explains one next-token prediction of a text)"
+    )
+    assert err == f"contribution-lens: error: {expected}\n"
+    assert not out.exists(), "nothing may be written before the arguments are good"

@@ -74,6 +74,21 @@ def device(option: str, name: str | None) -> str | None:
     return name
 
 
+def text_protocols(option: str, protocols: Sequence[str], choice_data: Sequence[str]) -> tuple[str, ...]:
+    """Protocols that take every data set given: a text-only one (``prediction``) refuses multiple choice."""
+    from contribution_lens.faithfulness.protocols import PROTOCOLS
+
+    text_only = [name for name in protocols if PROTOCOLS[name].text_only]
+    if text_only and choice_data:
+        raise _expected(
+            option,
+            f"a protocol that takes multiple-choice data (--data {choice_data[0]})",
+            ",".join(text_only),
+            "it explains one next-token prediction of a text",
+        )
+    return tuple(protocols)
+
+
 def layers(option: str, values: Sequence[int], model: str) -> tuple[int, ...]:
     """Layers of ``model``, negative ones counted from the end; read from its config, not its weights."""
     total = n_layers(model)

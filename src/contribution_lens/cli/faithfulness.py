@@ -28,6 +28,7 @@ def check(args: argparse.Namespace) -> None:
         layers = checks.layers("--layers", args.settings.layers, args.model)
         args.settings = options.build(Settings, args, layers=layers)
     checks.context("--chunk-length", args.data_settings.chunk_length, args.model)
+    checks.text_protocols("--protocol", args.settings.protocols, args.data_settings.choice)
     if args.data_settings.choice:
         # An item the length limit lets through must still fit in the model's context.
         checks.context("--max-item-tokens", args.data_settings.max_item_tokens, args.model)
