@@ -18,6 +18,10 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 @contextlib.contextmanager
@@ -84,3 +88,40 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     with atomic_path(path) as staging:
         staging.write_text(text, encoding="utf-8")
     return Path(path)
+
+
+def save_tensors(
+    path: str | os.PathLike, tensors: "dict[str, Tensor]", metadata: dict[str, str], *, format: str, example: str
+) -> Path:
+    """Write ``tensors`` and string ``metadata`` (with ``format``) to one ``.safetensors`` file, atomically.
+
+    A folder is refused, naming a file in it (``example``) to give instead.
+    """
+    from safetensors.torch import save_file
+
+    target = Path(path)
+    if target.is_dir():
+        raise IsADirectoryError(f"{target} is a folder; give a file path such as {target / example}")
+    with atomic_path(target) as staging:
+        save_file(tensors, str(staging), metadata={**metadata, "format": format})
+    return target
+
+
+def load_tensors(path: str | os.PathLike, *, format: str, kind: str) -> "tuple[dict[str, Tensor], dict[str, str]]":
+    """The tensors and metadata of a file `save_tensors` wrote for ``kind`` (a class name) in ``format``.
+
+    A missing file, a folder, a truncated file or another format is refused, naming the file.
+    """
+    from safetensors import safe_open
+
+    source = Path(path)
+    if source.is_dir():
+        raise IsADirectoryError(f"{source} is a folder; give the file {kind}.save wrote")
+    if not source.is_file():
+        raise FileNotFoundError(f"no saved {kind} at {source}")
+    with reading(source, f"a {kind} written by {kind}.save"):
+        with safe_open(str(source), framework="pt", device="cpu") as handle:
+            metadata = handle.metadata() or {}
+            if metadata.get("format") != format:
+                raise ValueError(f"its format is {metadata.get('format')!r}")
+            return {name: handle.get_tensor(name) for name in handle.keys()}, metadata

@@ -52,7 +52,7 @@ from torch import Tensor
 from contribution_lens import adapter
 from contribution_lens.choices import as_indices, as_position
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.files import atomic_path, reading
+from contribution_lens.files import load_tensors, reading, save_tensors
 from contribution_lens.methods.rollout import layer_mixing
 
 DEFAULT_THRESHOLD = 0.02
@@ -241,31 +241,15 @@ class Flow(LayerResults[FlowLayer]):
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the mixings, residual terms and edges to one ``.safetensors`` file."""
-        from safetensors.torch import save_file
-
-        target = Path(path)
-        if target.is_dir():
-            raise IsADirectoryError(f"{target} is a folder; give a file path such as {target / 'flow.safetensors'}")
         tensors, metadata = self._parts()
-        with atomic_path(target) as staging:
-            save_file(tensors, str(staging), metadata={"format": _FORMAT, **metadata})
-        return target
+        return save_tensors(path, tensors, metadata, format=_FORMAT, example="flow.safetensors")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Flow":
         """Read a file written by `save`."""
-        from safetensors import safe_open
-
-        source = Path(path)
-        if not source.is_file():
-            raise FileNotFoundError(f"no saved Flow at {source}")
-        # A truncated file or edited metadata: the error names the file, as Geometry.load's does.
-        with reading(source, "a Flow written by Flow.save"):
-            with safe_open(str(source), framework="pt", device="cpu") as handle:
-                metadata = handle.metadata() or {}
-                if metadata.get("format") != _FORMAT:
-                    raise ValueError(f"its format is {metadata.get('format')!r}")
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        # A truncated file, another format or edited metadata: the error names the file.
+        tensors, metadata = load_tensors(path, format=_FORMAT, kind="Flow")
+        with reading(path, "a Flow written by Flow.save"):
             return cls._from_parts(tensors, metadata)
 
     def _parts(self) -> tuple[dict[str, Tensor], dict[str, str]]:

@@ -41,7 +41,7 @@ from contribution_lens.analyses.logit_attribution import (
     one_text,
     token_id,
 )
-from contribution_lens.files import atomic_path, reading
+from contribution_lens.files import load_tensors, reading, save_tensors
 
 _FORMAT = "contribution_lens.GenerationExplanation/1"
 V = TypeVar("V")
@@ -154,35 +154,15 @@ class GenerationExplanation(Sequence[GenerationStep]):
         mixings and edges, as they do in memory; an attribution's tokens are written only where they
         are not the explanation's. Not written: a flow's logits (as `Flow.save` does not).
         """
-        from safetensors.torch import save_file
-
-        target = Path(path)
-        if target.is_dir():
-            raise IsADirectoryError(
-                f"{target} is a folder; give a file path such as {target / 'generation.safetensors'}"
-            )
         tensors, metadata = self._parts()
-        with atomic_path(target) as staging:
-            save_file(tensors, str(staging), metadata={**metadata, "format": _FORMAT})
-        return target
+        return save_tensors(path, tensors, metadata, format=_FORMAT, example="generation.safetensors")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "GenerationExplanation":
         """Read a file written by `save`; the steps' flows share one set of layers again."""
-        from safetensors import safe_open
-
-        source = Path(path)
-        if source.is_dir():
-            raise IsADirectoryError(f"{source} is a folder; give the file GenerationExplanation.save wrote")
-        if not source.is_file():
-            raise FileNotFoundError(f"no saved GenerationExplanation at {source}")
-        # A truncated file or edited metadata: the error names the file, as Flow.load's does.
-        with reading(source, "a GenerationExplanation written by GenerationExplanation.save"):
-            with safe_open(str(source), framework="pt", device="cpu") as handle:
-                metadata = handle.metadata() or {}
-                if metadata.get("format") != _FORMAT:
-                    raise ValueError(f"its format is {metadata.get('format')!r}")
-                tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+        # A truncated file, another format or edited metadata: the error names the file.
+        tensors, metadata = load_tensors(path, format=_FORMAT, kind="GenerationExplanation")
+        with reading(path, "a GenerationExplanation written by GenerationExplanation.save"):
             return cls._from_parts(tensors, metadata)
 
     def _parts(self) -> tuple[dict[str, Tensor], dict[str, str]]:

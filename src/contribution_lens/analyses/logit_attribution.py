@@ -47,7 +47,7 @@ from torch import Tensor
 from contribution_lens import adapter
 from contribution_lens.choices import as_position
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.files import atomic_path, reading
+from contribution_lens.files import load_tensors, reading, save_tensors
 
 TOLERANCE = 1e-3
 """Relative gap between the sum of the terms and the model's logit above which a call fails."""
@@ -215,31 +215,15 @@ class LogitAttribution:
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the terms to one ``.safetensors`` file (tokens, target and foil in its metadata)."""
-        from safetensors.torch import save_file
-
-        target = Path(path)
-        if target.is_dir():
-            raise IsADirectoryError(f"{target} is a folder; give a file path such as {target / 'logit.safetensors'}")
         tensors, metadata = self._parts()
-        with atomic_path(target) as staging:
-            save_file(tensors, str(staging), metadata={**metadata, "format": _FORMAT})
-        return target
+        return save_tensors(path, tensors, metadata, format=_FORMAT, example="logit.safetensors")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "LogitAttribution":
         """Read a file written by `save`."""
-        from safetensors import safe_open
-
-        source = Path(path)
-        if not source.is_file():
-            raise FileNotFoundError(f"no saved LogitAttribution at {source}")
-        # A truncated file or edited metadata: the error names the file, as Geometry.load's does.
-        with reading(source, "a LogitAttribution written by LogitAttribution.save"):
-            with safe_open(str(source), framework="pt", device="cpu") as handle:
-                metadata = handle.metadata() or {}
-                if metadata.get("format") != _FORMAT:
-                    raise ValueError(f"its format is {metadata.get('format')!r}")
-                tensors = {name: handle.get_tensor(name) for name in _TENSORS}
+        # A truncated file, another format or edited metadata: the error names the file.
+        tensors, metadata = load_tensors(path, format=_FORMAT, kind="LogitAttribution")
+        with reading(path, "a LogitAttribution written by LogitAttribution.save"):
             return cls._from_parts(tensors, {name: value for name, value in metadata.items() if name != "format"})
 
     def _parts(self) -> tuple[dict[str, Tensor], dict[str, str]]:
