@@ -451,7 +451,8 @@ def view_factors(
         >>> from contribution_lens import decompose
         >>> future = torch.ones(3, 3, dtype=torch.bool).triu(1)
         >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3).masked_fill(future, -torch.inf), -1)
-        >>> both = [decompose(pattern, torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8), scope=s) for s in SCOPES]
+        >>> v, W_O = torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8)
+        >>> both = [decompose(pattern, v, W_O, scope=s) for s in ("inter", "intra")]
         >>> grid = view_factors(layer_payload(*both, token_window(3)), token_window(3), head=-1, scope="inter")
         >>> bool(np.isnan(grid["attention"][0, 1])), round(float(np.nansum(grid["contribution"][2])), 4)
         (True, 1.0)
