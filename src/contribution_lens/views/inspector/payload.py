@@ -454,7 +454,7 @@ def view_factors(
         >>> v, W_O = torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8)
         >>> both = [decompose(pattern, v, W_O, scope=s) for s in ("inter", "intra")]
         >>> grid = view_factors(layer_payload(*both, token_window(3)), token_window(3), head=-1, scope="inter")
-        >>> bool(np.isnan(grid["attention"][0, 1])), round(float(np.nansum(grid["contribution"][2])), 2)  # float16 codes
+        >>> bool(np.isnan(grid["attention"][0, 1])), round(float(np.nansum(grid["contribution"][2])), 2)
         (True, 1.0)
     """
     queries, keys, mask = np.asarray(window.queries), np.asarray(window.keys), window.mask
