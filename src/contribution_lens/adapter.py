@@ -1005,19 +1005,29 @@ def final_hooks(model: Model, positions: Sequence[int], store: dict[str, Tensor]
     """Hooks that keep, at ``positions`` of batch element 0, the final norm's scale and the unembedding's output.
 
     ``store["final_scale"]`` is ``[pos]`` (absent without a final norm), ``store["logits"]``
-    ``[pos d_vocab]``: the unembedding's output before any logit soft-capping.
+    ``[pos d_vocab]``: the unembedding's output before any logit soft-capping. Where the bridge
+    has ``unembed.hook_in``, the unembedding is given those rows only, so the pass's own logits
+    are ``[1 pos d_vocab]`` at ``positions``: the product with the vocabulary at every other
+    position is a long pass's largest single cost (about a tenth of a plain pass at 1,024 tokens
+    on SmolLM2) and its largest tensor.
     """
     rows = list(positions)
 
-    def keep(key: str) -> HookFn:
+    def keep(key: str, index: list[int] | slice) -> HookFn:
         def hook(tensor: Tensor, hook: Any) -> None:
-            store[key] = tensor.detach()[0, rows].reshape(len(rows), -1)
+            store[key] = tensor.detach()[0, index].reshape(len(rows), -1)
 
         return hook
 
-    hooks = [("unembed.hook_out", keep("logits"))]
-    if getattr(model, "ln_final", None) is not None and "ln_final.hook_scale" in model.hook_dict:
-        hooks.append(("ln_final.hook_scale", keep("final_scale")))
+    def cut(tensor: Tensor, hook: Any) -> Tensor:
+        return tensor[:1, rows]
+
+    names = model.hook_dict  # a bridge rebuilds it on every read
+    cuts = "unembed.hook_in" in names
+    hooks: list[tuple[str, HookFn]] = [("unembed.hook_in", cut)] if cuts else []
+    hooks.append(("unembed.hook_out", keep("logits", slice(None) if cuts else rows)))
+    if getattr(model, "ln_final", None) is not None and "ln_final.hook_scale" in names:
+        hooks.append(("ln_final.hook_scale", keep("final_scale", rows)))
     return hooks
 
 

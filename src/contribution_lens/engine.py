@@ -179,6 +179,7 @@ def map_layers(
     edit: adapter.PatternEdit | None = None,
     capture: Sequence[str] = (),
     keep_logits: bool = False,
+    whole_pass: bool = False,
     extra_hooks: Sequence[tuple[str, adapter.HookFn]] = (),
 ) -> LayerResults[T]:
     """Run ``fn`` on every requested layer during one forward pass; keep only what it returns.
@@ -204,6 +205,8 @@ def map_layers(
             before ``fn`` sees it (an intervention); the rest of the pass uses the edited one.
         capture: extra hooks per layer, relative to ``blocks.{l}`` (e.g. ``"hook_resid_pre"``).
         keep_logits: run the whole pass and keep its logits in ``.logits``.
+        whole_pass: run the whole pass without keeping its logits (for ``extra_hooks`` that
+            read the final norm or the unembedding, and may cut its rows).
         extra_hooks: further ``(hook name, function)`` pairs active during the pass.
     """
     wanted = adapter.check_layers(model, layers)
@@ -220,7 +223,14 @@ def map_layers(
 
     logits = None
     with adapter.layer_hooks(
-        model, batch, wanted, on_layer, edit=edit, capture=capture, stop_after_last=not keep_logits, extra=extra_hooks
+        model,
+        batch,
+        wanted,
+        on_layer,
+        edit=edit,
+        capture=capture,
+        stop_after_last=not (keep_logits or whole_pass),
+        extra=extra_hooks,
     ):
         try:
             logits = adapter.forward(model, batch)

@@ -209,6 +209,25 @@ def test_explain_generation_is_one_pass_and_matches_each_position_alone() -> Non
     assert all(step.flow is None for step in cl.explain_generation(model, IDS[:5], answer=IDS[5:], flow=False))
 
 
+def test_the_unembedding_reads_only_the_explained_positions() -> None:
+    """The product with the vocabulary at every position is a long pass's largest cost: explained rows only."""
+    model = tiny_bridge("gqa", biases=True)
+    rows = []
+    model.hook_dict["unembed.hook_out"].add_hook(lambda tensor, hook: rows.append(tuple(tensor.shape[:2])))
+    try:
+        result = cl.logit_attribution(model, IDS, target=4, position=3)
+        explained = cl.explain_generation(model, IDS[:5], answer=IDS[5:])
+    finally:
+        model.hook_dict["unembed.hook_out"].remove_hooks()
+    assert rows == [(1, 1), (1, len(IDS) - 5)]
+    logits = model_logits(model, IDS)
+    assert result.logit == pytest.approx(float(logits[3, 4]), rel=1e-5, abs=1e-6)
+    assert [step.attribution.logit for step in explained] == pytest.approx(
+        [float(logits[p, t]) for p, t in zip(range(4, len(IDS) - 1), IDS[5:].tolist(), strict=True)], rel=1e-5
+    )
+    assert all(step.flow is not None and step.flow.logits is None for step in explained)
+
+
 def test_a_pass_reads_the_models_hook_names_as_often_whatever_its_depth(monkeypatch) -> None:
     """A bridge rebuilds ``hook_dict`` (aliases and all) on every read: read per layer, it cost ~3 ms a layer."""
     reads = []

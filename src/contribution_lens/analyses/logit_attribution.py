@@ -440,7 +440,7 @@ def attribute_with(
         batch,
         record if also is None else (lambda layer: (record(layer), also(layer))),
         capture=capture,
-        keep_logits=True,
+        whole_pass=True,  # the unembedding sees the explained positions only (`adapter.final_hooks`)
         extra_hooks=adapter.final_hooks(model, rows.tolist(), store),
     )
     records = both if also is None else both.map(lambda pair: pair[0])
