@@ -21,9 +21,10 @@ from contribution_lens import adapter
 from contribution_lens.choices import as_index, as_indices
 from contribution_lens.decomposition import Decomposition, Factor, Scope, decompose
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.files import atomic_path, reading
+from contribution_lens.files import reading, save_tensors
 
 _FIELDS = ("attention", "cosine", "value_norm", "output_norm", "valid")
+_FORMAT = "contribution_lens.Geometry/1"
 
 
 class Geometry(LayerResults[Decomposition]):
@@ -133,25 +134,17 @@ class Geometry(LayerResults[Decomposition]):
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write every layer's tensors to one ``.safetensors`` file, tokens and scope in its metadata."""
-        from safetensors.torch import save_file
-
-        target = Path(path)
-        if target.is_dir():
-            raise IsADirectoryError(f"{target} is a folder; give a file path such as {target / 'geometry.safetensors'}")
         tensors = {"tokens": self.tokens.cpu().contiguous(), "attention_mask": self.attention_mask.cpu().contiguous()}
         for layer, d in self.items():
             for name in _FIELDS:
                 tensors[f"{layer}.{name}"] = getattr(d, name).detach().cpu().contiguous().clone()
         metadata = {
-            "format": "contribution_lens.Geometry/1",
             "scope": str(self.scope),
             "n_layers": str(self.n_layers),
             "layers": json.dumps(self.layers),
             "str_tokens": json.dumps(self.str_tokens),
         }
-        with atomic_path(target) as staging:  # never a half-written file under the real name
-            save_file(tensors, str(staging), metadata=metadata)
-        return target
+        return save_tensors(path, tensors, metadata, format=_FORMAT, example="geometry.safetensors")
 
     @classmethod
     def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> "Geometry":
@@ -165,7 +158,7 @@ class Geometry(LayerResults[Decomposition]):
         with reading(source, "a Geometry written by Geometry.save"):
             with safe_open(str(source), framework="pt", device=str(device)) as handle:
                 metadata = handle.metadata() or {}
-                if metadata.get("format") != "contribution_lens.Geometry/1":
+                if metadata.get("format") != _FORMAT:
                     raise ValueError(f"its format is {metadata.get('format')!r}")
                 layers = {
                     layer: Decomposition(
