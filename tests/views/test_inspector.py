@@ -251,6 +251,20 @@ def test_widget_answers_the_front_ends_ping(monkeypatch) -> None:
     assert sent == [{"type": "pong"}]
 
 
+def test_every_codec_takes_a_read_only_array_without_a_warning() -> None:
+    """A pandas column's array is read-only (the prediction view sends `by_head().to_numpy()`)."""
+    import warnings
+
+    values = np.linspace(-0.9, 0.9, 7)
+    frozen = values.copy()
+    frozen.setflags(write=False)
+    for codec in payload.CODECS:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            codes = payload.quantise(frozen, codec)
+        np.testing.assert_array_equal(codes, payload.quantise(values, codec))
+
+
 # --- explained predictions: the step control and the prediction view --------------------------------
 
 

@@ -161,7 +161,8 @@ def token_label(position: int, token: str) -> str:
 def quantise(values: np.ndarray, codec: str) -> np.ndarray:
     """``values`` in the codec's numbers (`CODECS`); torch does the arithmetic (NumPy's float16 cast is slow)."""
     spec = CODECS[codec]
-    x = torch.from_numpy(np.ascontiguousarray(values))
+    # Copied only where read-only (a pandas column's array) or not contiguous: torch cannot wrap those.
+    x = torch.from_numpy(np.require(values, requirements=("C", "W")))
     if spec["kind"] == "sqrt":
         return (
             x.to(torch.float32)
@@ -718,11 +719,6 @@ class Steps:
             )
 
 
-def _exact_b64(values: Tensor | np.ndarray) -> str:
-    array = np.ascontiguousarray(np.asarray(values, dtype=np.float32), dtype="<f4")
-    return base64.b64encode(array.tobytes()).decode("ascii")
-
-
 def steps_payload(steps: Steps, labels: list[str]) -> dict[str, Any]:
     """What the prediction view draws of each step: the head and key terms, float32 (`CODECS` ``exact``).
 
@@ -759,9 +755,9 @@ def steps_payload(steps: Steps, labels: list[str]) -> dict[str, Any]:
                 "quantity": result.quantity,
                 "logit": result.logit,
                 "parts": parts,
-                "heads": _exact_b64(result.by_head().to_numpy()),
-                "keys": _exact_b64(result.by_key().to_numpy()),
-                "rollout": None if rollout is None else _exact_b64(rollout[: result.visible].cpu()),
+                "heads": _b64(result.by_head().to_numpy(), "exact"),
+                "keys": _b64(result.by_key().to_numpy(), "exact"),
+                "rollout": None if rollout is None else _b64(rollout[: result.visible].cpu().numpy(), "exact"),
             }
         )
     return {"labels": labels, "n_layers": int(n_layers), "n_heads": int(n_heads), "steps": sent}
