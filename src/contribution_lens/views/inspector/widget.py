@@ -240,11 +240,9 @@ class Inspector(anywidget.AnyWidget):
         """The query moves to the step's position; the window too, where it does not hold it."""
         assert self._steps is not None
         position = self._steps.positions[self.step]
-        if position not in self.window.queries:
-            with self.hold_sync():
+        with self.hold_sync():
+            if position not in self.window.queries:
                 self.start = window_start(len(self._labels), position, self.tokens)
-                self.query = position
-        else:
             self.query = position
 
     def show_step(self, step: int, *, layer: int | None = None, head: int | None = None) -> None:

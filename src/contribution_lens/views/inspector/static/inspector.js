@@ -537,6 +537,16 @@ export function mount(root, host) {
     return LABELS[state.factor] + scopeText + ", " + where(meta, state);
   }
 
+  // A clickable figure: drawn with its click handler the first time, redrawn in place after (the
+  // handler stays: it reads what is drawn now, not what was drawn when it was attached).
+  function plot(node, traces, layout, onClick) {
+    const config = { displaylogo: false, responsive: false };
+    if (node.data) return Plotly.react(node, traces, layout, config);
+    const drawn = Plotly.newPlot(node, traces, layout, config);
+    node.on("plotly_click", onClick);
+    return drawn;
+  }
+
   function drawHeatmap(meta, entry, both, state) {
     const qLabels = meta.query_labels;
     const kLabels = meta.key_labels;
@@ -593,18 +603,12 @@ export function mount(root, host) {
       height: Math.max(420, cell * nq + 200),
       margin: { t: 50, r: 20 },
     };
-    const first = !heatmap.data;
-    const config = { displaylogo: false, responsive: false };
-    const drawn = first ? Plotly.newPlot(heatmap, [trace], layout, config) : Plotly.react(heatmap, [trace], layout, config);
-    if (first) {
-      heatmap.on("plotly_click", (event) => {
-        const point = event.points[0];
-        let row = current.qLabels.indexOf(point.y);
-        if (row < 0 && Array.isArray(point.pointNumber)) row = point.pointNumber[0];
-        if (row >= 0 && row < current.queries.length) host.set({ query: current.queries[row] });
-      });
-    }
-    return drawn;
+    return plot(heatmap, [trace], layout, (event) => {
+      const point = event.points[0];
+      let row = current.qLabels.indexOf(point.y);
+      if (row < 0 && Array.isArray(point.pointNumber)) row = point.pointNumber[0];
+      if (row >= 0 && row < current.queries.length) host.set({ query: current.queries[row] });
+    });
   }
 
   // The text as text: each token coloured by the factor's weight for the selected query (the
@@ -697,17 +701,12 @@ export function mount(root, host) {
       height: Math.max(360, 20 * L + 150),
       margin: { t: 50, r: 20 },
     };
-    const first = !heads.data;
-    const config = { displaylogo: false, responsive: false };
-    const drawn = first ? Plotly.newPlot(heads, [trace], layout, config) : Plotly.react(heads, [trace], layout, config);
-    if (first) {
-      heads.on("plotly_click", (event) => {
-        const point = event.points[0];
-        const shown = host.state();
-        const at = Math.min(Math.max(0, shown.step), steps.steps.length - 1);
-        if (host.open) host.open(at, Number(String(point.y).slice(1)), Number(String(point.x).slice(1)));
-      });
-    }
+    const drawn = plot(heads, [trace], layout, (event) => {
+      const point = event.points[0];
+      const shown = host.state();
+      const at = Math.min(Math.max(0, shown.step), steps.steps.length - 1);
+      if (host.open) host.open(at, Number(String(point.y).slice(1)), Number(String(point.x).slice(1)));
+    });
     drawKeys(meta, step, labels);
     return drawn;
   }
