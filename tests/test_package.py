@@ -1,4 +1,4 @@
-"""The package as a newcomer meets it: faces, import cost, the README's examples, the layout, the 0.2 names."""
+"""The package as a newcomer meets it: faces, import cost, the documentation's examples, the layout, the 0.2 names."""
 
 import ast
 import importlib
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import contribution_lens as cl
-from helpers import readme_block
+from helpers import docs_block, run_block
 
 SRC = Path(cl.__file__).parent
 SUBPACKAGES = ("analyses", "cli", "faithfulness", "methods", "views")
@@ -148,11 +148,26 @@ def test_the_old_module_paths_still_work_and_name_the_new_place(bundled_model, t
     assert old_plot is cl.plot is cl.views.plot and old_plot.__spec__.name == "contribution_lens.views.plot"
 
 
-def test_the_readmes_examples_run(bundled_model) -> None:
+def test_the_readmes_five_lines_run_and_give_what_their_comments_say(bundled_model, monkeypatch) -> None:
+    import pandas as pd
+    import plotly.graph_objects as go
+
+    block = docs_block("import contribution_lens as cl\n\nmodel = cl.load_model()  # the bundled")
+    assert len([line for line in block.splitlines() if line.strip()]) == 5, block
+    monkeypatch.setattr(cl, "load_model", lambda *args, **kwargs: bundled_model)  # the same model, loaded once
+    namespace: dict = {}
+    summary, figure = run_block(block, namespace)
+    assert isinstance(namespace["g"], cl.Geometry) and namespace["g"].layers == list(range(bundled_model.cfg.n_layers))
+    assert isinstance(summary, pd.DataFrame) and len(summary) == bundled_model.cfg.n_layers
+    assert {"sink_attention", "sink_contribution", "negative_share", "top1_agreement"} <= set(summary.columns)
+    assert isinstance(figure, go.Figure) and "L12H3" in figure.layout.title.text
+
+
+def test_the_documentations_examples_run(bundled_model) -> None:
     namespace = {"cl": cl, "model": bundled_model}
-    exec(readme_block("def sink_vs_rest"), namespace)
+    exec(docs_block("def sink_vs_rest"), namespace)
     assert set(namespace["shares"][-1]) == {"sink", "negative"} and namespace["shares"].layers == [0, 10, 29]
-    registration = readme_block("@cl.register_method").split("from contribution_lens import")[0]
+    registration = docs_block("@cl.register_method").split("from contribution_lens import")[0]
     try:
         exec(registration, namespace)
         method = cl.get_method("value_norm_only")
