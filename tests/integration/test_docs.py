@@ -201,10 +201,17 @@ def test_a_page_renders_with_typeset_formulas_and_no_network(browser, server) ->
     shown = [element.text for element in browser.find_elements(By.CSS_SELECTOR, "article h2")]
     assert shown == headings, f"the page shows {shown}, the source has {headings}"
     # MathJax 2 keeps each formula's <script type="math/tex"> and puts its rendering in "<id>-Frame".
+    WebDriverWait(browser, 15).until(
+        lambda b: b.execute_script("return !!(window.MathJax && MathJax.Hub)"),
+        message="MathJax did not load from the site (site/mathjax/, copied by docs/_hooks/mathjax.py)",
+    )
     WebDriverWait(browser, 60).until(
-        lambda b: b.execute_script("return !!(window.MathJax && MathJax.Hub && MathJax.Hub.queue.running === 0"
-                                   " && MathJax.Hub.queue.pending === 0 && document.querySelector('.MathJax'))")
-    )  # fmt: skip
+        lambda b: b.execute_script(
+            "return MathJax.Hub.queue.running === 0 && MathJax.Hub.queue.pending === 0"
+            " && !!document.querySelector('.MathJax, .MathJax_Display')"
+        ),
+        message="MathJax loaded but did not finish typesetting the page",
+    )
     formulas = browser.execute_script(
         "return [...document.querySelectorAll('script[type^=\"math/tex\"]')].map(s => {"
         " const frame = document.getElementById(s.id + '-Frame');"
@@ -233,7 +240,8 @@ def test_the_search_finds_a_word_and_links_to_its_page(browser, server) -> None:
     box.click()
     box.send_keys(word)
     WebDriverWait(browser, 30).until(
-        lambda b: b.find_elements(By.CSS_SELECTOR, ".md-search-result__item a[href*='maths.html']")
+        lambda b: b.find_elements(By.CSS_SELECTOR, ".md-search-result__item a[href*='maths.html']"),
+        message=f"the search for {word!r} shows no result linking to maths.html",
     )
     results = browser.find_elements(By.CSS_SELECTOR, ".md-search-result__item")
     assert results and any(word in result.text for result in results), [result.text for result in results]
