@@ -196,11 +196,41 @@ def severe_errors(browser) -> list[dict]:
     ]
 
 
+def typeset(browser) -> list[dict]:
+    """Every formula of the open page once MathJax is done: its TeX, whether it was drawn, its error."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    WebDriverWait(browser, 15).until(
+        lambda b: b.execute_script("return !!(window.MathJax && MathJax.Hub)"),
+        message="MathJax did not load from the site (site/mathjax/, copied by docs/_hooks/mathjax.py)",
+    )
+    WebDriverWait(browser, 60).until(
+        lambda b: b.execute_script("return MathJax.Hub.queue.running === 0 && MathJax.Hub.queue.pending === 0"),
+        message="MathJax loaded but did not finish typesetting the page",
+    )
+    # arithmatex marks each formula; MathJax 2 draws it into an element whose id ends in "-Frame",
+    # and shows TeX it cannot read in a .noError (or .merror) box instead of failing.
+    return browser.execute_script(
+        "return [...document.querySelectorAll('.arithmatex')].map(el => {"
+        " const frame = el.querySelector('[id$=\"-Frame\"]');"
+        " const error = el.querySelector('.noError, .merror');"
+        " return {tex: el.textContent.trim().slice(0, 120),"
+        "         drawn: !!frame && frame.getBoundingClientRect().width > 0,"
+        "         error: error ? error.textContent : null}; })"
+    )
+
+
+def assert_typeset(formulas: list[dict], page: str) -> None:
+    undrawn = [formula["tex"] for formula in formulas if not formula["drawn"]]
+    assert not undrawn, f"{page}: formulas left as raw TeX: {undrawn[:5]}"
+    errors = [formula["error"] for formula in formulas if formula["error"] is not None]
+    assert not errors, f"{page}: TeX that MathJax could not read: {errors[:5]}"
+
+
 @needs_chromium
 @pytest.mark.browser
 def test_a_page_renders_with_typeset_formulas_and_no_network(browser, server) -> None:
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
     source = (ROOT / "docs" / "maths.md").read_text(encoding="utf-8")
     title = source.splitlines()[0].removeprefix("# ")
@@ -210,28 +240,11 @@ def test_a_page_renders_with_typeset_formulas_and_no_network(browser, server) ->
     assert browser.find_element(By.CSS_SELECTOR, "article h1").text == title
     shown = [element.text for element in browser.find_elements(By.CSS_SELECTOR, "article h2")]
     assert shown == headings, f"the page shows {shown}, the source has {headings}"
-    # MathJax 2 keeps each formula's <script type="math/tex"> and puts its rendering in "<id>-Frame".
-    WebDriverWait(browser, 15).until(
-        lambda b: b.execute_script("return !!(window.MathJax && MathJax.Hub)"),
-        message="MathJax did not load from the site (site/mathjax/, copied by docs/_hooks/mathjax.py)",
-    )
-    WebDriverWait(browser, 60).until(
-        lambda b: b.execute_script(
-            "return MathJax.Hub.queue.running === 0 && MathJax.Hub.queue.pending === 0"
-            " && !!document.querySelector('.MathJax, .MathJax_Display')"
-        ),
-        message="MathJax loaded but did not finish typesetting the page",
-    )
-    formulas = browser.execute_script(
-        "return [...document.querySelectorAll('script[type^=\"math/tex\"]')].map(s => {"
-        " const frame = document.getElementById(s.id + '-Frame');"
-        " return {tex: s.textContent, width: frame ? frame.getBoundingClientRect().width : 0}; })"
-    )
+    formulas = typeset(browser)
     assert len(formulas) >= 20, f"{len(formulas)} formulas on the maths page"
-    untypeset = [formula["tex"] for formula in formulas if formula["width"] <= 0]
-    assert not untypeset, f"formulas shown as raw TeX: {untypeset[:5]}"
-    assert "Math Processing Error" not in browser.find_element(By.TAG_NAME, "body").text
-    assert r"\alpha" not in browser.find_element(By.TAG_NAME, "article").text  # no raw TeX left in view
+    assert_typeset(formulas, "maths.html")
+    article = browser.find_element(By.TAG_NAME, "article").text
+    assert "\\(" not in article and r"\alpha" not in article, "raw TeX is shown on the page"
     assert not offsite_requests(browser), offsite_requests(browser)
     assert not severe_errors(browser)
     screenshot(browser, "maths.png")
@@ -285,3 +298,20 @@ def test_an_api_entry_shows_the_signature_and_the_docstring(browser, server) -> 
     assert heading.is_displayed() and browser.execute_script("return window.scrollY") > 0  # the anchor was followed
     screenshot(browser, "api_entry.png")
     assert not severe_errors(browser)
+
+
+@needs_chromium
+@pytest.mark.browser
+def test_every_formula_of_the_site_is_typeset(browser, server, site) -> None:
+    pages = sorted(
+        str(page.relative_to(site))
+        for page in site.rglob("*.html")
+        if 'class="arithmatex"' in page.read_text(encoding="utf-8")
+    )
+    assert {"index.html", "maths.html", "sinks.html", "faithfulness.html"} <= set(pages), pages
+    for page in pages:
+        open_page(browser, server + page)
+        formulas = typeset(browser)
+        assert formulas, f"{page} has formulas in its HTML and none on screen"
+        assert_typeset(formulas, page)
+        assert not severe_errors(browser), page
