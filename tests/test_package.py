@@ -163,6 +163,17 @@ def test_the_readmes_five_lines_run_and_give_what_their_comments_say(bundled_mod
     assert isinstance(figure, go.Figure) and "L12H3" in figure.layout.title.text
 
 
+def test_the_readmes_other_examples_run_and_give_what_their_comments_say(bundled_model) -> None:
+    namespace = {"cl": cl, "model": bundled_model}
+    attribution, flow, answer, sinks = run_block(
+        docs_block('cl.logit_attribution(model, text, target=" Mary"'), namespace
+    )
+    assert isinstance(attribution, cl.LogitAttribution) and "logit(' Mary') - logit(' John')" in repr(attribution)
+    assert isinstance(flow, cl.Flow) and flow.rollout.shape[-1] == len(bundled_model.to_tokens(namespace["text"])[0])
+    assert isinstance(answer, cl.GenerationExplanation) and 1 <= len(answer) <= 8
+    assert isinstance(sinks, cl.SinkAnalysis)
+
+
 def test_the_documentations_examples_run(bundled_model) -> None:
     namespace = {"cl": cl, "model": bundled_model}
     exec(docs_block("def sink_vs_rest"), namespace)
