@@ -326,3 +326,30 @@ def test_induction_heads_are_k_composed_with_a_previous_token_head(bundled_model
         assert len(yes) == composed, found  # the others: an MLP (SmolLM2's L23H2 and L23H7, Gemma's L13H3)
         for head, top in yes:  # the previous-token head sits in an earlier layer
             assert qk_module.component_layer_head(top)[0] < qk_module.component_layer_head(head)[0]
+
+
+SINK_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Alice went to the market to buy apples, and Bob stayed home to "
+    "read a book."
+)
+
+
+def sink_sources(model, layers: list[int], threshold: float = 0.8) -> dict[str, str]:
+    """For every head of ``layers`` that parks on key 0: the component with the largest key-side advantage there."""
+    shares = cl.map_layers(model, SINK_TEXT, lambda layer: layer.pattern[0][:, 4:, 0].mean(-1), layers=layers)
+    found = {}
+    for layer in layers:
+        heads = (shares[layer] > threshold).nonzero().flatten().tolist()
+        result = cl.qk_attribution(model, SINK_TEXT, layer, heads, query=list(range(4, len(shares.str_tokens[0]))))
+        for head in heads:
+            advantage = result.advantage("key", head=head)[:, :, 0].mean(0)  # [component], averaged over queries
+            found[f"L{layer}H{head}"] = result.key_components[int(advantage.argmax())]
+    return found
+
+
+@pytest.mark.slow
+def test_what_makes_the_sink_attractive_is_an_mlps_write_at_bos(bundled_model, gemma) -> None:
+    smol = sink_sources(bundled_model, [14, 21, 26])
+    assert len(smol) >= 4 and set(smol.values()) == {"L11.mlp"}, smol
+    gem = sink_sources(gemma, [1, 5, 17])
+    assert len(gem) >= 4 and all(name.endswith(".mlp") for name in gem.values()), gem
