@@ -121,6 +121,7 @@ def test_sides_add_up_to_the_scores_and_advantages_to_log_alpha_plus_entropy() -
     assert_close(torch.tensor(cell.key_side.to_numpy()), torch.tensor(result.advantage("key")[4].to_numpy()))
     assert_close(torch.tensor(cell.query_side.to_numpy()), torch.tensor(result.advantage("query")[4].to_numpy()))
     assert cell.total == pytest.approx(cell.log_alpha_plus_entropy, abs=1e-4)
+    assert repr(cell).startswith(f"QKCell(head=2, query=6, key=4, alpha={cell.alpha:.3g}, total=")
     assert cell.score == pytest.approx(float(scores[4]), rel=1e-5)
     assert result.cell().key == int(result.pattern[0, 0].argmax())  # default: the key it attends to most
 

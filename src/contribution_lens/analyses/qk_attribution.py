@@ -100,6 +100,17 @@ class QKCell:
     def total(self) -> float:
         return float(self.key_side.sum())
 
+    def __repr__(self) -> str:
+        def largest(series: pd.Series) -> str:
+            name = series.abs().idxmax()
+            return f"{name} {series[name]:+.3g}"
+
+        return (
+            f"QKCell(head={self.head}, query={self.query}, key={self.key}, alpha={self.alpha:.3g}, "
+            f"total={self.total:.4g}, log_alpha_plus_entropy={self.log_alpha_plus_entropy:.4g}, "
+            f"largest key side: {largest(self.key_side)}, query side: {largest(self.query_side)})"
+        )
+
 
 @dataclass(frozen=True, eq=False)
 class QKAttribution:
