@@ -144,6 +144,15 @@ def test_several_queries_give_tensors_and_the_table_holds_every_term() -> None:
     assert list(top["advantage"].abs()) == sorted(top["advantage"].abs(), reverse=True)
 
 
+def test_a_half_precision_model_is_split_in_float32_within_its_own_rounding() -> None:
+    model = tiny_bridge("gqa", biases=True).to(torch.bfloat16)
+    result = cl.qk_attribution(model, IDS, 1, 1, query=None)
+    assert result.query_parts.dtype == result.key_parts.dtype == torch.float32
+    # The model's own bfloat16 scores are rounded to 8 bits: the check allows that (3e-2), the sums are exact.
+    assert_close(result.terms("key").sum(2)[0], result.score_table().masked_fill(~result.visible, 0.0))
+    assert float(result.cell(query=-1).total) == pytest.approx(result.cell(query=-1).log_alpha_plus_entropy, abs=0.05)
+
+
 def test_save_and_load_round_trip(tmp_path) -> None:
     result = cl.qk_attribution(tiny_bridge("gqa", biases=True), IDS, 1, [0, 3], query=[4, 8])
     loaded = QKAttribution.load(result.save(tmp_path / "qk.safetensors"))
