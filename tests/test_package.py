@@ -13,7 +13,7 @@ from helpers import docs_block, run_block
 
 SRC = Path(cl.__file__).parent
 SUBPACKAGES = ("analyses", "cli", "faithfulness", "methods", "views")
-CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses")
+CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "qk")
 
 
 def modules() -> list[Path]:
@@ -108,7 +108,7 @@ def test_only_the_adapter_knows_hook_names() -> None:
 
 
 def test_the_maths_knows_no_transformer_lens() -> None:
-    for name in ("choices", "decomposition", "losses", "_settings"):
+    for name in ("choices", "decomposition", "losses", "qk", "_settings"):
         tree = ast.parse((SRC / f"{name}.py").read_text(encoding="utf-8"))
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names} | {
             node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module

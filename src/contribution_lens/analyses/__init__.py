@@ -10,6 +10,9 @@
   not exported here, where the name is the module's);
 * `flow`: the signed token mixing of every layer, its rollout at a prediction and the pruned graph
   (`Flow`; the function is ``contribution_lens.flow``, likewise);
+* `qk_attribution`: why a head attends: every pre-softmax score of a head split exactly over the
+  query's and the key's upstream components, with the advantage that explains the pattern
+  (`QKAttribution`; the function is ``contribution_lens.qk_attribution``, likewise);
 * `generation`: every token of a generated answer explained from one teacher-forced pass (`explain_generation`).
 
 A new analysis is one file here: a per-layer function, a result type (a `LayerResults`
@@ -20,6 +23,7 @@ from contribution_lens.analyses.flow import Flow, FlowEdges, FlowLayer
 from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
 from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary
 from contribution_lens.analyses.logit_attribution import LogitAttribution
+from contribution_lens.analyses.qk_attribution import QKAttribution, QKCell
 from contribution_lens.analyses.sink_claims import SinkStudy, sink_study
 from contribution_lens.analyses.sink_intervention import SinkIntervention, run_sink_intervention
 from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, claim_verdicts, sink_analysis
@@ -32,6 +36,8 @@ __all__ = [
     "GenerationStep",
     "Geometry",
     "LogitAttribution",
+    "QKAttribution",
+    "QKCell",
     "SinkAnalysis",
     "SinkIntervention",
     "SinkLayer",

@@ -22,6 +22,7 @@ from contribution_lens.analyses.flow import Flow
 from contribution_lens.analyses.generation import GenerationExplanation
 from contribution_lens.analyses.geometry import Geometry
 from contribution_lens.analyses.logit_attribution import LogitAttribution
+from contribution_lens.analyses.qk_attribution import QKAttribution, component_layer_head
 from contribution_lens.analyses.sinks import SinkLayer
 from contribution_lens.choices import FACTORS, Factor
 from contribution_lens.decomposition import Decomposition
@@ -673,3 +674,95 @@ def generation_keys(explanation: GenerationExplanation) -> go.Figure:
         height=max(360, 22 * len(table.index) + 200),
     )
     return figure
+
+
+# --- why a head attends (`QKAttribution`) ---------------------------------------------------------
+
+
+def _qk_title(result: QKAttribution, head: int, query: int) -> str:
+    return f"L{result.layer}H{head}, query {query}:{result.str_tokens[query]!r}"
+
+
+def qk_advantage(result: QKAttribution, *, head: int, query: int, side: str = "key") -> go.Figure:
+    """Components x keys heatmap of the advantage ``A_ij^c`` of one head and query (diverging, centred at 0).
+
+    Each column sums to ``log alpha_ij + H(alpha_i)``; the hover gives the component, the key,
+    the advantage and the key's weight.
+    """
+    table = result.advantage(side, head=head, query=query)
+    alpha = result.pattern[result.heads.index(head), result.queries.index(query % len(result.str_tokens))]
+    keys = [f"{j}:{result.str_tokens[j]}" for j in table.columns]
+    weights = np.array([[float(alpha[j]) for j in table.columns]] * len(table.index))
+    figure = go.Figure(
+        go.Heatmap(
+            z=table.to_numpy(),
+            x=keys,
+            y=list(table.index),
+            customdata=weights,
+            colorscale=DIVERGING,
+            zmid=0,
+            hovertemplate="%{y} at key %{x}<br>advantage %{z:.4f}<br>alpha %{customdata:.4f}<extra></extra>",
+            colorbar={"title": "advantage"},
+        )
+    )
+    figure.update_layout(
+        title=f"{side.capitalize()}-side advantage per component, {_qk_title(result, head, query)}",
+        xaxis={"title": "key", "tickangle": -60},
+        yaxis={"title": f"{side} component", "autorange": "reversed"},
+        height=max(400, 14 * len(table.index)),
+    )
+    return figure
+
+
+def qk_key_bars(result: QKAttribution, *, head: int, query: int, key: int | None = None, top: int = 15) -> go.Figure:
+    """Both sides' advantages at one key (default: the most attended), the ``top`` components of each by size.
+
+    The title names the key's token, its weight, and the total beside ``log alpha + H``.
+    """
+    cell = result.cell(query=query, key=key, head=head)
+    figure = make_subplots(rows=1, cols=2, subplot_titles=("key side", "query side"), horizontal_spacing=0.25)
+    for column, series in enumerate((cell.key_side, cell.query_side), start=1):
+        chosen = series.reindex(series.abs().sort_values(ascending=False).index[:top])[::-1]
+        figure.add_trace(
+            go.Bar(
+                x=chosen.to_numpy(),
+                y=list(chosen.index),
+                orientation="h",
+                marker={"color": ["#b2182b" if v >= 0 else "#2166ac" for v in chosen.to_numpy()]},
+                hovertemplate="%{y}<br>advantage %{x:.4f}<extra></extra>",
+                showlegend=False,
+            ),
+            row=1,
+            col=column,
+        )
+    token = result.str_tokens[cell.key]
+    figure.update_layout(
+        title=(
+            f"Why {_qk_title(result, head, cell.query)} attends to key {cell.key}:{token!r} (alpha {cell.alpha:.3f}): "
+            f"advantages sum to {cell.total:.3f}, log alpha + H = {cell.log_alpha_plus_entropy:.3f}"
+        ),
+        height=max(400, 22 * top),
+    )
+    figure.update_xaxes(title_text="advantage")
+    return figure
+
+
+def qk_heads(result: QKAttribution, *, head: int, query: int, key: int | None = None) -> go.Figure:
+    """Layers x heads grid of each earlier head's key-side advantage at one key (default: the most attended).
+
+    What K-composition looks like: an earlier head whose output makes this key attractive.
+    """
+    cell = result.cell(query=query, key=key, head=head)
+    n_heads = max((h for _, h in map(component_layer_head, cell.key_side.index) if h is not None), default=-1) + 1
+    values = torch.zeros(max(result.layer, 1), max(n_heads, 1), dtype=torch.float64)
+    for name, value in cell.key_side.items():
+        layer, h = component_layer_head(str(name))
+        if layer is not None and h is not None:
+            values[layer, h] = float(value)
+    return head_grid(
+        values,
+        title=f"Key-side advantage of each earlier head at key {cell.key}:{result.str_tokens[cell.key]!r}, "
+        f"{_qk_title(result, head, cell.query)}",
+        signed=True,
+        colorbar_title="advantage",
+    )
