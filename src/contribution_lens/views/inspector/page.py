@@ -1,8 +1,8 @@
 """The inspector's static page: plotly.js once, every embedded layer's payload once, the view in the URL fragment.
 
 One self-contained file that opens offline. The drawing code is the inspector's ES module
-(``static/inspector.js``), inlined once in a ``<script type="module">`` that mounts it on the
-page's root element; the data sits in a ``<script type="application/json">`` block.
+(`module`, ``static/inspector.js``), inlined once in a ``<script type="module">`` that
+mounts it on the page's root element; the data sits in a ``<script type="application/json">`` block.
 """
 
 import html
@@ -22,10 +22,15 @@ def asset(name: str) -> str:
     return (resources.files("contribution_lens.views.inspector") / "static" / name).read_text(encoding="utf-8")
 
 
+def module() -> str:
+    """The front-end's ES module, as the widget and the page load it."""
+    return asset("inspector.js")
+
+
 def render(meta: dict[str, Any], payloads: dict[int, dict[str, Any]], steps: dict[str, Any] | None = None) -> str:
     """The page for `contribution_lens.views.inspector.payload.meta`, those layers' payloads and explained steps.
 
-    ``steps`` (`contribution_lens.views.inspector.payload.steps_payload`) adds the step control and
+    ``steps`` (`contribution_lens.views.inspector.steps.steps_payload`) adds the step control and
     the prediction view.
     """
     data = {
@@ -44,7 +49,7 @@ def render(meta: dict[str, Any], payloads: dict[int, dict[str, Any]], steps: dic
             f"</head><body><h1>{html.escape(title)}</h1><div class='cl-page-root'></div>",
             f"<script type='application/json' class='cl-data'>{blob}</script>",
             "<script type='module'>",
-            asset("inspector.js"),
+            module(),
             "const root = document.querySelector('.cl-page-root');",
             "page(root, JSON.parse(document.querySelector('.cl-data').textContent));",
             "</script>",
