@@ -136,11 +136,13 @@ def decode_compact(payload: dict[str, Any], window: Window) -> dict[str, np.ndar
     raw = unpack_compact(payload)
     d_head = payload["d_head"]
     n_keys, n_queries = len(window.keys), len(window.queries)
-    key = raw["key_vectors"].reshape(-1, n_keys, d_head) * raw["key_scales"].reshape(-1, n_keys, 1)
+    # float64 throughout, as the page computes: the int8 dot products are exact, then scaled.
+    key = raw["key_vectors"].astype(np.float64).reshape(-1, n_keys, d_head)
     out = {"attention": raw["attention"].reshape(key.shape[0], -1) / 255.0}
     for scope in SCOPES:
-        query = raw[f"query_{scope}_vectors"].reshape(-1, n_queries, d_head)
-        query = query * raw[f"query_{scope}_scales"].reshape(-1, n_queries, 1)
-        full = np.einsum("hqr,hkr->hqk", query.astype(np.float64), key.astype(np.float64))
-        out[f"cosine_{scope}"] = full[:, window.mask]
+        query = raw[f"query_{scope}_vectors"].astype(np.float64).reshape(-1, n_queries, d_head)
+        query_scale = raw[f"query_{scope}_scales"].astype(np.float64).reshape(-1, n_queries, 1)
+        key_scale = raw["key_scales"].astype(np.float64).reshape(-1, 1, n_keys)
+        cosine = np.einsum("hqr,hkr->hqk", query, key) * query_scale * key_scale
+        out[f"cosine_{scope}"] = cosine[:, window.mask]
     return out
