@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+from jaxtyping import Float
 from plotly.colors import get_colorscale
 from torch import Tensor
 
@@ -145,15 +146,20 @@ def _numpy(tensor: Tensor) -> np.ndarray:
     return tensor.detach().to("cpu", torch.float32).numpy()
 
 
+def _cells(values: Float[Tensor, "batch head query key"], cells: Tensor, index: int) -> np.ndarray:
+    """``[head cell]``: the text's displayable cells, row-major (index_select keeps them C-contiguous)."""
+    return _numpy(values[index].flatten(-2).index_select(1, cells))
+
+
 def _scope_arrays(
-    d: Decomposition, cells: np.ndarray, attention: np.ndarray, value_norm: np.ndarray, groups: list[list[int]],
+    d: Decomposition, cells: Tensor, attention: np.ndarray, value_norm: np.ndarray, groups: list[list[int]],
     index: int,
 ) -> dict[str, np.ndarray]:  # fmt: skip
     """One scope's arrays of `ARRAYS`: per-head cosines and norms, totals, and the combined heads."""
     scope, n_heads = str(d.scope), attention.shape[0]
     valid = d.valid[index].cpu().numpy()
     query_of, key_of = np.nonzero(valid)
-    cosine = _numpy(d.cosine[index].reshape(n_heads, -1))[:, cells]
+    cosine = _cells(d.cosine, cells, index)
     output_norm = _numpy(d.output_norm[index])
     out = output_norm[:, query_of]
     relative_norm = np.divide(value_norm[:, key_of], out, out=np.zeros_like(out), where=out > 0)
@@ -193,10 +199,10 @@ def layer_arrays(
     valid = inter.valid[index].cpu().numpy()
     if not valid.any(1).all():
         raise ValueError("every query must see at least one key")
-    cells = np.flatnonzero(valid)
+    cells = torch.from_numpy(np.flatnonzero(valid))
     cell = np.full(valid.shape, -1, dtype=np.int64)
-    cell[valid] = np.arange(cells.size)
-    attention = _numpy(inter.attention[index].reshape(n_heads, -1))[:, cells]
+    cell[valid] = np.arange(cells.numel())
+    attention = _cells(inter.attention, cells, index)
     value_norm = _numpy(inter.value_norm[index])
     arrays = {"attention": attention, "value_norm": value_norm}
     for d in (inter, intra):
