@@ -122,6 +122,38 @@ def _heatmap(values: np.ndarray, labels: list[str], factor: Factor, customdata: 
     )
 
 
+def factor_grid(
+    factors: dict[str, np.ndarray],
+    *,
+    factor: Factor | str,
+    queries: Sequence[str],
+    keys: Sequence[str],
+) -> go.Figure:
+    """Query x key heatmap of one factor, drawn from ``[query key]`` grids of all four (NaN cells blank).
+
+    ``factors`` maps each of `contribution_lens.FACTORS` to its grid; the hover shows all four
+    numbers of a cell. Every query and key is labelled (``queries``, ``keys``: unique labels).
+
+    Example:
+        >>> grid = np.array([[1.0, np.nan], [0.25, 0.75]])
+        >>> figure = factor_grid({name: grid for name in FACTORS}, factor="attention", queries=["0:a", "1:b"],
+        ...                      keys=["0:a", "1:b"])
+        >>> figure.data[0].y, figure.layout.yaxis.autorange
+        (('0:a', '1:b'), 'reversed')
+    """
+    factor = Factor.of(factor)
+    hover = np.stack([np.asarray(factors[name]) for name in FACTORS], axis=-1)
+    trace = _heatmap(np.asarray(factors[factor]), list(keys), factor, hover).update(y=list(queries))
+    ticks = {"tickmode": "array", "tickvals": list(keys), "ticktext": list(keys)}
+    return go.Figure(trace).update_layout(
+        xaxis={"title": "key", "tickangle": -60, **ticks},
+        yaxis={"title": "query", "autorange": "reversed", **ticks, "tickvals": list(queries),
+               "ticktext": list(queries)},
+        height=max(400, 14 * len(queries) + 200),
+        width=max(500, 14 * len(keys) + 260),
+    )  # fmt: skip
+
+
 def token_heatmap(
     geometry: Geometry,
     *,
