@@ -7,13 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import contribution_lens as cl
 from helpers import readme_block
 
 SRC = Path(cl.__file__).parent
 SUBPACKAGES = ("analyses", "cli", "faithfulness", "methods", "views")
-CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses")
+CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing")
 
 
 def modules() -> list[Path]:

@@ -8,7 +8,8 @@ import contribution_lens as cl
 from conftest import assert_close, tiny_bridge, tiny_encoder
 from contribution_lens import adapter
 from contribution_lens.analyses.flow import Flow
-from contribution_lens.methods.rollout import compose, layer_mixing
+from contribution_lens.methods.rollout import compose
+from contribution_lens.mixing import layer_mixing
 
 IDS = torch.tensor([1, 5, 9, 3, 7, 2, 8, 11])
 

@@ -2,7 +2,7 @@
 
 At every layer ``l`` the residual stream after attention, ``r_i = x_i + a_i`` (``x_i`` =
 ``hook_resid_pre``, ``a_i`` = the attention output with ``b_O``), splits by the contribution rule
-into one signed part per (head, key) and the residual term (`contribution_lens.methods.rollout`):
+into one signed part per (head, key) and the residual term (`contribution_lens.mixing`):
 
     w_ij^h = <r_i, alpha_ij^h vt_j^h> / ||r_i||^2 = alpha_ij^h * (||vt_j^h|| / ||r_i||) * cos(r_i, vt_j^h)
     M_ij   = sum_h w_ij^h + [i == j] <r_i, x_i + b_O> / ||r_i||^2          (sum_j M_ij = 1)
@@ -53,7 +53,7 @@ from contribution_lens import adapter
 from contribution_lens.choices import as_indices, as_position
 from contribution_lens.engine import LayerResults, map_layers
 from contribution_lens.files import load_tensors, reading, save_tensors
-from contribution_lens.methods.rollout import layer_mixing
+from contribution_lens.mixing import layer_mixing
 
 DEFAULT_THRESHOLD = 0.02
 """Smallest ``|w_ij^h|`` kept as an edge (and the graph's default threshold)."""
@@ -87,8 +87,9 @@ class FlowLayer:
     edges: FlowEdges
 
 
-def _flow_layer(model: adapter.Model, layer: adapter.LayerInputs, threshold: float) -> FlowLayer:
-    mixing = layer_mixing(layer, adapter.attention_update(model, layer), factors=True, threshold=threshold)
+def _flow_layer(readout: adapter.Readout, layer: adapter.LayerInputs, threshold: float) -> FlowLayer:
+    """One layer of a flow: its mixing, residual terms and the parts ``|w| >= threshold`` with their factors."""
+    mixing = layer_mixing(layer, readout.attention_update(layer), factors=True, threshold=threshold)
     assert mixing.strong is not None  # asked for with the threshold
     strong = mixing.strong
     first = strong.batch == 0  # a flow explains one text
@@ -326,10 +327,8 @@ def flow(
     batch = adapter.to_token_batch(model, inputs, prepend_bos=prepend_bos)
     n = batch.tokens.shape[1]
     positions = [as_position(p, n) for p in as_indices(position, "positions")]  # bad positions fail before the pass
+    readout = adapter.readout(model)
     results = map_layers(
-        model,
-        batch,
-        lambda layer: _flow_layer(model, layer, threshold),
-        capture=adapter.flow_capture(model),
+        model, batch, lambda layer: _flow_layer(readout, layer, threshold), capture=list(readout.flow_capture)
     )
     return Flow.from_results(results, positions=positions, threshold=threshold)

@@ -272,14 +272,16 @@ def greedy_tokens(
     return torch.tensor(new, dtype=torch.long)
 
 
-def _answer_ids(model: adapter.Model, answer: str | Sequence[TokenLike] | Tensor) -> list[int]:
+def _answer_ids(
+    model: adapter.Model, answer: str | Sequence[TokenLike] | Tensor, readout: adapter.Readout
+) -> list[int]:
     if isinstance(answer, str):
         ids = model.tokenizer.encode(answer, add_special_tokens=False)
     elif isinstance(answer, Tensor):
         ids = answer.reshape(-1).tolist()
     else:
-        ids = [token_id(model, token, "answer token") for token in answer]
-    checked = [token_id(model, int(i), "answer token") for i in ids]
+        ids = [token_id(model, token, "answer token", readout) for token in answer]
+    checked = [token_id(model, int(i), "answer token", readout) for i in ids]
     if not checked:
         raise ValueError("answer is empty: there is no token to explain")
     return checked
@@ -314,7 +316,7 @@ def explain_generation(
         prepend_bos: prepend the tokenizer's BOS to a text prompt.
         dtype: accumulation dtype of the terms.
     """
-    check_decoder(model)
+    readout = check_decoder(model)
     if answer is None and (
         isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
     ):
@@ -324,16 +326,16 @@ def explain_generation(
     if answer is None:
         new = greedy_tokens(model, prompt_ids, max_new_tokens, stop_at_eos=stop_at_eos).tolist()
     else:
-        new = _answer_ids(model, answer)
+        new = _answer_ids(model, answer, readout)
     full = torch.cat([prompt_ids, torch.tensor(new, dtype=torch.long, device=prompt_ids.device)])
     adapter.check_length(model, full.shape[0], "prompt and answer")
     whole = adapter.to_token_batch(model, full)
     start = prompt_ids.shape[0]
     positions = list(range(start - 1, start - 1 + len(new)))
-    also = (lambda layer: _flow_layer(model, layer, threshold)) if flow else None
-    capture = adapter.flow_capture(model) if flow else ()
+    also = (lambda layer: _flow_layer(readout, layer, threshold)) if flow else None
+    capture = readout.flow_capture if flow else ()
     explained, flows = attribute_with(
-        model, whole, positions, new, [None] * len(new), dtype=dtype, also=also, also_capture=capture
+        model, whole, positions, new, [None] * len(new), dtype=dtype, also=also, also_capture=capture, readout=readout
     )
     shared = None if flows is None else Flow.from_results(flows, positions=positions, threshold=threshold)
     steps = tuple(
