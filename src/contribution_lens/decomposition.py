@@ -100,6 +100,16 @@ class Decomposition:
             .mul_(einops.rearrange(inv_out, "batch head query -> batch head query 1"))
         )
 
+    @property
+    def value_weighted(self) -> Float[Tensor, "batch head query key"]:
+        """``alpha_ij^h ||vt_j^h||``: Kobayashi et al.'s per-head norm-based measure."""
+        return self.attention * einops.rearrange(self.value_norm, "batch head key -> batch head 1 key")
+
+    @property
+    def output_normalized(self) -> Float[Tensor, "batch head query key"]:
+        """``alpha_ij^h ||vt_j^h|| / ||o||``."""
+        return self.attention * self.relative_norm
+
     def head_contribution(self, head: int) -> Float[Tensor, "batch query key"]:
         """``c_ij^h`` of one head, without building every head's (unless already computed)."""
         head = as_index(head, "head must be an integer")
@@ -170,6 +180,15 @@ class Decomposition:
             f"Decomposition(scope={self.scope!r}, batch={batch}, head={head}, query={query}, key={key}, "
             f"dtype={self.attention.dtype}, device={self.attention.device})"
         )
+
+
+MEASURES: dict[str, str] = {
+    "attention": "attention α",
+    "value_weighted": "value-weighted α‖vt‖",
+    "output_normalized": "output-normalised α‖vt‖/‖o‖",
+    "contribution": "contribution c",
+}
+"""The measures read off a `Decomposition`'s factors (its attributes of those names) and how figures label them."""
 
 
 def _safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:

@@ -7,8 +7,10 @@ instead of the decompositions: `layer_summary` streams the same numbers as
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import einops
 import pandas as pd
@@ -19,9 +21,12 @@ from transformer_lens import ActivationCache
 
 from contribution_lens import adapter
 from contribution_lens.choices import as_index, as_indices
-from contribution_lens.decomposition import Decomposition, Factor, Scope, decompose
+from contribution_lens.decomposition import MEASURES, Decomposition, Factor, Scope, decompose
 from contribution_lens.engine import LayerResults, map_layers
 from contribution_lens.files import reading, save_tensors
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 _FIELDS = ("attention", "cosine", "value_norm", "output_norm", "valid")
 _FORMAT = "contribution_lens.Geometry/1"
@@ -131,6 +136,70 @@ class Geometry(LayerResults[Decomposition]):
         if min_abs_contribution > 0:
             table = table[table["contribution"].abs() >= min_abs_contribution].reset_index(drop=True)
         return table
+
+    def figures(
+        self,
+        *,
+        layer: int | None = None,
+        index: int = 0,
+        measures: Mapping[str, Callable[[Decomposition], Tensor]] | None = None,
+    ) -> "dict[str, go.Figure]":
+        """The overview of batch element ``index``, each figure under its title.
+
+        The attention to, and the contribution of, the first token (BOS) per layer and head; then,
+        at ``layer`` (default: `sink_layer`, where the two disagree most), the token-level
+        contribution heatmap and the measures of the last query side by side. ``measures`` maps
+        a label to a score of a `Decomposition`: by default its own four (attention,
+        value-weighted, output-normalised, contribution); ``cl.methods.decomposition_measures()``
+        adds every registered one.
+        """
+        from contribution_lens.views import plot
+
+        shown = self.sink_layer() if layer is None else self.resolve(layer)
+        query = len(self.str_tokens[index]) - 1
+        sink_attention = torch.stack([d.attention[index, :, 1:, 0].mean(-1) for d in self.values()])
+        sink_contribution = torch.stack([d.contribution[index, :, 1:, 0].mean(-1) for d in self.values()])
+        chosen = measures if measures is not None else {label: attrgetter(name) for name, label in MEASURES.items()}
+        bos = f"contribution of BOS ({self.scope}-head)"
+        return {
+            "Attention to the first token (BOS), per head": plot.head_grid(
+                sink_attention, title="attention to BOS", layers=self.layers
+            ),
+            "Contribution of the first token (BOS), per head": plot.head_grid(
+                sink_contribution, title=bos, layers=self.layers, signed=True
+            ),
+            f"Token-level contribution at layer {shown}": plot.token_heatmap(self, layer=shown, index=index),
+            f"Every measure for the last query at layer {shown}": plot.measure_bars(
+                self, chosen, layer=shown, query=query, index=index
+            ),
+        }
+
+    def report(
+        self,
+        path: str | os.PathLike,
+        *,
+        title: str = "contribution-lens",
+        layer: int | None = None,
+        text: str = "",
+        measures: Mapping[str, Callable[[Decomposition], Tensor]] | None = None,
+    ) -> Path:
+        """One self-contained HTML page: the text, the per-layer summary and `figures` (of batch element 0).
+
+        Example:
+            >>> import contribution_lens as cl, tempfile
+            >>> model = cl.load_model()
+            >>> g = cl.attention_geometry(model, "The cat sat on the mat.")
+            >>> g.report(tempfile.mkdtemp() + "/demo.html").stat().st_size > 1_000_000  # plotly.js is embedded
+            True
+        """
+        from contribution_lens.views import html
+
+        sections: list[html.Section] = [
+            ("Text", text or "".join(self.str_tokens[0])),
+            ("Per-layer summary", self.layer_summary()),
+            *self.figures(layer=layer, measures=measures).items(),
+        ]
+        return html.write_html(path, title, sections)
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write every layer's tensors to one ``.safetensors`` file, tokens and scope in its metadata."""
