@@ -174,7 +174,10 @@ def test_names_moved_in_the_layering_warn_with_their_new_place(tmp_path) -> None
         assert rollout.LayerMixing is mixing.LayerMixing
     with pytest.warns(DeprecationWarning, match=r"rollout\.visible is deprecated: use LayerInputs\.valid"):
         visible = rollout.visible
-    with pytest.warns(DeprecationWarning, match=r"plot\.compare_measures is deprecated: use contribution_lens\.views"):
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"plot\.compare_measures is deprecated: use contribution_lens\.views\.compare_measures",
+    ):
         assert cl.plot.compare_measures is overview.compare_measures
     pattern = torch.softmax(torch.randn(1, 2, 3, 3).masked_fill(torch.ones(3, 3).triu(1).bool(), -torch.inf), -1)
     d = cl.decompose(pattern, torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8))

@@ -142,7 +142,7 @@ def test_a_truncated_or_foreign_file_is_named_in_the_error(tmp_path):
     with pytest.raises(ValueError, match=rf"^{truncated} is not a Flow written by Flow.save \(SafetensorError"):
         Flow.load(truncated)
     geometry = cl.attention_geometry(tiny_bridge(), IDS).save(tmp_path / "g.safetensors")
-    with pytest.raises(ValueError, match=rf"^{geometry} is not a Flow .*its format is 'contribution_lens.Geometry/1'"):
+    with pytest.raises(ValueError, match=rf"^{geometry} is not a Flow .*its format is 'contribution_lens.Geometry/2'"):
         Flow.load(geometry)
 
 

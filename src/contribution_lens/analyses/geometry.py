@@ -5,7 +5,6 @@ instead of the decompositions: `layer_summary` streams the same numbers as
 ``attention_geometry(...).layer_summary()`` with one layer alive at a time.
 """
 
-import json
 import os
 from collections.abc import Callable, Mapping, Sequence
 from operator import attrgetter
@@ -23,20 +22,20 @@ from contribution_lens import adapter
 from contribution_lens.choices import as_index, as_indices
 from contribution_lens.decomposition import MEASURES, Decomposition, Factor, Scope, decompose
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.files import reading, save_tensors
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
-
-_FIELDS = ("attention", "cosine", "value_norm", "output_norm", "valid")
-_FORMAT = "contribution_lens.Geometry/1"
 
 
 class Geometry(LayerResults[Decomposition]):
     """Per-layer `Decomposition` of a batch, with the tokens that label it.
 
     ``geometry[3].contribution`` is ``[batch head query key]``; ``geometry[-1]`` is the last layer.
+    ``save(path)`` / ``Geometry.load(path)`` keep every layer's factors in one file; ``figures()``
+    and ``report(path)`` are its overview.
     """
+
+    STORED = ("scope",)
 
     def __init__(
         self,
@@ -178,12 +177,14 @@ class Geometry(LayerResults[Decomposition]):
         self,
         path: str | os.PathLike,
         *,
-        title: str = "contribution-lens",
+        title: str | None = None,
         layer: int | None = None,
         text: str = "",
         measures: Mapping[str, Callable[[Decomposition], Tensor]] | None = None,
     ) -> Path:
         """One self-contained HTML page: the text, the per-layer summary and `figures` (of batch element 0).
+
+        ``title`` defaults to what the result is: ``Geometry of N tokens (scope-head)``.
 
         Example:
             >>> import contribution_lens as cl, tempfile
@@ -199,46 +200,8 @@ class Geometry(LayerResults[Decomposition]):
             ("Per-layer summary", self.layer_summary()),
             *self.figures(layer=layer, measures=measures).items(),
         ]
-        return html.write_html(path, title, sections)
-
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write every layer's tensors to one ``.safetensors`` file, tokens and scope in its metadata."""
-        tensors = {"tokens": self.tokens.cpu().contiguous(), "attention_mask": self.attention_mask.cpu().contiguous()}
-        for layer, d in self.items():
-            for name in _FIELDS:
-                tensors[f"{layer}.{name}"] = getattr(d, name).detach().cpu().contiguous().clone()
-        metadata = {
-            "scope": str(self.scope),
-            "n_layers": str(self.n_layers),
-            "layers": json.dumps(self.layers),
-            "str_tokens": json.dumps(self.str_tokens),
-        }
-        return save_tensors(path, tensors, metadata, format=_FORMAT, example="geometry.safetensors")
-
-    @classmethod
-    def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> "Geometry":
-        """Read a file written by `save`."""
-        from safetensors import safe_open
-
-        source = Path(path)
-        if not source.is_file():
-            raise FileNotFoundError(f"no saved Geometry at {source}")
-        # A truncated file, edited metadata or labels that no longer fit the tokens: the error names the file.
-        with reading(source, "a Geometry written by Geometry.save"):
-            with safe_open(str(source), framework="pt", device=str(device)) as handle:
-                metadata = handle.metadata() or {}
-                if metadata.get("format") != _FORMAT:
-                    raise ValueError(f"its format is {metadata.get('format')!r}")
-                layers = {
-                    layer: Decomposition(
-                        **{name: handle.get_tensor(f"{layer}.{name}") for name in _FIELDS}, scope=metadata["scope"]
-                    )
-                    for layer in json.loads(metadata["layers"])
-                }
-                tokens, mask = handle.get_tensor("tokens"), handle.get_tensor("attention_mask")
-            return cls(
-                layers, tokens, mask, json.loads(metadata["str_tokens"]), metadata["scope"], int(metadata["n_layers"])
-            )
+        default = f"Geometry of {len(self.str_tokens[0])} tokens ({self.scope}-head)"
+        return html.write_html(path, default if title is None else title, sections)
 
 
 def _positions(value: int | Sequence[int] | None, size: int, what: str) -> list[int]:

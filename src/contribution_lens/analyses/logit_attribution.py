@@ -31,12 +31,11 @@ logit would lose if that component's output were removed *and the scales stayed 
     ' Mary'
 """
 
-import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import einops
 import pandas as pd
@@ -47,37 +46,24 @@ from torch import Tensor
 from contribution_lens import adapter
 from contribution_lens.choices import as_position
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.files import load_tensors, reading, save_tensors
+from contribution_lens.files import Saves
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 TOLERANCE = 1e-3
 """Relative gap between the sum of the terms and the model's logit above which a call fails."""
-_FORMAT = "contribution_lens.LogitAttribution/1"
-_TENSORS = ("tokens", "attention", "attention_bias", "post_norm_bias", "mlp")
-_METADATA = (
-    "str_tokens",
-    "position",
-    "target",
-    "target_token",
-    "foil",
-    "foil_token",
-    "logit",
-    "embed",
-    "final_norm_bias",
-    "unembed_bias",
-    "has_biases",
-    "softcap",
-)
-"""The fields a file holds as JSON metadata; `_TENSORS` are its tensors (together: every field)."""
 
 
 @dataclass(frozen=True, eq=False)
-class LogitAttribution:
+class LogitAttribution(Saves):
     """Signed terms that add up to one next-token logit (or logit difference) of a decoder.
 
     ``attention[l, h, j]`` is key ``j``'s term through head ``h`` of layer ``l``; the others are
     one number per layer (``mlp``, ``attention_bias`` = ``b_O``, ``post_norm_bias``) or per model
     (``embed``, ``final_norm_bias``, ``unembed_bias``). ``logit`` is the model's own value, and
     ``total()`` the terms' sum. Biases a model does not have are 0 and get no table row.
+    ``save(path)`` / ``LogitAttribution.load(path)`` keep it in one file.
     """
 
     tokens: Int[Tensor, " pos"]
@@ -200,7 +186,7 @@ class LogitAttribution:
         table = self.to_dataframe()
         return table.loc[table["value"].abs().sort_values(ascending=False).index[:k]].reset_index(drop=True)
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> "dict[str, go.Figure]":
         """``heads`` (layers x heads heatmap), ``keys`` (per-key bars with tokens), ``layers`` (attention vs MLP)."""
         from contribution_lens.views import plot
 
@@ -213,33 +199,19 @@ class LogitAttribution:
             f"layers={self.n_layers}, heads={self.attention.shape[1]}, top key {key}:{self.str_tokens[key]!r})"
         )
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the terms to one ``.safetensors`` file (tokens, target and foil in its metadata)."""
-        tensors, metadata = self._parts()
-        return save_tensors(path, tensors, metadata, format=_FORMAT, example="logit.safetensors")
+    def report(self, path: str | os.PathLike) -> Path:
+        """One self-contained HTML page: the figures, the largest terms and the terms per layer."""
+        from contribution_lens.views import html
 
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "LogitAttribution":
-        """Read a file written by `save`."""
-        # A truncated file, another format or edited metadata: the error names the file.
-        tensors, metadata = load_tensors(path, format=_FORMAT, kind="LogitAttribution")
-        with reading(path, "a LogitAttribution written by LogitAttribution.save"):
-            return cls._from_parts(tensors, {name: value for name, value in metadata.items() if name != "format"})
-
-    def _parts(self) -> tuple[dict[str, Tensor], dict[str, str]]:
-        """What `save` writes: the tensor fields, and every other field as JSON metadata.
-
-        Also how a `GenerationExplanation` file holds each step's attribution (under a prefix).
-        """
-        tensors = {name: getattr(self, name).detach().cpu().contiguous().clone() for name in _TENSORS}
-        return tensors, {name: json.dumps(getattr(self, name)) for name in _METADATA}
-
-    @classmethod
-    def _from_parts(cls, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> "LogitAttribution":
-        """The attribution `_parts` wrote."""
-        fields: dict[str, Any] = {**tensors, **{name: json.loads(value) for name, value in metadata.items()}}
-        fields["has_biases"] = tuple(fields["has_biases"])
-        return cls(**fields)
+        sections: list[html.Section] = [
+            ("Text", "".join(self.str_tokens)),
+            ("What is explained", f"{self.quantity} = {self.logit:.4f} at position {self.position}; "
+             f"the terms add up to {self.total():.4f}"),
+            *self.figures().items(),
+            ("The 20 largest terms", self.top(20)),
+            ("Per layer", self.by_layer()),
+        ]  # fmt: skip
+        return html.write_html(path, f"LogitAttribution of {self.quantity}", sections)
 
 
 def _rows(component: str, term: str, values: list[float], *, layers: bool = False) -> pd.DataFrame:

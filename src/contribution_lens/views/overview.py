@@ -52,7 +52,7 @@ def write(
     geometry: Geometry,
     path: str | os.PathLike,
     *,
-    title: str = "contribution-lens",
+    title: str = "contribution-lens",  # the page's title before it was Geometry.report's
     layer: int | None = None,
     text: str = "",
 ) -> Path:

@@ -40,7 +40,7 @@ __getattr__, _ = face(
     {
         "compare_measures": (
             "contribution_lens.views.overview:compare_measures",
-            "use contribution_lens.views.overview.compare_measures (every registered measure), or "
+            "use contribution_lens.views.compare_measures (every registered measure), or "
             "Geometry.figures(measures=...)",
         )
     },
