@@ -213,7 +213,8 @@ def test_labels_that_do_not_fit_the_tokens_are_refused_when_built_and_when_loade
     with pytest.raises(ValueError, match="text 0 has 7 labels for its 9 real tokens: str_tokens must match the tokens"):
         cl.Geometry(dict(g.items()), g.tokens, g.attention_mask, short, "inter")
     path = g.save(tmp_path / "g.safetensors")
-    edited = _rewritten(path, str_tokens=json.dumps(short))
+    labels = json.dumps({"list": [{"list": labels} for labels in g.str_tokens]})
+    edited = _rewritten(path, lambda tree: tree.replace(labels, json.dumps({"list": [{"list": s} for s in short]})))
     with pytest.raises(ValueError, match=rf"{edited} is not a Geometry written by Geometry.save .*text 0 has 7 labels"):
         cl.Geometry.load(edited)
 
@@ -221,18 +222,23 @@ def test_labels_that_do_not_fit_the_tokens_are_refused_when_built_and_when_loade
 # --- files: every error names the file ------------------------------------------------------------------------
 
 
-def _rewritten(path, **metadata):
+def _rewritten(path, edit):
+    """A copy of a saved result with ``edit`` applied to its JSON tree (a string)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     with safe_open(str(path), "pt") as handle:
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-        saved = {**handle.metadata(), **metadata}
+        saved = handle.metadata()
+        edited = edit(saved["tree"])
+        assert edited != saved["tree"], "the edit changed nothing"
+        saved["tree"] = edited
     target = path.with_name("edited.safetensors")
     save_file(tensors, str(target), metadata=saved)
     return target
 
 
+@pytest.mark.usefixtures("as_a_user")
 def test_a_geometry_file_that_is_truncated_or_edited_is_named_in_the_error(tmp_path) -> None:
     g = cl.attention_geometry(tiny_bridge("mha"), IDS)
     path = g.save(tmp_path / "g.safetensors")
@@ -240,13 +246,16 @@ def test_a_geometry_file_that_is_truncated_or_edited_is_named_in_the_error(tmp_p
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ValueError, match=rf"^{truncated} is not a Geometry written by Geometry.save \(SafetensorError"):
         cl.Geometry.load(truncated)
-    for field, value, reason in [
-        ("layers", "[0, 1", "JSONDecodeError"),
-        ("layers", "[0, 5]", "SafetensorError: File does not contain tensor 5.attention"),
-        ("n_layers", "two", "ValueError: invalid literal"),
-        ("scope", "sideways", "ValueError: scope must be one of"),
+    for edit, reason in [
+        (lambda tree: tree[:-7], "JSONDecodeError"),
+        (
+            lambda tree: tree.replace('"layers.1.cosine"', '"layers.5.cosine"'),
+            "ValueError: it names a tensor 'layers.5",
+        ),
+        (lambda tree: tree.replace('"n_layers": 2', '"n_layers": "two"'), "ValueError: invalid literal"),
+        (lambda tree: tree.replace('"value": "inter"', '"value": "sideways"'), "ValueError: scope must be one of"),
     ]:
-        edited = _rewritten(path, **{field: value})
+        edited = _rewritten(path, edit)
         with pytest.raises(ValueError, match=rf"^{edited} is not a Geometry written by Geometry.save \({reason}"):
             cl.Geometry.load(edited)
 

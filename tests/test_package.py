@@ -7,13 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import contribution_lens as cl
 from helpers import docs_block, run_block
 
 SRC = Path(cl.__file__).parent
 SUBPACKAGES = ("analyses", "cli", "faithfulness", "methods", "views")
-CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "qk")
+CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "qk")
 
 
 def modules() -> list[Path]:
@@ -186,3 +187,35 @@ def test_the_documentations_examples_run(bundled_model) -> None:
         assert scores[0].shape == (1, 4, 4) and bool((scores[0].triu(1) == 0).all())
     finally:
         cl.unregister_method("value_norm_only")
+
+
+def test_names_moved_in_the_layering_warn_with_their_new_place(tmp_path) -> None:
+    from contribution_lens import mixing
+    from contribution_lens.methods import rollout
+    from contribution_lens.views import overview
+
+    with pytest.warns(DeprecationWarning, match=r"rollout\.layer_mixing is deprecated: use contribution_lens\.mixing"):
+        assert rollout.layer_mixing is mixing.layer_mixing
+    with pytest.warns(DeprecationWarning, match=r"rollout\.LayerMixing is deprecated: use contribution_lens\.mixing"):
+        assert rollout.LayerMixing is mixing.LayerMixing
+    with pytest.warns(DeprecationWarning, match=r"rollout\.visible is deprecated: use LayerInputs\.valid"):
+        visible = rollout.visible
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"plot\.compare_measures is deprecated: use contribution_lens\.views\.compare_measures",
+    ):
+        assert cl.plot.compare_measures is overview.compare_measures
+    pattern = torch.softmax(torch.randn(1, 2, 3, 3).masked_fill(torch.ones(3, 3).triu(1).bool(), -torch.inf), -1)
+    d = cl.decompose(pattern, torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8))
+    g = cl.Geometry(
+        {0: d}, torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool), [list("abc")], "inter"
+    )
+    with pytest.warns(DeprecationWarning, match=r"overview\.figures is deprecated: use Geometry\.figures"):
+        pairs = overview.figures(g)
+    assert [title for title, _ in pairs] == list(g.figures())
+    with pytest.warns(DeprecationWarning, match=r"overview\.write is deprecated: use Geometry\.report"):
+        assert overview.write(g, tmp_path / "g.html").is_file()
+    from conftest import tiny_bridge
+
+    seen = cl.map_layers(tiny_bridge(), torch.tensor([[1, 2, 3]]), lambda layer: (visible(layer), layer.valid))[0]
+    assert torch.equal(*seen)

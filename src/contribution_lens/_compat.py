@@ -205,6 +205,11 @@ DECOMPOSITION_METHODS = ("attention", "value_weighted", "output_normalized", "co
 """What ``contribution_lens.METHODS`` was: the measures read off one layer's decomposition."""
 
 
+def visible(layer: Any) -> Any:
+    """``methods.rollout.visible(layer)``: now the property `contribution_lens.LayerInputs.valid`."""
+    return layer.valid
+
+
 def __getattr__(name: str) -> Any:
     if name == "DEFAULT_METHODS":
         from contribution_lens.methods import default_methods

@@ -36,7 +36,14 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from contribution_lens.choices import as_index
-from contribution_lens.decomposition import Decomposition, Scope, decompose_layer, head_gram
+from contribution_lens.decomposition import (
+    Decomposition,
+    Scope,
+    decompose_layer,
+    head_gram,
+    head_outputs,
+    valid_positions,
+)
 
 Model = Any  # a TransformerBridge; typed loosely so tests can pass any bridge-like object
 HookFn = Callable[[Tensor, Any], Tensor | None]
@@ -453,6 +460,30 @@ class LayerInputs:
         """``attention_mask`` where the batch has padding, else None (the fast path)."""
         return None if bool(self.attention_mask.all()) else self.attention_mask
 
+    @property
+    def valid(self) -> Bool[Tensor, "batch query key"]:
+        """Which keys each query sees: ``j <= i`` in a decoder, every key in an encoder, never padding."""
+        if "valid" not in self._cache:
+            batch, _, n_query, n_key = self.pattern.shape
+            self._cache["valid"] = valid_positions(
+                n_query, n_key, attention_mask=self.padding_mask, batch=batch, causal=self.causal,
+                device=self.pattern.device,
+            )  # fmt: skip
+        return self._cache["valid"]
+
+    def head_outputs(self, dtype: torch.dtype | None = None) -> Float[Tensor, "batch query head d_head"]:
+        """``z_i^h = sum_j alpha_ij^h v_j^h`` over the keys query ``i`` sees (`decomposition.head_outputs`).
+
+        ``hook_z`` where the model has it, else ``alpha v``; 0 at a padding query. Derived once per
+        dtype (float32 by default, float64 for a float64 model) and shared by every function of the pass.
+        """
+        acc = dtype or torch.promote_types(self.pattern.dtype, torch.float32)
+        key = ("head_outputs", acc)
+        if key not in self._cache:
+            valid = None if self.padding_mask is None else self.valid
+            self._cache[key] = head_outputs(self.pattern, self.v, valid=valid, z=self.z, dtype=acc)
+        return self._cache[key]
+
     def decompose(self, scope: Scope | str = Scope.INTER, dtype: torch.dtype | None = None) -> Decomposition:
         """`contribution_lens.decompose` of this layer (cached per scope and dtype)."""
         scope = Scope.of(scope)
@@ -466,7 +497,7 @@ class LayerInputs:
                 causal=self.causal,
                 attention_mask=self.padding_mask,
                 dtype=dtype,
-                z=self.z,
+                z=self.head_outputs(dtype),
                 output=self.output_without_bias(),
                 gram=self.gram,
             )
@@ -900,18 +931,22 @@ def _probe_block_forms(model: Model) -> dict[int, str]:
     return forms
 
 
-# --- Logit attribution: the residual stream, the norms around it and the unembedding ---------------
+# --- The readout: the residual stream, the norms around it and the unembedding ---------------------
 #
 # The residual stream at the last block's output is the embedding plus every block's update,
 # ``x = resid_pre_0 + sum_l (resid_post_l - resid_pre_l)``, and attention's share of an update
 # is ``hook_attn_out``: the o-projection output, or that output after a post-attention norm
 # (Gemma 2/3 ``ln1_post``). With the norms' scales frozen at a position every step from the
 # residual stream to the logit is affine, so the logit splits exactly into per-component terms.
+#
+# Block ``l`` adds attention's update ``a_i`` to the residual stream ``x_i`` (``hook_resid_pre``):
+# ``r_mid_i = x_i + a_i``. ``a_i`` is the o-projection output ``o_i + b_O`` (``attn.o.hook_out``),
+# or, where a norm follows the attention, that norm's output with the scale frozen at the
+# position: ``a_i = N(o_i + b_O)``, ``N(p) = P(p) * gain / scale_i + bias``. In post-LN encoders
+# (BERT) the norm comes after the sum and ``r_mid`` is the sum before it.
 
 RESID_POST = "hook_resid_post"
 ATTN_OUT = "hook_attn_out"
-POST_SCALE = "post_attention_norm_scale"
-"""The ``LayerInputs.captured`` key of the post-attention norm's ``hook_scale``, where there is one."""
 
 
 @dataclass(frozen=True)
@@ -922,6 +957,11 @@ class FrozenNorm:
     (RMSNorm); ``gain`` is the weight as the norm applies it (Gemma's ``1 + w``), None when the
     norm has none; ``scale`` is the norm's own ``hook_scale`` at a position. Then
     ``<N(x), u> = <x, pull_back(u, scale)> + <bias, u>``: the adjoint of ``P`` is ``P``.
+
+    Example:
+        >>> norm = FrozenNorm(centre=True, gain=torch.tensor([2.0, 2.0]), bias=torch.tensor([1.0, 0.0]))
+        >>> norm.apply(torch.tensor([3.0, 1.0]), torch.tensor(2.0)).tolist()
+        [2.0, -1.0]
     """
 
     centre: bool
@@ -937,6 +977,26 @@ class FrozenNorm:
         if self.centre:
             direction = direction - direction.mean(-1, keepdim=True)
         return direction / scale.to(direction.dtype)[..., None]
+
+    def linear(
+        self, parts: Float[Tensor, "*rows d_model"], scale: Float[Tensor, "*scale"] | None
+    ) -> Float[Tensor, "*rows d_model"]:
+        """The norm's linear part ``P(p) * gain / scale`` (no bias: it belongs to no part; no scale: 1).
+
+        ``scale`` broadcasts against ``parts`` without its ``d_model`` axis.
+        """
+        if self.centre:
+            parts = parts - parts.mean(-1, keepdim=True)
+        if self.gain is not None:
+            parts = parts * self.gain.to(parts.dtype)
+        return parts if scale is None else parts / scale.to(parts.dtype)[..., None]
+
+    def apply(
+        self, x: Float[Tensor, "*rows d_model"], scale: Float[Tensor, "*scale"]
+    ) -> Float[Tensor, "*rows d_model"]:
+        """``N(x)`` in the dtype of ``x``, the scale as given."""
+        out = self.linear(x, scale)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
 def _frozen_norm(component: Any) -> FrozenNorm:
@@ -970,65 +1030,21 @@ def final_norm(model: Model) -> FrozenNorm | None:
     return None if component is None else _frozen_norm(component)
 
 
+def _no_unembedding(name: str) -> str:
+    return f"{name} has no unembedding (LM head): logit attribution explains next-token logits"
+
+
 def unembedding(model: Model) -> tuple[Float[Tensor, "d_model d_vocab"], Float[Tensor, " d_vocab"] | None]:
     """``W_U`` and ``b_U`` (None when the unembedding has no bias); raises where the model has no LM head."""
     unembed = getattr(model, "unembed", None)
     if unembed is None or "unembed.hook_out" not in model.hook_dict:
-        raise ValueError(
-            f"{type(model).__name__} has no unembedding (LM head): logit attribution explains next-token logits"
-        )
+        raise ValueError(_no_unembedding(type(model).__name__))
+    return _unembedding_weights(unembed)
+
+
+def _unembedding_weights(unembed: Any) -> tuple[Tensor, Tensor | None]:
     bias = getattr(getattr(unembed, "original_component", None), "bias", None)
     return unembed.W_U.detach(), bias.detach() if isinstance(bias, Tensor) else None
-
-
-def residual_capture(model: Model) -> list[str]:
-    """The per-layer ``capture`` names logit attribution reads (relative to ``blocks.{l}``).
-
-    ``hook_resid_pre``, ``hook_resid_post`` and ``hook_attn_out`` on every layer; where the
-    attention output is normed before it is added (Gemma), that norm's ``hook_scale`` too.
-    """
-    names = [RESID_PRE, RESID_POST, ATTN_OUT]
-    post = _post_attention_norm_name(model, 0)
-    return names + ([f"{post}.hook_scale"] if post is not None else [])
-
-
-def captured_post_scale(model: Model, layer: LayerInputs) -> Tensor | None:
-    """The post-attention norm's ``hook_scale`` of ``layer`` as ``[batch pos]``, or None."""
-    post = _post_attention_norm_name(model, layer.layer)
-    if post is None:
-        return None
-    scale = layer.captured[f"{post}.hook_scale"]
-    return scale.reshape(scale.shape[:2])
-
-
-def final_hooks(model: Model, positions: Sequence[int], store: dict[str, Tensor]) -> list[tuple[str, HookFn]]:
-    """Hooks that keep, at ``positions`` of batch element 0, the final norm's scale and the unembedding's output.
-
-    ``store["final_scale"]`` is ``[pos]`` (absent without a final norm), ``store["logits"]``
-    ``[pos d_vocab]``: the unembedding's output before any logit soft-capping. Where the bridge
-    has ``unembed.hook_in``, the unembedding is given those rows only, so the pass's own logits
-    are ``[1 pos d_vocab]`` at ``positions``: the product with the vocabulary at every other
-    position is a long pass's largest single cost (about a tenth of a plain pass at 1,024 tokens
-    on SmolLM2) and its largest tensor.
-    """
-    rows = list(positions)
-
-    def keep(key: str, index: list[int] | slice) -> HookFn:
-        def hook(tensor: Tensor, hook: Any) -> None:
-            store[key] = tensor.detach()[0, index].reshape(len(rows), -1)
-
-        return hook
-
-    def cut(tensor: Tensor, hook: Any) -> Tensor:
-        return tensor[:1, rows]
-
-    names = model.hook_dict  # a bridge rebuilds it on every read
-    cuts = "unembed.hook_in" in names
-    hooks: list[tuple[str, HookFn]] = [("unembed.hook_in", cut)] if cuts else []
-    hooks.append(("unembed.hook_out", keep("logits", slice(None) if cuts else rows)))
-    if getattr(model, "ln_final", None) is not None and "ln_final.hook_scale" in names:
-        hooks.append(("ln_final.hook_scale", keep("final_scale", rows)))
-    return hooks
 
 
 def logit_softcap(model: Model) -> float | None:
@@ -1043,15 +1059,6 @@ def logit_softcap(model: Model) -> float | None:
     return float(cap) if cap is not None and float(cap) > 0 else None
 
 
-# --- Flow: what attention adds to the residual stream, and what it is added to -----------------------
-#
-# Block ``l`` adds attention's update ``a_i`` to the residual stream ``x_i`` (``hook_resid_pre``):
-# ``r_mid_i = x_i + a_i``. ``a_i`` is the o-projection output ``o_i + b_O`` (``attn.o.hook_out``),
-# or, where a norm follows the attention (Gemma 2/3 ``ln1_post``), that norm's output with the
-# scale frozen at the position: ``a_i = N(o_i + b_O)``, ``N(p) = P(p) * gain / scale_i + bias``.
-# In post-LN encoders (BERT) the norm comes after the sum and ``r_mid`` is the sum before it.
-
-
 @dataclass(frozen=True)
 class AttentionUpdate:
     """One layer's residual sum ``r_mid = resid_pre + added`` and the frozen norm between heads and sum."""
@@ -1064,21 +1071,230 @@ class AttentionUpdate:
     """That norm's ``hook_scale`` per position (None without a norm)."""
 
 
+@dataclass(frozen=True, eq=False)
+class Readout:
+    """How a model reads its residual stream, read off the model once: norms, unembedding, soft-cap, hooks.
+
+    At position ``i`` the logit of token ``t`` is ``z_t = <N(x_i), W_U[:, t]> + b_U[t]`` (`logit`), ``x_i``
+    the residual stream after the last block and ``N`` the final norm, ``N(x) = P(x) * g / s_i + b``
+    with its scale ``s_i`` frozen (`FrozenNorm`); a model that soft-caps shows ``c * tanh(z / c)``.
+    Where a norm follows the attention (Gemma's ``ln1_post``) `post_norms` holds it per layer.
+
+    Everything an analysis needs from the model between the residual stream and the logit is here:
+    logit attribution, the flow and the explaining pass build one (`readout`) and read it, instead
+    of asking the model again for each piece.
+
+    Attributes:
+        final_norm: ``N`` (None where the model has no final norm).
+        post_norms: per layer, the norm of the attention output before it joins the stream, or None.
+        W_U: ``[d_model d_vocab]``, None where the model has no LM head (an encoder: the flow still runs).
+        b_U: ``[d_vocab]`` or None.
+        softcap: ``c`` where the model soft-caps its logits, else None.
+        residual_capture: the per-layer hooks (relative to ``blocks.{l}``) logit attribution captures.
+        flow_capture: the per-layer hooks `attention_update` reads.
+        model_name: the model's class, for messages.
+    """
+
+    final_norm: FrozenNorm | None
+    post_norms: tuple[FrozenNorm | None, ...]
+    W_U: Float[Tensor, "d_model d_vocab"] | None
+    b_U: Float[Tensor, " d_vocab"] | None
+    softcap: float | None
+    residual_capture: tuple[str, ...]
+    flow_capture: tuple[str, ...]
+    model_name: str = ""
+    post_scale_hooks: tuple[str | None, ...] = field(default=(), repr=False)
+    """Per layer, the ``captured`` name of the post-attention norm's ``hook_scale`` (None without one)."""
+    final_scale_hook: bool = field(default=False, repr=False)
+    """Whether ``ln_final.hook_scale`` exists (the final norm's scale can be kept)."""
+    cuts_unembedding: bool = field(default=False, repr=False)
+    """Whether ``unembed.hook_in`` exists (the unembedding can be given the explained rows only)."""
+
+    def unembedding(self) -> tuple[Float[Tensor, "d_model d_vocab"], Float[Tensor, " d_vocab"] | None]:
+        """``(W_U, b_U)``, refused where the model has no LM head."""
+        if self.W_U is None:
+            raise ValueError(_no_unembedding(self.model_name))
+        return self.W_U, self.b_U
+
+    @property
+    def biases(self) -> tuple[str, ...]:
+        """Which of the readout's bias terms the model has: among ``post_norm``, ``final_norm``, ``unembed``."""
+        names = []
+        if any(norm is not None and norm.bias is not None for norm in self.post_norms):
+            names.append("post_norm")
+        if self.final_norm is not None and self.final_norm.bias is not None:
+            names.append("final_norm")
+        if self.b_U is not None:
+            names.append("unembed")
+        return tuple(names)
+
+    def post_scale(self, layer: LayerInputs) -> Float[Tensor, "batch pos"] | None:
+        """The post-attention norm's ``hook_scale`` of ``layer`` (captured with `residual_capture`), or None."""
+        name = self.post_scale_hooks[layer.layer]
+        if name is None:
+            return None
+        scale = layer.captured[name]
+        return scale.reshape(scale.shape[:2])
+
+    def attention_update(self, layer: LayerInputs) -> AttentionUpdate:
+        """What layer ``layer`` adds to which residual stream, from the hooks `flow_capture` names."""
+        resid_pre = layer.captured[RESID_PRE]
+        norm = self.post_norms[layer.layer]
+        if norm is not None:
+            return AttentionUpdate(resid_pre, layer.captured[ATTN_OUT], norm, self.post_scale(layer))
+        if layer.hook_out is not None:
+            return AttentionUpdate(resid_pre, layer.hook_out, None, None)
+        raise ValueError(f"layer {layer.layer} has no o-projection output hook ({output_hook(layer.layer)})")
+
+    def final_hooks(self, positions: Sequence[int], store: dict[str, Tensor]) -> list[tuple[str, HookFn]]:
+        """Hooks that keep, at ``positions`` of batch element 0, the final norm's scale and the unembedding's output.
+
+        ``store["final_scale"]`` is ``[pos]`` (absent without a final norm), ``store["logits"]``
+        ``[pos d_vocab]``: the unembedding's output before any logit soft-capping. Where the bridge
+        has ``unembed.hook_in``, the unembedding is given those rows only, so the pass's own logits
+        are ``[1 pos d_vocab]`` at ``positions``: the product with the vocabulary at every other
+        position is a long pass's largest single cost (about a tenth of a plain pass at 1,024 tokens
+        on SmolLM2) and its largest tensor.
+        """
+        rows = list(positions)
+
+        def keep(key: str, index: list[int] | slice) -> HookFn:
+            def hook(tensor: Tensor, hook: Any) -> None:
+                store[key] = tensor.detach()[0, index].reshape(len(rows), -1)
+
+            return hook
+
+        def cut(tensor: Tensor, hook: Any) -> Tensor:
+            return tensor[:1, rows]
+
+        hooks: list[tuple[str, HookFn]] = [("unembed.hook_in", cut)] if self.cuts_unembedding else []
+        hooks.append(("unembed.hook_out", keep("logits", slice(None) if self.cuts_unembedding else rows)))
+        if self.final_scale_hook:
+            hooks.append(("ln_final.hook_scale", keep("final_scale", rows)))
+        return hooks
+
+    def direction(
+        self, targets: Sequence[int], foils: Sequence[int | None], dtype: torch.dtype
+    ) -> tuple[Float[Tensor, "row d_model"], Float[Tensor, " row"]]:
+        """``W_U[:, t] - W_U[:, f]`` per row (no foil: ``W_U[:, t]``), and ``b_U[t] - b_U[f]``, in ``dtype``."""
+        W_U, b_U = self.unembedding()
+        chosen = list(targets)
+        rows = W_U[:, chosen].T.to(dtype)
+        bias = torch.zeros(len(chosen), dtype=dtype, device=rows.device) if b_U is None else b_U[chosen].to(dtype)
+        for index, foil in enumerate(foils):
+            if foil is not None:
+                rows[index] -= W_U[:, foil].to(dtype)
+                if b_U is not None:
+                    bias[index] -= b_U[foil].to(dtype)
+        return rows, bias
+
+    def logit(
+        self,
+        resid: Float[Tensor, "row d_model"],
+        final_scale: Float[Tensor, " row"] | None,
+        targets: Sequence[int],
+        foils: Sequence[int | None] | None = None,
+        *,
+        dtype: torch.dtype = torch.float64,
+    ) -> Float[Tensor, " row"]:
+        """``z = <N(x), W_U[:, t] - W_U[:, f]> + b_U[t] - b_U[f]`` per row, evaluated in ``dtype``.
+
+        ``resid`` is the residual stream after the last block at the explained positions, ``final_scale``
+        the final norm's scale there (``hook_scale``, frozen; ignored without a final norm). Every weight
+        and activation is cast to ``dtype`` first: in float64 this is the logit the model's own weights
+        give that stream, free of the model's rounding, so the gap to the model's value is its rounding.
+        The value is before any soft-cap, as `LogitAttribution.logit` is.
+
+        Example:
+            >>> import contribution_lens as cl
+            >>> model = cl.load_model()
+            >>> kept = {}
+            >>> hooks = [("ln_final.hook_in", lambda x, hook: kept.update(x=x[0, -1:])),
+            ...          ("ln_final.hook_scale", lambda s, hook: kept.update(s=s[0, -1:, 0]))]
+            >>> logits = forward(model, cl.to_token_batch(model, "The capital of France is"), hooks)
+            >>> top = int(logits[0, -1].argmax())
+            >>> value = readout(model).logit(kept["x"], kept["s"], [top])
+            >>> bool(abs(value.item() - logits[0, -1, top].item()) < 1e-3)
+            True
+        """
+        direction, bias = self.direction(targets, [None] * len(targets) if foils is None else foils, dtype)
+        x = resid.to(dtype)
+        if self.final_norm is not None:
+            if final_scale is None:
+                raise ValueError("final_scale is needed: this model's final norm scales each position")
+            x = self.final_norm.apply(x, final_scale.to(dtype))
+        return (x * direction.to(x.device)).sum(-1) + bias.to(x.device)
+
+
+def readout(model: Model) -> Readout:
+    """The model's `Readout`: its final norm, post-attention norms, unembedding, soft-cap and the hooks to read them.
+
+    Read from the model now (a few attribute reads and one look at its hooks): an analysis builds one
+    per call and passes it around, and a weight edited since is seen by the next call.
+
+    Example:
+        >>> import contribution_lens as cl
+        >>> r = readout(cl.load_model())
+        >>> tuple(r.W_U.shape), r.softcap, r.post_norms[0], r.final_norm.centre  # RMSNorm: no centring
+        ((576, 49152), None, None, False)
+    """
+    total = n_layers(model)
+    names = model.hook_dict  # a bridge rebuilds it on every read: once here
+    post = [_post_attention_norm_name(model, layer) for layer in range(total)]
+    post_norms = tuple(
+        None if name is None else _frozen_norm(model.blocks[layer].get_submodule(name))
+        for layer, name in enumerate(post)
+    )
+    scales = tuple(None if name is None else f"{name}.hook_scale" for name in post)
+    unembed = getattr(model, "unembed", None)
+    W_U, b_U = (None, None) if unembed is None or "unembed.hook_out" not in names else _unembedding_weights(unembed)
+    # Every layer's norm has the same name where there is one (the first layer's, as the capture asks).
+    first = () if scales[0] is None else (scales[0],)
+    return Readout(
+        final_norm=final_norm(model),
+        post_norms=post_norms,
+        W_U=W_U,
+        b_U=b_U,
+        softcap=logit_softcap(model),
+        residual_capture=(RESID_PRE, RESID_POST, ATTN_OUT, *first),
+        flow_capture=(RESID_PRE, *((ATTN_OUT, *first) if first else ())),
+        model_name=type(model).__name__,
+        post_scale_hooks=scales,
+        final_scale_hook=getattr(model, "ln_final", None) is not None and "ln_final.hook_scale" in names,
+        cuts_unembedding="unembed.hook_in" in names,
+    )
+
+
+# The per-piece functions below are `Readout`'s, for a caller that needs one piece once.
+
+
+def residual_capture(model: Model) -> list[str]:
+    """The per-layer ``capture`` names logit attribution reads (`Readout.residual_capture`).
+
+    ``hook_resid_pre``, ``hook_resid_post`` and ``hook_attn_out`` on every layer; where the
+    attention output is normed before it is added (Gemma), that norm's ``hook_scale`` too.
+    """
+    return list(readout(model).residual_capture)
+
+
 def flow_capture(model: Model) -> list[str]:
-    """The ``capture`` names (relative to ``blocks.{l}``) that `attention_update` reads."""
-    post = _post_attention_norm_name(model, 0)
-    return [RESID_PRE] + ([ATTN_OUT, f"{post}.hook_scale"] if post is not None else [])
+    """The ``capture`` names (relative to ``blocks.{l}``) that `attention_update` reads (`Readout.flow_capture`)."""
+    return list(readout(model).flow_capture)
+
+
+def captured_post_scale(model: Model, layer: LayerInputs) -> Tensor | None:
+    """The post-attention norm's ``hook_scale`` of ``layer`` as ``[batch pos]``, or None (`Readout.post_scale`)."""
+    return readout(model).post_scale(layer)
+
+
+def final_hooks(model: Model, positions: Sequence[int], store: dict[str, Tensor]) -> list[tuple[str, HookFn]]:
+    """`Readout.final_hooks` of the model."""
+    return readout(model).final_hooks(positions, store)
 
 
 def attention_update(model: Model, layer: LayerInputs) -> AttentionUpdate:
-    """What layer ``layer`` adds to which residual stream, read from the hooks `flow_capture` names."""
-    resid_pre = layer.captured[RESID_PRE]
-    norm = post_attention_norm(model, layer.layer)
-    if norm is not None:
-        return AttentionUpdate(resid_pre, layer.captured[ATTN_OUT], norm, captured_post_scale(model, layer))
-    if layer.hook_out is not None:
-        return AttentionUpdate(resid_pre, layer.hook_out, None, None)
-    raise ValueError(f"layer {layer.layer} has no o-projection output hook ({output_hook(layer.layer)})")
+    """What layer ``layer`` adds to which residual stream (`Readout.attention_update`)."""
+    return readout(model).attention_update(layer)
 
 
 # --- QK attribution: what one layer's scores read, and every component of the residual stream -----

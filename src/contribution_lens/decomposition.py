@@ -100,6 +100,16 @@ class Decomposition:
             .mul_(einops.rearrange(inv_out, "batch head query -> batch head query 1"))
         )
 
+    @property
+    def value_weighted(self) -> Float[Tensor, "batch head query key"]:
+        """``alpha_ij^h ||vt_j^h||``: Kobayashi et al.'s per-head norm-based measure."""
+        return self.attention * einops.rearrange(self.value_norm, "batch head key -> batch head 1 key")
+
+    @property
+    def output_normalized(self) -> Float[Tensor, "batch head query key"]:
+        """``alpha_ij^h ||vt_j^h|| / ||o||``."""
+        return self.attention * self.relative_norm
+
     def head_contribution(self, head: int) -> Float[Tensor, "batch query key"]:
         """``c_ij^h`` of one head, without building every head's (unless already computed)."""
         head = as_index(head, "head must be an integer")
@@ -170,6 +180,15 @@ class Decomposition:
             f"Decomposition(scope={self.scope!r}, batch={batch}, head={head}, query={query}, key={key}, "
             f"dtype={self.attention.dtype}, device={self.attention.device})"
         )
+
+
+MEASURES: dict[str, str] = {
+    "attention": "attention α",
+    "value_weighted": "value-weighted α‖vt‖",
+    "output_normalized": "output-normalised α‖vt‖/‖o‖",
+    "contribution": "contribution c",
+}
+"""The measures read off a `Decomposition`'s factors (its attributes of those names) and how figures label them."""
 
 
 def _safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
@@ -483,10 +502,15 @@ def decompose_layer(
     values, weights = values * v_scale[:, None, None, None], weights * w_scale
     if z is not None:
         z = z.to(device=alpha.device, dtype=acc) * v_scale[:, None, None, None]
+    # alpha and the values are masked already; a given z still loses the rows of queries that see nothing.
+    z_g = einops.rearrange(
+        head_outputs(alpha, values, valid=None if attention_mask is None or z is None else valid, z=z, dtype=acc),
+        "batch query (kv_head group) d_head -> batch kv_head group query d_head",
+        kv_head=v.shape[2],
+    )
     if output is not None:
         output = output.to(device=alpha.device, dtype=acc) * (v_scale * w_scale)[:, None, None]
     n_kv_heads = v.shape[2]
-    z_g = _grouped_head_outputs(alpha, values, z, attention_mask, n_kv_heads)
     if gram is None or gram.dtype != acc:
         gram = head_gram(weights)
     else:
@@ -550,25 +574,52 @@ def _real_query_rows(attention_mask: Tensor | None, n_query: int, device: torch.
     return attention_mask.to(device=device, dtype=torch.bool)[:, attention_mask.shape[1] - n_query :]
 
 
-def _grouped_head_outputs(
-    alpha: Tensor, values: Tensor, z: Tensor | None, attention_mask: Tensor | None, n_kv_heads: int
-) -> Float[Tensor, "batch kv_head group query d_head"]:
-    """Head outputs in d_head space, ``z_i^h = sum_j alpha_ij^h v_j^h`` (so ``o_i^h = z_i^h W_O^h``)."""
-    if z is None:
-        return einops.einsum(
-            einops.rearrange(alpha, GROUPED, kv_head=n_kv_heads),
-            values,
-            "batch kv_head group query key, batch key kv_head d_head -> batch kv_head group query d_head",
-        )
-    grouped = einops.rearrange(
-        z.to(device=alpha.device, dtype=alpha.dtype),
-        "batch query (kv_head group) d_head -> batch kv_head group query d_head",
-        kv_head=n_kv_heads,
+def head_outputs(
+    pattern: Float[Tensor, "batch head query key"],
+    v: Float[Tensor, "batch key kv_head d_head"],
+    *,
+    valid: Bool[Tensor, "batch query key"] | None = None,
+    z: Float[Tensor, "batch query head d_head"] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Float[Tensor, "batch query head d_head"]:
+    """The head outputs before ``W_O``: ``z_i^h = sum_j alpha_ij^h v_j^h`` over the keys ``j`` query ``i`` sees.
+
+    So ``o_i^h = z_i^h W_O^h``. One rule for what counts: ``valid`` (`valid_positions`) says which keys each
+    query sees; a query that sees none (padding) has ``z_i^h = 0``, and a padded key adds nothing whatever
+    its value holds. Without ``valid`` (no padding) the pattern's own zeros say it: a causal pattern is
+    exactly 0 at future keys. Where the model computed ``z`` (``hook_z``) it is taken as it is, the rows of
+    queries that see nothing set to 0. Grouped-query attention needs no copy of ``v``: head ``h`` reads
+    kv head ``h // (head / kv_head)``.
+
+    Args:
+        pattern: ``alpha``, ``[batch head query key]``.
+        v: the values, ``[batch key kv_head d_head]``.
+        valid: which keys each query sees; None where there is no padding.
+        z: the model's own head outputs (``hook_z``), if it has them.
+        dtype: accumulation dtype; float32 by default (float64 if an input is float64).
+
+    Example:
+        >>> pattern = torch.tensor([[[[1.0, 0.0], [0.25, 0.75]]]])  # one head, two tokens
+        >>> head_outputs(pattern, torch.tensor([[[[4.0]], [[8.0]]]]))[0, :, 0, 0].tolist()
+        [4.0, 7.0]
+    """
+    acc = _accumulation_dtype(dtype, pattern, v)
+    if z is not None:
+        z = z.to(device=pattern.device, dtype=acc)
+        if valid is None:
+            return z
+        return torch.where(einops.rearrange(valid.any(-1), "batch query -> batch query 1 1"), z, 0)
+    alpha, values = pattern.to(acc), v.to(device=pattern.device, dtype=acc)
+    if valid is not None:
+        # Zero hidden entries rather than trust them: a model may leave NaN rows for fully padded queries.
+        alpha = torch.where(einops.rearrange(valid, "batch query key -> batch 1 query key"), alpha, 0)
+        values = torch.where(einops.rearrange(valid.any(-2), "batch key -> batch key 1 1"), values, 0)
+    grouped = einops.einsum(
+        einops.rearrange(alpha, GROUPED, kv_head=v.shape[2]),
+        values,
+        "batch kv_head group query key, batch key kv_head d_head -> batch query kv_head group d_head",
     )
-    real_q = _real_query_rows(attention_mask, alpha.shape[2], alpha.device)
-    if real_q is None:
-        return grouped
-    return torch.where(einops.rearrange(real_q, "batch query -> batch 1 1 query 1"), grouped, 0)
+    return einops.rearrange(grouped, "batch query kv_head group d_head -> batch query (kv_head group) d_head")
 
 
 def _intra_products(z_g: Tensor, v_gram: Tensor, gram_g: Tensor) -> tuple[Tensor, Tensor]:

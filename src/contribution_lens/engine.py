@@ -16,7 +16,7 @@ Every model-level analysis in this package is a function ``fn(layer: LayerInputs
 
 import html
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -24,16 +24,21 @@ from torch import Tensor
 
 from contribution_lens import adapter
 from contribution_lens.adapter import as_index
+from contribution_lens.files import Saves
 
 T = TypeVar("T")
 
 
-class LayerResults(Mapping[int, T], Generic[T]):
+class LayerResults(Saves, Mapping[int, T], Generic[T]):
     """Per-layer results of one batch: a read-only mapping ``layer -> value``, with its tokens.
 
     Negative indices count from the model's last layer, as in Python: ``results[-1]`` is layer
-    ``n_layers - 1`` (if it was computed). Iteration is in layer order.
+    ``n_layers - 1`` (if it was computed). Iteration is in layer order. ``save(path)`` writes the
+    layers (tensors, or dataclasses of them) and the tokens to one file, ``load(path)`` reads it.
     """
+
+    STORED: ClassVar[tuple[str, ...]] = ()
+    """A subclass's own constructor arguments, kept by ``save`` beside the layers and the tokens."""
 
     def __init__(
         self,
@@ -75,6 +80,24 @@ class LayerResults(Mapping[int, T], Generic[T]):
             logits=results.logits,
             **extra,
         )
+
+    def stored_fields(self) -> dict[str, Any]:
+        """What ``save`` keeps: the layers, the tokens, their labels and the subclass's `STORED` (not the logits)."""
+        own = {name: getattr(self, name) for name in self.STORED}
+        return {
+            "layers": dict(self.items()),
+            "tokens": self.tokens,
+            "attention_mask": self.attention_mask,
+            "str_tokens": self.str_tokens,
+            "n_layers": self.n_layers,
+            **own,
+        }
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> "LayerResults[Any]":
+        """The result `stored_fields` described."""
+        rest = dict(fields)
+        return cls(rest.pop("layers"), **rest)
 
     @property
     def layers(self) -> list[int]:

@@ -36,6 +36,8 @@ Nothing here knows TransformerLens: `contribution_lens.adapter` reads the weight
     True
 """
 
+import re
+
 import einops
 import torch
 from jaxtyping import Bool, Float
@@ -157,3 +159,14 @@ def relative_gap(actual: Tensor, expected: Tensor, where: Tensor) -> float:
         return 0.0
     actual, expected = actual.to(torch.float64)[where], expected.to(torch.float64)[where]
     return float((actual - expected).abs().max()) / max(float(expected.abs().max()), 1e-30)
+
+
+_COMPONENT = re.compile(r"^L(\d+)(?:H(\d+))?")
+
+
+def component_layer_head(name: str) -> tuple[int | None, int | None]:
+    """The layer and head in a component's name: ``"L3H2"`` -> (3, 2), ``"L3.mlp"`` -> (3, None), else None."""
+    match = _COMPONENT.match(name)
+    if match is None:
+        return None, None
+    return int(match.group(1)), None if match.group(2) is None else int(match.group(2))

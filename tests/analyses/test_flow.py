@@ -8,7 +8,8 @@ import contribution_lens as cl
 from conftest import assert_close, tiny_bridge, tiny_encoder
 from contribution_lens import adapter
 from contribution_lens.analyses.flow import Flow
-from contribution_lens.methods.rollout import compose, layer_mixing
+from contribution_lens.methods.rollout import compose
+from contribution_lens.mixing import layer_mixing
 
 IDS = torch.tensor([1, 5, 9, 3, 7, 2, 8, 11])
 
@@ -141,7 +142,7 @@ def test_a_truncated_or_foreign_file_is_named_in_the_error(tmp_path):
     with pytest.raises(ValueError, match=rf"^{truncated} is not a Flow written by Flow.save \(SafetensorError"):
         Flow.load(truncated)
     geometry = cl.attention_geometry(tiny_bridge(), IDS).save(tmp_path / "g.safetensors")
-    with pytest.raises(ValueError, match=rf"^{geometry} is not a Flow .*its format is 'contribution_lens.Geometry/1'"):
+    with pytest.raises(ValueError, match=rf"^{geometry} is not a Flow .*its format is 'contribution_lens.Geometry/2'"):
         Flow.load(geometry)
 
 

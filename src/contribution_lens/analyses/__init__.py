@@ -15,8 +15,12 @@
   (`QKAttribution`; the function is ``contribution_lens.qk_attribution``, likewise);
 * `generation`: every token of a generated answer explained from one teacher-forced pass (`explain_generation`).
 
-A new analysis is one file here: a per-layer function, a result type (a `LayerResults`
-subclass or a dataclass with ``save``/``load``), exported below.
+A new analysis is one file here: a per-layer function and a result type with the one lifecycle
+every result has: ``save(path)``/``load(path)`` through `contribution_lens.files.save_result`
+(a `LayerResults` subclass names its own fields in ``STORED``; a dataclass mixes in
+`contribution_lens.files.Saves`), ``figures() -> dict[str, go.Figure]`` and ``report(path)``;
+exported below. Analyses draw with `contribution_lens.views.plot` (below them) and never import
+a method (above them).
 """
 
 from contribution_lens.analyses.flow import Flow, FlowEdges, FlowLayer

@@ -2,7 +2,7 @@
 
 At every layer ``l`` the residual stream after attention, ``r_i = x_i + a_i`` (``x_i`` =
 ``hook_resid_pre``, ``a_i`` = the attention output with ``b_O``), splits by the contribution rule
-into one signed part per (head, key) and the residual term (`contribution_lens.methods.rollout`):
+into one signed part per (head, key) and the residual term (`contribution_lens.mixing`):
 
     w_ij^h = <r_i, alpha_ij^h vt_j^h> / ||r_i||^2 = alpha_ij^h * (||vt_j^h|| / ||r_i||) * cos(r_i, vt_j^h)
     M_ij   = sum_h w_ij^h + [i == j] <r_i, x_i + b_O> / ||r_i||^2          (sum_j M_ij = 1)
@@ -37,12 +37,11 @@ Example:
     (1.0, 1.0)
 """
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -52,12 +51,13 @@ from torch import Tensor
 from contribution_lens import adapter
 from contribution_lens.choices import as_indices, as_position
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.files import load_tensors, reading, save_tensors
-from contribution_lens.methods.rollout import layer_mixing
+from contribution_lens.mixing import layer_mixing
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 DEFAULT_THRESHOLD = 0.02
 """Smallest ``|w_ij^h|`` kept as an edge (and the graph's default threshold)."""
-_FORMAT = "contribution_lens.Flow/1"
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,9 @@ class FlowLayer:
     edges: FlowEdges
 
 
-def _flow_layer(model: adapter.Model, layer: adapter.LayerInputs, threshold: float) -> FlowLayer:
-    mixing = layer_mixing(layer, adapter.attention_update(model, layer), factors=True, threshold=threshold)
+def _flow_layer(readout: adapter.Readout, layer: adapter.LayerInputs, threshold: float) -> FlowLayer:
+    """One layer of a flow: its mixing, residual terms and the parts ``|w| >= threshold`` with their factors."""
+    mixing = layer_mixing(layer, readout.attention_update(layer), factors=True, threshold=threshold)
     assert mixing.strong is not None  # asked for with the threshold
     strong = mixing.strong
     first = strong.batch == 0  # a flow explains one text
@@ -108,7 +109,10 @@ class Flow(LayerResults[FlowLayer]):
 
     ``flow.mixing[l]`` is ``[query key]``; ``flow.rollout`` is ``[layer key]`` for the explained
     position (with several, ``flow.at(p).rollout``); ``flow.graph()`` the pruned edges.
+    ``save(path)`` keeps the mixings, residual terms and edges (not the pass's logits).
     """
+
+    STORED = ("positions", "threshold")
 
     def __init__(
         self,
@@ -233,67 +237,31 @@ class Flow(LayerResults[FlowLayer]):
         table.insert(5, "target_token", [tokens[i] for i in table["target"]])
         return table
 
-    def figures(self) -> dict[str, Any]:
-        """``{"graph": ..., "rollout": ...}``: the pruned graph and the rollout heatmap (plotly)."""
+    def figures(self) -> "dict[str, go.Figure]":
+        """``{"graph": ..., "rollout": ...}``: the pruned graph and the rollout heatmap of the explained position.
+
+        A flow explaining several positions draws both for each: ``"graph at 7"``, ``"rollout at 7"``, ...
+        """
         from contribution_lens.views import plot
 
-        return {"graph": plot.flow_graph(self), "rollout": plot.flow_rollout(self)}
+        if len(self.positions) == 1:
+            return {"graph": plot.flow_graph(self), "rollout": plot.flow_rollout(self)}
+        drawn = {}
+        for position in self.positions:
+            drawn[f"graph at {position}"] = plot.flow_graph(self, position=position)
+            drawn[f"rollout at {position}"] = plot.flow_rollout(self, position=position)
+        return drawn
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the mixings, residual terms and edges to one ``.safetensors`` file."""
-        tensors, metadata = self._parts()
-        return save_tensors(path, tensors, metadata, format=_FORMAT, example="flow.safetensors")
+    def report(self, path: str | os.PathLike) -> Path:
+        """One self-contained HTML page: the figures, then the pruned graph's edges of each explained position."""
+        from contribution_lens.views import html
 
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "Flow":
-        """Read a file written by `save`."""
-        # A truncated file, another format or edited metadata: the error names the file.
-        tensors, metadata = load_tensors(path, format=_FORMAT, kind="Flow")
-        with reading(path, "a Flow written by Flow.save"):
-            return cls._from_parts(tensors, metadata)
-
-    def _parts(self) -> tuple[dict[str, Tensor], dict[str, str]]:
-        """What `save` writes: tensors (tokens, mask, each layer's mixing, residual and edges) and string metadata.
-
-        Also how a `GenerationExplanation` file holds the one flow its steps share (under a prefix).
-        The logits of the pass, where the flow kept them, are not written.
-        """
-        # Cloned: the tokens may share storage with another tensor of the same file, which safetensors refuses.
-        tensors = {name: getattr(self, name).cpu().contiguous().clone() for name in ("tokens", "attention_mask")}
-        for layer, value in self.items():
-            tensors[f"{layer}.mixing"] = value.mixing.contiguous().clone()
-            tensors[f"{layer}.residual"] = value.residual.contiguous().clone()
-            for f in fields(FlowEdges):
-                tensors[f"{layer}.edges.{f.name}"] = getattr(value.edges, f.name).contiguous().clone()
-        metadata = {
-            "n_layers": str(self.n_layers),
-            "positions": json.dumps(self.positions),
-            "threshold": repr(self.threshold),
-            "str_tokens": json.dumps(self.str_tokens),
-        }
-        return tensors, metadata
-
-    @classmethod
-    def _from_parts(cls, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> "Flow":
-        """The flow `_parts` wrote."""
-        n_layers = int(metadata["n_layers"])
-        layers = {
-            layer: FlowLayer(
-                tensors[f"{layer}.mixing"],
-                tensors[f"{layer}.residual"],
-                FlowEdges(**{f.name: tensors[f"{layer}.edges.{f.name}"] for f in fields(FlowEdges)}),
-            )
-            for layer in range(n_layers)
-        }
-        return cls(
-            layers,
-            positions=json.loads(metadata["positions"]),
-            threshold=float(metadata["threshold"]),
-            tokens=tensors["tokens"],
-            attention_mask=tensors["attention_mask"],
-            str_tokens=json.loads(metadata["str_tokens"]),
-            n_layers=n_layers,
-        )
+        labels = self.labels()
+        sections: list[html.Section] = [("Text", "".join(self.str_tokens[0])), *self.figures().items()]
+        for position in self.positions:
+            heading = f"The pruned graph of {labels[position]} (|weight| ≥ {self.threshold:g})"
+            sections.append((heading, self.graph(position)))
+        return html.write_html(path, f"Flow into {', '.join(labels[p] for p in self.positions)}", sections)
 
 
 def flow(
@@ -326,10 +294,8 @@ def flow(
     batch = adapter.to_token_batch(model, inputs, prepend_bos=prepend_bos)
     n = batch.tokens.shape[1]
     positions = [as_position(p, n) for p in as_indices(position, "positions")]  # bad positions fail before the pass
+    readout = adapter.readout(model)
     results = map_layers(
-        model,
-        batch,
-        lambda layer: _flow_layer(model, layer, threshold),
-        capture=adapter.flow_capture(model),
+        model, batch, lambda layer: _flow_layer(readout, layer, threshold), capture=list(readout.flow_capture)
     )
     return Flow.from_results(results, positions=positions, threshold=threshold)

@@ -5,10 +5,11 @@ instead of the decompositions: `layer_summary` streams the same numbers as
 ``attention_geometry(...).layer_summary()`` with one layer alive at a time.
 """
 
-import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import einops
 import pandas as pd
@@ -19,19 +20,22 @@ from transformer_lens import ActivationCache
 
 from contribution_lens import adapter
 from contribution_lens.choices import as_index, as_indices
-from contribution_lens.decomposition import Decomposition, Factor, Scope, decompose
+from contribution_lens.decomposition import MEASURES, Decomposition, Factor, Scope, decompose
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.files import reading, save_tensors
 
-_FIELDS = ("attention", "cosine", "value_norm", "output_norm", "valid")
-_FORMAT = "contribution_lens.Geometry/1"
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 
 class Geometry(LayerResults[Decomposition]):
     """Per-layer `Decomposition` of a batch, with the tokens that label it.
 
     ``geometry[3].contribution`` is ``[batch head query key]``; ``geometry[-1]`` is the last layer.
+    ``save(path)`` / ``Geometry.load(path)`` keep every layer's factors in one file; ``figures()``
+    and ``report(path)`` are its overview.
     """
+
+    STORED = ("scope",)
 
     def __init__(
         self,
@@ -132,44 +136,72 @@ class Geometry(LayerResults[Decomposition]):
             table = table[table["contribution"].abs() >= min_abs_contribution].reset_index(drop=True)
         return table
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write every layer's tensors to one ``.safetensors`` file, tokens and scope in its metadata."""
-        tensors = {"tokens": self.tokens.cpu().contiguous(), "attention_mask": self.attention_mask.cpu().contiguous()}
-        for layer, d in self.items():
-            for name in _FIELDS:
-                tensors[f"{layer}.{name}"] = getattr(d, name).detach().cpu().contiguous().clone()
-        metadata = {
-            "scope": str(self.scope),
-            "n_layers": str(self.n_layers),
-            "layers": json.dumps(self.layers),
-            "str_tokens": json.dumps(self.str_tokens),
+    def figures(
+        self,
+        *,
+        layer: int | None = None,
+        index: int = 0,
+        measures: Mapping[str, Callable[[Decomposition], Tensor]] | None = None,
+    ) -> "dict[str, go.Figure]":
+        """The overview of batch element ``index``, each figure under its title.
+
+        The attention to, and the contribution of, the first token (BOS) per layer and head; then,
+        at ``layer`` (default: `sink_layer`, where the two disagree most), the token-level
+        contribution heatmap and the measures of the last query side by side. ``measures`` maps
+        a label to a score of a `Decomposition`: by default its own four (attention,
+        value-weighted, output-normalised, contribution); ``cl.methods.decomposition_measures()``
+        adds every registered one.
+        """
+        from contribution_lens.views import plot
+
+        shown = self.sink_layer() if layer is None else self.resolve(layer)
+        query = len(self.str_tokens[index]) - 1
+        sink_attention = torch.stack([d.attention[index, :, 1:, 0].mean(-1) for d in self.values()])
+        sink_contribution = torch.stack([d.contribution[index, :, 1:, 0].mean(-1) for d in self.values()])
+        chosen = measures if measures is not None else {label: attrgetter(name) for name, label in MEASURES.items()}
+        bos = f"contribution of BOS ({self.scope}-head)"
+        return {
+            "Attention to the first token (BOS), per head": plot.head_grid(
+                sink_attention, title="attention to BOS", layers=self.layers
+            ),
+            "Contribution of the first token (BOS), per head": plot.head_grid(
+                sink_contribution, title=bos, layers=self.layers, signed=True
+            ),
+            f"Token-level contribution at layer {shown}": plot.token_heatmap(self, layer=shown, index=index),
+            f"Every measure for the last query at layer {shown}": plot.measure_bars(
+                self, chosen, layer=shown, query=query, index=index
+            ),
         }
-        return save_tensors(path, tensors, metadata, format=_FORMAT, example="geometry.safetensors")
 
-    @classmethod
-    def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> "Geometry":
-        """Read a file written by `save`."""
-        from safetensors import safe_open
+    def report(
+        self,
+        path: str | os.PathLike,
+        *,
+        title: str | None = None,
+        layer: int | None = None,
+        text: str = "",
+        measures: Mapping[str, Callable[[Decomposition], Tensor]] | None = None,
+    ) -> Path:
+        """One self-contained HTML page: the text, the per-layer summary and `figures` (of batch element 0).
 
-        source = Path(path)
-        if not source.is_file():
-            raise FileNotFoundError(f"no saved Geometry at {source}")
-        # A truncated file, edited metadata or labels that no longer fit the tokens: the error names the file.
-        with reading(source, "a Geometry written by Geometry.save"):
-            with safe_open(str(source), framework="pt", device=str(device)) as handle:
-                metadata = handle.metadata() or {}
-                if metadata.get("format") != _FORMAT:
-                    raise ValueError(f"its format is {metadata.get('format')!r}")
-                layers = {
-                    layer: Decomposition(
-                        **{name: handle.get_tensor(f"{layer}.{name}") for name in _FIELDS}, scope=metadata["scope"]
-                    )
-                    for layer in json.loads(metadata["layers"])
-                }
-                tokens, mask = handle.get_tensor("tokens"), handle.get_tensor("attention_mask")
-            return cls(
-                layers, tokens, mask, json.loads(metadata["str_tokens"]), metadata["scope"], int(metadata["n_layers"])
-            )
+        ``title`` defaults to what the result is: ``Geometry of N tokens (scope-head)``.
+
+        Example:
+            >>> import contribution_lens as cl, tempfile
+            >>> model = cl.load_model()
+            >>> g = cl.attention_geometry(model, "The cat sat on the mat.")
+            >>> g.report(tempfile.mkdtemp() + "/demo.html").stat().st_size > 1_000_000  # plotly.js is embedded
+            True
+        """
+        from contribution_lens.views import html
+
+        sections: list[html.Section] = [
+            ("Text", text or "".join(self.str_tokens[0])),
+            ("Per-layer summary", self.layer_summary()),
+            *self.figures(layer=layer, measures=measures).items(),
+        ]
+        default = f"Geometry of {len(self.str_tokens[0])} tokens ({self.scope}-head)"
+        return html.write_html(path, default if title is None else title, sections)
 
 
 def _positions(value: int | Sequence[int] | None, size: int, what: str) -> list[int]:

@@ -33,7 +33,6 @@ query and key, so position shows only in how each component's terms change with 
 
 import json
 import os
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,7 @@ from contribution_lens import adapter, qk
 from contribution_lens.choices import as_index, as_indices, as_position
 from contribution_lens.engine import map_layers
 from contribution_lens.files import load_tensors, reading, save_tensors
+from contribution_lens.qk import component_layer_head
 
 TOLERANCE = 1e-4
 """Relative gap between the rebuilt scores (and their softmax) and the model's above which a call fails."""
@@ -70,15 +70,6 @@ _METADATA = (
     "softcap",
     "architecture",
 )
-_COMPONENT = re.compile(r"^L(\d+)(?:H(\d+))?")
-
-
-def component_layer_head(name: str) -> tuple[int | None, int | None]:
-    """The layer and head in a component's name: ``"L3H2"`` -> (3, 2), ``"L3.mlp"`` -> (3, None), else None."""
-    match = _COMPONENT.match(name)
-    if match is None:
-        return None, None
-    return int(match.group(1)), None if match.group(2) is None else int(match.group(2))
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,11 @@ the sink's direction and gives it a typical token's norm. Measured on the same c
 the lowest norms in the clean run (bottom quartile per layer and head).
 """
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import einops
 import pandas as pd
@@ -20,8 +23,12 @@ from contribution_lens import adapter
 from contribution_lens.analyses.sinks import SinkLayer, sink_layer
 from contribution_lens.decomposition import head_gram
 from contribution_lens.engine import map_layers
+from contribution_lens.files import Saves
 from contribution_lens.interventions import scale_pattern
 from contribution_lens.losses import perplexity, token_nll
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 VARIANTS = ("zero", "mean_tail")
 RUNS = ("clean", "intervened")
@@ -49,8 +56,12 @@ def sink_scale(variant: str, k: int, W_O: Tensor) -> Callable[[int, Tensor, Tens
 
 
 @dataclass(frozen=True)
-class SinkIntervention:
-    """Clean vs intervened, per layer (rows) and overall (``ppl``, ``delta_ppl``, ``delta_loss``)."""
+class SinkIntervention(Saves):
+    """Clean vs intervened, per layer (rows) and overall (``ppl``, ``delta_ppl``, ``delta_loss``).
+
+    ``save(path)`` / ``SinkIntervention.load(path)`` keep it in one file; ``figures()`` draws the
+    per-layer means clean against intervened, ``report(path)`` writes them with every number.
+    """
 
     variant: str
     per_layer: pd.DataFrame
@@ -80,6 +91,29 @@ class SinkIntervention:
         rises = self.per_layer["low_norm_cone_cosine_intervened"] > self.per_layer["low_norm_cone_cosine_clean"]
         out[f"{self.variant}_layers_where_low_norm_cone_cosine_rises"] = float(rises.sum())
         return out
+
+    def figures(self) -> "dict[str, go.Figure]":
+        """Per layer, clean against intervened: the mean output norm, and the cone cosine of the low-norm outputs."""
+        from contribution_lens.views import plot
+
+        x = list(self.per_layer.index)
+        out = {}
+        for column, title in (("output_norm", "Mean output norm"), ("low_norm_cone_cosine", "Cone cosine")):
+            series = {f"{run} ({self.variant})": self.per_layer[f"{column}_{run}"].tolist() for run in RUNS}
+            out[f"{title}, clean vs intervened"] = plot.lines(series, title=f"{title.lower()} per layer", x=x)
+        return out
+
+    def report(self, path: str | os.PathLike) -> Path:
+        """One self-contained HTML page: the effect on perplexity, the figures, the per-layer table."""
+        from contribution_lens.views import html
+
+        effect = pd.DataFrame([self.effect()], index=pd.Index([self.variant], name="variant"))
+        sections: list[html.Section] = [
+            ("Perplexity, clean and intervened", effect),
+            *self.figures().items(),
+            ("Per layer", self.per_layer),
+        ]
+        return html.write_html(path, f"SinkIntervention: the sink's value norm, {self.variant}", sections)
 
 
 def _layer_means(s: SinkLayer, low: Tensor) -> dict[str, float]:

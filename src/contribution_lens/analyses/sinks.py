@@ -14,9 +14,11 @@ For one head and query ``i``, with the first ``k`` positions as the sink (``k = 
 Every inner product is taken through ``d_head`` with the Gram matrix ``W_O^h W_O^h^T``.
 """
 
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import einops
 import numpy as np
@@ -29,6 +31,9 @@ from contribution_lens import adapter
 from contribution_lens.choices import as_index
 from contribution_lens.decomposition import Decomposition, Factor, Scope, head_gram, is_causal
 from contribution_lens.engine import LayerResults, map_layers
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 PARTS = ("sink", "tail")
 
@@ -305,8 +310,11 @@ class SinkAnalysis(LayerResults[SinkLayer]):
     """Sink geometry of every requested layer for one batch: a `LayerResults` of `SinkLayer`.
 
     ``analysis[10]`` is layer 10's `SinkLayer` (its sink/tail factors in ``.factors``);
-    `head_table`, `per_query` and `claims` read every layer.
+    `head_table`, `per_query` and `claims` read every layer. ``save(path)`` /
+    ``SinkAnalysis.load(path)`` keep it in one file; ``figures()`` and ``report(path)`` draw it.
     """
+
+    STORED = ("k",)
 
     def __init__(self, layers: Mapping[int, SinkLayer], *, k: int = 1, **results: Any) -> None:
         super().__init__(layers, **results)
@@ -404,6 +412,34 @@ class SinkAnalysis(LayerResults[SinkLayer]):
     def verdicts(self) -> pd.DataFrame:
         """The sink claims this analysis can judge, in words (`claim_verdicts`)."""
         return claim_verdicts(self.claims())
+
+    def figures(self) -> "dict[str, go.Figure]":
+        """Per layer and head: the sink ratio, the anti-aligned share and the sink's contribution; the scatter."""
+        from contribution_lens.views import plot
+
+        heads = self.head_table()
+        columns = {
+            "sink_ratio": "Sink ratio, per head",
+            "negative_sink_tail_share": "Share of queries whose sink value points against the tail, per head",
+            **{f"{scope}_sink_contribution": f"Contribution of the sink ({scope}-head), per head" for scope in Scope},
+        }
+        out = {title: plot.sink_head_grid(heads, column) for column, title in columns.items() if column in heads}
+        out["Sink ratio vs output norm"] = plot.sink_ratio_scatter(self.per_query())
+        return out
+
+    def report(self, path: str | os.PathLike) -> Path:
+        """One self-contained HTML page: the claims judged, the figures, every per-head number."""
+        from contribution_lens.views import html
+
+        sections: list[html.Section] = [
+            ("The claims, measured here", self.verdicts()),
+            *self.figures().items(),
+            ("Per head", self.head_table()),
+        ]
+        texts = self.tokens.shape[0]
+        return html.write_html(
+            path, f"SinkAnalysis of {texts} text{'s' * (texts != 1)}, layers {self.layers}", sections
+        )
 
 
 def sink_analysis(

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     import pandas as pd
     import torch
 
-    from contribution_lens import sink_study
+    from contribution_lens.analyses import sink_study
     from contribution_lens.faithfulness import data
 
     model = common.load(args)

@@ -9,8 +9,10 @@ that produced them. Everything else is derived from the records, once, on first 
   per ratio, AOPC, verdicts, accuracy against chance;
 * `verdicts()`, `verdict_sentences()`, `figures()`, `report(path)`.
 
-`save(folder)` writes the files of the run's folder, `FaithfulnessRun.load(folder)` reads a
-folder back (what `contribution_lens.faithfulness.run` left, finished or not).
+`save(folder)` writes the files of the run's folder (the run itself in ``faithfulness_run.safetensors``,
+through `contribution_lens.files.save_result` as every result; the tables and the page for people),
+`FaithfulnessRun.load(folder)` reads a folder back (what `contribution_lens.faithfulness.run` left,
+finished or, from its part files, not).
 
 Example:
     >>> records = [
@@ -36,12 +38,22 @@ import plotly.graph_objects as go
 
 from contribution_lens.faithfulness import report, statistics
 from contribution_lens.faithfulness.settings import DataSettings, Settings
-from contribution_lens.files import write_text
+from contribution_lens.files import load_result, save_result, write_text
 from contribution_lens.losses import perplexity
 
 GROUP = ["task", "protocol", "method", "mode", "ratio"]
-FILES = ("config.json", "records.jsonl", "summary.csv", "aopc.csv", "verdicts.csv", "report.html")
+FILES = (
+    "config.json",
+    "records.jsonl",
+    "summary.csv",
+    "aopc.csv",
+    "verdicts.csv",
+    "report.html",
+    "faithfulness_run.safetensors",
+)
 """What `FaithfulnessRun.save` writes (``config.json`` only where the run knows its settings)."""
+STATE = "faithfulness_run.safetensors"
+"""The run itself, as every result is saved (`contribution_lens.files.save_result`)."""
 
 
 class FaithfulnessRun:
@@ -113,9 +125,20 @@ class FaithfulnessRun:
             with_task = self.frame["task"].nunique() > 1
         return [report.verdict_sentence(row, with_task=with_task) for _, row in self.verdicts().iterrows()]
 
-    def figures(self) -> list[tuple[str, go.Figure]]:
-        """Δloss, ΔPPL and accuracy against the removal ratio, per task, protocol and mode."""
-        return report.figures(self.summary)
+    def figures(self) -> dict[str, go.Figure]:
+        """Δloss, ΔPPL and accuracy against the removal ratio, per task, protocol and mode, each under its title."""
+        return dict(report.figures(self.summary))
+
+    def stored_fields(self) -> dict[str, Any]:
+        """What `save` keeps of the run (`contribution_lens.files.save_result`): its records and settings."""
+        return {
+            "records": self.records,
+            "settings": self.settings,
+            "data": self.data,
+            "model_name": self.model_name,
+            "resamples": self.resamples,
+            "seed": self.seed,
+        }
 
     def report(self, path: str | os.PathLike) -> Path:
         """One self-contained HTML page: verdicts in words first, then the curves and every number."""
@@ -136,13 +159,27 @@ class FaithfulnessRun:
         write_text(out / "records.jsonl", records_text(self.records))
         for name, frame in (("summary", self.summary), ("aopc", self.aopc()), ("verdicts", self.verdicts())):
             write_text(out / f"{name}.csv", frame.to_csv(index=False))
+        save_result(out / STATE, self, example=STATE)
         self.report(out / "report.html")
         return out
 
     @classmethod
-    def load(cls, folder: str | os.PathLike, *, resamples: int = 1000) -> "FaithfulnessRun":
-        """A run folder read back: ``records.jsonl`` where the run finished, else its part files."""
+    def load(cls, folder: str | os.PathLike, *, resamples: int | None = None) -> "FaithfulnessRun":
+        """A run folder read back: the run `save` wrote, else (a run still going) its config and part files.
+
+        ``resamples``: the bootstrap's resamples (default: those the run was saved with, else 1000).
+        """
         source = Path(folder)
+        if (source / STATE).is_file():
+            saved = load_result(source / STATE, cls)
+            if resamples is not None:
+                saved.resamples = resamples
+            return saved
+        return cls._in_progress(source, 1000 if resamples is None else resamples)
+
+    @classmethod
+    def _in_progress(cls, source: Path, resamples: int) -> "FaithfulnessRun":
+        """The run of a folder that holds its config and records (or part files) but no saved run."""
         config_path = source / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{source} holds no faithfulness run (no config.json)")

@@ -11,7 +11,8 @@ Layout of ``out``:
   ``ci_low``/``ci_high``;
 * ``aopc.csv`` -- the area over the perturbation curve per protocol, task, mode and method;
 * ``verdicts.csv`` -- the claimed ordering judged pair by pair (`contribution_lens.faithfulness.statistics`);
-* ``report.html`` -- the verdicts in words, then the curves; written by rank 0 at the end.
+* ``report.html`` -- the verdicts in words, then the curves; written by rank 0 at the end;
+* ``faithfulness_run.safetensors`` -- the run itself (records and settings), as every result is saved.
 
 `run` returns the `contribution_lens.faithfulness.FaithfulnessRun` (on rank 0), which
 `FaithfulnessRun.load` reads back from the folder.
@@ -38,7 +39,7 @@ from contribution_lens.engine import map_layers
 from contribution_lens.faithfulness import data
 from contribution_lens.faithfulness.protocols import PROTOCOLS
 from contribution_lens.faithfulness.removal import NOTHING_REMOVED, CleanRun, Condition, LayerScores, masked_forward
-from contribution_lens.faithfulness.results import FaithfulnessRun, read_records, records_text
+from contribution_lens.faithfulness.results import STATE, FaithfulnessRun, read_records, records_text
 from contribution_lens.faithfulness.settings import DataSettings, RunOptions, Settings, task_name
 from contribution_lens.files import write_text
 from contribution_lens.losses import continuation_logprob, token_nll
@@ -243,6 +244,10 @@ def run(
     _repair_tail(part)
     done = {_key(r) for r in read_records(out_dir)}
     plan = plan_units(model, units[rank::world], data, settings, done, layers=plan_layers)
+    if plan and rank == 0:
+        # The folder's saved run (if any) is out of date until this one is saved: `FaithfulnessRun.load`
+        # reads the part files meanwhile.
+        (out_dir / STATE).unlink(missing_ok=True)
     bar = tqdm(
         total=sum(work.passes for work in plan),
         desc=f"faithfulness passes (rank {rank})",

@@ -2,13 +2,18 @@
 
 Signed quantities (cosine, contribution) use a diverging scale centred at 0; axis labels are
 unique ``"{position}:{token}"`` strings so repeated tokens stay apart.
+
+Drawing is the bottom of the views: a function takes a result by what it offers (the result types
+are named for type checkers only) and knows no registry, so every result's ``figures()`` draws
+with these functions without an import circle.
 """
 
 import os
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -18,15 +23,30 @@ from plotly.subplots import make_subplots
 from torch import Tensor
 
 from contribution_lens import files
-from contribution_lens.analyses.flow import Flow
-from contribution_lens.analyses.generation import GenerationExplanation
-from contribution_lens.analyses.geometry import Geometry
-from contribution_lens.analyses.logit_attribution import LogitAttribution
-from contribution_lens.analyses.qk_attribution import QKAttribution, component_layer_head
-from contribution_lens.analyses.sinks import SinkLayer
+from contribution_lens._lazy import face
 from contribution_lens.choices import FACTORS, Factor
 from contribution_lens.decomposition import Decomposition
-from contribution_lens.methods import available_methods, get_method
+from contribution_lens.qk import component_layer_head
+
+if TYPE_CHECKING:
+    from contribution_lens.analyses.flow import Flow
+    from contribution_lens.analyses.generation import GenerationExplanation
+    from contribution_lens.analyses.geometry import Geometry
+    from contribution_lens.analyses.logit_attribution import LogitAttribution
+    from contribution_lens.analyses.qk_attribution import QKAttribution
+    from contribution_lens.analyses.sinks import SinkLayer
+
+__getattr__, _ = face(
+    __name__,
+    {},
+    {
+        "compare_measures": (
+            "contribution_lens.views.overview:compare_measures",
+            "use contribution_lens.views.compare_measures (every registered measure), or "
+            "Geometry.figures(measures=...)",
+        )
+    },
+)  # `compare_measures` reads the method registry, which drawing does not know
 
 DIVERGING = "RdBu_r"
 SEQUENTIAL = "Viridis"
@@ -38,7 +58,7 @@ def _check_head(d: Decomposition, head: int | None) -> None:
         raise ValueError(f"head {head} does not exist: the layer has {n_heads} heads (0..{n_heads - 1})")
 
 
-def _check_index(geometry: Geometry, index: int) -> int:
+def _check_index(geometry: "Geometry", index: int) -> int:
     batch = geometry.tokens.shape[0]
     if not 0 <= index < batch:
         raise ValueError(f"index {index} is outside the batch of {batch}")
@@ -155,7 +175,7 @@ def factor_grid(
 
 
 def token_heatmap(
-    geometry: Geometry,
+    geometry: "Geometry",
     *,
     layer: int,
     head: int | None = None,
@@ -245,7 +265,7 @@ def head_grid(
 
 
 def factor_bars(
-    geometry: Geometry,
+    geometry: "Geometry",
     *,
     layer: int,
     query: int,
@@ -285,31 +305,48 @@ def factor_bars(
     return figure
 
 
-def compare_measures(geometry: Geometry, *, layer: int, query: int, index: int = 0) -> go.Figure:
-    """Every registered measure read off the decomposition for one query, each scaled to unit total |score|.
+Measure = Callable[[Decomposition], Tensor]
+"""A score read off one layer's `Decomposition`: ``[batch head query key]`` per head or ``[batch query key]``."""
 
-    The built-ins are attention, value-weighted, output-normalised and contribution; a user's
-    method made with `contribution_lens.Method.from_decomposition` joins them, per head (summed
-    over heads here) or token level ``[batch query key]``.
+
+def measure_bars(
+    geometry: "Geometry", measures: Mapping[str, Measure], *, layer: int, query: int, index: int = 0
+) -> go.Figure:
+    """Each measure's scores of the keys of one query, side by side, each scaled to unit total ``|score|``.
+
+    ``measures`` maps a label to a score of the layer's `Decomposition`; a per-head score
+    ``[batch head query key]`` is summed over heads, a token-level one ``[batch query key]`` drawn
+    as it is. `Geometry.figures` passes the decomposition's own four (attention, value-weighted,
+    output-normalised, contribution); `contribution_lens.views.overview.compare_measures` every
+    registered measure.
+
+    Example:
+        >>> import torch, contribution_lens as cl
+        >>> future = torch.ones(3, 3).triu(1).bool()
+        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3).masked_fill(future, -torch.inf), -1)
+        >>> d = cl.decompose(pattern, torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8))
+        >>> g = cl.Geometry({0: d}, torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool),
+        ...                 [["<s>", "a", "b"]], "inter")
+        >>> bars = measure_bars(g, {"attention": lambda d: d.attention}, layer=0, query=2)
+        >>> round(float(abs(bars.data[0].y).sum()), 6)
+        1.0
     """
     d = geometry[layer]
     keys = _query_keys(geometry, index, query)
     bars = {}
-    for method in map(get_method, available_methods()):
-        if method.decomposition_score is None:
-            continue
-        scores = method.decomposition_score(d)
+    for label, measure in measures.items():
+        scores = measure(d)
         # Per head [batch head query key] is summed over heads; token level [batch query key] is as it is.
         score = scores[index, :, query].sum(0) if scores.ndim == 4 else scores[index, query]
         score = score[: len(keys)]
-        bars[method.label] = score / score.abs().sum().clamp_min(1e-30)
+        bars[label] = score / score.abs().sum().clamp_min(1e-30)
     title = (
         f"Importance of each key for query {geometry.labels(index)[query]!r} at layer {layer} (sum over heads, scaled)"
     )
     return _grouped_bars(bars, keys, title, "share of total |score|")
 
 
-def _query_keys(geometry: Geometry, index: int, query: int) -> list[str]:
+def _query_keys(geometry: "Geometry", index: int, query: int) -> list[str]:
     """Labels of the keys query ``query`` sees, after checking the query exists.
 
     That is up to the query itself in a decoder, the whole text in an encoder.
@@ -534,7 +571,7 @@ def _flow_hover(row: pd.Series, tokens: list[str]) -> str:
 
 
 def flow_graph(
-    flow: Flow, *, position: int | None = None, threshold: float | None = None, max_edges: int = 400
+    flow: "Flow", *, position: int | None = None, threshold: float | None = None, max_edges: int = 400
 ) -> go.Figure:
     """`Flow.graph` drawn: layers as columns, tokens as rows; width = ``|weight|``, colour = sign.
 
@@ -608,7 +645,7 @@ def flow_graph(
     return figure
 
 
-def flow_rollout(flow: Flow, *, position: int | None = None) -> go.Figure:
+def flow_rollout(flow: "Flow", *, position: int | None = None) -> go.Figure:
     """The rollout ``[layer key]`` of the explained position: each input token's signed share per layer."""
     rollout = flow.rollout if position is None else flow.rollout_at(position)
     labels = flow.labels()
@@ -633,7 +670,7 @@ def flow_rollout(flow: Flow, *, position: int | None = None) -> go.Figure:
 # --- Logit attribution ------------------------------------------------------------------------------
 
 
-def logit_heads(result: LogitAttribution) -> go.Figure:
+def logit_heads(result: "LogitAttribution") -> go.Figure:
     """Layer x head heatmap of each head's attention terms (summed over keys): who writes the logit."""
     values = result.attention.sum(-1)
     return head_grid(
@@ -644,7 +681,7 @@ def logit_heads(result: LogitAttribution) -> go.Figure:
     )
 
 
-def logit_keys(result: LogitAttribution) -> go.Figure:
+def logit_keys(result: "LogitAttribution") -> go.Figure:
     """One bar per key the position sees: its attention terms summed over layers and heads, tokens labelled."""
     series = result.by_key()
     labels = [f"{j}:{result.str_tokens[j]}" for j in series.index]
@@ -664,7 +701,7 @@ def logit_keys(result: LogitAttribution) -> go.Figure:
     return figure
 
 
-def logit_layers(result: LogitAttribution) -> go.Figure:
+def logit_layers(result: "LogitAttribution") -> go.Figure:
     """Per layer, the attention terms, attention's biases and the MLP's term side by side."""
     table = result.by_layer()
     figure = go.Figure()
@@ -685,7 +722,7 @@ def logit_layers(result: LogitAttribution) -> go.Figure:
     return figure
 
 
-def generation_keys(explanation: GenerationExplanation) -> go.Figure:
+def generation_keys(explanation: "GenerationExplanation") -> go.Figure:
     """Answer tokens x keys heatmap: each generated token's attention terms per key (diverging, centred at 0)."""
     table = explanation.key_matrix()
     figure = go.Figure(
