@@ -62,6 +62,11 @@ RESULTS: dict[str, tuple[Callable[[], Any], bool, str]] = {
         True,
         "Attention sinks: tiny",
     ),
+    "QKAttribution": (
+        lambda: cl.qk_attribution(tiny_bridge("gqa", biases=True), IDS, 1, [0, 3], query=[3, -1]),
+        False,
+        "QKAttribution of layer 1",
+    ),
     "FaithfulnessRun": (_faithfulness_run, True, "Faithfulness of importance measures: tiny"),
 }
 

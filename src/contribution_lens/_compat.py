@@ -5,7 +5,7 @@ Version 0.3 grouped the flat modules into subpackages (`contribution_lens.method
 `contribution_lens.cli`). ``import contribution_lens.evaluation`` and the like still work: each
 old module is a stand-in whose names are looked up in their new homes, and every read warns
 (``DeprecationWarning``) with the new place. Nothing here is used by the package itself, except the
-tables of names that a face forwards with a warning (`INSPECTOR_NAMES`).
+inspector's old names, whose table lives with the inspector (`views.inspector._deprecated`).
 Standard library only at import.
 """
 
@@ -59,39 +59,13 @@ RENAMED: dict[str, tuple[str, str]] = {
 }
 """Names that changed, wherever they were read from: (where the old behaviour lives, what to use instead)."""
 
-_I = "contribution_lens.views.inspector"
-INSPECTOR_NAMES: dict[str, str] = {
-    **{name: f"{_I}.codecs" for name in ("ATTENTION_CODES", "COSINE_CODES", "CODECS", "COMPACT_CODECS",
-                                          "COMPACT_ATTENTION_ERROR", "HALF_MAX", "quantise", "dequantise",
-                                          "quantise_attention", "quantise_cosine", "dequantise_attention",
-                                          "dequantise_cosine")},
-    **{name: f"{_I}.compact" for name in ("cosine_error_bound", "unit_factors", "compact_payload", "unpack_compact",
-                                           "decode_compact")},
-    **{name: f"{_I}.windows" for name in ("DEFAULT_TOKENS", "Window", "token_window", "window_starts",
-                                           "window_start", "token_label")},
-    **{name: f"{_I}.payload" for name in ("combine_cells", "kv_groups", "layer_payload")},
-    **{name: f"{_I}.compute" for name in ("compute_payloads", "compute_windows")},
-    **{name: f"{_I}.steps" for name in ("Steps", "steps_payload")},
-    "VIEWS": f"{_I}.subject",
-    "view_factors": f"{_I}.figure",
-    "hide_sink": "contribution_lens.views.plot",
-}  # fmt: skip
-"""Where each name that the inspector's face or its ``payload`` module offered before the inspector was split
-into modules (windows, codecs, compact, payload, compute, steps, subject, figure) lives now."""
-
-
-def inspector_names(module: str) -> dict[str, tuple[str, str]]:
-    """The deprecated names ``module`` (the inspector's face or its ``payload``) forwards, as `_lazy.face` takes them.
-
-    Each is an `INSPECTOR_NAMES` entry defined elsewhere than ``module``; reading it warns with its new place.
-    """
-    return {name: (f"{home}:{name}", f"use {home}.{name}") for name, home in INSPECTOR_NAMES.items() if home != module}
-
 
 def _lookup(old: str, name: str) -> tuple[Any, str]:
     if name in RENAMED:
         location, advice = RENAMED[name]
         return resolve(location), advice
+    from contribution_lens.views.inspector._deprecated import INSPECTOR_NAMES
+
     if old == "inspector" and name in INSPECTOR_NAMES:  # the face forwards it: straight to where it lives
         home = INSPECTOR_NAMES[name]
         return getattr(importlib.import_module(home), name), f"{home}.{name}"

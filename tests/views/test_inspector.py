@@ -421,12 +421,12 @@ def test_inspect_checks_the_layers_and_places_the_window_once(explained, monkeyp
 def test_the_face_offers_what_users_call_and_the_old_names_warn_with_their_place() -> None:
     import importlib
 
-    from contribution_lens import _compat
     from contribution_lens.views import export
+    from contribution_lens.views.inspector import _deprecated
 
     assert ins.__all__ == ["Inspector", "InspectorError", "inspect"]
     assert ins.inspect is widget.inspect and issubclass(ins.InspectorError, ValueError)
-    for name, home in _compat.INSPECTOR_NAMES.items():
+    for name, home in _deprecated.INSPECTOR_NAMES.items():
         moved = re.escape(f"contribution_lens.views.inspector.{name} is deprecated: use {home}.{name}")
         with pytest.warns(DeprecationWarning, match=moved):
             value = getattr(ins, name)

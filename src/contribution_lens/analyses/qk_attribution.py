@@ -31,7 +31,6 @@ query and key, so position shows only in how each component's terms change with 
     True
 """
 
-import json
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,7 +46,7 @@ from torch import Tensor
 from contribution_lens import adapter, qk
 from contribution_lens.choices import as_index, as_indices, as_position
 from contribution_lens.engine import map_layers
-from contribution_lens.files import load_tensors, reading, save_tensors
+from contribution_lens.files import Saves
 from contribution_lens.qk import component_layer_head
 
 TOLERANCE = 1e-4
@@ -55,21 +54,6 @@ TOLERANCE = 1e-4
 HALF_TOLERANCE = 3e-2
 """The same for a model in float16 or bfloat16, whose own scores are rounded to 8 or 11 bits."""
 SIDES = ("key", "query")
-_FORMAT = "contribution_lens.QKAttribution/1"
-_TENSORS = ("tokens", "query_parts", "key_parts", "pattern", "visible")
-_OPTIONAL = ("cos", "sin")
-_METADATA = (
-    "str_tokens",
-    "layer",
-    "heads",
-    "queries",
-    "query_components",
-    "key_components",
-    "kv_index",
-    "rotary_adjacent",
-    "softcap",
-    "architecture",
-)
 
 
 @dataclass(frozen=True)
@@ -106,7 +90,7 @@ class QKCell:
 
 
 @dataclass(frozen=True, eq=False)
-class QKAttribution:
+class QKAttribution(Saves):
     """One layer's pre-softmax scores, for some heads and queries, split over upstream components.
 
     ``query_parts[a, i, h]`` is ``scale q_i^a`` of head ``heads[h]`` at query ``queries[i]`` and
@@ -468,23 +452,20 @@ class QKAttribution:
             f"keys={self.n_keys}, components={len(self.query_components)} query / {len(self.key_components)} key)"
         )
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the parts to one ``.safetensors`` file (tokens, heads, queries, component names in its metadata)."""
-        present = [name for name in _OPTIONAL if getattr(self, name) is not None]
-        tensors = {name: getattr(self, name).detach().cpu().contiguous().clone() for name in (*_TENSORS, *present)}
-        metadata = {name: json.dumps(getattr(self, name)) for name in _METADATA}
-        return save_tensors(path, tensors, metadata, format=_FORMAT, example="qk.safetensors")
+    def report(self, path: str | os.PathLike, head: int | None = None, query: int | None = None) -> Path:
+        """One self-contained HTML page: the figures of one head and query and its largest terms."""
+        from contribution_lens.views import html
 
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "QKAttribution":
-        """Read a file written by `save`."""
-        tensors, metadata = load_tensors(path, format=_FORMAT, kind="QKAttribution")
-        with reading(path, "a QKAttribution written by QKAttribution.save"):
-            fields: dict[str, Any] = {name: json.loads(metadata[name]) for name in _METADATA}
-            for name in ("heads", "queries", "query_components", "key_components", "kv_index"):
-                fields[name] = tuple(fields[name])
-            fields.update(tensors)
-            return cls(**fields)
+        head = self.heads[0] if head is None else head
+        query = self.queries[-1] if query is None else query
+        sections: list[html.Section] = [
+            ("Text", "".join(self.str_tokens)),
+            ("What is split", f"layer {self.layer}, head {head}, query {query}: its scores over "
+             f"{len(self.query_components)} query-side and {len(self.key_components)} key-side components"),
+            *self.figures(head=head, query=query).items(),
+            ("The 20 largest terms", self.top(20, head=head, query=query)),
+        ]  # fmt: skip
+        return html.write_html(path, f"QKAttribution of layer {self.layer}", sections)
 
 
 def _span(values: Sequence[int]) -> str:

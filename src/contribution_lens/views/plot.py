@@ -748,11 +748,11 @@ def generation_keys(explanation: "GenerationExplanation") -> go.Figure:
 # --- why a head attends (`QKAttribution`) ---------------------------------------------------------
 
 
-def _qk_title(result: QKAttribution, head: int, query: int) -> str:
+def _qk_title(result: "QKAttribution", head: int, query: int) -> str:
     return f"L{result.layer}H{head}, query {query}:{result.str_tokens[query]!r}"
 
 
-def qk_advantage(result: QKAttribution, *, head: int, query: int, side: str = "key") -> go.Figure:
+def qk_advantage(result: "QKAttribution", *, head: int, query: int, side: str = "key") -> go.Figure:
     """Components x keys heatmap of the advantage ``A_ij^c`` of one head and query (diverging, centred at 0).
 
     Each column sums to ``log alpha_ij + H(alpha_i)``; the hover gives the component, the key,
@@ -783,7 +783,7 @@ def qk_advantage(result: QKAttribution, *, head: int, query: int, side: str = "k
     return figure
 
 
-def qk_key_bars(result: QKAttribution, *, head: int, query: int, key: int | None = None, top: int = 15) -> go.Figure:
+def qk_key_bars(result: "QKAttribution", *, head: int, query: int, key: int | None = None, top: int = 15) -> go.Figure:
     """Both sides' advantages at one key (default: the most attended), the ``top`` components of each by size.
 
     The title names the key's token, its weight, and the total beside ``log alpha + H``.
@@ -816,7 +816,7 @@ def qk_key_bars(result: QKAttribution, *, head: int, query: int, key: int | None
     return figure
 
 
-def qk_heads(result: QKAttribution, *, head: int, query: int, key: int | None = None) -> go.Figure:
+def qk_heads(result: "QKAttribution", *, head: int, query: int, key: int | None = None) -> go.Figure:
     """Layers x heads grid of each earlier head's key-side advantage at one key (default: the most attended).
 
     What K-composition looks like: an earlier head whose output makes this key attractive.

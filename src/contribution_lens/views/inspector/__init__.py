@@ -21,15 +21,15 @@ The maths it shares with the Python side is pinned by a golden test (``node --te
 
 from typing import TYPE_CHECKING
 
-from contribution_lens import _compat
 from contribution_lens._lazy import face
+from contribution_lens.views.inspector._deprecated import inspector_names
 
 _EXPORTS = {
     "inspect": "contribution_lens.views.inspector.widget:inspect",
     "Inspector": "contribution_lens.views.inspector.widget:Inspector",
     "InspectorError": "contribution_lens.views.inspector.subject:InspectorError",
 }
-_DEPRECATED = _compat.inspector_names(__name__)
+_DEPRECATED = inspector_names(__name__)
 """What this face re-exported before the split: each name warns and comes from its module."""
 __all__ = ["Inspector", "InspectorError", "inspect"]
 __getattr__, __dir__ = face(__name__, _EXPORTS, _DEPRECATED)
