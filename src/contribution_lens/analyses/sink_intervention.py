@@ -94,7 +94,9 @@ def _layer_means(s: SinkLayer, low: Tensor) -> dict[str, float]:
 
 def _measure(k: int) -> Callable[[adapter.LayerInputs], SinkLayer]:
     def on_layer(layer: adapter.LayerInputs) -> SinkLayer:
-        return sink_layer(layer.pattern, layer.v, layer.W_O, k=k, attention_mask=layer.padding_mask)
+        return sink_layer(
+            layer.pattern, layer.v, layer.W_O, k=k, attention_mask=layer.padding_mask, causal=layer.causal
+        )
 
     return on_layer
 
