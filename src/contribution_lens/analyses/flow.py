@@ -302,7 +302,7 @@ def flow(
     position: int | Sequence[int] = -1,
     *,
     threshold: float = DEFAULT_THRESHOLD,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
 ) -> Flow:
     """The signed token mixing of every layer and its rollout at ``position``, in one forward pass.
 
@@ -312,7 +312,8 @@ def flow(
         position: the explained position(s) (negative ones count from the end); several share
             the one pass (``flow.at(p)`` picks one).
         threshold: the smallest ``|w_ij^h|`` kept as an edge of the graph.
-        prepend_bos: prepend the tokenizer's BOS to a text.
+        prepend_bos: prepend the tokenizer's BOS to a text; None: the model's own choice
+            (``cfg.default_prepend_bos``).
 
     Every layer keeps its ``[query key]`` mixing (``n_layers * pos^2`` floats) and the edges
     above ``threshold``; the per-head ``[head query key]`` weights live only inside the layer's hook.

@@ -83,7 +83,7 @@ class GenerationExplanation(Sequence[GenerationStep]):
     tokens: Int[Tensor, " pos"]
     str_tokens: list[str]
     prompt_length: int
-    """Tokens of the prompt (BOS included): the answer starts at this position."""
+    """Tokens of the prompt (BOS included where it has one): the answer starts at this position."""
     steps: tuple[GenerationStep, ...]
 
     @property
@@ -294,7 +294,7 @@ def explain_generation(
     stop_at_eos: bool = True,
     flow: bool = True,
     threshold: float = DEFAULT_THRESHOLD,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> GenerationExplanation:
     """Generate greedily from ``prompt`` (or take ``answer``) and explain every answer token's logit.
@@ -305,13 +305,14 @@ def explain_generation(
 
     Args:
         model: a decoder ``TransformerBridge`` with an LM head.
-        prompt: a text (BOS prepended) or token ids ``[pos]``.
+        prompt: a text (tokenised as the model does, see ``prepend_bos``) or token ids ``[pos]``.
         max_new_tokens: how many tokens to generate at most (greedy decoding).
         answer: explain this continuation instead of generating one (a text, tokens or ids).
         stop_at_eos: stop generating after the tokenizer's end-of-sequence token.
         flow: also compute every step's flow in the same pass (``step.flow``).
         threshold: the flow graph's smallest kept edge weight (see `contribution_lens.flow`).
-        prepend_bos: prepend the tokenizer's BOS to a text prompt.
+        prepend_bos: prepend the tokenizer's BOS to a text prompt; None: the model's own choice
+            (``cfg.default_prepend_bos``).
         dtype: accumulation dtype of the terms.
     """
     check_decoder(model)

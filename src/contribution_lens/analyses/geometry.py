@@ -42,6 +42,7 @@ class Geometry(LayerResults[Decomposition]):
         scope: Scope | str,
         n_layers: int | None = None,
         logits: Tensor | None = None,
+        bos_first: bool = True,
     ) -> None:
         super().__init__(
             layers,
@@ -50,6 +51,7 @@ class Geometry(LayerResults[Decomposition]):
             str_tokens=str_tokens,
             n_layers=n_layers,
             logits=logits,
+            bos_first=bos_first,
         )
         self.scope = Scope.of(scope)
         for layer, d in self.items():
@@ -65,7 +67,7 @@ class Geometry(LayerResults[Decomposition]):
         device_move = not isinstance(target, torch.dtype)
         tokens = self.tokens.to(target) if device_move else self.tokens
         mask = self.attention_mask.to(target) if device_move else self.attention_mask
-        return Geometry(moved, tokens, mask, self.str_tokens, self.scope, self.n_layers)
+        return Geometry(moved, tokens, mask, self.str_tokens, self.scope, self.n_layers, bos_first=self.bos_first)
 
     def head_summary(self, factor: Factor | str = Factor.CONTRIBUTION) -> Float[Tensor, "layer head"]:
         """Mean of ``factor`` over every valid (query, key) pair of the batch, per layer and head.
@@ -80,13 +82,22 @@ class Geometry(LayerResults[Decomposition]):
             rows.append(total / valid.sum().clamp_min(1))
         return torch.stack(rows)
 
-    def layer_summary(self, sink: int = 0) -> pd.DataFrame:
-        """One row per layer: how far attention and contribution disagree (see `layer_disagreement`)."""
-        rows = [{"layer": layer, **layer_disagreement(d, self.attention_mask, sink)} for layer, d in self.items()]
+    def layer_summary(self, sink: int | None = None) -> pd.DataFrame:
+        """One row per layer: how far attention and contribution disagree (see `layer_disagreement`).
+
+        ``sink``: the key position compared; None: 0 where every text starts with the model's BOS,
+        else, per layer and text, the key of largest attention share (`sink_positions`).
+        """
+        mask = self.attention_mask
+        rows = [
+            {"layer": layer, **layer_disagreement(d, mask, sink_positions(d, sink, self.bos_first, mask))}
+            for layer, d in self.items()
+        ]
         return pd.DataFrame(rows).set_index("layer")
 
-    def sink_layer(self, sink: int = 0) -> int:
-        """The layer where attention to and contribution of key ``sink`` differ most (token level)."""
+    def sink_layer(self, sink: int | None = None) -> int:
+        """The layer where attention to and contribution of key ``sink`` differ most (token level; ``sink`` as in
+        `layer_summary`)."""
         table = self.layer_summary(sink)
         return int(table["sink_contribution"].sub(table["sink_attention"]).abs().idxmax())
 
@@ -143,6 +154,7 @@ class Geometry(LayerResults[Decomposition]):
             "n_layers": str(self.n_layers),
             "layers": json.dumps(self.layers),
             "str_tokens": json.dumps(self.str_tokens),
+            "bos_first": json.dumps(self.bos_first),
         }
         return save_tensors(path, tensors, metadata, format=_FORMAT, example="geometry.safetensors")
 
@@ -167,8 +179,15 @@ class Geometry(LayerResults[Decomposition]):
                     for layer in json.loads(metadata["layers"])
                 }
                 tokens, mask = handle.get_tensor("tokens"), handle.get_tensor("attention_mask")
+            bos_first = bool(json.loads(metadata.get("bos_first", "true")))  # files from before it was kept had BOS
             return cls(
-                layers, tokens, mask, json.loads(metadata["str_tokens"]), metadata["scope"], int(metadata["n_layers"])
+                layers,
+                tokens,
+                mask,
+                json.loads(metadata["str_tokens"]),
+                metadata["scope"],
+                int(metadata["n_layers"]),
+                bos_first=bos_first,
             )
 
 
@@ -206,7 +225,22 @@ def _layer_frame(
     )
 
 
-def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) -> dict[str, float]:
+def sink_positions(
+    d: Decomposition, sink: int | None, bos_first: bool, attention_mask: Bool[Tensor, "batch key"]
+) -> int | Int[Tensor, " batch"]:
+    """The key compared with the rest in a layer summary: ``sink``, or 0 after a BOS, else found per text.
+
+    Found: the key of largest attention share (`contribution_lens.analyses.sinks.sink_shares`,
+    Gu et al.'s share, averaged over heads and the queries that see the key).
+    """
+    if sink is not None or bos_first:
+        return 0 if sink is None else sink
+    from contribution_lens.analyses.sinks import sink_shares
+
+    return sink_shares(d.attention, attention_mask=attention_mask).argmax(-1)
+
+
+def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int | Tensor = 0) -> dict[str, float]:
     """How far attention and contribution disagree in one layer, token level.
 
     * ``sink_attention`` / ``sink_contribution``: mean over real queries ``i != sink`` that can
@@ -215,6 +249,7 @@ def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) 
     * ``top1_agreement``: share of those queries whose most-attended key is also the key of
       largest contribution.
 
+    ``sink`` is one key position, or one per text (``[batch]``, as `sink_positions` finds them).
     Raises for a batch whose texts all have one token: no query then sees another key.
     """
     if int(attention_mask.sum(-1).max()) < 2:
@@ -222,12 +257,19 @@ def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) 
             "a layer summary compares each query's attention with its contributions over the keys it sees: "
             "it needs a text of at least two tokens (with prepend_bos=False a one-word text has one)"
         )
-    sink = _sink_position(sink, d.shape[3])
-    real_query = attention_mask.to(d.attention.device) & d.valid[:, :, sink]  # a new tensor
-    real_query[:, sink] = False  # the sink attending to itself says nothing
+    batch, _, n_query, n_key = d.shape
+    column = (
+        torch.full((batch,), _sink_position(sink, n_key), device=d.attention.device)
+        if not isinstance(sink, Tensor)
+        else sink.to(d.attention.device, torch.long)
+    )
+    at_sink = einops.repeat(column, "batch -> batch query 1", query=n_query)
+    real_query = attention_mask.to(d.attention.device) & d.valid.gather(2, at_sink)[..., 0]  # a new tensor
+    real_query[torch.arange(batch), column] = False  # the sink attending to itself says nothing
     if not bool(real_query.any()):
+        shown = int(column[0]) if isinstance(sink, int) or not isinstance(sink, Tensor) else column.tolist()
         raise ValueError(
-            f"no real query other than the sink sees key {sink} (causal attention: only later tokens see it; "
+            f"no real query other than the sink sees key {shown} (causal attention: only later tokens see it; "
             "padding sees nothing): choose an earlier sink position"
         )
     # Head by head: a long text's summary never holds a second full [batch head query key] tensor.
@@ -244,8 +286,8 @@ def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) 
     attention /= d.shape[1]
     agree = attention.argmax(-1) == contribution.argmax(-1)
     return {
-        "sink_attention": _mean(attention[..., sink][real_query]),
-        "sink_contribution": _mean(contribution[..., sink][real_query]),
+        "sink_attention": _mean(attention.gather(2, at_sink)[..., 0][real_query]),
+        "sink_contribution": _mean(contribution.gather(2, at_sink)[..., 0][real_query]),
         "negative_share": negative / attended if attended else float("nan"),
         "top1_agreement": _mean(agree[real_query].float()),
     }
@@ -276,10 +318,13 @@ def layer_summary(
     *,
     layers: int | Sequence[int] | None = None,
     scope: Scope | str = Scope.INTER,
-    sink: int = 0,
-    prepend_bos: bool = True,
+    sink: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> pd.DataFrame:
     """`Geometry.layer_summary` without keeping any layer: memory of one layer at a time.
+
+    ``sink`` as in `Geometry.layer_summary` (None: 0 after a BOS, else found per layer and text);
+    ``prepend_bos``: prepend the tokenizer's BOS to texts (None: the model's own choice).
 
     Example:
         >>> import contribution_lens as cl
@@ -291,7 +336,9 @@ def layer_summary(
     scope = Scope.of(scope)
 
     def summarise(layer: adapter.LayerInputs) -> dict[str, float]:
-        return layer_disagreement(layer.decompose(scope), layer.attention_mask, sink)
+        d = layer.decompose(scope)
+        mask = layer.attention_mask
+        return layer_disagreement(d, mask, sink_positions(d, sink, layer.bos_first, mask))
 
     results = map_layers(model, inputs, summarise, layers=layers, prepend_bos=prepend_bos)
     return pd.DataFrame([{"layer": layer, **row} for layer, row in results.items()]).set_index("layer")
@@ -306,7 +353,7 @@ def attention_geometry(
     attention_mask: Tensor | None = None,
     tokens: Tensor | None = None,
     dtype: torch.dtype | None = None,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
 ) -> Geometry:
     """Contribution weights and their factors for every requested layer, in one forward pass.
 
@@ -324,7 +371,8 @@ def attention_geometry(
         attention_mask: padding mask for token ids or a cache (1 = real token).
         tokens: the token ids a cache was computed from, for labels.
         dtype: accumulation dtype (float32 by default, whatever the model's dtype).
-        prepend_bos: prepend BOS to texts (see `contribution_lens.adapter`).
+        prepend_bos: prepend the tokenizer's BOS to texts; None: the model's own choice
+            (``cfg.default_prepend_bos``, `contribution_lens.adapter.prepends_bos`).
 
     Example:
         >>> import contribution_lens as cl
@@ -394,4 +442,5 @@ def _from_cache(
     )
     if attention_mask is not None:
         str_tokens = [labels[: int(m.sum())] for labels, m in zip(str_tokens, full_mask, strict=True)]
-    return Geometry(results, token_ids, full_mask, str_tokens, scope, adapter.n_layers(model))
+    bos_first = tokens is None or set(token_ids[:, 0].tolist()) <= adapter.start_ids(model)
+    return Geometry(results, token_ids, full_mask, str_tokens, scope, adapter.n_layers(model), bos_first=bos_first)

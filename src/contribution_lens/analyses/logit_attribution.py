@@ -319,7 +319,7 @@ def token_id(model: adapter.Model, token: TokenLike, what: str) -> int:
     return index
 
 
-def one_text(model: adapter.Model, text: str | Tensor, prepend_bos: bool) -> adapter.TokenBatch:
+def one_text(model: adapter.Model, text: str | Tensor, prepend_bos: bool | None) -> adapter.TokenBatch:
     """One text (or one row of token ids) as a batch of one."""
     if not isinstance(text, str | Tensor):
         raise TypeError(f"text must be one string or a tensor of token ids, got {type(text).__name__}")
@@ -520,7 +520,7 @@ def logit_attribution(
     foil: TokenLike | None = None,
     position: int = -1,
     *,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> LogitAttribution:
     """Split the logit of ``target`` at ``position`` (or ``logit(target) - logit(foil)``) into exact signed terms.
@@ -531,12 +531,13 @@ def logit_attribution(
 
     Args:
         model: a decoder ``TransformerBridge`` with an LM head.
-        text: one text (BOS prepended) or token ids ``[pos]``.
+        text: one text (tokenised as the model does, see ``prepend_bos``) or token ids ``[pos]``.
         target: the token whose logit is explained, as a one-token string (``" Mary"``) or an id;
             None: the model's top prediction at ``position``.
         foil: a token to contrast with ("why Mary and not John"): the difference is explained.
         position: the position whose next-token prediction is explained (negative: from the end).
-        prepend_bos: prepend the tokenizer's BOS to a text.
+        prepend_bos: prepend the tokenizer's BOS to a text; None: the model's own choice
+            (``cfg.default_prepend_bos``).
         dtype: accumulation dtype of the terms (float32; float64 for a tighter sum).
 
     Example:

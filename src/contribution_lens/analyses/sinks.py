@@ -1,6 +1,7 @@
 """Attention sinks: sink vs tail decomposition, anti-alignment, the convex sink-ratio curve.
 
-For one head and query ``i``, with the first ``k`` positions as the sink (``k = 1``: BOS):
+For one head and query ``i``, with the first ``k`` positions as the sink (``k = 1``: BOS; where
+a text has no BOS, or for an encoder, the sink keys `detect_sinks` finds instead):
 
 * sink ratio ``a_i = sum_{j<k} alpha_ij``; sink part ``s_i = sum_{j<k} alpha_ij vt_j``; tail
   output ``t_i = sum_{j>=k} alpha_ij vt_j``, so ``o_i = s_i + t_i``;
@@ -117,20 +118,11 @@ def sink_mask(
     return mask
 
 
-def detect_sinks(
-    pattern: Float[Tensor, "batch head query key"],
-    *,
-    epsilon: float = 0.3,
-    attention_mask: Bool[Tensor, "batch key"] | None = None,
-) -> Bool[Tensor, "batch key"]:
-    """Sink keys by the attention-share threshold of Gu et al. (2024): mean share ``> epsilon``.
-
-    A key's share is its attention averaged over heads and over the real queries that can see
-    it (for a causal pattern, the queries at or after it). Where no key passes the threshold the
-    key of largest share is the sink, so every text has one.
-    """
-    if not 0 < epsilon < 1:
-        raise ValueError(f"epsilon must lie in (0, 1), got {epsilon}")
+def sink_shares(
+    pattern: Float[Tensor, "batch head query key"], *, attention_mask: Bool[Tensor, "batch key"] | None = None
+) -> Float[Tensor, "batch key"]:
+    """Each key's attention share (Gu et al., 2024): its attention averaged over heads and over the
+    real queries that can see it (for a causal pattern, the queries at or after it); 0 at padding."""
     batch, _, n_query, n_key = pattern.shape
     real = (
         torch.ones(batch, n_key, dtype=torch.bool, device=pattern.device)
@@ -141,10 +133,27 @@ def detect_sinks(
     received = einops.reduce(alpha, "batch head query key -> batch key", "mean") * n_query
     seen_by = einops.reduce((alpha > 0).float(), "batch head query key -> batch key", "max")
     viewers = einops.reduce((alpha > 0).float(), "batch head query key -> batch head key", "sum").amax(1).clamp_min(1)
-    share = torch.where(seen_by > 0, received / viewers, 0)
-    sinks = (share > epsilon) & real
+    return torch.where((seen_by > 0) & real, received / viewers, 0)
+
+
+def detect_sinks(
+    pattern: Float[Tensor, "batch head query key"],
+    *,
+    epsilon: float = 0.3,
+    attention_mask: Bool[Tensor, "batch key"] | None = None,
+) -> Bool[Tensor, "batch key"]:
+    """Sink keys by the attention-share threshold of Gu et al. (2024): mean share ``> epsilon``.
+
+    A key's share is `sink_shares`: its attention averaged over heads and over the real queries
+    that can see it. Where no key passes the threshold the key of largest share is the sink, so
+    every text has one.
+    """
+    if not 0 < epsilon < 1:
+        raise ValueError(f"epsilon must lie in (0, 1), got {epsilon}")
+    share = sink_shares(pattern, attention_mask=attention_mask)
+    sinks = share > epsilon
     fallback = torch.zeros_like(sinks)
-    fallback[torch.arange(batch), share.argmax(-1)] = True
+    fallback[torch.arange(pattern.shape[0]), share.argmax(-1)] = True
     return torch.where(sinks.any(-1, keepdim=True), sinks, fallback)
 
 
@@ -600,21 +609,25 @@ def sink_analysis(
     model: adapter.Model,
     inputs: str | Sequence[str] | Tensor,
     *,
-    k: int = 1,
+    k: int | None = None,
     sinks: Sequence[int] | str | None = None,
     epsilon: float = 0.3,
     layers: int | Sequence[int] | None = None,
     scopes: Sequence[str] = ("intra", "inter"),
     attention_mask: Tensor | None = None,
+    prepend_bos: bool | None = None,
 ) -> SinkAnalysis:
     """Sink geometry and sink/tail factors of every requested layer in one forward pass.
 
     Args:
-        k: the sink is the first ``k`` positions (BOS for decoders), unless ``sinks`` is given.
+        k: the sink is the first ``k`` positions, unless ``sinks`` is given. None (default):
+            position 0 where every text starts with the model's BOS, else ``sinks="auto"``.
         sinks: sink positions, or ``"auto"``: per layer and text, the keys whose mean attention
             share exceeds ``epsilon`` (Gu et al.'s threshold; see `detect_sinks`), which finds
-            an encoder's ``[CLS]``/``[SEP]``.
+            an encoder's ``[CLS]``/``[SEP]`` and the sink of a text without BOS.
         epsilon: the threshold for ``sinks="auto"``.
+        prepend_bos: prepend the tokenizer's BOS to texts; None: the model's own choice
+            (``cfg.default_prepend_bos``).
 
     Example:
         >>> import contribution_lens as cl
@@ -629,13 +642,17 @@ def sink_analysis(
         raise ValueError(f"sinks must be positions, a mask or 'auto', got {sinks!r}")
     if isinstance(scopes, str) or not scopes:
         raise ValueError(f"scopes must be some of {tuple(map(str, Scope))}, got {scopes!r}")
+    if k is not None:
+        k = as_index(k, "k must be an integer")
     wanted = [Scope.of(scope) for scope in scopes]
+    positions = None if isinstance(sinks, str) else sinks
 
     def on_layer(layer: adapter.LayerInputs) -> SinkLayer:
         mask = layer.padding_mask
-        chosen = detect_sinks(layer.pattern, epsilon=epsilon, attention_mask=mask) if isinstance(sinks, str) else sinks
+        find = isinstance(sinks, str) or (sinks is None and k is None and not layer.bos_first)
+        chosen = detect_sinks(layer.pattern, epsilon=epsilon, attention_mask=mask) if find else positions
         geometry = sink_layer(
-            layer.pattern, layer.v, layer.W_O, k=k, sinks=chosen, attention_mask=mask, causal=layer.causal
+            layer.pattern, layer.v, layer.W_O, k=k or 1, sinks=chosen, attention_mask=mask, causal=layer.causal
         )
         decompositions = {scope: layer.decompose(scope) for scope in wanted}
         first = next(iter(decompositions.values()))  # the pairs are the same in every scope
@@ -645,8 +662,8 @@ def sink_analysis(
         }
         return replace(geometry, factors=factors)
 
-    results = map_layers(model, inputs, on_layer, layers=layers, attention_mask=attention_mask)
-    return SinkAnalysis.from_results(results, k=k)
+    results = map_layers(model, inputs, on_layer, layers=layers, attention_mask=attention_mask, prepend_bos=prepend_bos)
+    return SinkAnalysis.from_results(results, k=k or 1)
 
 
 def claim_verdicts(claims: dict[str, float]) -> pd.DataFrame:

@@ -15,19 +15,23 @@ from contribution_lens.views import html, plot
 
 
 def figures(geometry: Geometry, *, layer: int | None = None, index: int = 0) -> list[tuple[str, go.Figure]]:
-    """The overview's figures; ``layer`` defaults to `Geometry.sink_layer` (where the two disagree most)."""
-    shown = geometry.sink_layer() if layer is None else geometry.resolve(layer)
+    """The overview's figures; ``layer`` defaults to `Geometry.sink_layer` of key 0 (where the two disagree most).
+
+    Key 0 is BOS where the texts start with one, else the text's first token (named as such).
+    """
+    shown = geometry.sink_layer(0) if layer is None else geometry.resolve(layer)
     query = len(geometry.str_tokens[index]) - 1
     sink_attention = torch.stack([d.attention[index, :, 1:, 0].mean(-1) for d in geometry.values()])
     sink_contribution = torch.stack([d.contribution[index, :, 1:, 0].mean(-1) for d in geometry.values()])
-    title = f"contribution of BOS ({geometry.scope}-head)"
+    first = "BOS" if geometry.bos_first else f"the first token, {geometry.str_tokens[index][0]!r}"
+    title = f"contribution of {first} ({geometry.scope}-head)"
     return [
         (
-            "Attention to the first token (BOS), per head",
-            plot.head_grid(sink_attention, title="attention to BOS", layers=geometry.layers),
+            f"Attention to the first token ({first}), per head",
+            plot.head_grid(sink_attention, title=f"attention to {first}", layers=geometry.layers),
         ),
         (
-            "Contribution of the first token (BOS), per head",
+            f"Contribution of the first token ({first}), per head",
             plot.head_grid(sink_contribution, title=title, layers=geometry.layers, signed=True),
         ),
         (f"Token-level contribution at layer {shown}", plot.token_heatmap(geometry, layer=shown, index=index)),

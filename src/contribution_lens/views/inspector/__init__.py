@@ -100,12 +100,13 @@ def inspect(
     group_kv: bool = False,
     view: str | None = None,
     step: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> Inspector:
     """A live inspector of every layer, head, factor and scope of one text (display it in Jupyter).
 
     Args:
         model: a TransformerLens ``TransformerBridge``.
-        text: the text (BOS is prepended) or token ids; or explained predictions of one text (a
+        text: the text (BOS as ``prepend_bos`` says) or token ids; or explained predictions of one text (a
             `contribution_lens.GenerationExplanation`, a `contribution_lens.LogitAttribution` or a
             list of them): their tokens, with a step control and the ``prediction`` view.
         layer: open on this layer (default: the last of ``layers``).
@@ -120,10 +121,10 @@ def inspect(
         view: ``heatmap``, ``text`` or ``prediction`` (default: ``prediction`` for explained
             predictions, else ``heatmap``).
         step: the explained step shown (default 0); the query starts at its position.
+        prepend_bos: BOS before a text (None: the model's own choice, ``cfg.default_prepend_bos``).
 
-    The first view runs one forward pass for every layer and every window of ``tokens``
-    queries; switching layer or window afterwards sends what is ready. A bad value is refused
-    before anything changes, with `InspectorError` (a ``ValueError``).
+    The first view runs one forward pass for every layer and every window of ``tokens`` queries; switching
+    layer or window afterwards sends what is ready. A bad value is refused first (`InspectorError`, a ``ValueError``).
 
     Example:
         >>> import contribution_lens as cl
@@ -137,7 +138,7 @@ def inspect(
         raise ValueError(
             f"step={step} needs explained predictions: inspect cl.explain_generation(...) or cl.logit_attribution(...)"
         )
-    batch = adapter.to_token_batch(model, text if steps is None else steps.tokens)  # type: ignore[arg-type]
+    batch = adapter.to_token_batch(model, text if steps is None else steps.tokens, prepend_bos=prepend_bos)  # type: ignore[arg-type]
     if batch.tokens.shape[0] != 1:
         raise ValueError("inspect takes one text")
     offered = adapter.check_layers(model, layers)
