@@ -258,6 +258,18 @@ def check_token_ids(model: Model, tokens: Tensor) -> None:
         raise ValueError(f"token id {bad} is outside the model's vocabulary of {d_vocab} ids (0..{int(d_vocab) - 1})")
 
 
+def _check_text_ids(model: Model, ids: Tensor, index: int) -> None:
+    """A text's ids lie in the model's vocabulary: a tokenizer may hold added tokens the model has no row for."""
+    d_vocab = getattr(model.cfg, "d_vocab", None)
+    if d_vocab is None or ids.numel() == 0 or int(ids.max()) < int(d_vocab):
+        return
+    bad = int(ids.max())
+    raise ValueError(
+        f"input text {index} holds the token {token_labels(model, [bad])[0]!r} (id {bad}), outside the model's "
+        f"vocabulary of {d_vocab} ids (0..{int(d_vocab) - 1}): the tokenizer has tokens the model has no embedding for"
+    )
+
+
 def token_labels(model: Model, ids: Sequence[int]) -> list[str]:
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
@@ -372,6 +384,7 @@ def to_token_batch(
             raise ValueError(f"input text {index} is empty")
         ids = model.to_tokens(text, prepend_bos=bos, truncate=False)[0]
         check_length(model, ids.shape[0], f"input text {index}")
+        _check_text_ids(model, ids, index)
         rows.append(ids.to(device))
     return replace(pad_rows(model, rows), bos_first=bos)
 

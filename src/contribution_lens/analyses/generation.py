@@ -41,6 +41,7 @@ from contribution_lens.analyses.logit_attribution import (
     one_text,
     token_id,
 )
+from contribution_lens.choices import as_count, as_threshold
 from contribution_lens.files import load_tensors, reading, save_tensors
 
 _FORMAT = "contribution_lens.GenerationExplanation/1"
@@ -316,10 +317,9 @@ def explain_generation(
         dtype: accumulation dtype of the terms.
     """
     check_decoder(model)
-    if answer is None and (
-        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
-    ):
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if answer is None:
+        max_new_tokens = as_count(max_new_tokens, "max_new_tokens")
+    threshold = as_threshold(threshold)
     batch = one_text(model, prompt, prepend_bos)
     prompt_ids = batch.tokens[0]
     if answer is None:

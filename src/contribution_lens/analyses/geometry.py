@@ -194,8 +194,12 @@ class Geometry(LayerResults[Decomposition]):
 def _positions(value: int | Sequence[int] | None, size: int, what: str) -> list[int]:
     if value is None:
         return list(range(size))
+    plural = {"query": "queries"}.get(what, f"{what}s")
     resolved = []
-    for item in as_indices(value, {"query": "queries"}.get(what, f"{what}s")):
+    items = as_indices(value, plural)
+    if not items:
+        raise ValueError(f"{plural} is empty: give at least one {what}, or None for all {plural}")
+    for item in items:
         if not -size <= item < size:
             raise IndexError(f"{what} {item} does not exist (0..{size - 1})")
         resolved.append(item % size)

@@ -45,7 +45,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.choices import as_position
+from contribution_lens.choices import as_count, as_position
 from contribution_lens.engine import LayerResults, map_layers
 from contribution_lens.files import load_tensors, reading, save_tensors
 
@@ -195,8 +195,7 @@ class LogitAttribution:
 
     def top(self, k: int = 10) -> pd.DataFrame:
         """The ``k`` terms of largest magnitude (any component), largest first."""
-        if k < 1:
-            raise ValueError(f"k must be a positive integer, got {k}")
+        k = as_count(k, "k")
         table = self.to_dataframe()
         return table.loc[table["value"].abs().sort_values(ascending=False).index[:k]].reset_index(drop=True)
 
@@ -311,6 +310,11 @@ def token_id(model: adapter.Model, token: TokenLike, what: str) -> int:
             raise ValueError(
                 f"{what} {token!r} is {len(ids)} tokens for this tokenizer ({pieces}); give exactly one token, "
                 "as a string or an id (a leading space is part of a token: ' Mary', not 'Mary')"
+            )
+        if not 0 <= ids[0] < d_vocab:
+            raise ValueError(
+                f"{what} {token!r} is token id {ids[0]}, outside the model's vocabulary of {d_vocab} ids "
+                f"(0..{d_vocab - 1}): the tokenizer has tokens the model has no embedding for"
             )
         return int(ids[0])
     index = adapter.as_index(token, f"{what} must be a token string or an integer id")

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from contribution_lens import adapter
 from contribution_lens.analyses.sinks import SinkLayer, detect_sinks, sink_layer, sink_mask
+from contribution_lens.choices import as_count
 from contribution_lens.decomposition import head_gram
 from contribution_lens.engine import map_layers
 from contribution_lens.interventions import scale_pattern
@@ -135,8 +136,7 @@ def run_sink_intervention(
     if not isinstance(chunks, Tensor) or chunks.ndim != 2 or chunks.shape[0] == 0:
         shape = tuple(chunks.shape) if isinstance(chunks, Tensor) else type(chunks).__name__
         raise ValueError(f"chunks must be a non-empty [n pos] token tensor, got {shape}")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be positive, got {batch_size}")
+    batch_size = as_count(batch_size, "batch_size")
     wanted = set(adapter.check_layers(model, layers))
     weights = {layer: adapter.output_weights(model, layer)[0] for layer in wanted}
     sums = {"clean": [0.0, 0], "intervened": [0.0, 0]}

@@ -23,7 +23,7 @@ from contribution_lens.analyses.generation import GenerationExplanation
 from contribution_lens.analyses.geometry import Geometry
 from contribution_lens.analyses.logit_attribution import LogitAttribution
 from contribution_lens.analyses.sinks import SinkLayer
-from contribution_lens.choices import FACTORS, Factor
+from contribution_lens.choices import FACTORS, Factor, as_index
 from contribution_lens.decomposition import Decomposition
 from contribution_lens.methods import available_methods, get_method
 
@@ -33,6 +33,7 @@ SEQUENTIAL = "Viridis"
 
 def _check_head(d: Decomposition, head: int | None) -> None:
     n_heads = d.attention.shape[1]
+    head = None if head is None else as_index(head, "head must be an integer (or None: every head)")
     if head is not None and not 0 <= head < n_heads:
         raise ValueError(f"head {head} does not exist: the layer has {n_heads} heads (0..{n_heads - 1})")
 

@@ -18,6 +18,7 @@ from torch import Tensor
 from contribution_lens import adapter
 from contribution_lens.analyses.generation import GenerationExplanation
 from contribution_lens.analyses.logit_attribution import LogitAttribution
+from contribution_lens.choices import as_count
 from contribution_lens.views.inspector.payload import (
     ATTENTION_CODES,
     CODECS,
@@ -133,7 +134,7 @@ def inspect(
         >>> inspector.layer, inspector.meta["key_labels"][:2]
         (3, ['0:<|im_start|>', '1:The'])
     """
-    steps = Steps.of(text)
+    tokens, steps = as_count(tokens, "tokens"), Steps.of(text)  # tokens checked before any window is laid out
     if steps is None and step is not None:
         raise ValueError(
             f"step={step} needs explained predictions: inspect cl.explain_generation(...) or cl.logit_attribution(...)"
