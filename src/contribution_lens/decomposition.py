@@ -500,6 +500,10 @@ def decompose_layer(
     """
     batch, n_heads, n_query, n_key = pattern.shape
     acc = _accumulation_dtype(dtype, pattern, v, W_O)
+    if z is not None and z.dtype.itemsize < torch.tensor([], dtype=acc).element_size():
+        # A half-precision hook_z is pattern @ v rounded once more: the weights, made of the pattern
+        # and v in ``acc``, would then add up to 1 only to that rounding (2e-3 in bfloat16).
+        z = None
     valid = valid_positions(
         n_query, n_key, attention_mask=attention_mask, batch=batch, causal=causal, device=pattern.device
     )

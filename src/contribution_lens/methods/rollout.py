@@ -225,12 +225,14 @@ def _strong(
 def _head_outputs(
     layer: adapter.LayerInputs, valid: Tensor, W_O: Float[Tensor, "head d_head d_model"], acc: torch.dtype
 ) -> Float[Tensor, "batch query d_model"]:
-    """``sum_h z^h W_O^h``: read off ``hook_out`` where that is at least float32, else from ``z`` (or ``alpha v``)."""
+    """``sum_h z^h W_O^h``: read off ``hook_out`` where that is at least float32, else from ``z``, else ``alpha v``."""
     output = layer.output_without_bias()
     if output is not None:
         return output.to(acc)
     z = layer.z
-    if z is None:
+    if z is None or z.dtype.itemsize < torch.tensor([], dtype=acc).element_size():
+        # From the pattern and v in ``acc``, as the weights are: a half-precision hook_z is rounded
+        # once more, and the rows would sum to 1 only to that rounding (2e-3 in bfloat16).
         alpha = torch.where(valid[:, None], layer.pattern.to(acc), 0)
         v = layer.v.to(acc).repeat_interleave(alpha.shape[1] // layer.v.shape[2], dim=2)
         z = einops.einsum(alpha, v, "batch head query key, batch key head d_head -> batch query head d_head")
