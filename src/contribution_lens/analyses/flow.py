@@ -153,6 +153,7 @@ class Flow(LayerResults[FlowLayer]):
             str_tokens=self.str_tokens,
             n_layers=self.n_layers,
             logits=self.logits,
+            bos_first=self.bos_first,
         )
         flow._rollouts = self._rollouts
         return flow

@@ -295,6 +295,7 @@ def part_factors(
     is_sink: Bool[Tensor, "batch key"],
     queries: Bool[Tensor, "batch query"],
     pairs: "TailPairs | None" = None,
+    quantiles: dict[str, Float[Tensor, " head"]] | None = None,
 ) -> dict[str, Float[Tensor, " head"]]:
     """Sink vs tail factors per head, each a mean over the sink layer's ``queries``.
 
@@ -306,7 +307,8 @@ def part_factors(
     batched matrix product, no masked copy. Keys ``sink_*`` and ``tail_*``, plus
     ``tail_cosine_q10/q50/q90`` and ``tail_relative_norm_q10/q50/q90``: the distribution over
     (query, tail key) pairs with ``alpha > 0``, as ``torch.quantile`` gives it (`tail_quantiles`;
-    ``pairs``: those pairs where the caller has them already, `TailPairs.of`).
+    ``pairs``: those pairs where the caller has them already, `TailPairs.of`; ``quantiles``: the
+    quantiles themselves, where `tail_quantiles` found them for several decompositions at once).
 
     Example:
         >>> import torch
@@ -348,7 +350,9 @@ def part_factors(
         }
         for factor in Factor:
             out[f"{part}_{factor}"] = (per_query[factor] * q_weight).sum((0, 2)) / n_queries
-    return out | tail_quantiles(d, pairs or TailPairs.of(d.attention, d.valid, is_sink, queries))
+    if quantiles is None:
+        quantiles = tail_quantiles([d], pairs or TailPairs.of(d.attention, d.valid, is_sink, queries))[0]
+    return out | quantiles
 
 
 QUANTILES = (10, 50, 90)
@@ -391,31 +395,37 @@ class TailPairs:
         return einops.rearrange(tensor, "b h q k -> h (b q k)").index_select(1, self.at)
 
 
-def tail_quantiles(d: Decomposition, pairs: TailPairs) -> dict[str, Float[Tensor, " head"]]:
-    """Per head, `QUANTILES` of ``cos_ij`` and of ``||vt_j|| / ||o_i||`` over the tail ``pairs``.
+def tail_quantiles(
+    decompositions: Sequence[Decomposition], pairs: TailPairs
+) -> list[dict[str, Float[Tensor, " head"]]]:
+    """Per decomposition and head, `QUANTILES` of ``cos_ij`` and of ``||vt_j|| / ||o_i||`` over the tail ``pairs``.
 
     The relative norm is gathered from its two factors, never built pattern-sized; it is bit for
-    bit what ``Decomposition.relative_norm`` holds at those pairs. Both factors go through one
-    `masked_quantiles` call, as ``[factor * head, pair]`` rows.
+    bit what ``Decomposition.relative_norm`` holds at those pairs. Every factor of every
+    decomposition (both scopes of a layer) goes through one `masked_quantiles` call, as rows.
     """
-    n_heads, n_pairs = d.cosine.shape[1], pairs.at.numel()
-    rows = d.cosine.new_empty(2 * n_heads, n_pairs)
-    torch.index_select(einops.rearrange(d.cosine, "b h q k -> h (b q k)"), 1, pairs.at, out=rows[:n_heads])
-    relative_norm = rows[n_heads:]
-    torch.index_select(einops.rearrange(d.value_norm, "b h k -> h (b k)"), 1, pairs.key, out=relative_norm)
-    output_norm = einops.rearrange(d.output_norm, "b h q -> h (b q)")
-    if bool((output_norm != 0).all()):
-        relative_norm.div_(output_norm.index_select(1, pairs.query))
-    else:  # Decomposition.relative_norm's 0 where ||o|| = 0
-        gathered = output_norm.index_select(1, pairs.query)
-        relative_norm.copy_(torch.where(gathered != 0, relative_norm / gathered.where(gathered != 0, 1), 0))
-    keep = None if pairs.keep is None else pairs.keep.repeat(2, 1)
+    n_heads, n_pairs = decompositions[0].cosine.shape[1], pairs.at.numel()
+    rows = decompositions[0].cosine.new_empty(2 * n_heads * len(decompositions), n_pairs)
+    for index, d in enumerate(decompositions):
+        cosine, relative_norm = rows[2 * index * n_heads :][:n_heads], rows[(2 * index + 1) * n_heads :][:n_heads]
+        torch.index_select(einops.rearrange(d.cosine, "b h q k -> h (b q k)"), 1, pairs.at, out=cosine)
+        torch.index_select(einops.rearrange(d.value_norm, "b h k -> h (b k)"), 1, pairs.key, out=relative_norm)
+        output_norm = einops.rearrange(d.output_norm, "b h q -> h (b q)")
+        if bool((output_norm != 0).all()):
+            relative_norm.div_(output_norm.index_select(1, pairs.query))
+        else:  # Decomposition.relative_norm's 0 where ||o|| = 0
+            gathered = output_norm.index_select(1, pairs.query)
+            relative_norm.copy_(torch.where(gathered != 0, relative_norm / gathered.where(gathered != 0, 1), 0))
+    keep = None if pairs.keep is None else pairs.keep.repeat(2 * len(decompositions), 1)
     found = masked_quantiles(rows, keep, [p / 100 for p in QUANTILES])
-    return {
-        f"tail_{name}_q{p}": found[index, part * n_heads : (part + 1) * n_heads]
-        for part, name in enumerate(("cosine", "relative_norm"))
-        for index, p in enumerate(QUANTILES)
-    }
+    return [
+        {
+            f"tail_{name}_q{p}": found[index, (2 * part + kind) * n_heads :][:n_heads]
+            for kind, name in enumerate(("cosine", "relative_norm"))
+            for index, p in enumerate(QUANTILES)
+        }
+        for part in range(len(decompositions))
+    ]
 
 
 def _bin_bits(items: int) -> int:
@@ -657,8 +667,10 @@ def sink_analysis(
         decompositions = {scope: layer.decompose(scope) for scope in wanted}
         first = next(iter(decompositions.values()))  # the pairs are the same in every scope
         pairs = TailPairs.of(first.attention, first.valid, geometry.sinks, geometry.queries)
+        found = tail_quantiles(list(decompositions.values()), pairs)  # both scopes in one count
         factors = {
-            scope: part_factors(d, geometry.sinks, geometry.queries, pairs) for scope, d in decompositions.items()
+            scope: part_factors(d, geometry.sinks, geometry.queries, quantiles=q)
+            for (scope, d), q in zip(decompositions.items(), found, strict=True)
         }
         return replace(geometry, factors=factors)
 
