@@ -17,17 +17,19 @@ or goes through the functions here. The hooks read, per layer ``l``:
 `attention_problem` checks on a probe input that these hooks exist and fit together (what
 ``load_model`` refuses a model for); ``W_O`` comes from `output_weights`.
 
-Inputs get the tokenizer's BOS token prepended (``model.to_tokens(..., prepend_bos=True)``;
-for SmolLM2 that is ``<|im_start|>``, id 1), so position 0 is always the same token: the
-attention sink. Token tensors are used as given. Batches of texts are right-padded, so
-causal attention of the real tokens is the same as for each text alone.
+Texts are tokenised as the model's own convention has it: TransformerLens records per model
+whether a BOS token is prepended (``cfg.default_prepend_bos``; True for the bundled models, where
+BOS is SmolLM2's ``<|im_start|>``, id 1, and position 0 the attention sink; False for Qwen2,
+Phi, GPT-NeoX, ...), and ``prepend_bos=True``/``False`` overrides it (`prepends_bos`). Token
+tensors are used as given. Batches of texts are right-padded, so causal attention of the real
+tokens is the same as for each text alone.
 """
 
 import threading
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import einops
@@ -211,6 +213,8 @@ class TokenBatch:
     attention_mask: Bool[Tensor, "batch pos"]
     str_tokens: list[list[str]]
     """Per text, one string per real token (padding excluded)."""
+    bos_first: bool = True
+    """Every text starts with the model's BOS (the attention sink analyses then take position 0)."""
 
     def __post_init__(self) -> None:
         if self.tokens.shape != self.attention_mask.shape:
@@ -261,11 +265,30 @@ def check_token_ids(model: Model, tokens: Tensor) -> None:
         raise ValueError(f"token id {bad} is outside the model's vocabulary of {d_vocab} ids (0..{int(d_vocab) - 1})")
 
 
+def _check_text_ids(model: Model, ids: Tensor, index: int) -> None:
+    """A text's ids lie in the model's vocabulary: a tokenizer may hold added tokens the model has no row for."""
+    d_vocab = getattr(model.cfg, "d_vocab", None)
+    if d_vocab is None or ids.numel() == 0 or int(ids.max()) < int(d_vocab):
+        return
+    bad = int(ids.max())
+    raise ValueError(
+        f"input text {index} holds the token {token_labels(model, [bad])[0]!r} (id {bad}), outside the model's "
+        f"vocabulary of {d_vocab} ids (0..{int(d_vocab) - 1}): the tokenizer has tokens the model has no embedding for"
+    )
+
+
 def token_labels(model: Model, ids: Sequence[int]) -> list[str]:
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         return [f"<{i}>" for i in ids]
     return [tokenizer.decode([i]) for i in ids]
+
+
+def start_ids(model: Model) -> set[int]:
+    """The ids a text starts with where the tokenizer begins it (BOS, or ``[CLS]`` for BERT-style tokenizers)."""
+    tokenizer = getattr(model, "tokenizer", None)
+    ids = (getattr(tokenizer, name, None) for name in ("bos_token_id", "cls_token_id"))
+    return {int(i) for i in ids if isinstance(i, int)}
 
 
 def pad_id(model: Model) -> int:
@@ -276,20 +299,58 @@ def pad_id(model: Model) -> int:
     return 0 if pad is None else int(pad)
 
 
+def prepends_bos(model: Model, prepend_bos: Any = None) -> bool:
+    """Whether texts get the tokenizer's BOS prepended: ``prepend_bos``, or else the model's own choice.
+
+    The model's choice is TransformerLens's ``cfg.default_prepend_bos`` (True where a config has
+    none). ``prepend_bos`` must be True, False or None.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> qwen = SimpleNamespace(cfg=SimpleNamespace(default_prepend_bos=False))
+        >>> prepends_bos(qwen), prepends_bos(qwen, True)
+        (False, True)
+    """
+    if prepend_bos is None:
+        return bool(getattr(getattr(model, "cfg", None), "default_prepend_bos", True))
+    if isinstance(prepend_bos, bool) or str(getattr(prepend_bos, "dtype", "")) in ("bool", "torch.bool"):
+        if getattr(prepend_bos, "ndim", 0) == 0:
+            return bool(prepend_bos)
+    raise TypeError(
+        "prepend_bos must be True, False or None (None: the model's own choice, cfg.default_prepend_bos), "
+        f"got {type(prepend_bos).__name__} {prepend_bos!r}"
+    )
+
+
+def bos_to_prepend(model: Model, prepend_bos: Any = None) -> int | None:
+    """The BOS id to put before token sequences built by hand (chunks, items), or None for none.
+
+    None where `prepends_bos` says no BOS (``prepend_bos``, else the model's own choice) or the
+    tokenizer has no BOS; ``prepend_bos=True`` on a tokenizer without one is refused.
+    """
+    wanted = prepends_bos(model, prepend_bos)
+    bos = getattr(getattr(model, "tokenizer", None), "bos_token_id", None)
+    if wanted and bos is None and prepend_bos:
+        raise ValueError("prepend_bos=True, but this model's tokenizer has no BOS token (bos_token_id is None)")
+    return int(bos) if wanted and bos is not None else None
+
+
 def to_token_batch(
     model: Model,
     inputs: str | Sequence[str] | Tensor,
     *,
     attention_mask: Tensor | None = None,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
 ) -> TokenBatch:
-    """Tokenise text(s) with BOS and right padding, or wrap a token tensor.
+    """Tokenise text(s) as the model does (BOS or not) with right padding, or wrap a token tensor.
 
     Args:
         inputs: one text, a list of texts, or token ids ``[pos]`` / ``[batch pos]``.
         attention_mask: only with token ids: 1 for real tokens, 0 for padding.
-        prepend_bos: prepend the tokenizer's BOS to texts (token ids are never changed).
+        prepend_bos: prepend the tokenizer's BOS to texts; None: the model's own choice
+            (``cfg.default_prepend_bos``, `prepends_bos`). Token ids are never changed.
     """
+    bos = prepends_bos(model, prepend_bos)
     device = _model_device(model)
     if device.type == "meta":
         raise ValueError(
@@ -312,7 +373,8 @@ def to_token_batch(
             if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
                 raise ValueError("attention_mask is not right-padded (a real token follows padding)")
         labels = [token_labels(model, row[m].tolist()) for row, m in zip(tokens, mask, strict=True)]
-        return TokenBatch(tokens.to(device), mask.to(device), labels)
+        starts = set(tokens[:, 0].tolist())
+        return TokenBatch(tokens.to(device), mask.to(device), labels, bos_first=starts <= start_ids(model))
 
     if attention_mask is not None:
         raise ValueError("attention_mask is only accepted with token ids; texts are padded here")
@@ -327,10 +389,11 @@ def to_token_batch(
             raise TypeError(f"input {index} is a {type(text).__name__}, not a str")
         if not text.strip():
             raise ValueError(f"input text {index} is empty")
-        ids = model.to_tokens(text, prepend_bos=prepend_bos, truncate=False)[0]
+        ids = model.to_tokens(text, prepend_bos=bos, truncate=False)[0]
         check_length(model, ids.shape[0], f"input text {index}")
+        _check_text_ids(model, ids, index)
         rows.append(ids.to(device))
-    return pad_rows(model, rows)
+    return replace(pad_rows(model, rows), bos_first=bos)
 
 
 def _checked_ids(inputs: Tensor) -> Int[Tensor, "batch pos"]:
@@ -435,6 +498,8 @@ class LayerInputs:
     """True for real tokens (all True without padding)."""
     str_tokens: list[list[str]]
     cfg: Any
+    bos_first: bool = True
+    """Every text starts with the model's BOS: position 0 is the sink (else analyses find it, `TokenBatch`)."""
     gram_of: Callable[[], Tensor] | None = field(default=None, repr=False)
     """What `gram` reads, when first asked for (None: no Gram matrix)."""
     captured: dict[str, Tensor] = field(default_factory=dict)
@@ -545,6 +610,7 @@ def _layer_inputs(model: Model, batch: TokenBatch, layer: int, slot: dict[str, T
         attention_mask=batch.attention_mask,
         str_tokens=batch.str_tokens,
         cfg=model.cfg,
+        bos_first=batch.bos_first,
         captured={k.split(":", 1)[1]: t for k, t in slot.items() if k.startswith("captured:")},
     )
 

@@ -49,6 +49,7 @@ class LayerResults(Saves, Mapping[int, T], Generic[T]):
         str_tokens: list[list[str]],
         n_layers: int | None = None,
         logits: Float[Tensor, "batch pos d_vocab"] | None = None,
+        bos_first: bool = True,
     ) -> None:
         if not values:
             raise ValueError("no layers: a result needs at least one computed layer")
@@ -63,6 +64,8 @@ class LayerResults(Saves, Mapping[int, T], Generic[T]):
         self.str_tokens = str_tokens
         self.n_layers = max(self._values) + 1 if n_layers is None else int(n_layers)
         self.logits = logits
+        self.bos_first = bool(bos_first)
+        """Every text starts with the model's BOS (`contribution_lens.adapter.TokenBatch.bos_first`)."""
 
     @classmethod
     def from_results(cls, results: "LayerResults[Any]", values: Mapping[int, Any] | None = None, **extra: Any) -> Any:
@@ -78,6 +81,7 @@ class LayerResults(Saves, Mapping[int, T], Generic[T]):
             str_tokens=results.str_tokens,
             n_layers=results.n_layers,
             logits=results.logits,
+            bos_first=results.bos_first,
             **extra,
         )
 
@@ -90,6 +94,7 @@ class LayerResults(Saves, Mapping[int, T], Generic[T]):
             "attention_mask": self.attention_mask,
             "str_tokens": self.str_tokens,
             "n_layers": self.n_layers,
+            "bos_first": self.bos_first,
             **own,
         }
 
@@ -147,6 +152,7 @@ class LayerResults(Saves, Mapping[int, T], Generic[T]):
             str_tokens=self.str_tokens,
             n_layers=self.n_layers,
             logits=self.logits,
+            bos_first=self.bos_first,
         )
 
     def _describe_value(self) -> str:
@@ -198,7 +204,7 @@ def map_layers(
     *,
     layers: int | Sequence[int] | None = None,
     attention_mask: Tensor | None = None,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
     edit: adapter.PatternEdit | None = None,
     capture: Sequence[str] = (),
     keep_logits: bool = False,
@@ -223,7 +229,7 @@ def map_layers(
         fn: the per-layer function.
         layers: layer indices (negative ones count from the end); None for all.
         attention_mask: padding mask for token ids (1 = real token).
-        prepend_bos: prepend the tokenizer's BOS to texts.
+        prepend_bos: prepend the tokenizer's BOS to texts; None: the model's own choice (`adapter.prepends_bos`).
         edit: ``edit(layer, pattern, v)`` returning a replacement pattern, applied in the hook
             before ``fn`` sees it (an intervention); the rest of the pass uses the edited one.
         capture: extra hooks per layer, relative to ``blocks.{l}`` (e.g. ``"hook_resid_pre"``).
@@ -269,4 +275,5 @@ def map_layers(
         str_tokens=batch.str_tokens,
         n_layers=adapter.n_layers(model),
         logits=logits if keep_logits else None,
+        bos_first=batch.bos_first,
     )

@@ -154,7 +154,7 @@ def test_bad_input_is_refused_before_the_pass_and_a_bad_position_after_it():
         cl.flow(model, IDS, position=9)
     with pytest.raises(ValueError, match="one text"):
         cl.flow(model, IDS.repeat(2, 1))
-    with pytest.raises(ValueError, match="threshold must be positive"):
+    with pytest.raises(ValueError, match=r"^threshold must be a positive finite number, got 0\.0$"):
         cl.flow(model, IDS, threshold=0)
     with pytest.raises(TypeError, match=r"positions must be integers, got float 2\.0"):
         cl.flow(model, IDS, position=2.0)

@@ -49,7 +49,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.choices import as_indices, as_position
+from contribution_lens.choices import as_indices, as_position, as_threshold
 from contribution_lens.engine import LayerResults, map_layers
 from contribution_lens.mixing import layer_mixing
 
@@ -157,6 +157,7 @@ class Flow(LayerResults[FlowLayer]):
             str_tokens=self.str_tokens,
             n_layers=self.n_layers,
             logits=self.logits,
+            bos_first=self.bos_first,
         )
         flow._rollouts = self._rollouts
         return flow
@@ -185,7 +186,7 @@ class Flow(LayerResults[FlowLayer]):
                     row = row @ mixings[below]
                 rows.append(row)
             self._rollouts[position] = torch.stack(rows).float()
-        return self._rollouts[position]
+        return self._rollouts[position].clone()  # a copy: what a caller changes is not what later reads get
 
     def graph(self, position: int | None = None, threshold: float | None = None) -> pd.DataFrame:
         """The pruned graph of ``position`` (default: the explained one): one row per kept edge.
@@ -196,7 +197,7 @@ class Flow(LayerResults[FlowLayer]):
         ``attention, relative_norm, cosine, weight``.
         """
         position = self.position if position is None else as_position(position, len(self.str_tokens[0]))
-        threshold = self.threshold if threshold is None else float(threshold)
+        threshold = self.threshold if threshold is None else as_threshold(threshold)
         if threshold < self.threshold:
             raise ValueError(f"threshold {threshold:g} is below the {self.threshold:g} the edges were kept at")
         table = self.to_dataframe(min_abs_weight=threshold)
@@ -270,7 +271,7 @@ def flow(
     position: int | Sequence[int] = -1,
     *,
     threshold: float = DEFAULT_THRESHOLD,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
 ) -> Flow:
     """The signed token mixing of every layer and its rollout at ``position``, in one forward pass.
 
@@ -280,7 +281,8 @@ def flow(
         position: the explained position(s) (negative ones count from the end); several share
             the one pass (``flow.at(p)`` picks one).
         threshold: the smallest ``|w_ij^h|`` kept as an edge of the graph.
-        prepend_bos: prepend the tokenizer's BOS to a text.
+        prepend_bos: prepend the tokenizer's BOS to a text; None: the model's own choice
+            (``cfg.default_prepend_bos``).
 
     Every layer keeps its ``[query key]`` mixing (``n_layers * pos^2`` floats) and the edges
     above ``threshold``; the per-head ``[head query key]`` weights live only inside the layer's hook.
@@ -289,8 +291,7 @@ def flow(
         raise ValueError(f"flow explains one text: got a batch of {inputs.shape[0]} token rows")
     if not isinstance(inputs, str | Tensor):
         raise TypeError(f"flow explains one text (a str or token ids), got {type(inputs).__name__}")
-    if not threshold > 0:
-        raise ValueError(f"threshold must be positive, got {threshold}")
+    threshold = as_threshold(threshold)
     batch = adapter.to_token_batch(model, inputs, prepend_bos=prepend_bos)
     n = batch.tokens.shape[1]
     positions = [as_position(p, n) for p in as_indices(position, "positions")]  # bad positions fail before the pass

@@ -40,6 +40,7 @@ from contribution_lens.analyses.logit_attribution import (
     one_text,
     token_id,
 )
+from contribution_lens.choices import as_count, as_threshold
 from contribution_lens.files import Saves
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ class GenerationExplanation(Saves, Sequence[GenerationStep]):
     tokens: Int[Tensor, " pos"]
     str_tokens: list[str]
     prompt_length: int
-    """Tokens of the prompt (BOS included): the answer starts at this position."""
+    """Tokens of the prompt (BOS included where it has one): the answer starts at this position."""
     steps: tuple[GenerationStep, ...]
 
     @property
@@ -201,7 +202,7 @@ def explain_generation(
     stop_at_eos: bool = True,
     flow: bool = True,
     threshold: float = DEFAULT_THRESHOLD,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> GenerationExplanation:
     """Generate greedily from ``prompt`` (or take ``answer``) and explain every answer token's logit.
@@ -212,20 +213,20 @@ def explain_generation(
 
     Args:
         model: a decoder ``TransformerBridge`` with an LM head.
-        prompt: a text (BOS prepended) or token ids ``[pos]``.
+        prompt: a text (tokenised as the model does, see ``prepend_bos``) or token ids ``[pos]``.
         max_new_tokens: how many tokens to generate at most (greedy decoding).
         answer: explain this continuation instead of generating one (a text, tokens or ids).
         stop_at_eos: stop generating after the tokenizer's end-of-sequence token.
         flow: also compute every step's flow in the same pass (``step.flow``).
         threshold: the flow graph's smallest kept edge weight (see `contribution_lens.flow`).
-        prepend_bos: prepend the tokenizer's BOS to a text prompt.
+        prepend_bos: prepend the tokenizer's BOS to a text prompt; None: the model's own choice
+            (``cfg.default_prepend_bos``).
         dtype: accumulation dtype of the terms.
     """
     readout = check_decoder(model)
-    if answer is None and (
-        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
-    ):
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if answer is None:
+        max_new_tokens = as_count(max_new_tokens, "max_new_tokens")
+    threshold = as_threshold(threshold)
     batch = one_text(model, prompt, prepend_bos)
     prompt_ids = batch.tokens[0]
     if answer is None:

@@ -46,6 +46,7 @@ class Geometry(LayerResults[Decomposition]):
         scope: Scope | str,
         n_layers: int | None = None,
         logits: Tensor | None = None,
+        bos_first: bool = True,
     ) -> None:
         super().__init__(
             layers,
@@ -54,6 +55,7 @@ class Geometry(LayerResults[Decomposition]):
             str_tokens=str_tokens,
             n_layers=n_layers,
             logits=logits,
+            bos_first=bos_first,
         )
         self.scope = Scope.of(scope)
         for layer, d in self.items():
@@ -69,7 +71,7 @@ class Geometry(LayerResults[Decomposition]):
         device_move = not isinstance(target, torch.dtype)
         tokens = self.tokens.to(target) if device_move else self.tokens
         mask = self.attention_mask.to(target) if device_move else self.attention_mask
-        return Geometry(moved, tokens, mask, self.str_tokens, self.scope, self.n_layers)
+        return Geometry(moved, tokens, mask, self.str_tokens, self.scope, self.n_layers, bos_first=self.bos_first)
 
     def head_summary(self, factor: Factor | str = Factor.CONTRIBUTION) -> Float[Tensor, "layer head"]:
         """Mean of ``factor`` over every valid (query, key) pair of the batch, per layer and head.
@@ -84,13 +86,22 @@ class Geometry(LayerResults[Decomposition]):
             rows.append(total / valid.sum().clamp_min(1))
         return torch.stack(rows)
 
-    def layer_summary(self, sink: int = 0) -> pd.DataFrame:
-        """One row per layer: how far attention and contribution disagree (see `layer_disagreement`)."""
-        rows = [{"layer": layer, **layer_disagreement(d, self.attention_mask, sink)} for layer, d in self.items()]
+    def layer_summary(self, sink: int | None = None) -> pd.DataFrame:
+        """One row per layer: how far attention and contribution disagree (see `layer_disagreement`).
+
+        ``sink``: the key position compared; None: 0 where every text starts with the model's BOS,
+        else, per layer and text, the key of largest attention share (`sink_positions`).
+        """
+        mask = self.attention_mask
+        rows = [
+            {"layer": layer, **layer_disagreement(d, mask, sink_positions(d, sink, self.bos_first, mask))}
+            for layer, d in self.items()
+        ]
         return pd.DataFrame(rows).set_index("layer")
 
-    def sink_layer(self, sink: int = 0) -> int:
-        """The layer where attention to and contribution of key ``sink`` differ most (token level)."""
+    def sink_layer(self, sink: int | None = None) -> int:
+        """The layer where attention to and contribution of key ``sink`` differ most (token level; ``sink`` as in
+        `layer_summary`)."""
         table = self.layer_summary(sink)
         return int(table["sink_contribution"].sub(table["sink_attention"]).abs().idxmax())
 
@@ -146,7 +157,7 @@ class Geometry(LayerResults[Decomposition]):
         """The overview of batch element ``index``, each figure under its title.
 
         The attention to, and the contribution of, the first token (BOS) per layer and head; then,
-        at ``layer`` (default: `sink_layer`, where the two disagree most), the token-level
+        at ``layer`` (default: `sink_layer` of key 0, where the two disagree most), the token-level
         contribution heatmap and the measures of the last query side by side. ``measures`` maps
         a label to a score of a `Decomposition`: by default its own four (attention,
         value-weighted, output-normalised, contribution); ``cl.methods.decomposition_measures()``
@@ -154,17 +165,19 @@ class Geometry(LayerResults[Decomposition]):
         """
         from contribution_lens.views import plot
 
-        shown = self.sink_layer() if layer is None else self.resolve(layer)
+        shown = self.sink_layer(0) if layer is None else self.resolve(layer)
         query = len(self.str_tokens[index]) - 1
         sink_attention = torch.stack([d.attention[index, :, 1:, 0].mean(-1) for d in self.values()])
         sink_contribution = torch.stack([d.contribution[index, :, 1:, 0].mean(-1) for d in self.values()])
         chosen = measures if measures is not None else {label: attrgetter(name) for name, label in MEASURES.items()}
-        bos = f"contribution of BOS ({self.scope}-head)"
+        # Key 0 is BOS where the texts start with one, else the text's first token, named as such.
+        first = "BOS" if self.bos_first else f"the first token, {self.str_tokens[index][0]!r}"
+        bos = f"contribution of {first} ({self.scope}-head)"
         return {
-            "Attention to the first token (BOS), per head": plot.head_grid(
-                sink_attention, title="attention to BOS", layers=self.layers
+            f"Attention to the first token ({first}), per head": plot.head_grid(
+                sink_attention, title=f"attention to {first}", layers=self.layers
             ),
-            "Contribution of the first token (BOS), per head": plot.head_grid(
+            f"Contribution of the first token ({first}), per head": plot.head_grid(
                 sink_contribution, title=bos, layers=self.layers, signed=True
             ),
             f"Token-level contribution at layer {shown}": plot.token_heatmap(self, layer=shown, index=index),
@@ -207,8 +220,12 @@ class Geometry(LayerResults[Decomposition]):
 def _positions(value: int | Sequence[int] | None, size: int, what: str) -> list[int]:
     if value is None:
         return list(range(size))
+    plural = {"query": "queries"}.get(what, f"{what}s")
     resolved = []
-    for item in as_indices(value, {"query": "queries"}.get(what, f"{what}s")):
+    items = as_indices(value, plural)
+    if not items:
+        raise ValueError(f"{plural} is empty: give at least one {what}, or None for all {plural}")
+    for item in items:
         if not -size <= item < size:
             raise IndexError(f"{what} {item} does not exist (0..{size - 1})")
         resolved.append(item % size)
@@ -238,7 +255,22 @@ def _layer_frame(
     )
 
 
-def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) -> dict[str, float]:
+def sink_positions(
+    d: Decomposition, sink: int | None, bos_first: bool, attention_mask: Bool[Tensor, "batch key"]
+) -> int | Int[Tensor, " batch"]:
+    """The key compared with the rest in a layer summary: ``sink``, or 0 after a BOS, else found per text.
+
+    Found: the key of largest attention share (`contribution_lens.analyses.sinks.sink_shares`,
+    Gu et al.'s share, averaged over heads and the queries that see the key).
+    """
+    if sink is not None or bos_first:
+        return 0 if sink is None else sink
+    from contribution_lens.analyses.sinks import sink_shares
+
+    return sink_shares(d.attention, attention_mask=attention_mask).argmax(-1)
+
+
+def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int | Tensor = 0) -> dict[str, float]:
     """How far attention and contribution disagree in one layer, token level.
 
     * ``sink_attention`` / ``sink_contribution``: mean over real queries ``i != sink`` that can
@@ -247,6 +279,7 @@ def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) 
     * ``top1_agreement``: share of those queries whose most-attended key is also the key of
       largest contribution.
 
+    ``sink`` is one key position, or one per text (``[batch]``, as `sink_positions` finds them).
     Raises for a batch whose texts all have one token: no query then sees another key.
     """
     if int(attention_mask.sum(-1).max()) < 2:
@@ -254,12 +287,19 @@ def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) 
             "a layer summary compares each query's attention with its contributions over the keys it sees: "
             "it needs a text of at least two tokens (with prepend_bos=False a one-word text has one)"
         )
-    sink = _sink_position(sink, d.shape[3])
-    real_query = attention_mask.to(d.attention.device) & d.valid[:, :, sink]  # a new tensor
-    real_query[:, sink] = False  # the sink attending to itself says nothing
+    batch, _, n_query, n_key = d.shape
+    column = (
+        torch.full((batch,), _sink_position(sink, n_key), device=d.attention.device)
+        if not isinstance(sink, Tensor)
+        else sink.to(d.attention.device, torch.long)
+    )
+    at_sink = einops.repeat(column, "batch -> batch query 1", query=n_query)
+    real_query = attention_mask.to(d.attention.device) & d.valid.gather(2, at_sink)[..., 0]  # a new tensor
+    real_query[torch.arange(batch), column] = False  # the sink attending to itself says nothing
     if not bool(real_query.any()):
+        shown = int(column[0]) if isinstance(sink, int) or not isinstance(sink, Tensor) else column.tolist()
         raise ValueError(
-            f"no real query other than the sink sees key {sink} (causal attention: only later tokens see it; "
+            f"no real query other than the sink sees key {shown} (causal attention: only later tokens see it; "
             "padding sees nothing): choose an earlier sink position"
         )
     # Head by head: a long text's summary never holds a second full [batch head query key] tensor.
@@ -276,8 +316,8 @@ def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) 
     attention /= d.shape[1]
     agree = attention.argmax(-1) == contribution.argmax(-1)
     return {
-        "sink_attention": _mean(attention[..., sink][real_query]),
-        "sink_contribution": _mean(contribution[..., sink][real_query]),
+        "sink_attention": _mean(attention.gather(2, at_sink)[..., 0][real_query]),
+        "sink_contribution": _mean(contribution.gather(2, at_sink)[..., 0][real_query]),
         "negative_share": negative / attended if attended else float("nan"),
         "top1_agreement": _mean(agree[real_query].float()),
     }
@@ -308,10 +348,13 @@ def layer_summary(
     *,
     layers: int | Sequence[int] | None = None,
     scope: Scope | str = Scope.INTER,
-    sink: int = 0,
-    prepend_bos: bool = True,
+    sink: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> pd.DataFrame:
     """`Geometry.layer_summary` without keeping any layer: memory of one layer at a time.
+
+    ``sink`` as in `Geometry.layer_summary` (None: 0 after a BOS, else found per layer and text);
+    ``prepend_bos``: prepend the tokenizer's BOS to texts (None: the model's own choice).
 
     Example:
         >>> import contribution_lens as cl
@@ -323,7 +366,9 @@ def layer_summary(
     scope = Scope.of(scope)
 
     def summarise(layer: adapter.LayerInputs) -> dict[str, float]:
-        return layer_disagreement(layer.decompose(scope), layer.attention_mask, sink)
+        d = layer.decompose(scope)
+        mask = layer.attention_mask
+        return layer_disagreement(d, mask, sink_positions(d, sink, layer.bos_first, mask))
 
     results = map_layers(model, inputs, summarise, layers=layers, prepend_bos=prepend_bos)
     return pd.DataFrame([{"layer": layer, **row} for layer, row in results.items()]).set_index("layer")
@@ -338,7 +383,7 @@ def attention_geometry(
     attention_mask: Tensor | None = None,
     tokens: Tensor | None = None,
     dtype: torch.dtype | None = None,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
 ) -> Geometry:
     """Contribution weights and their factors for every requested layer, in one forward pass.
 
@@ -356,7 +401,8 @@ def attention_geometry(
         attention_mask: padding mask for token ids or a cache (1 = real token).
         tokens: the token ids a cache was computed from, for labels.
         dtype: accumulation dtype (float32 by default, whatever the model's dtype).
-        prepend_bos: prepend BOS to texts (see `contribution_lens.adapter`).
+        prepend_bos: prepend the tokenizer's BOS to texts; None: the model's own choice
+            (``cfg.default_prepend_bos``, `contribution_lens.adapter.prepends_bos`).
 
     Example:
         >>> import contribution_lens as cl
@@ -426,4 +472,5 @@ def _from_cache(
     )
     if attention_mask is not None:
         str_tokens = [labels[: int(m.sum())] for labels, m in zip(str_tokens, full_mask, strict=True)]
-    return Geometry(results, token_ids, full_mask, str_tokens, scope, adapter.n_layers(model))
+    bos_first = tokens is None or set(token_ids[:, 0].tolist()) <= adapter.start_ids(model)
+    return Geometry(results, token_ids, full_mask, str_tokens, scope, adapter.n_layers(model), bos_first=bos_first)

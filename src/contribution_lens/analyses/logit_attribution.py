@@ -44,7 +44,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.choices import as_position
+from contribution_lens.choices import as_count, as_position
 from contribution_lens.engine import LayerResults, map_layers
 from contribution_lens.files import Saves
 
@@ -181,8 +181,7 @@ class LogitAttribution(Saves):
 
     def top(self, k: int = 10) -> pd.DataFrame:
         """The ``k`` terms of largest magnitude (any component), largest first."""
-        if k < 1:
-            raise ValueError(f"k must be a positive integer, got {k}")
+        k = as_count(k, "k")
         table = self.to_dataframe()
         return table.loc[table["value"].abs().sort_values(ascending=False).index[:k]].reset_index(drop=True)
 
@@ -286,6 +285,11 @@ def token_id(model: adapter.Model, token: TokenLike, what: str, readout: adapter
                 f"{what} {token!r} is {len(ids)} tokens for this tokenizer ({pieces}); give exactly one token, "
                 "as a string or an id (a leading space is part of a token: ' Mary', not 'Mary')"
             )
+        if not 0 <= ids[0] < d_vocab:
+            raise ValueError(
+                f"{what} {token!r} is token id {ids[0]}, outside the model's vocabulary of {d_vocab} ids "
+                f"(0..{d_vocab - 1}): the tokenizer has tokens the model has no embedding for"
+            )
         return int(ids[0])
     index = adapter.as_index(token, f"{what} must be a token string or an integer id")
     if not 0 <= index < d_vocab:
@@ -293,7 +297,7 @@ def token_id(model: adapter.Model, token: TokenLike, what: str, readout: adapter
     return index
 
 
-def one_text(model: adapter.Model, text: str | Tensor, prepend_bos: bool) -> adapter.TokenBatch:
+def one_text(model: adapter.Model, text: str | Tensor, prepend_bos: bool | None) -> adapter.TokenBatch:
     """One text (or one row of token ids) as a batch of one."""
     if not isinstance(text, str | Tensor):
         raise TypeError(f"text must be one string or a tensor of token ids, got {type(text).__name__}")
@@ -470,7 +474,7 @@ def logit_attribution(
     foil: TokenLike | None = None,
     position: int = -1,
     *,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> LogitAttribution:
     """Split the logit of ``target`` at ``position`` (or ``logit(target) - logit(foil)``) into exact signed terms.
@@ -481,12 +485,13 @@ def logit_attribution(
 
     Args:
         model: a decoder ``TransformerBridge`` with an LM head.
-        text: one text (BOS prepended) or token ids ``[pos]``.
+        text: one text (tokenised as the model does, see ``prepend_bos``) or token ids ``[pos]``.
         target: the token whose logit is explained, as a one-token string (``" Mary"``) or an id;
             None: the model's top prediction at ``position``.
         foil: a token to contrast with ("why Mary and not John"): the difference is explained.
         position: the position whose next-token prediction is explained (negative: from the end).
-        prepend_bos: prepend the tokenizer's BOS to a text.
+        prepend_bos: prepend the tokenizer's BOS to a text; None: the model's own choice
+            (``cfg.default_prepend_bos``).
         dtype: accumulation dtype of the terms (float32; float64 for a tighter sum).
 
     Example:

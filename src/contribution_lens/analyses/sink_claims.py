@@ -162,7 +162,7 @@ def sink_study(
     model: adapter.Model,
     chunks: Tensor,
     *,
-    k: int = 1,
+    k: int | None = None,
     batch_size: int = 8,
     variants: tuple[str, ...] = VARIANTS,
     model_name: str = "",
@@ -171,8 +171,10 @@ def sink_study(
     """The sink geometry of every layer and head of token ``chunks [n pos]``, and the sink-norm interventions.
 
     Args:
-        chunks: token ids, each row starting with BOS (`contribution_lens.faithfulness.data.chunk_tokens`).
-        k: the sink is the first ``k`` positions.
+        chunks: token ids (`contribution_lens.faithfulness.data.chunk_tokens`), each row starting with
+            BOS where the model prepends one.
+        k: the sink is the first ``k`` positions; None (default): position 0 where every chunk starts
+            with the model's BOS, else the keys `contribution_lens.analyses.sinks.detect_sinks` finds.
         batch_size: chunks per forward pass of the interventions.
         variants: which interventions to run (`contribution_lens.analyses.sink_intervention.VARIANTS`).
 
@@ -201,7 +203,9 @@ def sink_study(
         claims |= intervention.claims()
     top_layer, top_head = (int(x) for x in heads["sink_ratio"].idxmax())
     length = chunks.shape[1]
-    queries = [q for q in (8, 64, 128, length - 1) if k <= q < length and bool(analysis[top_layer].queries[0, q])]
+    queries = [
+        q for q in (8, 64, 128, length - 1) if (k or 1) <= q < length and bool(analysis[top_layer].queries[0, q])
+    ]
     points = analysis.per_query()
     if len(points) > MAX_POINTS:
         points = points.sample(MAX_POINTS, random_state=0).sort_index()

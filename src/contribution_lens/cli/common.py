@@ -8,7 +8,7 @@ from typing import Any
 from contribution_lens._settings import option
 from contribution_lens.cli import checks
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclass(frozen=True)
@@ -29,12 +29,10 @@ def check(args: argparse.Namespace) -> None:
 
 
 def load(args: argparse.Namespace) -> Any:
-    import torch
 
     from contribution_lens import loading
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    return loading.load_model(args.model, device=args.device, dtype=dtype)
+    return loading.load_model(args.model, device=args.device, dtype=loading.check_dtype(args.dtype))
 
 
 def written(out: Path, names: tuple[str, ...]) -> str:

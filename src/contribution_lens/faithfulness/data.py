@@ -157,16 +157,17 @@ def _hf_texts(name: str) -> list[str]:
 
 
 def chunk_tokens(
-    tokenizer: Any, texts: list[str], *, length: int, bos_token_id: int, max_chunks: int | None = None
+    tokenizer: Any, texts: list[str], *, length: int, bos_token_id: int | None, max_chunks: int | None = None
 ) -> Int[Tensor, "chunk pos"]:
     """Fixed-length chunks ``[BOS, t_1, ..., t_{length-1}]`` cut from the joined documents.
 
     Documents are joined with blank lines into one stream (GSM8K items are shorter than a
-    chunk) and cut into consecutive pieces; the remainder is dropped.
+    chunk) and cut into consecutive pieces; the remainder is dropped. With ``bos_token_id=None``
+    (a model that takes no BOS) a chunk is ``length`` tokens of the stream.
     """
     if length < 2:
         raise ValueError(f"chunk length must be at least 2 tokens, got {length}")
-    body = length - 1
+    body = length - (bos_token_id is not None)
     needed = None if max_chunks is None else max_chunks * body
     stream: list[int] = []
     for text in texts:
@@ -177,8 +178,11 @@ def chunk_tokens(
     if max_chunks is not None:
         n_chunks = min(n_chunks, max_chunks)
     if n_chunks == 0:
-        raise ValueError(f"the texts hold {len(stream)} tokens, fewer than one chunk of {length} (with BOS)")
+        with_bos = "" if bos_token_id is None else " (with BOS)"
+        raise ValueError(f"the texts hold {len(stream)} tokens, fewer than one chunk of {length}{with_bos}")
     pieces = torch.tensor(stream[: n_chunks * body], dtype=torch.long).reshape(n_chunks, body)
+    if bos_token_id is None:
+        return pieces
     return torch.cat([torch.full((n_chunks, 1), bos_token_id, dtype=torch.long), pieces], dim=1)
 
 

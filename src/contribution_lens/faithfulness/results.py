@@ -26,6 +26,7 @@ Example:
     [['contribution', 'attention', 'better']]
 """
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -86,43 +87,57 @@ class FaithfulnessRun:
             f"protocols={protocols}, records={len(self.records)})"
         )
 
-    @cached_property
+    @property
     def frame(self) -> pd.DataFrame:
-        """The records as a table, one row per text and condition."""
+        """The records as a table, one row per text and condition (a copy: the run's own tables read the kept one)."""
+        return self._frame.copy()
+
+    @property
+    def tables(self) -> statistics.Tables:
+        """Every number with its paired-bootstrap interval (Δloss, AOPC, verdicts, accuracy); copies, as `frame`."""
+        return dataclasses.replace(
+            self._tables, **{f.name: getattr(self._tables, f.name).copy() for f in dataclasses.fields(self._tables)}
+        )
+
+    @property
+    def summary(self) -> pd.DataFrame:
+        """Per (task, protocol, method, mode, ratio): PPL, ΔPPL, Δloss or accuracy, with 95% intervals (a copy)."""
+        return self._summary.copy()
+
+    @cached_property
+    def _frame(self) -> pd.DataFrame:
         frame = pd.DataFrame(self.records)
         if "protocol" not in frame:
             frame["protocol"] = "every_layer"
         return frame
 
     @cached_property
-    def tables(self) -> statistics.Tables:
-        """Every number with its paired-bootstrap interval (Δloss, AOPC, verdicts, accuracy)."""
-        return statistics.bootstrap_tables(self.frame, resamples=self.resamples, seed=self.seed)
+    def _tables(self) -> statistics.Tables:
+        return statistics.bootstrap_tables(self._frame, resamples=self.resamples, seed=self.seed)
 
     @cached_property
-    def summary(self) -> pd.DataFrame:
-        """Per (task, protocol, method, mode, ratio): PPL, ΔPPL, Δloss or accuracy, with 95% intervals."""
-        rows = [_summary_row(keys, group) for keys, group in self.frame.groupby([*GROUP, "kind"])]
+    def _summary(self) -> pd.DataFrame:
+        rows = [_summary_row(keys, group) for keys, group in self._frame.groupby([*GROUP, "kind"])]
         intervals = pd.concat(
             [
-                self.tables.delta_loss[[*GROUP, "ci_low", "ci_high"]],
-                self.tables.accuracy[[*GROUP, "ci_low", "ci_high", "clean_ci_low", "clean_ci_high", "chance"]],
+                self._tables.delta_loss[[*GROUP, "ci_low", "ci_high"]],
+                self._tables.accuracy[[*GROUP, "ci_low", "ci_high", "clean_ci_low", "clean_ci_high", "chance"]],
             ]
         )
         return pd.DataFrame(rows).merge(intervals.astype({"ratio": float}), on=GROUP, how="left")
 
     def aopc(self) -> pd.DataFrame:
         """Area over the perturbation curve (mean Δloss over the nonzero ratios) with its interval."""
-        return self.tables.aopc
+        return self._tables.aopc.copy()
 
     def verdicts(self) -> pd.DataFrame:
         """The claimed ordering judged pair by pair: better, worse or indistinguishable."""
-        return self.tables.verdicts
+        return self._tables.verdicts.copy()
 
     def verdict_sentences(self, *, with_task: bool | None = None) -> list[str]:
         """Each verdict in words, with its Δloss difference and interval (naming the task where several are)."""
         if with_task is None:
-            with_task = self.frame["task"].nunique() > 1
+            with_task = self._frame["task"].nunique() > 1
         return [report.verdict_sentence(row, with_task=with_task) for _, row in self.verdicts().iterrows()]
 
     def figures(self) -> dict[str, go.Figure]:

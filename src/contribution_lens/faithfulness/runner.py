@@ -95,7 +95,8 @@ class Unit:
 def build_units(model: adapter.Model, config: DataSettings) -> list[Unit]:
     """Tokenise every data set and cut it into units, in a deterministic order."""
     tokenizer = model.tokenizer
-    bos = int(tokenizer.bos_token_id)
+    bos = adapter.bos_to_prepend(model, config.prepend_bos)
+    first = [] if bos is None else [bos]
     units: list[Unit] = []
     for spec in config.lm:
         task = task_name(spec)
@@ -114,7 +115,7 @@ def build_units(model: adapter.Model, config: DataSettings) -> list[Unit]:
         for item in items:
             seqs, spans = [], []
             for context, continuation in zip(item.contexts, item.continuations, strict=True):
-                ctx = [bos, *tokenizer(context, add_special_tokens=False)["input_ids"]]
+                ctx = [*first, *tokenizer(context, add_special_tokens=False)["input_ids"]]
                 cont = tokenizer(continuation, add_special_tokens=False)["input_ids"]
                 if not cont:
                     raise data.DataFormatError(f"{task} item {item.item_id}: empty continuation")

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from contribution_lens import files
 from contribution_lens._lazy import face
-from contribution_lens.choices import FACTORS, Factor
+from contribution_lens.choices import FACTORS, Factor, as_index
 from contribution_lens.decomposition import Decomposition
 from contribution_lens.qk import component_layer_head
 
@@ -54,6 +54,7 @@ SEQUENTIAL = "Viridis"
 
 def _check_head(d: Decomposition, head: int | None) -> None:
     n_heads = d.attention.shape[1]
+    head = None if head is None else as_index(head, "head must be an integer (or None: every head)")
     if head is not None and not 0 <= head < n_heads:
         raise ValueError(f"head {head} does not exist: the layer has {n_heads} heads (0..{n_heads - 1})")
 

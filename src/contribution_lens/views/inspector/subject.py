@@ -66,10 +66,19 @@ class Subject:
     causal: bool
 
     @classmethod
-    def of(cls, model: adapter.Model, text: str | Tensor | Explained, layers: Sequence[int] | None = None) -> "Subject":
-        """Check ``text`` (one text, or explained predictions this model made) and ``layers`` (default: all)."""
+    def of(
+        cls,
+        model: adapter.Model,
+        text: str | Tensor | Explained,
+        layers: Sequence[int] | None = None,
+        prepend_bos: bool | None = None,
+    ) -> "Subject":
+        """Check ``text`` (one text, or explained predictions this model made) and ``layers`` (default: all).
+
+        ``prepend_bos``: BOS before a text (None: the model's own choice, ``cfg.default_prepend_bos``).
+        """
         steps = Steps.of(text)
-        batch = adapter.to_token_batch(model, text if steps is None else steps.tokens)  # type: ignore[arg-type]
+        batch = adapter.to_token_batch(model, text if steps is None else steps.tokens, prepend_bos=prepend_bos)  # type: ignore[arg-type]
         if batch.tokens.shape[0] != 1:
             raise ValueError("inspect takes one text")
         offered = adapter.check_layers(model, layers)

@@ -53,6 +53,7 @@ def inspect(
     group_kv: bool = False,
     view: str | None = None,
     step: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> "Inspector":
     """A live inspector of every layer, head, factor and scope of one text (display it in Jupyter).
 
@@ -63,7 +64,7 @@ def inspect(
 
     Args:
         model: a TransformerLens ``TransformerBridge``.
-        text: the text (BOS is prepended) or token ids; or explained predictions of one text (a
+        text: the text (BOS as ``prepend_bos`` says) or token ids; or explained predictions of one text (a
             `contribution_lens.GenerationExplanation`, a `contribution_lens.LogitAttribution` or a
             list of them): their tokens, with a step control and the ``prediction`` view.
         layer: open on this layer (default: the last of ``layers``).
@@ -78,6 +79,7 @@ def inspect(
         view: ``heatmap``, ``text`` or ``prediction`` (default: ``prediction`` for explained
             predictions, else ``heatmap``).
         step: the explained step shown (default 0); the query starts at its position.
+        prepend_bos: BOS before a text (None: the model's own choice, ``cfg.default_prepend_bos``).
 
     Every value is checked once, here, before the model runs: a bad one raises `InspectorError`
     (a ``ValueError``). The first view then runs one forward pass for every layer and every
@@ -90,7 +92,7 @@ def inspect(
         >>> inspector.layer, inspector.meta["key_labels"][:2]
         (3, ['0:<|im_start|>', '1:The'])
     """
-    subject = Subject.of(model, text, layers)
+    subject = Subject.of(model, text, layers, prepend_bos=prepend_bos)
     opening = subject.opening(
         layer=layer, head=head, factor=factor, scope=scope, start=start, tokens=tokens, hide_sink=hide_sink,
         group_kv=group_kv, view=view, step=step,
