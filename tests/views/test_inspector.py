@@ -118,7 +118,7 @@ def test_static_page_of_every_layer_at_512_tokens_is_under_50_mb(bundled_model) 
 BAD_VALUES = [
     ("start", 300, "start 300 is outside the text of 20 tokens (0..19)"),
     ("start", -1, "start -1 is outside the text of 20 tokens (0..19)"),
-    ("tokens", 0, "tokens must be at least 1, got 0"),
+    ("tokens", 0, "tokens must be a positive integer, got 0"),
     ("layer", 5, "layer 5 is not among the inspected layers [0, 1, 2]"),
     ("head", 9, "head 9 does not exist: -1 (all heads) or 0..3"),
     ("query", 3, "query 3 is not in the token window 10..17: set start first"),

@@ -180,7 +180,7 @@ def _start(subject: Subject, value: int, window: Window | None) -> str:
 
 
 def _tokens(subject: Subject, value: int, window: Window | None) -> str:
-    return "" if value >= 1 else f"tokens must be at least 1, got {value}"
+    return "" if value >= 1 else f"tokens must be a positive integer, got {value}"
 
 
 def _view(subject: Subject, value: str, window: Window | None) -> str:

@@ -19,6 +19,7 @@ import traitlets
 from torch import Tensor
 
 from contribution_lens import adapter
+from contribution_lens.choices import as_count
 from contribution_lens.views import export, plot
 from contribution_lens.views.inspector import figure, page
 from contribution_lens.views.inspector.compute import compute_windows
@@ -92,6 +93,7 @@ def inspect(
         >>> inspector.layer, inspector.meta["key_labels"][:2]
         (3, ['0:<|im_start|>', '1:The'])
     """
+    tokens = as_count(tokens, "tokens")  # before the text is read or any window is laid out
     subject = Subject.of(model, text, layers, prepend_bos=prepend_bos)
     opening = subject.opening(
         layer=layer, head=head, factor=factor, scope=scope, start=start, tokens=tokens, hide_sink=hide_sink,

@@ -58,7 +58,7 @@ def token_window(n: int, *, start: int = 0, tokens: int = DEFAULT_TOKENS, causal
         [0, 6, 7, 8]
     """
     if tokens < 1:
-        raise ValueError(f"tokens must be at least 1, got {tokens}")
+        raise ValueError(f"tokens must be a positive integer, got {tokens}")
     if not 0 <= start < n:
         raise ValueError(f"start {start} is outside the text of {n} tokens")
     queries = list(range(start, min(n, start + tokens)))
