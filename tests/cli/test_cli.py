@@ -144,7 +144,8 @@ FAITH = ["faithfulness", "--data", "{text}"]
         ([*FAITH, "--device", "gpu"], "--device: expected a torch device such as cpu, cuda or cuda:1, got 'gpu'"),
         (
             ["sinks", "--data", "{text}", "--model", "./no-such-checkpoint"],
-            "--model: expected 'smollm2-135m', 'minilm-l6', 'gemma3-270m', a checkpoint folder or a Hugging Face id, "
+            "--model: expected 'smollm2-135m', 'minilm-l6', 'gemma3-270m', 'qwen2.5-0.5b', a checkpoint folder or a "
+            "Hugging Face id, "
             "got './no-such-checkpoint' "
             "(no config.json)",
         ),

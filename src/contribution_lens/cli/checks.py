@@ -22,8 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-BUNDLED = "smollm2-135m"  # loading.BUNDLED, ENCODER and GEMMA, repeated so that --help imports nothing heavy
-BUNDLED_NAMES = (BUNDLED, "minilm-l6", "gemma3-270m")
+BUNDLED = "smollm2-135m"  # loading.BUNDLED, ENCODER, GEMMA and QWEN, repeated so that --help imports nothing heavy
+BUNDLED_NAMES = (BUNDLED, "minilm-l6", "gemma3-270m", "qwen2.5-0.5b")
 NAMES = ", ".join(map(repr, BUNDLED_NAMES))
 
 
