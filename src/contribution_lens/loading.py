@@ -591,3 +591,65 @@ def _checked(bridge: Any, declared: str | None = None) -> Any:
     if problem is not None:
         raise _refusal(architecture, model_type, problem)
     return bridge
+
+
+def load_skeleton(name: str = BUNDLED) -> Any:
+    """A ``TransformerBridge`` of ``name`` with its real config and tokenizer and no weights (meta device).
+
+    For planning: the number of layers, heads and parameters, the context length, the BOS
+    convention and the tokenizer are those `load_model` would give, but no weight is read or
+    dequantised (a bundled GGUF model's config and tokenizer come from the file's header, or from
+    its cached checkpoint) and nothing can run on it (`contribution_lens.adapter.to_token_batch`
+    refuses meta weights).
+
+    Example:
+        >>> skeleton = load_skeleton()
+        >>> skeleton.cfg.n_layers, next(skeleton.parameters()).device.type
+        (30, 'meta')
+    """
+    from transformers import AutoModelForCausalLM
+
+    with _progress_bars(False), _quiet_transformers(), tempfile.TemporaryDirectory() as staging:
+        config, tokenizer = _config_and_tokenizer(name, Path(staging))
+        refused = _REFUSED_TYPES.get(config.model_type)
+        if getattr(config, "is_encoder_decoder", False):
+            refused = _ENCODER_DECODER
+        declared = next(iter(getattr(config, "architectures", None) or []), None)
+        if refused is not None:
+            raise _refusal(declared or config.model_type, config.model_type, refused)
+        # GGUF configs name no architecture: the causal LM's class is the one load_model saves.
+        model_class: Any = AutoModelForCausalLM
+        architecture: str | None = None
+        if name not in _GGUF_MODELS:
+            model_class, architecture = _choose_class(config)
+        build: Any = getattr(model_class, "from_config", None) or model_class._from_config  # Auto* or a class
+        with torch.device("meta"):
+            hf = build(config, attn_implementation="eager")
+        hf.config.architectures = [architecture or type(hf).__name__]
+        boot_name = _GGUF_MODELS[name].bridge_name or name if name in _GGUF_MODELS else name
+        return _boot(boot_name, hf, tokenizer, torch.device("meta"), torch.float32)
+
+
+def bundled_config(name: str) -> dict[str, Any]:
+    """The config of bundled GGUF model ``name``, from its cached checkpoint or its file's header (no weight read)."""
+    with tempfile.TemporaryDirectory() as staging, _quiet_transformers():
+        config, _ = _config_and_tokenizer(name, Path(staging), tokenizer=False)
+    return dict(config.to_dict())
+
+
+def _config_and_tokenizer(name: str, staging: Path, *, tokenizer: bool = True) -> tuple[Any, Any]:
+    """Config and tokenizer of ``name`` without its weights (a chunked GGUF file is joined in ``staging``)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if name in _GGUF_MODELS:
+        pieces = gguf_pieces(name)
+        cached = _checkpoint_for(pieces, name)
+        if (cached / "config.json").is_file():
+            return AutoConfig.from_pretrained(cached), AutoTokenizer.from_pretrained(cached) if tokenizer else None
+        gguf = pieces[0] if len(pieces) == 1 else _join(pieces, staging / "model.gguf", _GGUF_MODELS[name].sha256)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return config, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name) if tokenizer else None
+    path = bundled_encoder_dir() if name == ENCODER else local_checkpoint(name)
+    if path is None:
+        return AutoConfig.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+    return _read_config(path), AutoTokenizer.from_pretrained(path)

@@ -44,22 +44,13 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
-    import torch
 
     from contribution_lens import sink_study
     from contribution_lens.faithfulness import data
 
     model = common.load(args)
-    settings, bos = args.settings, int(model.tokenizer.bos_token_id)
-    chunks = torch.cat(
-        [
-            data.chunk_tokens(
-                model.tokenizer, data.load_texts(spec), length=settings.chunk_length, bos_token_id=bos,
-                max_chunks=settings.max_chunks,
-            )
-            for spec in settings.data
-        ]
-    )  # fmt: skip
+    settings = args.settings
+    chunks = data.text_chunks(model, settings.data, length=settings.chunk_length, max_chunks=settings.max_chunks)
     study = sink_study(model, chunks, k=settings.k, batch_size=settings.batch_size, model_name=args.model)
     study.save(args.out)
     with pd.option_context("display.width", 160, "display.float_format", "{:.4f}".format):

@@ -30,7 +30,16 @@ from torch import Tensor
 
 from contribution_lens.faithfulness.settings import CHOICE_TASKS, LM_TASKS
 
-__all__ = ["CHOICE_TASKS", "LM_TASKS", "Choice", "DataFormatError", "chunk_tokens", "load_choices", "load_texts"]
+__all__ = [
+    "CHOICE_TASKS",
+    "LM_TASKS",
+    "Choice",
+    "DataFormatError",
+    "chunk_tokens",
+    "load_choices",
+    "load_texts",
+    "text_chunks",
+]
 
 
 class DataFormatError(ValueError):
@@ -180,6 +189,22 @@ def chunk_tokens(
         raise ValueError(f"the texts hold {len(stream)} tokens, fewer than one chunk of {length} (with BOS)")
     pieces = torch.tensor(stream[: n_chunks * body], dtype=torch.long).reshape(n_chunks, body)
     return torch.cat([torch.full((n_chunks, 1), bos_token_id, dtype=torch.long), pieces], dim=1)
+
+
+def text_chunks(model: Any, specs: Iterable[str], *, length: int, max_chunks: int | None) -> Int[Tensor, "chunk pos"]:
+    """The chunks of every text set in ``specs``, in order, cut for ``model`` as its faithfulness run cuts them.
+
+    Each set gives at most ``max_chunks`` chunks of `chunk_tokens` (its first ones: a faithfulness
+    run with the same length cuts the same chunks first); ``contribution-lens sinks`` studies these.
+    """
+    bos = int(model.tokenizer.bos_token_id)
+    pieces = [
+        chunk_tokens(model.tokenizer, load_texts(spec), length=length, bos_token_id=bos, max_chunks=max_chunks)
+        for spec in specs
+    ]
+    if not pieces:
+        raise ValueError("no text set: give at least one NAME=PATH of text")
+    return torch.cat(pieces)
 
 
 MMLU_LETTERS = ("A", "B", "C", "D")
