@@ -12,7 +12,7 @@ import contribution_lens as cl
 from helpers import readme_block
 
 SRC = Path(cl.__file__).parent
-SUBPACKAGES = ("analyses", "cli", "faithfulness", "methods", "views")
+SUBPACKAGES = ("analyses", "cli", "faithfulness", "methods", "replication", "views")
 CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses")
 
 
