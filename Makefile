@@ -6,7 +6,7 @@ CONSTRAINTS ?= constraints-cpu.txt
 CONSTRAINT_FLAG := $(if $(CONSTRAINTS),-c $(CONSTRAINTS),)
 STAMP := $(VENV)/.installed
 
-.PHONY: env demo check format lint types test benchmark
+.PHONY: env demo check format lint types test docs benchmark
 
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VENV)
@@ -38,7 +38,12 @@ types: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest
 
-check: format lint types test
+# The documentation site, into site/: --strict turns every warning (a broken link or anchor, a page
+# missing from the nav, an API entry that does not resolve) into a failure.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+check: format lint types docs test
 
 benchmark: $(STAMP)
 	$(PY) benchmarks/bench_geometry.py

@@ -22,8 +22,7 @@ import plotly.offline
 import torch
 
 import contribution_lens as cl
-from contribution_lens.views import inspector as ins
-from contribution_lens.views.inspector import payload
+from contribution_lens.views.inspector import codecs, compact, payload, windows
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "fineweb_edu" / "sample-10BT_first150.jsonl"
 TEXT = (
@@ -59,21 +58,21 @@ def widget(model, ids, tokens: int) -> None:
     )
 
 
-def page_errors(model, ids, data: dict, window: ins.Window) -> tuple[float, float, float]:
+def page_errors(model, ids, data: dict, window: windows.Window) -> tuple[float, float, float]:
     """Largest |attention error|, |cosine error| and cosine bound over layers 0, 15 and 29 of the page."""
     attention_error = cosine_error = bound = 0.0
     rows, columns = np.nonzero(window.mask)
     for layer in (0, 15, 29):
         sent = data["layers"][str(layer)]
-        got, raw = ins.decode_compact(sent, window), payload.unpack_compact(sent)
+        got, raw = compact.decode_compact(sent, window), compact.unpack_compact(sent)
         truth = {s: cl.attention_geometry(model, ids, layers=[layer], scope=s)[layer] for s in cl.SCOPES}
-        attention = payload._cut(truth["inter"].attention[0], window)
+        attention = windows.cut(truth["inter"].attention[0], window)
         attention_error = max(attention_error, float(np.abs(got["attention"] - attention).max()))
         key_scale = raw["key_scales"].reshape(9, -1)[:, columns]
         for scope in cl.SCOPES:
             query_scale = raw[f"query_{scope}_scales"].reshape(9, -1)[:, rows]
-            cells_bound = ins.cosine_error_bound(query_scale, key_scale, sent["d_head"])
-            error = np.abs(got[f"cosine_{scope}"] - payload._cut(truth[scope].cosine[0], window))
+            cells_bound = compact.cosine_error_bound(query_scale, key_scale, sent["d_head"])
+            error = np.abs(got[f"cosine_{scope}"] - windows.cut(truth[scope].cosine[0], window))
             assert (error <= cells_bound + 1e-6).all()
             cosine_error, bound = max(cosine_error, float(error.max())), max(bound, float(cells_bound.max()))
     return attention_error, cosine_error, bound
@@ -144,7 +143,7 @@ def main() -> None:
     for tokens in (128, 512):
         widget(model, ids, tokens)
     inspector = cl.inspect(model, ids, layer=29, tokens=8)
-    window = ins.token_window(N_TOKENS, tokens=N_TOKENS)
+    window = windows.token_window(N_TOKENS, tokens=N_TOKENS)
     fine = payload.payload_bytes(window, 9, 3) * 30 + len(plotly.offline.get_plotlyjs())
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "inspect.html"
@@ -160,7 +159,8 @@ def main() -> None:
         f"built in {built:.1f} s; opens on query {data['meta']['initial']['query']}"
     )
     print(
-        f"page error (layers 0, 15, 29): |attention| {attention_error:.2e} (bound {ins.COMPACT_ATTENTION_ERROR:.2e}), "
+        f"page error (layers 0, 15, 29): |attention| {attention_error:.2e} "
+        f"(bound {codecs.COMPACT_ATTENTION_ERROR:.2e}), "
         f"|cosine| {cosine_error:.2e} (bound of the worst cell {bound:.2e})"
     )
     if memory is None:

@@ -4,8 +4,8 @@ For the prediction protocol's texts (``[BOS, t_1, ..., t_{n-1}]`` chunks of the 
 explained position ``n - 2``), the last layer's rollout row of that position is each input
 token's share of its residual stream. This prints, per measure, the mean share of position 0,
 how often position 0 ranks first, and the mean position of the top 10 % of the other keys (the
-ones ``--ratios 0.1`` deletes). It reads the numbers the README uses to say why attention rollout
-falls below random there. Run (seconds on 2 cores)::
+ones ``--ratios 0.1`` deletes). It reads the numbers the measured results page (``docs/results.md``)
+uses to say why attention rollout falls below random there. Run (seconds on 2 cores)::
 
     python benchmarks/rollout_ranks.py --data gsm8k=../shared/data/gsm8k/test.jsonl --max-chunks 48
 """

@@ -62,11 +62,42 @@ def method_scores(model, batch, name: str, layers: list[int]) -> dict[int, torch
 IDS = torch.randint(0, 50, (2, 9), generator=torch.Generator().manual_seed(0))
 
 
-def readme_block(marker: str) -> str:
+ROOT = Path(__file__).resolve().parents[1]
+DOC_PAGES = (ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")))
+"""What a reader is shown: the README and the documentation site's pages."""
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    blocks = readme.split("```python\n")[1:]
-    return next(block.split("```")[0] for block in blocks if marker in block)
+
+def docs_block(marker: str) -> str:
+    """The one ``python`` code block of the README or of a page in ``docs/`` that contains ``marker``.
+
+    A block that moves between pages is still found; a marker found in no block, or in several,
+    fails here, naming the pages, instead of testing some other example.
+    """
+    found = [
+        (page.relative_to(ROOT), block.split("```")[0])
+        for page in DOC_PAGES
+        for block in page.read_text(encoding="utf-8").split("```python\n")[1:]
+        if marker in block.split("```")[0]
+    ]
+    assert len(found) == 1, f"{marker!r} is in {len(found)} python blocks of the docs: {[str(p) for p, _ in found]}"
+    return found[0][1]
+
+
+def run_block(block: str, namespace: dict) -> list:
+    """Execute a documentation block statement by statement; the values of its bare expressions, in order.
+
+    What a notebook cell would show for each line such as ``g.layer_summary()``, so a test can check
+    that the comment beside it tells the truth.
+    """
+    import ast
+
+    values = []
+    for statement in ast.parse(block).body:
+        if isinstance(statement, ast.Expr):
+            values.append(eval(compile(ast.Expression(statement.value), "<docs>", "eval"), namespace))
+        else:
+            exec(compile(ast.Module([statement], type_ignores=[]), "<docs>", "exec"), namespace)
+    return values
 
 
 def tiny_clean(protocol: faithfulness.Settings, lengths=(8, 5)):

@@ -1,12 +1,14 @@
 """The adapter: what a layer offers, tokens, padding, and models without the hooks."""
 
+import dataclasses
+
 import pytest
 import torch
 
 import contribution_lens as cl
 from conftest import assert_close, raises_bad_input, tiny_bridge
 from contribution_lens import adapter
-from helpers import IDS, tokens
+from helpers import IDS, tiny_batch, tokens
 
 
 def test_layer_inputs_hold_what_the_layer_offers() -> None:
@@ -54,3 +56,64 @@ def test_model_without_attention_hooks_is_refused() -> None:
 
     with raises_bad_input("model has no hook 'blocks.0.attn.hook_v'"):
         cl.attention_geometry(NoHooks(), tokens())
+
+
+def test_head_outputs_are_derived_once_with_one_masking_rule() -> None:
+    """``z = alpha v`` from hook_z or from the pattern: the same numbers, 0 at padding queries, cached per dtype."""
+    model = tiny_bridge("gqa", biases=True, seed=3)
+    batch = tiny_batch(model)  # right-padded: the second text's positions 4.. are padding
+    seen = []
+
+    def per_layer(layer: adapter.LayerInputs) -> None:
+        from_hook = layer.head_outputs()
+        assert layer.head_outputs() is from_hook  # derived once for every caller of the pass
+        rebuilt = dataclasses.replace(layer, z=None, _cache={}).head_outputs()
+        seen.append((layer, from_hook, rebuilt))
+
+    cl.map_layers(model, batch, per_layer)
+    for layer, from_hook, rebuilt in seen:
+        assert layer.z is not None and from_hook.dtype == torch.float32
+        real = batch.attention_mask[:, :, None, None]
+        assert_close(rebuilt, from_hook, rtol=1e-5, atol=1e-6)
+        assert bool((from_hook.masked_select(~real) == 0).all()) and bool((rebuilt.masked_select(~real) == 0).all())
+        expected = torch.einsum("bhqk,bkhd->bqhd", layer.pattern, layer.v.repeat_interleave(2, dim=2))
+        assert_close(from_hook[0], expected[0], rtol=1e-5, atol=1e-6)  # the unpadded text: alpha v itself
+
+
+def _final_stream(model, ids, positions):
+    """The residual stream entering the final norm, its scale and the unembedding's output, at ``positions``."""
+    _, cache = model.run_with_cache(ids[None], names_filter=lambda name: name.startswith(("ln_final.", "unembed.")))
+    rows = torch.tensor(positions)
+    return cache["ln_final.hook_in"][0, rows], cache["ln_final.hook_scale"][0, rows, 0], cache["unembed.hook_out"][0]
+
+
+def test_the_readout_evaluates_the_models_own_logit_from_its_residual_stream() -> None:
+    model = tiny_bridge("gqa", biases=True, seed=4)
+    readout = adapter.readout(model)
+    assert readout.post_norms == (None, None) and readout.softcap is None and readout.final_norm is not None
+    assert list(readout.residual_capture) == adapter.residual_capture(model)
+    assert list(readout.flow_capture) == adapter.flow_capture(model) == ["hook_resid_pre"]
+    ids = torch.tensor([1, 5, 9, 3, 7, 2, 8, 11])
+    stream, scale, raw = _final_stream(model, ids, [3, 7])
+    value = readout.logit(stream, scale, [5, 9], [None, 2])
+    assert value.dtype == torch.float64
+    expected = torch.stack([raw[3, 5], raw[7, 9] - raw[7, 2]]).double()
+    assert_close(value, expected, rtol=1e-5, atol=1e-5)
+    # In float32 it is the same number to float32's precision, not float64's.
+    assert_close(readout.logit(stream, scale, [5, 9], [None, 2], dtype=torch.float32), expected.float())
+    with pytest.raises(ValueError, match="final_scale is needed"):
+        readout.logit(stream, None, [5, 9])
+
+
+def test_the_readout_of_a_post_normed_model_reads_every_layers_norm(tmp_path) -> None:
+    """Gemma 3: a norm after each attention (its scale captured per layer), RMSNorm with the weight offset."""
+    import architectures
+
+    model = cl.load_model(str(architectures.build("Gemma3ForCausalLM", tmp_path / "gemma3")))
+    readout = adapter.readout(model)
+    assert all(norm is not None for norm in readout.post_norms) and len(readout.post_norms) == model.cfg.n_layers
+    assert readout.flow_capture[0] == "hook_resid_pre" and readout.flow_capture[-1].endswith("hook_scale")
+    ids = model.tokenizer.encode(architectures.TEXT, return_tensors="pt")[0]
+    stream, scale, raw = _final_stream(model, ids, [len(ids) - 1])
+    target = int(raw[-1].argmax())
+    assert_close(readout.logit(stream, scale, [target]), raw[-1:, target].double(), rtol=1e-4, atol=1e-4)

@@ -213,7 +213,8 @@ def test_labels_that_do_not_fit_the_tokens_are_refused_when_built_and_when_loade
     with pytest.raises(ValueError, match="text 0 has 7 labels for its 9 real tokens: str_tokens must match the tokens"):
         cl.Geometry(dict(g.items()), g.tokens, g.attention_mask, short, "inter")
     path = g.save(tmp_path / "g.safetensors")
-    edited = _rewritten(path, str_tokens=json.dumps(short))
+    labels = json.dumps({"list": [{"list": labels} for labels in g.str_tokens]})
+    edited = _rewritten(path, lambda tree: tree.replace(labels, json.dumps({"list": [{"list": s} for s in short]})))
     with pytest.raises(ValueError, match=rf"{edited} is not a Geometry written by Geometry.save .*text 0 has 7 labels"):
         cl.Geometry.load(edited)
 
@@ -221,18 +222,23 @@ def test_labels_that_do_not_fit_the_tokens_are_refused_when_built_and_when_loade
 # --- files: every error names the file ------------------------------------------------------------------------
 
 
-def _rewritten(path, **metadata):
+def _rewritten(path, edit):
+    """A copy of a saved result with ``edit`` applied to its JSON tree (a string)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
     with safe_open(str(path), "pt") as handle:
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
-        saved = {**handle.metadata(), **metadata}
+        saved = handle.metadata()
+        edited = edit(saved["tree"])
+        assert edited != saved["tree"], "the edit changed nothing"
+        saved["tree"] = edited
     target = path.with_name("edited.safetensors")
     save_file(tensors, str(target), metadata=saved)
     return target
 
 
+@pytest.mark.usefixtures("as_a_user")
 def test_a_geometry_file_that_is_truncated_or_edited_is_named_in_the_error(tmp_path) -> None:
     g = cl.attention_geometry(tiny_bridge("mha"), IDS)
     path = g.save(tmp_path / "g.safetensors")
@@ -240,13 +246,16 @@ def test_a_geometry_file_that_is_truncated_or_edited_is_named_in_the_error(tmp_p
     truncated.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     with pytest.raises(ValueError, match=rf"^{truncated} is not a Geometry written by Geometry.save \(SafetensorError"):
         cl.Geometry.load(truncated)
-    for field, value, reason in [
-        ("layers", "[0, 1", "JSONDecodeError"),
-        ("layers", "[0, 5]", "SafetensorError: File does not contain tensor 5.attention"),
-        ("n_layers", "two", "ValueError: invalid literal"),
-        ("scope", "sideways", "ValueError: scope must be one of"),
+    for edit, reason in [
+        (lambda tree: tree[:-7], "JSONDecodeError"),
+        (
+            lambda tree: tree.replace('"layers.1.cosine"', '"layers.5.cosine"'),
+            "ValueError: it names a tensor 'layers.5",
+        ),
+        (lambda tree: tree.replace('"n_layers": 2', '"n_layers": "two"'), "ValueError: invalid literal"),
+        (lambda tree: tree.replace('"value": "inter"', '"value": "sideways"'), "ValueError: scope must be one of"),
     ]:
-        edited = _rewritten(path, **{field: value})
+        edited = _rewritten(path, edit)
         with pytest.raises(ValueError, match=rf"^{edited} is not a Geometry written by Geometry.save \({reason}"):
             cl.Geometry.load(edited)
 
@@ -294,3 +303,192 @@ def test_adapter_exclusive_is_reentrant_in_one_thread() -> None:
     model = tiny_bridge("mha")
     with adapter.exclusive(model), adapter.exclusive(model):
         assert cl.map_layers(model, IDS, lambda layer: layer.layer).layers == [0, 1]
+
+
+# --- the last inputs that gave a traceback or a silently wrong result --------------------------------------
+
+ONE = torch.tensor([1, 5, 9, 3, 7, 2, 8, 11])
+
+
+@pytest.fixture(scope="module")
+def added_token(tmp_path_factory: pytest.TempPathFactory):
+    """A tiny Qwen2 whose tokenizer holds one token more than the model's vocabulary (as chat tokenizers may)."""
+    import architectures
+
+    model = cl.load_model(str(architectures.build("Qwen2ForCausalLM", tmp_path_factory.mktemp("qwen2") / "q")))
+    model.tokenizer.add_tokens(["<tool>"])
+    assert model.tokenizer.convert_tokens_to_ids("<tool>") == model.cfg.d_vocab
+    return model
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_a_text_or_target_token_past_the_vocabulary_is_named(added_token) -> None:
+    said = (
+        "input text 0 holds the token '<tool>' (id 30522), outside the model's vocabulary of 30522 ids (0..30521): "
+        "the tokenizer has tokens the model has no embedding for"
+    )
+    for call in (cl.logit_attribution, cl.flow, cl.attention_geometry):
+        with pytest.raises(ValueError) as error:
+            call(added_token, "please call <tool> now")
+        assert str(error.value) == said
+    with pytest.raises(ValueError) as error:
+        cl.logit_attribution(added_token, "please call the tool now", target="<tool>")
+    assert str(error.value) == (
+        "target '<tool>' is token id 30522, outside the model's vocabulary of 30522 ids (0..30521): "
+        "the tokenizer has tokens the model has no embedding for"
+    )
+
+
+def test_a_flows_rollout_is_a_copy(bundled_model) -> None:
+    f = cl.flow(bundled_model, "The cat sat on the mat because it was warm.")
+    before = f.rollout.clone()
+    hidden = f.rollout
+    hidden[:, 0] = 0  # hiding the sink in a notebook
+    assert torch.equal(f.rollout, before) and torch.equal(f.at(-1).rollout, before)
+    assert torch.equal(f.rollout_at(f.position), before)
+    drawn = np.asarray(f.figures()["rollout"].data[0].z, dtype=np.float64)
+    assert_close(torch.from_numpy(drawn), before.double(), rtol=1e-6, atol=1e-6)
+
+
+def test_a_decompositions_contribution_is_a_copy() -> None:
+    pattern, v, W_O = random_layer("gqa")
+    d = cl.decompose(pattern, v, W_O)
+    before = d.contribution.clone()
+    d.contribution[..., 0] = 0
+    d.contribution.zero_()
+    assert torch.equal(d.contribution, before)
+    assert torch.equal(d.sum_over_heads(), before.sum(1))
+    assert torch.equal(d.head_contribution(1), before[:, 1])
+    d.head_contribution(1).zero_()
+    assert torch.equal(d.head_contribution(1), before[:, 1])
+
+
+def test_a_faithfulness_runs_tables_are_copies() -> None:
+    from contribution_lens import faithfulness
+
+    rows = [
+        {"protocol": "every_layer", "task": "gsm8k", "kind": "lm", "seq": str(seq), "method": method,
+         "mode": "comprehensiveness", "ratio": ratio, "tokens": 10, "clean": 20.0 + seq,
+         "nll": 20.0 + seq + (5 + (method == "contribution") + 0.1 * seq) * 10 * ratio}
+        for seq in range(6) for method in ("attention", "contribution") for ratio in (0.0, 0.5)
+    ]  # fmt: skip
+    settings = faithfulness.Settings(
+        methods=("attention", "contribution"), modes=("comprehensiveness",), ratios=(0.0, 0.5), rank_by="abs"
+    )
+    run = faithfulness.FaithfulnessRun(rows, settings, faithfulness.DataSettings(data=("gsm8k",)), resamples=100)
+    summary, verdicts = run.summary, run.verdicts()
+    frame, tables, shown, judged = run.frame, run.tables, run.summary, run.verdicts()
+    frame["nll"] = 0.0  # a notebook editing what it was handed
+    frame.drop(frame.index[:6], inplace=True)
+    tables.delta_loss["ci_low"] = 0.0
+    shown["delta_loss"] = 0.0
+    judged["verdict"] = "changed"
+    assert len(run.frame) == len(rows) and run.summary.equals(summary) and run.verdicts().equals(verdicts)
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_thresholds_are_positive_finite_numbers_everywhere() -> None:
+    model = tiny_bridge()
+    f = cl.flow(model, ONE)
+    for threshold, error, said in (
+        (float("nan"), ValueError, "threshold must be a positive finite number, got nan"),
+        (float("inf"), ValueError, "threshold must be a positive finite number, got inf"),
+        ("0.05", TypeError, "threshold must be a positive finite number, got str '0.05'"),
+        (True, TypeError, "threshold must be a positive finite number, got bool True"),
+    ):
+        for call in (lambda t: f.graph(threshold=t), lambda t: cl.flow(model, ONE, threshold=t)):
+            with pytest.raises(error) as raised:
+                call(threshold)
+            assert str(raised.value) == said
+    with pytest.raises(TypeError, match=r"threshold must be a positive finite number, got str '0\.05'"):
+        cl.explain_generation(model, ONE[:4], max_new_tokens=1, threshold="0.05")
+    # Every real number type is a number: NumPy, a 0-d tensor.
+    assert f.graph(threshold=np.float32(0.05)).equals(f.graph(threshold=0.05))
+    assert f.graph(threshold=torch.tensor(0.05, dtype=torch.float64)).equals(f.graph(threshold=0.05))
+
+
+@pytest.mark.parametrize("scope", ["intra", "inter"])
+@pytest.mark.parametrize("scale", [1e-40, 1e-44])
+def test_subnormal_values_give_the_weights_of_their_own_numbers(scale, scope) -> None:
+    # v * 1e-40 is a float32 subnormal: its norms would be too, and the weights (their ratios) NaN.
+    pattern, v, W_O = random_layer("gqa")
+    small = v * scale  # these inputs, as float32 holds them
+    d = cl.decompose(pattern, small, W_O, scope=scope)
+    exact = cl.decompose(pattern, small.double() * 2.0**140, W_O, scope=scope)  # an exact power of two
+    assert d.contribution.dtype == torch.float64  # accumulated where the norms fit
+    assert bool(torch.isfinite(d.contribution).all())
+    assert_close(d.contribution, exact.contribution, rtol=1e-9, atol=1e-12)
+    assert_close(d.value_norm * 2.0**140, exact.value_norm, rtol=1e-9, atol=0)
+    scaled_w = cl.decompose(pattern, v, W_O * scale, scope=scope)
+    assert_close(
+        scaled_w.contribution,
+        cl.decompose(pattern, v, (W_O * scale).double() * 2.0**140, scope=scope).contribution,
+        rtol=1e-9,
+        atol=1e-12,
+    )
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_zero_length_inputs_are_refused_by_name() -> None:
+    v, W_O = torch.zeros(1, 0, 2, 3), torch.zeros(4, 3, 5)
+    with pytest.raises(ValueError) as error:
+        cl.decompose(torch.zeros(1, 4, 0, 0), v, W_O)
+    assert str(error.value) == (
+        "pattern is empty: shape (1, 4, 0, 0) has no query, no key (expected [batch head query key] (hook_pattern))"
+    )
+    with pytest.raises(ValueError, match=r"^v is empty: shape \(1, 3, 2, 0\) has no d_head"):
+        cl.decompose(torch.ones(1, 4, 3, 3) / 3, torch.zeros(1, 3, 2, 0), torch.zeros(4, 0, 5))
+    g = cl.attention_geometry(tiny_bridge(), ONE, layers=[0])
+    for name, what in (("queries", "query"), ("keys", "key"), ("heads", "head")):
+        with pytest.raises(ValueError) as error:
+            g.to_dataframe(**{name: []})
+        assert str(error.value) == f"{name} is empty: give at least one {what}, or None for all {name}"
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_integers_are_read_one_way_everywhere() -> None:
+    model = tiny_bridge()
+    result = cl.logit_attribution(model, ONE)
+    g = cl.attention_geometry(model, ONE, layers=[0])
+    from contribution_lens.views import plot
+
+    # NumPy and 0-d tensor integers are integers, in every argument.
+    assert result.top(np.int64(3)).equals(result.top(3)) and result.top(torch.tensor(3)).equals(result.top(3))
+    drawn = plot.token_heatmap(g, layer=0, head=np.int64(1)).data[0].z
+    assert np.array_equal(drawn, plot.token_heatmap(g, layer=0, head=1).data[0].z, equal_nan=True)
+    explained = cl.explain_generation(model, ONE[:4], max_new_tokens=np.int64(2), flow=False)
+    assert len(explained) == 2
+    assert len(cl.explain_generation(model, ONE[:4], max_new_tokens=torch.tensor(1), flow=False)) == 1
+    # Anything else is refused, naming the argument and what it got.
+    for call, said in (
+        (lambda: result.top(2.5), "k must be a positive integer, got float 2.5"),
+        (lambda: result.top("3"), "k must be a positive integer, got str '3'"),
+        (lambda: result.top(True), "k must be a positive integer, got bool True"),
+        (
+            lambda: plot.token_heatmap(g, layer=0, head=1.0),
+            "head must be an integer (or None: every head), got float 1.0",
+        ),
+        (
+            lambda: cl.explain_generation(model, ONE[:4], max_new_tokens=2.0),
+            "max_new_tokens must be a positive integer, got float 2.0",
+        ),
+    ):
+        with pytest.raises(TypeError) as error:
+            call()
+        assert str(error.value) == said
+    with pytest.raises(ValueError, match=r"^k must be a positive integer, got 0$"):
+        result.top(0)
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_inspect_checks_tokens_before_any_window(bundled_model) -> None:
+    answer = cl.explain_generation(bundled_model, "The capital of France is", max_new_tokens=2, flow=False)
+    for tokens, error, said in (
+        (-5, ValueError, "tokens must be a positive integer, got -5"),
+        (0, ValueError, "tokens must be a positive integer, got 0"),
+        (2.5, TypeError, "tokens must be a positive integer, got float 2.5"),
+    ):
+        with pytest.raises(error) as raised:
+            cl.inspect(bundled_model, answer, tokens=tokens)
+        assert str(raised.value) == said
+    assert cl.inspect(bundled_model, answer, tokens=np.int64(4)).tokens == 4

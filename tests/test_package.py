@@ -1,4 +1,4 @@
-"""The package as a newcomer meets it: faces, import cost, the README's examples, the layout, the 0.2 names."""
+"""The package as a newcomer meets it: faces, import cost, the documentation's examples, the layout, the 0.2 names."""
 
 import ast
 import importlib
@@ -7,13 +7,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import contribution_lens as cl
-from helpers import readme_block
+from helpers import docs_block, run_block
 
 SRC = Path(cl.__file__).parent
 SUBPACKAGES = ("analyses", "cli", "faithfulness", "methods", "replication", "views")
-CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses")
+CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "qk")
 
 
 def modules() -> list[Path]:
@@ -108,7 +109,7 @@ def test_only_the_adapter_knows_hook_names() -> None:
 
 
 def test_the_maths_knows_no_transformer_lens() -> None:
-    for name in ("choices", "decomposition", "losses", "_settings"):
+    for name in ("choices", "decomposition", "losses", "qk", "_settings"):
         tree = ast.parse((SRC / f"{name}.py").read_text(encoding="utf-8"))
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names} | {
             node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
@@ -148,11 +149,37 @@ def test_the_old_module_paths_still_work_and_name_the_new_place(bundled_model, t
     assert old_plot is cl.plot is cl.views.plot and old_plot.__spec__.name == "contribution_lens.views.plot"
 
 
-def test_the_readmes_examples_run(bundled_model) -> None:
+def test_the_readmes_five_lines_run_and_give_what_their_comments_say(bundled_model, monkeypatch) -> None:
+    import pandas as pd
+    import plotly.graph_objects as go
+
+    block = docs_block("import contribution_lens as cl\n\nmodel = cl.load_model()  # the bundled")
+    assert len([line for line in block.splitlines() if line.strip()]) == 5, block
+    monkeypatch.setattr(cl, "load_model", lambda *args, **kwargs: bundled_model)  # the same model, loaded once
+    namespace: dict = {}
+    summary, figure = run_block(block, namespace)
+    assert isinstance(namespace["g"], cl.Geometry) and namespace["g"].layers == list(range(bundled_model.cfg.n_layers))
+    assert isinstance(summary, pd.DataFrame) and len(summary) == bundled_model.cfg.n_layers
+    assert {"sink_attention", "sink_contribution", "negative_share", "top1_agreement"} <= set(summary.columns)
+    assert isinstance(figure, go.Figure) and "L12H3" in figure.layout.title.text
+
+
+def test_the_readmes_other_examples_run_and_give_what_their_comments_say(bundled_model) -> None:
     namespace = {"cl": cl, "model": bundled_model}
-    exec(readme_block("def sink_vs_rest"), namespace)
+    attribution, flow, answer, sinks = run_block(
+        docs_block('cl.logit_attribution(model, text, target=" Mary"'), namespace
+    )
+    assert isinstance(attribution, cl.LogitAttribution) and "logit(' Mary') - logit(' John')" in repr(attribution)
+    assert isinstance(flow, cl.Flow) and flow.rollout.shape[-1] == len(bundled_model.to_tokens(namespace["text"])[0])
+    assert isinstance(answer, cl.GenerationExplanation) and 1 <= len(answer) <= 8
+    assert isinstance(sinks, cl.SinkAnalysis)
+
+
+def test_the_documentations_examples_run(bundled_model) -> None:
+    namespace = {"cl": cl, "model": bundled_model}
+    exec(docs_block("def sink_vs_rest"), namespace)
     assert set(namespace["shares"][-1]) == {"sink", "negative"} and namespace["shares"].layers == [0, 10, 29]
-    registration = readme_block("@cl.register_method").split("from contribution_lens import")[0]
+    registration = docs_block("@cl.register_method").split("from contribution_lens import")[0]
     try:
         exec(registration, namespace)
         method = cl.get_method("value_norm_only")
@@ -160,3 +187,35 @@ def test_the_readmes_examples_run(bundled_model) -> None:
         assert scores[0].shape == (1, 4, 4) and bool((scores[0].triu(1) == 0).all())
     finally:
         cl.unregister_method("value_norm_only")
+
+
+def test_names_moved_in_the_layering_warn_with_their_new_place(tmp_path) -> None:
+    from contribution_lens import mixing
+    from contribution_lens.methods import rollout
+    from contribution_lens.views import overview
+
+    with pytest.warns(DeprecationWarning, match=r"rollout\.layer_mixing is deprecated: use contribution_lens\.mixing"):
+        assert rollout.layer_mixing is mixing.layer_mixing
+    with pytest.warns(DeprecationWarning, match=r"rollout\.LayerMixing is deprecated: use contribution_lens\.mixing"):
+        assert rollout.LayerMixing is mixing.LayerMixing
+    with pytest.warns(DeprecationWarning, match=r"rollout\.visible is deprecated: use LayerInputs\.valid"):
+        visible = rollout.visible
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"plot\.compare_measures is deprecated: use contribution_lens\.views\.compare_measures",
+    ):
+        assert cl.plot.compare_measures is overview.compare_measures
+    pattern = torch.softmax(torch.randn(1, 2, 3, 3).masked_fill(torch.ones(3, 3).triu(1).bool(), -torch.inf), -1)
+    d = cl.decompose(pattern, torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8))
+    g = cl.Geometry(
+        {0: d}, torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool), [list("abc")], "inter"
+    )
+    with pytest.warns(DeprecationWarning, match=r"overview\.figures is deprecated: use Geometry\.figures"):
+        pairs = overview.figures(g)
+    assert [title for title, _ in pairs] == list(g.figures())
+    with pytest.warns(DeprecationWarning, match=r"overview\.write is deprecated: use Geometry\.report"):
+        assert overview.write(g, tmp_path / "g.html").is_file()
+    from conftest import tiny_bridge
+
+    seen = cl.map_layers(tiny_bridge(), torch.tensor([[1, 2, 3]]), lambda layer: (visible(layer), layer.valid))[0]
+    assert torch.equal(*seen)

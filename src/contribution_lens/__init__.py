@@ -49,6 +49,7 @@ _EXPORTS: dict[str, str] = {
     **{name: f"{_A}.flow:{name}" for name in ("Flow", "flow")},
     **{name: f"{_A}.generation:{name}" for name in ("GenerationExplanation", "GenerationStep", "explain_generation")},
     **{name: f"{_A}.logit_attribution:{name}" for name in ("LogitAttribution", "logit_attribution")},
+    **{name: f"{_A}.qk_attribution:{name}" for name in ("QKAttribution", "qk_attribution")},
     **{name: f"{_A}.sinks:{name}" for name in ("SinkAnalysis", "SinkLayer", "sink_analysis")},
     **{name: f"{_A}.sink_intervention:{name}" for name in ("SinkIntervention", "run_sink_intervention")},
     **{name: f"{_A}.sink_claims:{name}" for name in ("SinkStudy", "sink_study")},
@@ -74,6 +75,7 @@ __all__ = [
     "LayerResults",
     "LogitAttribution",
     "Method",
+    "QKAttribution",
     "Scope",
     "ScoreContext",
     "SinkAnalysis",
@@ -99,6 +101,7 @@ __all__ = [
     "map_layers",
     "methods",
     "plot",
+    "qk_attribution",
     "register_method",
     "run_sink_intervention",
     "sink_analysis",
@@ -117,6 +120,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
     from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary
     from contribution_lens.analyses.logit_attribution import LogitAttribution, logit_attribution
+    from contribution_lens.analyses.qk_attribution import QKAttribution, qk_attribution
     from contribution_lens.analyses.sink_claims import SinkStudy, sink_study
     from contribution_lens.analyses.sink_intervention import SinkIntervention, run_sink_intervention
     from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, sink_analysis

@@ -4,7 +4,8 @@ Version 0.3 grouped the flat modules into subpackages (`contribution_lens.method
 `contribution_lens.faithfulness`, `contribution_lens.analyses`, `contribution_lens.views`,
 `contribution_lens.cli`). ``import contribution_lens.evaluation`` and the like still work: each
 old module is a stand-in whose names are looked up in their new homes, and every read warns
-(``DeprecationWarning``) with the new place. Nothing here is used by the package itself.
+(``DeprecationWarning``) with the new place. Nothing here is used by the package itself, except the
+inspector's old names, whose table lives with the inspector (`views.inspector._deprecated`).
 Standard library only at import.
 """
 
@@ -63,6 +64,11 @@ def _lookup(old: str, name: str) -> tuple[Any, str]:
     if name in RENAMED:
         location, advice = RENAMED[name]
         return resolve(location), advice
+    from contribution_lens.views.inspector._deprecated import INSPECTOR_NAMES
+
+    if old == "inspector" and name in INSPECTOR_NAMES:  # the face forwards it: straight to where it lives
+        home = INSPECTOR_NAMES[name]
+        return getattr(importlib.import_module(home), name), f"{home}.{name}"
     for module in MOVED[old]:
         target = importlib.import_module(module)
         if hasattr(target, name):
@@ -171,6 +177,11 @@ PEER_METHODS = ("alti", "alti_rollout", "value_zeroing", "grad_attention")
 CONTROL = "random"
 DECOMPOSITION_METHODS = ("attention", "value_weighted", "output_normalized", "contribution")
 """What ``contribution_lens.METHODS`` was: the measures read off one layer's decomposition."""
+
+
+def visible(layer: Any) -> Any:
+    """``methods.rollout.visible(layer)``: now the property `contribution_lens.LayerInputs.valid`."""
+    return layer.valid
 
 
 def __getattr__(name: str) -> Any:

@@ -153,6 +153,24 @@ def parse_ratios(text: str) -> tuple[float, ...]:
     return values
 
 
+PREPEND_BOS = "yes, no or model (the model's own choice, cfg.default_prepend_bos)"
+_BOS_WORDS = {"yes": True, "true": True, "no": False, "false": False, "model": None}
+
+
+def parse_prepend_bos(text: str) -> bool | None:
+    """``yes``/``true`` -> True, ``no``/``false`` -> False, ``model`` -> None (the model's own choice)."""
+    word = text.strip().lower()
+    if word not in _BOS_WORDS:
+        raise Invalid(PREPEND_BOS)
+    return _BOS_WORDS[word]
+
+
+def check_prepend_bos(value: Any) -> None:
+    """True, False or None."""
+    if value is not None and not isinstance(value, bool):
+        raise Invalid("True, False or None (the model's own choice, cfg.default_prepend_bos)")
+
+
 def parse_names(text: str) -> tuple[str, ...] | str:
     """Comma-separated names, or the word ``all``."""
     if text.strip() == "all":

@@ -17,17 +17,19 @@ or goes through the functions here. The hooks read, per layer ``l``:
 `attention_problem` checks on a probe input that these hooks exist and fit together (what
 ``load_model`` refuses a model for); ``W_O`` comes from `output_weights`.
 
-Inputs get the tokenizer's BOS token prepended (``model.to_tokens(..., prepend_bos=True)``;
-for SmolLM2 that is ``<|im_start|>``, id 1), so position 0 is always the same token: the
-attention sink. Token tensors are used as given. Batches of texts are right-padded, so
-causal attention of the real tokens is the same as for each text alone.
+Texts are tokenised as the model's own convention has it: TransformerLens records per model
+whether a BOS token is prepended (``cfg.default_prepend_bos``; True for the bundled models, where
+BOS is SmolLM2's ``<|im_start|>``, id 1, and position 0 the attention sink; False for Qwen2,
+Phi, GPT-NeoX, ...), and ``prepend_bos=True``/``False`` overrides it (`prepends_bos`). Token
+tensors are used as given. Batches of texts are right-padded, so causal attention of the real
+tokens is the same as for each text alone.
 """
 
 import threading
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import einops
@@ -36,7 +38,14 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from contribution_lens.choices import as_index
-from contribution_lens.decomposition import Decomposition, Scope, decompose_layer, head_gram
+from contribution_lens.decomposition import (
+    Decomposition,
+    Scope,
+    decompose_layer,
+    head_gram,
+    head_outputs,
+    valid_positions,
+)
 
 Model = Any  # a TransformerBridge; typed loosely so tests can pass any bridge-like object
 HookFn = Callable[[Tensor, Any], Tensor | None]
@@ -204,6 +213,8 @@ class TokenBatch:
     attention_mask: Bool[Tensor, "batch pos"]
     str_tokens: list[list[str]]
     """Per text, one string per real token (padding excluded)."""
+    bos_first: bool = True
+    """Every text starts with the model's BOS (the attention sink analyses then take position 0)."""
 
     def __post_init__(self) -> None:
         if self.tokens.shape != self.attention_mask.shape:
@@ -254,11 +265,30 @@ def check_token_ids(model: Model, tokens: Tensor) -> None:
         raise ValueError(f"token id {bad} is outside the model's vocabulary of {d_vocab} ids (0..{int(d_vocab) - 1})")
 
 
+def _check_text_ids(model: Model, ids: Tensor, index: int) -> None:
+    """A text's ids lie in the model's vocabulary: a tokenizer may hold added tokens the model has no row for."""
+    d_vocab = getattr(model.cfg, "d_vocab", None)
+    if d_vocab is None or ids.numel() == 0 or int(ids.max()) < int(d_vocab):
+        return
+    bad = int(ids.max())
+    raise ValueError(
+        f"input text {index} holds the token {token_labels(model, [bad])[0]!r} (id {bad}), outside the model's "
+        f"vocabulary of {d_vocab} ids (0..{int(d_vocab) - 1}): the tokenizer has tokens the model has no embedding for"
+    )
+
+
 def token_labels(model: Model, ids: Sequence[int]) -> list[str]:
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         return [f"<{i}>" for i in ids]
     return [tokenizer.decode([i]) for i in ids]
+
+
+def start_ids(model: Model) -> set[int]:
+    """The ids a text starts with where the tokenizer begins it (BOS, or ``[CLS]`` for BERT-style tokenizers)."""
+    tokenizer = getattr(model, "tokenizer", None)
+    ids = (getattr(tokenizer, name, None) for name in ("bos_token_id", "cls_token_id"))
+    return {int(i) for i in ids if isinstance(i, int)}
 
 
 def pad_id(model: Model) -> int:
@@ -269,20 +299,58 @@ def pad_id(model: Model) -> int:
     return 0 if pad is None else int(pad)
 
 
+def prepends_bos(model: Model, prepend_bos: Any = None) -> bool:
+    """Whether texts get the tokenizer's BOS prepended: ``prepend_bos``, or else the model's own choice.
+
+    The model's choice is TransformerLens's ``cfg.default_prepend_bos`` (True where a config has
+    none). ``prepend_bos`` must be True, False or None.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> qwen = SimpleNamespace(cfg=SimpleNamespace(default_prepend_bos=False))
+        >>> prepends_bos(qwen), prepends_bos(qwen, True)
+        (False, True)
+    """
+    if prepend_bos is None:
+        return bool(getattr(getattr(model, "cfg", None), "default_prepend_bos", True))
+    if isinstance(prepend_bos, bool) or str(getattr(prepend_bos, "dtype", "")) in ("bool", "torch.bool"):
+        if getattr(prepend_bos, "ndim", 0) == 0:
+            return bool(prepend_bos)
+    raise TypeError(
+        "prepend_bos must be True, False or None (None: the model's own choice, cfg.default_prepend_bos), "
+        f"got {type(prepend_bos).__name__} {prepend_bos!r}"
+    )
+
+
+def bos_to_prepend(model: Model, prepend_bos: Any = None) -> int | None:
+    """The BOS id to put before token sequences built by hand (chunks, items), or None for none.
+
+    None where `prepends_bos` says no BOS (``prepend_bos``, else the model's own choice) or the
+    tokenizer has no BOS; ``prepend_bos=True`` on a tokenizer without one is refused.
+    """
+    wanted = prepends_bos(model, prepend_bos)
+    bos = getattr(getattr(model, "tokenizer", None), "bos_token_id", None)
+    if wanted and bos is None and prepend_bos:
+        raise ValueError("prepend_bos=True, but this model's tokenizer has no BOS token (bos_token_id is None)")
+    return int(bos) if wanted and bos is not None else None
+
+
 def to_token_batch(
     model: Model,
     inputs: str | Sequence[str] | Tensor,
     *,
     attention_mask: Tensor | None = None,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
 ) -> TokenBatch:
-    """Tokenise text(s) with BOS and right padding, or wrap a token tensor.
+    """Tokenise text(s) as the model does (BOS or not) with right padding, or wrap a token tensor.
 
     Args:
         inputs: one text, a list of texts, or token ids ``[pos]`` / ``[batch pos]``.
         attention_mask: only with token ids: 1 for real tokens, 0 for padding.
-        prepend_bos: prepend the tokenizer's BOS to texts (token ids are never changed).
+        prepend_bos: prepend the tokenizer's BOS to texts; None: the model's own choice
+            (``cfg.default_prepend_bos``, `prepends_bos`). Token ids are never changed.
     """
+    bos = prepends_bos(model, prepend_bos)
     device = _model_device(model)
     if device.type == "meta":
         raise ValueError(
@@ -305,7 +373,8 @@ def to_token_batch(
             if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
                 raise ValueError("attention_mask is not right-padded (a real token follows padding)")
         labels = [token_labels(model, row[m].tolist()) for row, m in zip(tokens, mask, strict=True)]
-        return TokenBatch(tokens.to(device), mask.to(device), labels)
+        starts = set(tokens[:, 0].tolist())
+        return TokenBatch(tokens.to(device), mask.to(device), labels, bos_first=starts <= start_ids(model))
 
     if attention_mask is not None:
         raise ValueError("attention_mask is only accepted with token ids; texts are padded here")
@@ -320,10 +389,11 @@ def to_token_batch(
             raise TypeError(f"input {index} is a {type(text).__name__}, not a str")
         if not text.strip():
             raise ValueError(f"input text {index} is empty")
-        ids = model.to_tokens(text, prepend_bos=prepend_bos, truncate=False)[0]
+        ids = model.to_tokens(text, prepend_bos=bos, truncate=False)[0]
         check_length(model, ids.shape[0], f"input text {index}")
+        _check_text_ids(model, ids, index)
         rows.append(ids.to(device))
-    return pad_rows(model, rows)
+    return replace(pad_rows(model, rows), bos_first=bos)
 
 
 def _checked_ids(inputs: Tensor) -> Int[Tensor, "batch pos"]:
@@ -428,6 +498,8 @@ class LayerInputs:
     """True for real tokens (all True without padding)."""
     str_tokens: list[list[str]]
     cfg: Any
+    bos_first: bool = True
+    """Every text starts with the model's BOS: position 0 is the sink (else analyses find it, `TokenBatch`)."""
     gram_of: Callable[[], Tensor] | None = field(default=None, repr=False)
     """What `gram` reads, when first asked for (None: no Gram matrix)."""
     captured: dict[str, Tensor] = field(default_factory=dict)
@@ -453,6 +525,30 @@ class LayerInputs:
         """``attention_mask`` where the batch has padding, else None (the fast path)."""
         return None if bool(self.attention_mask.all()) else self.attention_mask
 
+    @property
+    def valid(self) -> Bool[Tensor, "batch query key"]:
+        """Which keys each query sees: ``j <= i`` in a decoder, every key in an encoder, never padding."""
+        if "valid" not in self._cache:
+            batch, _, n_query, n_key = self.pattern.shape
+            self._cache["valid"] = valid_positions(
+                n_query, n_key, attention_mask=self.padding_mask, batch=batch, causal=self.causal,
+                device=self.pattern.device,
+            )  # fmt: skip
+        return self._cache["valid"]
+
+    def head_outputs(self, dtype: torch.dtype | None = None) -> Float[Tensor, "batch query head d_head"]:
+        """``z_i^h = sum_j alpha_ij^h v_j^h`` over the keys query ``i`` sees (`decomposition.head_outputs`).
+
+        ``hook_z`` where the model has it, else ``alpha v``; 0 at a padding query. Derived once per
+        dtype (float32 by default, float64 for a float64 model) and shared by every function of the pass.
+        """
+        acc = dtype or torch.promote_types(self.pattern.dtype, torch.float32)
+        key = ("head_outputs", acc)
+        if key not in self._cache:
+            valid = None if self.padding_mask is None else self.valid
+            self._cache[key] = head_outputs(self.pattern, self.v, valid=valid, z=self.z, dtype=acc)
+        return self._cache[key]
+
     def decompose(self, scope: Scope | str = Scope.INTER, dtype: torch.dtype | None = None) -> Decomposition:
         """`contribution_lens.decompose` of this layer (cached per scope and dtype)."""
         scope = Scope.of(scope)
@@ -466,7 +562,7 @@ class LayerInputs:
                 causal=self.causal,
                 attention_mask=self.padding_mask,
                 dtype=dtype,
-                z=self.z,
+                z=self.head_outputs(dtype),
                 output=self.output_without_bias(),
                 gram=self.gram,
             )
@@ -514,6 +610,7 @@ def _layer_inputs(model: Model, batch: TokenBatch, layer: int, slot: dict[str, T
         attention_mask=batch.attention_mask,
         str_tokens=batch.str_tokens,
         cfg=model.cfg,
+        bos_first=batch.bos_first,
         captured={k.split(":", 1)[1]: t for k, t in slot.items() if k.startswith("captured:")},
     )
 
@@ -900,18 +997,22 @@ def _probe_block_forms(model: Model) -> dict[int, str]:
     return forms
 
 
-# --- Logit attribution: the residual stream, the norms around it and the unembedding ---------------
+# --- The readout: the residual stream, the norms around it and the unembedding ---------------------
 #
 # The residual stream at the last block's output is the embedding plus every block's update,
 # ``x = resid_pre_0 + sum_l (resid_post_l - resid_pre_l)``, and attention's share of an update
 # is ``hook_attn_out``: the o-projection output, or that output after a post-attention norm
 # (Gemma 2/3 ``ln1_post``). With the norms' scales frozen at a position every step from the
 # residual stream to the logit is affine, so the logit splits exactly into per-component terms.
+#
+# Block ``l`` adds attention's update ``a_i`` to the residual stream ``x_i`` (``hook_resid_pre``):
+# ``r_mid_i = x_i + a_i``. ``a_i`` is the o-projection output ``o_i + b_O`` (``attn.o.hook_out``),
+# or, where a norm follows the attention, that norm's output with the scale frozen at the
+# position: ``a_i = N(o_i + b_O)``, ``N(p) = P(p) * gain / scale_i + bias``. In post-LN encoders
+# (BERT) the norm comes after the sum and ``r_mid`` is the sum before it.
 
 RESID_POST = "hook_resid_post"
 ATTN_OUT = "hook_attn_out"
-POST_SCALE = "post_attention_norm_scale"
-"""The ``LayerInputs.captured`` key of the post-attention norm's ``hook_scale``, where there is one."""
 
 
 @dataclass(frozen=True)
@@ -922,6 +1023,11 @@ class FrozenNorm:
     (RMSNorm); ``gain`` is the weight as the norm applies it (Gemma's ``1 + w``), None when the
     norm has none; ``scale`` is the norm's own ``hook_scale`` at a position. Then
     ``<N(x), u> = <x, pull_back(u, scale)> + <bias, u>``: the adjoint of ``P`` is ``P``.
+
+    Example:
+        >>> norm = FrozenNorm(centre=True, gain=torch.tensor([2.0, 2.0]), bias=torch.tensor([1.0, 0.0]))
+        >>> norm.apply(torch.tensor([3.0, 1.0]), torch.tensor(2.0)).tolist()
+        [2.0, -1.0]
     """
 
     centre: bool
@@ -937,6 +1043,26 @@ class FrozenNorm:
         if self.centre:
             direction = direction - direction.mean(-1, keepdim=True)
         return direction / scale.to(direction.dtype)[..., None]
+
+    def linear(
+        self, parts: Float[Tensor, "*rows d_model"], scale: Float[Tensor, "*scale"] | None
+    ) -> Float[Tensor, "*rows d_model"]:
+        """The norm's linear part ``P(p) * gain / scale`` (no bias: it belongs to no part; no scale: 1).
+
+        ``scale`` broadcasts against ``parts`` without its ``d_model`` axis.
+        """
+        if self.centre:
+            parts = parts - parts.mean(-1, keepdim=True)
+        if self.gain is not None:
+            parts = parts * self.gain.to(parts.dtype)
+        return parts if scale is None else parts / scale.to(parts.dtype)[..., None]
+
+    def apply(
+        self, x: Float[Tensor, "*rows d_model"], scale: Float[Tensor, "*scale"]
+    ) -> Float[Tensor, "*rows d_model"]:
+        """``N(x)`` in the dtype of ``x``, the scale as given."""
+        out = self.linear(x, scale)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
 
 def _frozen_norm(component: Any) -> FrozenNorm:
@@ -970,65 +1096,21 @@ def final_norm(model: Model) -> FrozenNorm | None:
     return None if component is None else _frozen_norm(component)
 
 
+def _no_unembedding(name: str) -> str:
+    return f"{name} has no unembedding (LM head): logit attribution explains next-token logits"
+
+
 def unembedding(model: Model) -> tuple[Float[Tensor, "d_model d_vocab"], Float[Tensor, " d_vocab"] | None]:
     """``W_U`` and ``b_U`` (None when the unembedding has no bias); raises where the model has no LM head."""
     unembed = getattr(model, "unembed", None)
     if unembed is None or "unembed.hook_out" not in model.hook_dict:
-        raise ValueError(
-            f"{type(model).__name__} has no unembedding (LM head): logit attribution explains next-token logits"
-        )
+        raise ValueError(_no_unembedding(type(model).__name__))
+    return _unembedding_weights(unembed)
+
+
+def _unembedding_weights(unembed: Any) -> tuple[Tensor, Tensor | None]:
     bias = getattr(getattr(unembed, "original_component", None), "bias", None)
     return unembed.W_U.detach(), bias.detach() if isinstance(bias, Tensor) else None
-
-
-def residual_capture(model: Model) -> list[str]:
-    """The per-layer ``capture`` names logit attribution reads (relative to ``blocks.{l}``).
-
-    ``hook_resid_pre``, ``hook_resid_post`` and ``hook_attn_out`` on every layer; where the
-    attention output is normed before it is added (Gemma), that norm's ``hook_scale`` too.
-    """
-    names = [RESID_PRE, RESID_POST, ATTN_OUT]
-    post = _post_attention_norm_name(model, 0)
-    return names + ([f"{post}.hook_scale"] if post is not None else [])
-
-
-def captured_post_scale(model: Model, layer: LayerInputs) -> Tensor | None:
-    """The post-attention norm's ``hook_scale`` of ``layer`` as ``[batch pos]``, or None."""
-    post = _post_attention_norm_name(model, layer.layer)
-    if post is None:
-        return None
-    scale = layer.captured[f"{post}.hook_scale"]
-    return scale.reshape(scale.shape[:2])
-
-
-def final_hooks(model: Model, positions: Sequence[int], store: dict[str, Tensor]) -> list[tuple[str, HookFn]]:
-    """Hooks that keep, at ``positions`` of batch element 0, the final norm's scale and the unembedding's output.
-
-    ``store["final_scale"]`` is ``[pos]`` (absent without a final norm), ``store["logits"]``
-    ``[pos d_vocab]``: the unembedding's output before any logit soft-capping. Where the bridge
-    has ``unembed.hook_in``, the unembedding is given those rows only, so the pass's own logits
-    are ``[1 pos d_vocab]`` at ``positions``: the product with the vocabulary at every other
-    position is a long pass's largest single cost (about a tenth of a plain pass at 1,024 tokens
-    on SmolLM2) and its largest tensor.
-    """
-    rows = list(positions)
-
-    def keep(key: str, index: list[int] | slice) -> HookFn:
-        def hook(tensor: Tensor, hook: Any) -> None:
-            store[key] = tensor.detach()[0, index].reshape(len(rows), -1)
-
-        return hook
-
-    def cut(tensor: Tensor, hook: Any) -> Tensor:
-        return tensor[:1, rows]
-
-    names = model.hook_dict  # a bridge rebuilds it on every read
-    cuts = "unembed.hook_in" in names
-    hooks: list[tuple[str, HookFn]] = [("unembed.hook_in", cut)] if cuts else []
-    hooks.append(("unembed.hook_out", keep("logits", slice(None) if cuts else rows)))
-    if getattr(model, "ln_final", None) is not None and "ln_final.hook_scale" in names:
-        hooks.append(("ln_final.hook_scale", keep("final_scale", rows)))
-    return hooks
 
 
 def logit_softcap(model: Model) -> float | None:
@@ -1043,15 +1125,6 @@ def logit_softcap(model: Model) -> float | None:
     return float(cap) if cap is not None and float(cap) > 0 else None
 
 
-# --- Flow: what attention adds to the residual stream, and what it is added to -----------------------
-#
-# Block ``l`` adds attention's update ``a_i`` to the residual stream ``x_i`` (``hook_resid_pre``):
-# ``r_mid_i = x_i + a_i``. ``a_i`` is the o-projection output ``o_i + b_O`` (``attn.o.hook_out``),
-# or, where a norm follows the attention (Gemma 2/3 ``ln1_post``), that norm's output with the
-# scale frozen at the position: ``a_i = N(o_i + b_O)``, ``N(p) = P(p) * gain / scale_i + bias``.
-# In post-LN encoders (BERT) the norm comes after the sum and ``r_mid`` is the sum before it.
-
-
 @dataclass(frozen=True)
 class AttentionUpdate:
     """One layer's residual sum ``r_mid = resid_pre + added`` and the frozen norm between heads and sum."""
@@ -1064,18 +1137,586 @@ class AttentionUpdate:
     """That norm's ``hook_scale`` per position (None without a norm)."""
 
 
+@dataclass(frozen=True, eq=False)
+class Readout:
+    """How a model reads its residual stream, read off the model once: norms, unembedding, soft-cap, hooks.
+
+    At position ``i`` the logit of token ``t`` is ``z_t = <N(x_i), W_U[:, t]> + b_U[t]`` (`logit`), ``x_i``
+    the residual stream after the last block and ``N`` the final norm, ``N(x) = P(x) * g / s_i + b``
+    with its scale ``s_i`` frozen (`FrozenNorm`); a model that soft-caps shows ``c * tanh(z / c)``.
+    Where a norm follows the attention (Gemma's ``ln1_post``) `post_norms` holds it per layer.
+
+    Everything an analysis needs from the model between the residual stream and the logit is here:
+    logit attribution, the flow and the explaining pass build one (`readout`) and read it, instead
+    of asking the model again for each piece.
+
+    Attributes:
+        final_norm: ``N`` (None where the model has no final norm).
+        post_norms: per layer, the norm of the attention output before it joins the stream, or None.
+        W_U: ``[d_model d_vocab]``, None where the model has no LM head (an encoder: the flow still runs).
+        b_U: ``[d_vocab]`` or None.
+        softcap: ``c`` where the model soft-caps its logits, else None.
+        residual_capture: the per-layer hooks (relative to ``blocks.{l}``) logit attribution captures.
+        flow_capture: the per-layer hooks `attention_update` reads.
+        model_name: the model's class, for messages.
+    """
+
+    final_norm: FrozenNorm | None
+    post_norms: tuple[FrozenNorm | None, ...]
+    W_U: Float[Tensor, "d_model d_vocab"] | None
+    b_U: Float[Tensor, " d_vocab"] | None
+    softcap: float | None
+    residual_capture: tuple[str, ...]
+    flow_capture: tuple[str, ...]
+    model_name: str = ""
+    post_scale_hooks: tuple[str | None, ...] = field(default=(), repr=False)
+    """Per layer, the ``captured`` name of the post-attention norm's ``hook_scale`` (None without one)."""
+    final_scale_hook: bool = field(default=False, repr=False)
+    """Whether ``ln_final.hook_scale`` exists (the final norm's scale can be kept)."""
+    cuts_unembedding: bool = field(default=False, repr=False)
+    """Whether ``unembed.hook_in`` exists (the unembedding can be given the explained rows only)."""
+
+    def unembedding(self) -> tuple[Float[Tensor, "d_model d_vocab"], Float[Tensor, " d_vocab"] | None]:
+        """``(W_U, b_U)``, refused where the model has no LM head."""
+        if self.W_U is None:
+            raise ValueError(_no_unembedding(self.model_name))
+        return self.W_U, self.b_U
+
+    @property
+    def biases(self) -> tuple[str, ...]:
+        """Which of the readout's bias terms the model has: among ``post_norm``, ``final_norm``, ``unembed``."""
+        names = []
+        if any(norm is not None and norm.bias is not None for norm in self.post_norms):
+            names.append("post_norm")
+        if self.final_norm is not None and self.final_norm.bias is not None:
+            names.append("final_norm")
+        if self.b_U is not None:
+            names.append("unembed")
+        return tuple(names)
+
+    def post_scale(self, layer: LayerInputs) -> Float[Tensor, "batch pos"] | None:
+        """The post-attention norm's ``hook_scale`` of ``layer`` (captured with `residual_capture`), or None."""
+        name = self.post_scale_hooks[layer.layer]
+        if name is None:
+            return None
+        scale = layer.captured[name]
+        return scale.reshape(scale.shape[:2])
+
+    def attention_update(self, layer: LayerInputs) -> AttentionUpdate:
+        """What layer ``layer`` adds to which residual stream, from the hooks `flow_capture` names."""
+        resid_pre = layer.captured[RESID_PRE]
+        norm = self.post_norms[layer.layer]
+        if norm is not None:
+            return AttentionUpdate(resid_pre, layer.captured[ATTN_OUT], norm, self.post_scale(layer))
+        if layer.hook_out is not None:
+            return AttentionUpdate(resid_pre, layer.hook_out, None, None)
+        raise ValueError(f"layer {layer.layer} has no o-projection output hook ({output_hook(layer.layer)})")
+
+    def final_hooks(self, positions: Sequence[int], store: dict[str, Tensor]) -> list[tuple[str, HookFn]]:
+        """Hooks that keep, at ``positions`` of batch element 0, the final norm's scale and the unembedding's output.
+
+        ``store["final_scale"]`` is ``[pos]`` (absent without a final norm), ``store["logits"]``
+        ``[pos d_vocab]``: the unembedding's output before any logit soft-capping. Where the bridge
+        has ``unembed.hook_in``, the unembedding is given those rows only, so the pass's own logits
+        are ``[1 pos d_vocab]`` at ``positions``: the product with the vocabulary at every other
+        position is a long pass's largest single cost (about a tenth of a plain pass at 1,024 tokens
+        on SmolLM2) and its largest tensor.
+        """
+        rows = list(positions)
+
+        def keep(key: str, index: list[int] | slice) -> HookFn:
+            def hook(tensor: Tensor, hook: Any) -> None:
+                store[key] = tensor.detach()[0, index].reshape(len(rows), -1)
+
+            return hook
+
+        def cut(tensor: Tensor, hook: Any) -> Tensor:
+            return tensor[:1, rows]
+
+        hooks: list[tuple[str, HookFn]] = [("unembed.hook_in", cut)] if self.cuts_unembedding else []
+        hooks.append(("unembed.hook_out", keep("logits", slice(None) if self.cuts_unembedding else rows)))
+        if self.final_scale_hook:
+            hooks.append(("ln_final.hook_scale", keep("final_scale", rows)))
+        return hooks
+
+    def direction(
+        self, targets: Sequence[int], foils: Sequence[int | None], dtype: torch.dtype
+    ) -> tuple[Float[Tensor, "row d_model"], Float[Tensor, " row"]]:
+        """``W_U[:, t] - W_U[:, f]`` per row (no foil: ``W_U[:, t]``), and ``b_U[t] - b_U[f]``, in ``dtype``."""
+        W_U, b_U = self.unembedding()
+        chosen = list(targets)
+        rows = W_U[:, chosen].T.to(dtype)
+        bias = torch.zeros(len(chosen), dtype=dtype, device=rows.device) if b_U is None else b_U[chosen].to(dtype)
+        for index, foil in enumerate(foils):
+            if foil is not None:
+                rows[index] -= W_U[:, foil].to(dtype)
+                if b_U is not None:
+                    bias[index] -= b_U[foil].to(dtype)
+        return rows, bias
+
+    def logit(
+        self,
+        resid: Float[Tensor, "row d_model"],
+        final_scale: Float[Tensor, " row"] | None,
+        targets: Sequence[int],
+        foils: Sequence[int | None] | None = None,
+        *,
+        dtype: torch.dtype = torch.float64,
+    ) -> Float[Tensor, " row"]:
+        """``z = <N(x), W_U[:, t] - W_U[:, f]> + b_U[t] - b_U[f]`` per row, evaluated in ``dtype``.
+
+        ``resid`` is the residual stream after the last block at the explained positions, ``final_scale``
+        the final norm's scale there (``hook_scale``, frozen; ignored without a final norm). Every weight
+        and activation is cast to ``dtype`` first: in float64 this is the logit the model's own weights
+        give that stream, free of the model's rounding, so the gap to the model's value is its rounding.
+        The value is before any soft-cap, as `LogitAttribution.logit` is.
+
+        Example:
+            >>> import contribution_lens as cl
+            >>> model = cl.load_model()
+            >>> kept = {}
+            >>> hooks = [("ln_final.hook_in", lambda x, hook: kept.update(x=x[0, -1:])),
+            ...          ("ln_final.hook_scale", lambda s, hook: kept.update(s=s[0, -1:, 0]))]
+            >>> logits = forward(model, cl.to_token_batch(model, "The capital of France is"), hooks)
+            >>> top = int(logits[0, -1].argmax())
+            >>> value = readout(model).logit(kept["x"], kept["s"], [top])
+            >>> bool(abs(value.item() - logits[0, -1, top].item()) < 1e-3)
+            True
+        """
+        direction, bias = self.direction(targets, [None] * len(targets) if foils is None else foils, dtype)
+        x = resid.to(dtype)
+        if self.final_norm is not None:
+            if final_scale is None:
+                raise ValueError("final_scale is needed: this model's final norm scales each position")
+            x = self.final_norm.apply(x, final_scale.to(dtype))
+        return (x * direction.to(x.device)).sum(-1) + bias.to(x.device)
+
+
+def readout(model: Model) -> Readout:
+    """The model's `Readout`: its final norm, post-attention norms, unembedding, soft-cap and the hooks to read them.
+
+    Read from the model now (a few attribute reads and one look at its hooks): an analysis builds one
+    per call and passes it around, and a weight edited since is seen by the next call.
+
+    Example:
+        >>> import contribution_lens as cl
+        >>> r = readout(cl.load_model())
+        >>> tuple(r.W_U.shape), r.softcap, r.post_norms[0], r.final_norm.centre  # RMSNorm: no centring
+        ((576, 49152), None, None, False)
+    """
+    total = n_layers(model)
+    names = model.hook_dict  # a bridge rebuilds it on every read: once here
+    post = [_post_attention_norm_name(model, layer) for layer in range(total)]
+    post_norms = tuple(
+        None if name is None else _frozen_norm(model.blocks[layer].get_submodule(name))
+        for layer, name in enumerate(post)
+    )
+    scales = tuple(None if name is None else f"{name}.hook_scale" for name in post)
+    unembed = getattr(model, "unembed", None)
+    W_U, b_U = (None, None) if unembed is None or "unembed.hook_out" not in names else _unembedding_weights(unembed)
+    # Every layer's norm has the same name where there is one (the first layer's, as the capture asks).
+    first = () if scales[0] is None else (scales[0],)
+    return Readout(
+        final_norm=final_norm(model),
+        post_norms=post_norms,
+        W_U=W_U,
+        b_U=b_U,
+        softcap=logit_softcap(model),
+        residual_capture=(RESID_PRE, RESID_POST, ATTN_OUT, *first),
+        flow_capture=(RESID_PRE, *((ATTN_OUT, *first) if first else ())),
+        model_name=type(model).__name__,
+        post_scale_hooks=scales,
+        final_scale_hook=getattr(model, "ln_final", None) is not None and "ln_final.hook_scale" in names,
+        cuts_unembedding="unembed.hook_in" in names,
+    )
+
+
+# The per-piece functions below are `Readout`'s, for a caller that needs one piece once.
+
+
+def residual_capture(model: Model) -> list[str]:
+    """The per-layer ``capture`` names logit attribution reads (`Readout.residual_capture`).
+
+    ``hook_resid_pre``, ``hook_resid_post`` and ``hook_attn_out`` on every layer; where the
+    attention output is normed before it is added (Gemma), that norm's ``hook_scale`` too.
+    """
+    return list(readout(model).residual_capture)
+
+
 def flow_capture(model: Model) -> list[str]:
-    """The ``capture`` names (relative to ``blocks.{l}``) that `attention_update` reads."""
-    post = _post_attention_norm_name(model, 0)
-    return [RESID_PRE] + ([ATTN_OUT, f"{post}.hook_scale"] if post is not None else [])
+    """The ``capture`` names (relative to ``blocks.{l}``) that `attention_update` reads (`Readout.flow_capture`)."""
+    return list(readout(model).flow_capture)
+
+
+def captured_post_scale(model: Model, layer: LayerInputs) -> Tensor | None:
+    """The post-attention norm's ``hook_scale`` of ``layer`` as ``[batch pos]``, or None (`Readout.post_scale`)."""
+    return readout(model).post_scale(layer)
+
+
+def final_hooks(model: Model, positions: Sequence[int], store: dict[str, Tensor]) -> list[tuple[str, HookFn]]:
+    """`Readout.final_hooks` of the model."""
+    return readout(model).final_hooks(positions, store)
 
 
 def attention_update(model: Model, layer: LayerInputs) -> AttentionUpdate:
-    """What layer ``layer`` adds to which residual stream, read from the hooks `flow_capture` names."""
-    resid_pre = layer.captured[RESID_PRE]
-    norm = post_attention_norm(model, layer.layer)
-    if norm is not None:
-        return AttentionUpdate(resid_pre, layer.captured[ATTN_OUT], norm, captured_post_scale(model, layer))
-    if layer.hook_out is not None:
-        return AttentionUpdate(resid_pre, layer.hook_out, None, None)
-    raise ValueError(f"layer {layer.layer} has no o-projection output hook ({output_hook(layer.layer)})")
+    """What layer ``layer`` adds to which residual stream (`Readout.attention_update`)."""
+    return readout(model).attention_update(layer)
+
+
+# --- QK attribution: what one layer's scores read, and every component of the residual stream -----
+#
+# Layer ``l``'s query and key are linear in the residual stream ``x`` entering it, once every norm's
+# scale is frozen at its value in this pass: the pre-attention norm ``ln1`` (``hook_scale``),
+# ``W_Q``/``W_K`` with ``b_Q``/``b_K``, a per-head q/k norm (``attn.q_norm``, ``attn.k_norm``), the
+# rotary embedding (``attn.hook_cos``/``hook_sin``), the scale (``query_pre_attn_scalar`` in Gemma).
+# ``x`` is written by the embedding and by every earlier block: its heads (``z^h W_O^h``, through a
+# post-attention norm where there is one), ``b_O``, its MLP (``hook_resid_post - hook_resid_pre -
+# hook_attn_out``). In a post-LN block (BERT) the whole stream passes ``ln1`` and ``ln2``: those are
+# *stream norms*, each adding its bias as a component. `qk_plan` says which, `layer_writes` hands
+# each block's components over as they are produced, `target_reads` reads what the target layer did.
+
+QK_SCORES = "attn.hook_attn_scores"
+QK_Q, QK_K = "attn.hook_q", "attn.hook_k"
+QK_COS, QK_SIN = "attn.hook_cos", "attn.hook_sin"
+QK_NORM_SCALES = {"q": "attn.q_norm.hook_scale", "k": "attn.k_norm.hook_scale"}
+LN1_SCALE, LN2_SCALE, MLP_OUT = "ln1.hook_scale", "ln2.hook_scale", "hook_mlp_out"
+_EMBED_PARTS = {
+    "embed": "embed.hook_out",
+    "pos_embed": "pos_embed.hook_out",
+    "token_type_embed": "token_type_embed.hook_out",
+}
+_EMBED_NORM_SCALE = "embed_ln.hook_scale"
+
+
+@dataclass(frozen=True)
+class QKForm:
+    """How layer ``layer`` turns the residual stream into its scores ``s = scale <q, k>``.
+
+    ``W_Q`` ``[head d_model d_head]`` and ``W_K`` ``[kv_head d_model d_head]`` (fewer key heads under
+    GQA: query head ``h`` reads key head ``h // (head / kv_head)``), their biases (None where absent),
+    the per-head q/k norms (None where absent; their scale is frozen per head and position), whether
+    the rotary embedding applies, ``scale`` and the soft-cap ``c`` of ``c tanh(s / c)`` (Gemma 2).
+    """
+
+    layer: int
+    W_Q: Float[Tensor, "head d_model d_head"]
+    b_Q: Float[Tensor, "head d_head"] | None
+    W_K: Float[Tensor, "kv_head d_model d_head"]
+    b_K: Float[Tensor, "kv_head d_head"] | None
+    q_norm: FrozenNorm | None
+    k_norm: FrozenNorm | None
+    rotary: bool
+    scale: float
+    softcap: float | None
+    causal: bool
+    architecture: str
+    rotary_adjacent: bool = False
+    """Rotary pairs are ``(0, 1), (2, 3), ...`` (TransformerLens's native attention), not the two halves."""
+    rotary_tables: tuple[Tensor, Tensor] | None = None
+    """``cos``/``sin`` ``[position rotary]`` where the bridge has no ``hook_cos`` (native attention's own tables)."""
+
+    @property
+    def group(self) -> int:
+        """Query heads per key head (1 without GQA)."""
+        return self.W_Q.shape[0] // self.W_K.shape[0]
+
+
+def architecture_name(model: Model) -> str:
+    """The checkpoint's architecture (``config.architectures[0]``), else the bridge's class name."""
+    name = getattr(model.cfg, "architecture", None) or getattr(model.cfg, "original_architecture", None)
+    return str(name) if name else type(model).__name__
+
+
+def _qk_refusal(model: Model, layer: int) -> str | None:
+    """The attention form of ``layer`` whose scores cannot be split here, in words, or None."""
+    cfg, attn = model.cfg, model.blocks[layer].attn
+    hf = getattr(attn, "original_component", None)
+    rope = getattr(getattr(hf, "config", None), "rope_parameters", None)
+    forms = [
+        (cfg.positional_embedding_type == "alibi" or "alibi" in type(attn).__name__.lower(), "ALiBi position biases"),
+        (getattr(hf, "sinks", None) is not None, "learned attention-sink logits (an extra softmax column, GPT-OSS)"),
+        (values_heads_first(model, layer), "multi-head latent attention (compressed keys and values)"),
+        (bool(getattr(cfg, "rotary_adjacent_pairs", False) or getattr(cfg, "rotary_interleaved_cos_sin", False)),
+         "a rotary embedding on adjacent pairs (GLM, ERNIE, Cohere)"),
+        (isinstance(rope, dict) and rope.get("llama_4_scaling_beta") is not None,
+         "a position-dependent query scale (Llama 4 / Ministral 3)"),
+        (bool(getattr(cfg, "qk_norm_after_rope", False)), "a q/k norm after the rotary embedding"),
+        (getattr(attn, "_qk_norm_phase", None) == "pre_reshape", "a q/k norm over all heads together (OLMo 2)"),
+        (bool(getattr(cfg, "scale_attn_by_inverse_layer_idx", False)) and not hasattr(hf, "scaling"),
+         "scores scaled by the inverse layer index"),
+    ]  # fmt: skip
+    for applies, form in forms:
+        if applies:
+            return form
+    if cfg.positional_embedding_type == "rotary" and f"blocks.{layer}.{QK_COS}" not in model.hook_dict:
+        if _native_rotary(model, layer) is None:
+            return "a rotary embedding whose angles the bridge does not expose (no attn.hook_cos)"
+    return None
+
+
+def _native_rotary(model: Model, layer: int) -> Any:
+    """TransformerLens's native attention's rotary module (adjacent pairs, ``cos_cached``), or None."""
+    rotary = getattr(getattr(model.blocks[layer].attn, "original_component", None), "rotary", None)
+    return rotary if isinstance(getattr(rotary, "cos_cached", None), Tensor) else None
+
+
+def qk_form(model: Model, layer: int) -> QKForm:
+    """`QKForm` of ``layer``, read from the model now; a form that cannot be split is refused, naming it."""
+    problem = _qk_refusal(model, layer)
+    if problem is not None:
+        raise ValueError(
+            f"qk_attribution cannot split the scores of {architecture_name(model)} layer {layer}: its attention "
+            f"uses {problem}, which is not a sum of per-component terms this adapter reads"
+        )
+    attn = model.blocks[layer].attn
+    hf = getattr(attn, "original_component", None)
+    norms = {side: getattr(attn, f"{side}_norm", None) for side in ("q", "k")}
+    d_head = int(attn.W_Q.shape[-1])
+    scale = getattr(hf, "scaling", None)
+    cap = getattr(hf, "attn_logit_softcapping", None)
+    hooked = f"blocks.{layer}.{QK_COS}" in model.hook_dict
+    native = None if hooked or model.cfg.positional_embedding_type != "rotary" else _native_rotary(model, layer)
+
+    def bias(name: str) -> Tensor | None:
+        value = getattr(attn, name, None)
+        return value.detach() if isinstance(value, Tensor) else None
+
+    return QKForm(
+        layer=layer,
+        W_Q=attn.W_Q.detach(),
+        b_Q=bias("b_Q"),
+        W_K=attn.W_K.detach(),
+        b_K=bias("b_K"),
+        q_norm=None if norms["q"] is None else _frozen_norm(norms["q"]),
+        k_norm=None if norms["k"] is None else _frozen_norm(norms["k"]),
+        rotary=model.cfg.positional_embedding_type == "rotary",
+        scale=float(d_head**-0.5 if scale is None else scale),
+        softcap=float(cap) if cap is not None and float(cap) > 0 else None,
+        causal=is_causal_model(model),
+        architecture=architecture_name(model),
+        rotary_adjacent=native is not None,
+        rotary_tables=None if native is None else (native.cos_cached.detach(), native.sin_cached.detach()),
+    )
+
+
+@dataclass(frozen=True)
+class StreamNorm:
+    """A norm the whole residual stream passes between a component's write and layer ``l``'s projections.
+
+    ``name`` prefixes its bias component (``f"{name}.b"``); its scale is frozen per position.
+    """
+
+    name: str
+    norm: FrozenNorm
+
+
+@dataclass(frozen=True)
+class QKPlan:
+    """Which stream norms lie between the components and the target layer, and what the pass captures.
+
+    ``norms`` in forward order: ``embed_ln`` where the embedding is normed (BERT), then, in post-LN
+    blocks, every earlier layer's ``ln1`` and ``ln2``, and last the target layer's own pre-attention
+    norm (pre-LN). A component written at *stage* ``t`` passes ``norms[t:]``.
+    """
+
+    layer: int
+    post_ln: bool
+    norms: tuple[StreamNorm, ...]
+    embed_norm: bool
+    capture: tuple[str, ...]
+
+    def block_stage(self, layer: int) -> int:
+        """The stage of layer ``layer``'s attention writes (its MLP's is one more in post-LN blocks)."""
+        offset = int(self.embed_norm)
+        return offset + 2 * layer if self.post_ln else offset
+
+
+_PRE_FORMS = (PRE_LN, "parallel attention and MLP", "pre-LN with a norm on the attention output")
+
+
+def qk_plan(model: Model, layer: int) -> QKPlan:
+    """The `QKPlan` of the residual stream entering ``layer``; refuses a block form it cannot follow.
+
+    Reads the block forms (`block_forms`, a probe pass the first time): call it before any pass.
+    """
+    forms = block_forms(model)
+    kinds = set()
+    for earlier in range(layer + 1):
+        form = forms[earlier]
+        if form == POST_LN:
+            kinds.add("post")
+        elif form.startswith(_PRE_FORMS):
+            kinds.add("pre")
+        else:
+            raise ValueError(
+                f"qk_attribution cannot follow the residual stream of {architecture_name(model)}: layer {earlier} "
+                f"is {form}"
+            )
+    post = kinds == {"post"}
+    if len(kinds) > 1:
+        raise ValueError(f"qk_attribution cannot follow {architecture_name(model)}: it mixes pre-LN and post-LN blocks")
+    names = model.hook_dict
+    embed_norm = _EMBED_NORM_SCALE in names and getattr(model, "embed_ln", None) is not None
+    norms = [StreamNorm("embed_ln", _frozen_norm(model.embed_ln))] if embed_norm else []
+    if post:
+        for earlier in range(layer):
+            block = model.blocks[earlier]
+            norms += [StreamNorm(f"L{earlier}.ln1", _frozen_norm(block.ln1)),
+                      StreamNorm(f"L{earlier}.ln2", _frozen_norm(block.ln2))]  # fmt: skip
+    elif getattr(model.blocks[layer], "ln1", None) is not None and f"blocks.{layer}.{LN1_SCALE}" in names:
+        norms.append(StreamNorm(f"L{layer}.ln1", _frozen_norm(model.blocks[layer].ln1)))
+    capture = [*residual_capture(model), QK_SCORES, QK_Q, QK_K]
+    capture += [LN1_SCALE, LN2_SCALE, MLP_OUT] if post else ([LN1_SCALE] if norms[int(embed_norm) :] else [])
+    rotary = model.cfg.positional_embedding_type == "rotary" and f"blocks.{layer}.{QK_COS}" in names
+    capture += [QK_COS, QK_SIN] if rotary else []
+    capture += [
+        name for side, name in QK_NORM_SCALES.items() if getattr(model.blocks[layer].attn, f"{side}_norm", None)
+    ]
+    return QKPlan(layer, post, tuple(norms), embed_norm, tuple(dict.fromkeys(capture)))
+
+
+def embedding_hooks(model: Model, plan: QKPlan, store: dict[str, Tensor]) -> list[tuple[str, HookFn]]:
+    """Hooks keeping the embedding's parts (batch element 0) in ``store``: what `embedding_writes` reads.
+
+    With an embedding norm: the word, position and token-type embeddings before it, and its scale;
+    else the learned position embedding where the model has one (``hook_pos_embed``).
+    """
+
+    def keep(key: str) -> HookFn:
+        return lambda tensor, hook: store.__setitem__(key, tensor.detach()[0])
+
+    names = model.hook_dict
+    if plan.embed_norm:
+        hooks = [(hook, keep(part)) for part, hook in _EMBED_PARTS.items() if hook in names]
+        return [*hooks, (_EMBED_NORM_SCALE, keep("embed_ln.scale"))]
+    if model.cfg.positional_embedding_type == "standard" and "hook_pos_embed" in names:
+        return [("hook_pos_embed", keep("pos_embed"))]
+    return []
+
+
+@dataclass(frozen=True)
+class Write:
+    """Components written into the residual stream, as produced: each passes ``plan.norms[stage:]``.
+
+    ``value`` is ``[pos d_model]`` (or ``[d_model]``, the same at every position: a bias), one
+    component named ``names[0]``; or, with ``W_O``, the heads' ``z`` ``[pos head d_head]``, one
+    component ``z^h W_O^h`` per head, named ``names[h]``. ``norm`` is a norm of these components
+    alone before they join the stream (Gemma's post-attention norm) with its ``scale`` ``[pos]``.
+    """
+
+    names: tuple[str, ...]
+    value: Tensor
+    stage: int
+    W_O: Float[Tensor, "head d_head d_model"] | None = None
+    norm: FrozenNorm | None = None
+    scale: Float[Tensor, " pos"] | None = None
+
+
+def embedding_writes(model: Model, plan: QKPlan, layer: LayerInputs, store: dict[str, Tensor]) -> list[Write]:
+    """The embedding's components (given layer 0's `LayerInputs`): ``embed``, ``pos_embed``, ..., its norm's bias."""
+    if plan.embed_norm:
+        writes = [Write((part,), store[part], 0) for part in _EMBED_PARTS if part in store]
+        bias = plan.norms[0].norm.bias
+        return writes + ([Write(("embed_ln.b",), bias, 1)] if bias is not None else [])
+    first = layer.captured[RESID_PRE][0]
+    if "pos_embed" in store:
+        return [Write(("embed",), first - store["pos_embed"], 0), Write(("pos_embed",), store["pos_embed"], 0)]
+    return [Write(("embed",), first, 0)]
+
+
+def layer_writes(model: Model, plan: QKPlan, layer: LayerInputs) -> list[Write]:
+    """What block ``layer.layer`` (before the target) writes into the stream: heads, ``b_O``, norm biases, MLP."""
+    m, stage = layer.layer, plan.block_stage(layer.layer)
+    heads = tuple(f"L{m}H{h}" for h in range(layer.W_O.shape[0]))
+    z = layer.z if layer.z is not None else None
+    if z is None:
+        raise ValueError(f"layer {m} of {architecture_name(model)} has no hook_z: its heads' outputs cannot be read")
+    pre, post = layer.captured[RESID_PRE][0], layer.captured[RESID_POST][0]
+    if plan.post_ln:
+        # y = LN2(LN1(x + o) + mlp): the heads and b_O pass ln1 then ln2; ln1's bias and the MLP pass ln2.
+        writes = [Write(heads, z[0], stage, W_O=layer.W_O)]
+        writes += [Write((f"L{m}.b_O",), layer.b_O, stage)] if layer.b_O is not None else []
+        writes += _bias_writes(plan.norms[stage], stage + 1)
+        writes.append(Write((f"L{m}.mlp",), layer.captured[MLP_OUT][0], stage + 1))
+        return writes + _bias_writes(plan.norms[stage + 1], stage + 2)
+    norm = post_attention_norm(model, m)
+    scale = captured_post_scale(model, layer)
+    own = None if scale is None else scale[0]
+    writes = [Write(heads, z[0], stage, W_O=layer.W_O, norm=norm, scale=own)]
+    writes += [Write((f"L{m}.b_O",), layer.b_O, stage, norm=norm, scale=own)] if layer.b_O is not None else []
+    if norm is not None and norm.bias is not None:
+        writes.append(Write((f"L{m}.{_post_attention_norm_name(model, m)}.b",), norm.bias, stage))
+    mlp = post - pre - layer.captured[ATTN_OUT][0]
+    return [*writes, Write((f"L{m}.mlp",), mlp, stage)]
+
+
+def _bias_writes(norm: StreamNorm, stage: int) -> list[Write]:
+    return [] if norm.norm.bias is None else [Write((f"{norm.name}.b",), norm.norm.bias, stage)]
+
+
+def stream_scales(plan: QKPlan, layer: LayerInputs, store: dict[str, Tensor]) -> dict[int, Tensor]:
+    """The frozen scales ``[pos]`` of the stream norms this layer's hooks caught, by their index in ``plan.norms``."""
+    scales: dict[int, Tensor] = {}
+    if plan.embed_norm and layer.layer == 0:
+        scales[0] = store["embed_ln.scale"].reshape(-1)
+    if plan.post_ln and layer.layer < plan.layer:
+        stage = plan.block_stage(layer.layer)
+        scales[stage] = layer.captured[LN1_SCALE][0].reshape(-1)
+        scales[stage + 1] = layer.captured[LN2_SCALE][0].reshape(-1)
+    elif not plan.post_ln and layer.layer == plan.layer and len(plan.norms) > int(plan.embed_norm):
+        scales[len(plan.norms) - 1] = layer.captured[LN1_SCALE][0].reshape(-1)
+    return scales
+
+
+def target_writes(plan: QKPlan) -> list[Write]:
+    """The target layer's pre-attention norm's bias (a component after every stream norm), where it has one."""
+    if plan.post_ln or len(plan.norms) == int(plan.embed_norm):
+        return []
+    return _bias_writes(plan.norms[-1], len(plan.norms))
+
+
+@dataclass(frozen=True)
+class TargetReads:
+    """What the target layer computed in this pass, for one batch element.
+
+    ``scores`` ``[head query key]`` are the model's own pre-softmax scores (after any soft-cap, masked
+    keys at the dtype's minimum or ``-inf``), None where the bridge fires ``hook_attn_scores`` with the
+    pattern instead (it delegates attention: BERT); then ``q``/``k`` ``[pos head d_head]`` are its own
+    projections (``hook_q``/``hook_k``). ``q_scale``/``k_scale`` ``[head pos]``: the q/k norms' scales.
+    """
+
+    pattern: Float[Tensor, "head query key"]
+    scores: Float[Tensor, "head query key"] | None
+    q: Float[Tensor, "pos head d_head"]
+    k: Float[Tensor, "pos kv_head d_head"]
+    cos: Float[Tensor, "pos rotary"] | None
+    sin: Float[Tensor, "pos rotary"] | None
+    q_scale: Float[Tensor, "head pos"] | None
+    k_scale: Float[Tensor, "kv_head pos"] | None
+
+
+def target_reads(layer: LayerInputs, form: QKForm) -> TargetReads:
+    """`TargetReads` from the target layer's `LayerInputs` (captured with ``qk_plan(...).capture``)."""
+    got = layer.captured
+    pattern = layer.pattern[0]
+    length = pattern.shape[-1]
+    tables = form.rotary_tables
+    cos = got[QK_COS][0] if QK_COS in got else None if tables is None else tables[0][:length]
+    sin = got[QK_SIN][0] if QK_SIN in got else None if tables is None else tables[1][:length]
+    scores = got[QK_SCORES][0]
+    delegated = scores.shape != pattern.shape or torch.equal(scores, pattern)
+
+    def norm_scale(side: str) -> Tensor | None:
+        scale = got.get(QK_NORM_SCALES[side])
+        return None if scale is None else scale[0].reshape(scale.shape[1], scale.shape[2])
+
+    return TargetReads(
+        pattern=pattern,
+        scores=None if delegated else scores,
+        q=got[QK_Q][0],
+        k=got[QK_K][0],
+        cos=cos,
+        sin=sin,
+        q_scale=norm_scale("q"),
+        k_scale=norm_scale("k"),
+    )

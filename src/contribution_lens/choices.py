@@ -11,6 +11,8 @@ Example:
 """
 
 import enum
+import math
+import numbers
 import operator
 from typing import Any, TypeVar
 
@@ -113,6 +115,44 @@ def as_index(value: Any, what: str) -> int:
         except TypeError:
             pass
     raise TypeError(f"{what}, got {type(value).__name__} {value!r}")
+
+
+def as_count(value: Any, what: str) -> int:
+    """``value`` as a positive Python ``int`` (any integer kind, as `as_index`); else an error naming ``what``.
+
+    Example:
+        >>> import numpy as np
+        >>> as_count(np.int64(2), "max_new_tokens")
+        2
+        >>> as_count(2.5, "k")
+        Traceback (most recent call last):
+        ...
+        TypeError: k must be a positive integer, got float 2.5
+    """
+    number = as_index(value, f"{what} must be a positive integer")
+    if number < 1:
+        raise ValueError(f"{what} must be a positive integer, got {number}")
+    return number
+
+
+def as_threshold(value: Any, what: str = "threshold") -> float:
+    """``value`` as a positive, finite ``float``: a real number of any kind (NumPy, a 0-d tensor), not a str or bool.
+
+    Example:
+        >>> as_threshold(0.05)
+        0.05
+        >>> as_threshold(float("nan"))
+        Traceback (most recent call last):
+        ...
+        ValueError: threshold must be a positive finite number, got nan
+    """
+    scalar = getattr(value, "ndim", None) == 0 and "bool" not in str(getattr(value, "dtype", "bool"))
+    if isinstance(value, bool) or not (isinstance(value, numbers.Real) or scalar):
+        raise TypeError(f"{what} must be a positive finite number, got {type(value).__name__} {value!r}")
+    number = float(value)
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"{what} must be a positive finite number, got {number}")
+    return number
 
 
 def as_position(value: Any, length: int) -> int:

@@ -90,15 +90,34 @@ class Decomposition:
         )
         return torch.where(einops.rearrange(self.valid, "batch query key -> batch 1 query key"), ratio, 0)
 
-    @cached_property
+    @property
     def contribution(self) -> Float[Tensor, "batch head query key"]:
-        """``c_ij^h = alpha_ij^h * (||vt_j^h|| / ||o||) * cos(o, vt_j^h)``; 0 where masked or ``||o|| = 0``."""
+        """``c_ij^h = alpha_ij^h * (||vt_j^h|| / ||o||) * cos(o, vt_j^h)``; 0 where masked or ``||o|| = 0``.
+
+        A copy of the kept tensor: writing to it (hiding the sink in a notebook) changes nothing
+        that the decomposition, its sums or its figures read later.
+        """
+        return self._contribution.clone()
+
+    @cached_property
+    def _contribution(self) -> Float[Tensor, "batch head query key"]:
+        """`contribution`, computed on first use and kept."""
         inv_out = _safe_divide(torch.ones_like(self.output_norm), self.output_norm)
         return (
             torch.mul(self.attention, self.cosine)
             .mul_(einops.rearrange(self.value_norm, "batch head key -> batch head 1 key"))
             .mul_(einops.rearrange(inv_out, "batch head query -> batch head query 1"))
         )
+
+    @property
+    def value_weighted(self) -> Float[Tensor, "batch head query key"]:
+        """``alpha_ij^h ||vt_j^h||``: Kobayashi et al.'s per-head norm-based measure."""
+        return self.attention * einops.rearrange(self.value_norm, "batch head key -> batch head 1 key")
+
+    @property
+    def output_normalized(self) -> Float[Tensor, "batch head query key"]:
+        """``alpha_ij^h ||vt_j^h|| / ||o||``."""
+        return self.attention * self.relative_norm
 
     def head_contribution(self, head: int) -> Float[Tensor, "batch query key"]:
         """``c_ij^h`` of one head, without building every head's (unless already computed)."""
@@ -107,8 +126,8 @@ class Decomposition:
             raise IndexError(
                 f"head {head} does not exist: the layer has {self.shape[1]} heads (0..{self.shape[1] - 1})"
             )
-        if "contribution" in self.__dict__:
-            return self.contribution[:, head]
+        if "_contribution" in self.__dict__:
+            return self._contribution[:, head].clone()
         inv_out = _safe_divide(torch.ones_like(self.output_norm[:, head]), self.output_norm[:, head])
         return (
             torch.mul(self.attention[:, head], self.cosine[:, head])
@@ -134,12 +153,12 @@ class Decomposition:
             "attention": attention.mean(1),
             "relative_norm": (weights * self.relative_norm).sum(1),
             "cosine": (weights * self.cosine).sum(1),
-            "contribution": self.contribution.sum(1),
+            "contribution": self._contribution.sum(1),
         }
 
     def sum_over_heads(self) -> Float[Tensor, "batch query key"]:
         """Token-level contribution ``sum_h c_ij^h`` (sums to 1 over keys for ``scope="inter"``)."""
-        return einops.reduce(self.contribution, "batch head query key -> batch query key", "sum")
+        return einops.reduce(self._contribution, "batch head query key -> batch query key", "sum")
 
     def to(self, target: torch.device | str | torch.dtype) -> "Decomposition":
         """A copy with every tensor moved to a device or cast to a floating dtype (``valid`` stays bool)."""
@@ -170,6 +189,15 @@ class Decomposition:
             f"Decomposition(scope={self.scope!r}, batch={batch}, head={head}, query={query}, key={key}, "
             f"dtype={self.attention.dtype}, device={self.attention.device})"
         )
+
+
+MEASURES: dict[str, str] = {
+    "attention": "attention α",
+    "value_weighted": "value-weighted α‖vt‖",
+    "output_normalized": "output-normalised α‖vt‖/‖o‖",
+    "contribution": "contribution c",
+}
+"""The measures read off a `Decomposition`'s factors (its attributes of those names) and how figures label them."""
 
 
 def _safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
@@ -250,6 +278,11 @@ def check_shapes(
             raise ValueError(
                 f"{name} is on the meta device: it has a shape but no values (materialise it on a real device first)"
             )
+        if tensor.numel() == 0:
+            empty = [
+                axis for axis, size in zip(layout[1:].split("]")[0].split(), tensor.shape, strict=True) if not size
+            ]
+            raise ValueError(f"{name} is empty: {_shape(tensor)} has no {', no '.join(empty)} (expected {layout})")
     batch, n_heads, n_query, n_key = pattern.shape
     _, v_key, n_kv_heads, d_head = v.shape
     if v.shape[0] != batch or v_key != n_key:
@@ -392,8 +425,8 @@ def decompose(
         causal: whether future keys (``j > i``) are invisible. None (default) reads it off the
             pattern: causal exactly when every entry above the diagonal is 0. Models say it in
             ``cfg.attention_dir``; `contribution_lens.map_layers` passes that.
-        dtype: accumulation dtype; float32 by default (float64 if an input is float64),
-            whatever the model dtype.
+        dtype: accumulation dtype; float32 by default (float64 if an input is float64, or if a
+            norm would be a float32 subnormal, below 1.2e-38: inputs ~1e-40), whatever the model dtype.
         z: the head outputs before ``W_O``, ``hook_z`` (``= pattern @ v`` per head). Passing
             what the model already computed saves one ``[head query key d_head]`` contraction.
         check_values: check that every tensor is finite and that the pattern holds
@@ -424,6 +457,12 @@ def decompose(
     if causal is None:
         causal = is_causal(pattern.detach())
     d = decompose_layer(pattern, v, W_O, scope=scope, attention_mask=attention_mask, causal=causal, dtype=dtype, z=z)
+    if dtype is None and _subnormal_norms(d):
+        # Norms too small for float32 (inputs ~1e-40) keep only some of their digits there, and the
+        # weights, ratios of them, would be off or NaN: float64 holds them whole.
+        d = decompose_layer(
+            pattern, v, W_O, scope=scope, attention_mask=attention_mask, causal=causal, dtype=torch.float64, z=z
+        )
     if check_values:
         _check_norms_finite(d)
     if d.attention.data_ptr() == given.data_ptr():
@@ -432,8 +471,16 @@ def decompose(
     return d
 
 
+def _subnormal_norms(d: Decomposition) -> bool:
+    """Whether a nonzero norm lies below the smallest normal number of its dtype (float32: 1.2e-38)."""
+    return any(
+        bool(((norms != 0) & (norms.abs() < torch.finfo(norms.dtype).tiny)).any())
+        for norms in (d.value_norm.detach(), d.output_norm.detach())
+    )
+
+
 def _check_norms_finite(d: Decomposition) -> None:
-    """Norms are computed on rescaled values, so only a norm beyond the dtype's range itself is inf."""
+    """Norms are computed on rescaled values, so only a norm beyond the dtype's own range is refused."""
     for name in ("value_norm", "output_norm"):
         norms = getattr(d, name).detach()
         if not bool(torch.isfinite(norms).all()):
@@ -472,6 +519,10 @@ def decompose_layer(
     """
     batch, n_heads, n_query, n_key = pattern.shape
     acc = _accumulation_dtype(dtype, pattern, v, W_O)
+    if z is not None and z.dtype.itemsize < torch.tensor([], dtype=acc).element_size():
+        # A half-precision hook_z is pattern @ v rounded once more: the weights, made of the pattern
+        # and v in ``acc``, would then add up to 1 only to that rounding (2e-3 in bfloat16).
+        z = None
     valid = valid_positions(
         n_query, n_key, attention_mask=attention_mask, batch=batch, causal=causal, device=pattern.device
     )
@@ -483,10 +534,15 @@ def decompose_layer(
     values, weights = values * v_scale[:, None, None, None], weights * w_scale
     if z is not None:
         z = z.to(device=alpha.device, dtype=acc) * v_scale[:, None, None, None]
+    # alpha and the values are masked already; a given z still loses the rows of queries that see nothing.
+    z_g = einops.rearrange(
+        head_outputs(alpha, values, valid=None if attention_mask is None or z is None else valid, z=z, dtype=acc),
+        "batch query (kv_head group) d_head -> batch kv_head group query d_head",
+        kv_head=v.shape[2],
+    )
     if output is not None:
         output = output.to(device=alpha.device, dtype=acc) * (v_scale * w_scale)[:, None, None]
     n_kv_heads = v.shape[2]
-    z_g = _grouped_head_outputs(alpha, values, z, attention_mask, n_kv_heads)
     if gram is None or gram.dtype != acc:
         gram = head_gram(weights)
     else:
@@ -550,25 +606,56 @@ def _real_query_rows(attention_mask: Tensor | None, n_query: int, device: torch.
     return attention_mask.to(device=device, dtype=torch.bool)[:, attention_mask.shape[1] - n_query :]
 
 
-def _grouped_head_outputs(
-    alpha: Tensor, values: Tensor, z: Tensor | None, attention_mask: Tensor | None, n_kv_heads: int
-) -> Float[Tensor, "batch kv_head group query d_head"]:
-    """Head outputs in d_head space, ``z_i^h = sum_j alpha_ij^h v_j^h`` (so ``o_i^h = z_i^h W_O^h``)."""
-    if z is None:
-        return einops.einsum(
-            einops.rearrange(alpha, GROUPED, kv_head=n_kv_heads),
-            values,
-            "batch kv_head group query key, batch key kv_head d_head -> batch kv_head group query d_head",
-        )
-    grouped = einops.rearrange(
-        z.to(device=alpha.device, dtype=alpha.dtype),
-        "batch query (kv_head group) d_head -> batch kv_head group query d_head",
-        kv_head=n_kv_heads,
+def head_outputs(
+    pattern: Float[Tensor, "batch head query key"],
+    v: Float[Tensor, "batch key kv_head d_head"],
+    *,
+    valid: Bool[Tensor, "batch query key"] | None = None,
+    z: Float[Tensor, "batch query head d_head"] | None = None,
+    dtype: torch.dtype | None = None,
+) -> Float[Tensor, "batch query head d_head"]:
+    """The head outputs before ``W_O``: ``z_i^h = sum_j alpha_ij^h v_j^h`` over the keys ``j`` query ``i`` sees.
+
+    So ``o_i^h = z_i^h W_O^h``. One rule for what counts: ``valid`` (`valid_positions`) says which keys each
+    query sees; a query that sees none (padding) has ``z_i^h = 0``, and a padded key adds nothing whatever
+    its value holds. Without ``valid`` (no padding) the pattern's own zeros say it: a causal pattern is
+    exactly 0 at future keys. Where the model computed ``z`` (``hook_z``) at least as precisely as ``dtype``
+    it is taken as it is, the rows of queries that see nothing set to 0. Grouped-query attention needs no
+    copy of ``v``: head ``h`` reads kv head ``h // (head / kv_head)``.
+
+    Args:
+        pattern: ``alpha``, ``[batch head query key]``.
+        v: the values, ``[batch key kv_head d_head]``.
+        valid: which keys each query sees; None where there is no padding.
+        z: the model's own head outputs (``hook_z``), if it has them.
+        dtype: accumulation dtype; float32 by default (float64 if an input is float64).
+
+    Example:
+        >>> pattern = torch.tensor([[[[1.0, 0.0], [0.25, 0.75]]]])  # one head, two tokens
+        >>> head_outputs(pattern, torch.tensor([[[[4.0]], [[8.0]]]]))[0, :, 0, 0].tolist()
+        [4.0, 7.0]
+    """
+    acc = _accumulation_dtype(dtype, pattern, v)
+    if z is not None and z.dtype.itemsize < torch.tensor([], dtype=acc).element_size():
+        # A half-precision hook_z is pattern @ v rounded once more: rows built from it would sum to 1
+        # only to that rounding (2e-3 in bfloat16), so z is rebuilt from the pattern and v in ``acc``.
+        z = None
+    if z is not None:
+        z = z.to(device=pattern.device, dtype=acc)
+        if valid is None:
+            return z
+        return torch.where(einops.rearrange(valid.any(-1), "batch query -> batch query 1 1"), z, 0)
+    alpha, values = pattern.to(acc), v.to(device=pattern.device, dtype=acc)
+    if valid is not None:
+        # Zero hidden entries rather than trust them: a model may leave NaN rows for fully padded queries.
+        alpha = torch.where(einops.rearrange(valid, "batch query key -> batch 1 query key"), alpha, 0)
+        values = torch.where(einops.rearrange(valid.any(-2), "batch key -> batch key 1 1"), values, 0)
+    grouped = einops.einsum(
+        einops.rearrange(alpha, GROUPED, kv_head=v.shape[2]),
+        values,
+        "batch kv_head group query key, batch key kv_head d_head -> batch query kv_head group d_head",
     )
-    real_q = _real_query_rows(attention_mask, alpha.shape[2], alpha.device)
-    if real_q is None:
-        return grouped
-    return torch.where(einops.rearrange(real_q, "batch query -> batch 1 1 query 1"), grouped, 0)
+    return einops.rearrange(grouped, "batch query kv_head group d_head -> batch query (kv_head group) d_head")
 
 
 def _intra_products(z_g: Tensor, v_gram: Tensor, gram_g: Tensor) -> tuple[Tensor, Tensor]:

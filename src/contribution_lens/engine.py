@@ -16,7 +16,7 @@ Every model-level analysis in this package is a function ``fn(layer: LayerInputs
 
 import html
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -24,16 +24,21 @@ from torch import Tensor
 
 from contribution_lens import adapter
 from contribution_lens.adapter import as_index
+from contribution_lens.files import Saves
 
 T = TypeVar("T")
 
 
-class LayerResults(Mapping[int, T], Generic[T]):
+class LayerResults(Saves, Mapping[int, T], Generic[T]):
     """Per-layer results of one batch: a read-only mapping ``layer -> value``, with its tokens.
 
     Negative indices count from the model's last layer, as in Python: ``results[-1]`` is layer
-    ``n_layers - 1`` (if it was computed). Iteration is in layer order.
+    ``n_layers - 1`` (if it was computed). Iteration is in layer order. ``save(path)`` writes the
+    layers (tensors, or dataclasses of them) and the tokens to one file, ``load(path)`` reads it.
     """
+
+    STORED: ClassVar[tuple[str, ...]] = ()
+    """A subclass's own constructor arguments, kept by ``save`` beside the layers and the tokens."""
 
     def __init__(
         self,
@@ -44,6 +49,7 @@ class LayerResults(Mapping[int, T], Generic[T]):
         str_tokens: list[list[str]],
         n_layers: int | None = None,
         logits: Float[Tensor, "batch pos d_vocab"] | None = None,
+        bos_first: bool = True,
     ) -> None:
         if not values:
             raise ValueError("no layers: a result needs at least one computed layer")
@@ -58,6 +64,8 @@ class LayerResults(Mapping[int, T], Generic[T]):
         self.str_tokens = str_tokens
         self.n_layers = max(self._values) + 1 if n_layers is None else int(n_layers)
         self.logits = logits
+        self.bos_first = bool(bos_first)
+        """Every text starts with the model's BOS (`contribution_lens.adapter.TokenBatch.bos_first`)."""
 
     @classmethod
     def from_results(cls, results: "LayerResults[Any]", values: Mapping[int, Any] | None = None, **extra: Any) -> Any:
@@ -73,8 +81,28 @@ class LayerResults(Mapping[int, T], Generic[T]):
             str_tokens=results.str_tokens,
             n_layers=results.n_layers,
             logits=results.logits,
+            bos_first=results.bos_first,
             **extra,
         )
+
+    def stored_fields(self) -> dict[str, Any]:
+        """What ``save`` keeps: the layers, the tokens, their labels and the subclass's `STORED` (not the logits)."""
+        own = {name: getattr(self, name) for name in self.STORED}
+        return {
+            "layers": dict(self.items()),
+            "tokens": self.tokens,
+            "attention_mask": self.attention_mask,
+            "str_tokens": self.str_tokens,
+            "n_layers": self.n_layers,
+            "bos_first": self.bos_first,
+            **own,
+        }
+
+    @classmethod
+    def from_fields(cls, fields: Mapping[str, Any]) -> "LayerResults[Any]":
+        """The result `stored_fields` described."""
+        rest = dict(fields)
+        return cls(rest.pop("layers"), **rest)
 
     @property
     def layers(self) -> list[int]:
@@ -124,6 +152,7 @@ class LayerResults(Mapping[int, T], Generic[T]):
             str_tokens=self.str_tokens,
             n_layers=self.n_layers,
             logits=self.logits,
+            bos_first=self.bos_first,
         )
 
     def _describe_value(self) -> str:
@@ -175,7 +204,7 @@ def map_layers(
     *,
     layers: int | Sequence[int] | None = None,
     attention_mask: Tensor | None = None,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
     edit: adapter.PatternEdit | None = None,
     capture: Sequence[str] = (),
     keep_logits: bool = False,
@@ -200,7 +229,7 @@ def map_layers(
         fn: the per-layer function.
         layers: layer indices (negative ones count from the end); None for all.
         attention_mask: padding mask for token ids (1 = real token).
-        prepend_bos: prepend the tokenizer's BOS to texts.
+        prepend_bos: prepend the tokenizer's BOS to texts; None: the model's own choice (`adapter.prepends_bos`).
         edit: ``edit(layer, pattern, v)`` returning a replacement pattern, applied in the hook
             before ``fn`` sees it (an intervention); the rest of the pass uses the edited one.
         capture: extra hooks per layer, relative to ``blocks.{l}`` (e.g. ``"hook_resid_pre"``).
@@ -246,4 +275,5 @@ def map_layers(
         str_tokens=batch.str_tokens,
         n_layers=adapter.n_layers(model),
         logits=logits if keep_logits else None,
+        bos_first=batch.bos_first,
     )

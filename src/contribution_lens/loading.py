@@ -277,6 +277,30 @@ def available_devices() -> list[str]:
     return devices
 
 
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+"""The weights' dtypes a model can be loaded in, by name (the maths is float32 at least whatever it is)."""
+
+
+def check_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``dtype`` as one of `DTYPES` (a ``torch.dtype`` or its name, ``"bfloat16"``); else a ``ValueError`` naming it.
+
+    Example:
+        >>> check_dtype("bfloat16"), check_dtype(torch.float16)
+        (torch.bfloat16, torch.float16)
+    """
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.removeprefix("torch.")]
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    names = ", ".join(f"torch.{name}" for name in DTYPES)
+    raise ValueError(f"dtype must be a floating torch dtype: {names} (or its name, e.g. 'bfloat16'), got {dtype!r}")
+
+
 def check_device(device: str | torch.device | None) -> torch.device | None:
     """``device`` as a ``torch.device``; raise ``ValueError`` if this machine does not have it."""
     if device is None:
@@ -512,7 +536,7 @@ def load_model(
     name: str = BUNDLED,
     *,
     device: str | torch.device | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     progress: bool = False,
     **boot_kwargs: Any,
 ) -> Any:
@@ -535,13 +559,14 @@ def load_model(
             checkpoint directory, or a model id.
         device: e.g. ``"cuda"``; None lets TransformerLens choose. Checked before any weight
             is read: a device this machine lacks raises ``ValueError``.
-        dtype: weights' dtype (``torch.bfloat16`` halves memory; maths stays float32).
+        dtype: weights' dtype: ``torch.float32`` (default), ``torch.float16``, ``torch.bfloat16`` (halves
+            memory) or ``torch.float64``, or its name (``"bfloat16"``); the maths stays float32 at least.
         progress: show transformers' weight-loading and download bars (off: a notebook would
             keep their first frame, "Loading weights: 0%", in its saved outputs).
         boot_kwargs: passed to ``boot_transformers``.
 
     Raises:
-        ValueError: ``device`` is not available here.
+        ValueError: ``device`` is not available here, or ``dtype`` is not a floating dtype above.
         FileNotFoundError: ``name`` is a path to nothing, or to a directory without ``config.json``.
         ModuleNotFoundError: a bundled model's package is not installed.
         UnsupportedModelError: contribution weights cannot be computed on this model (a
@@ -556,7 +581,7 @@ def load_model(
     """
     resolved = check_device(device)
     with _progress_bars(progress):
-        return _load(name, resolved, dtype, **boot_kwargs)
+        return _load(name, resolved, check_dtype(dtype), **boot_kwargs)
 
 
 def _load(name: str, resolved: torch.device | None, dtype: torch.dtype, **boot_kwargs: Any) -> Any:

@@ -87,7 +87,7 @@ def test_a_truncated_foreign_or_missing_file_or_a_folder_is_named(tmp_path) -> N
         GenerationExplanation.load(truncated)
     foreign = cl.logit_attribution(tiny_bridge(), IDS, target=4).save(tmp_path / "logit.safetensors")
     with pytest.raises(
-        ValueError, match=rf"^{foreign} is not {what} .*its format is 'contribution_lens.LogitAttribution/1'"
+        ValueError, match=rf"^{foreign} is not {what} .*its format is 'contribution_lens.LogitAttribution/2'"
     ):
         GenerationExplanation.load(foreign)
     with pytest.raises(FileNotFoundError, match=rf"^no saved GenerationExplanation at {tmp_path / 'missing'}$"):

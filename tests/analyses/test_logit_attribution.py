@@ -297,3 +297,25 @@ def test_the_terms_add_up_on_tiny_checkpoints_of_each_family(name: str, tmp_path
         assert result.softcap == cap
         expected = raw[position, target] - (0 if foil is None else raw[position, foil])
         assert result.logit == pytest.approx(float(expected), rel=1e-4, abs=1e-5), json.dumps(result.has_biases)
+
+
+def test_an_explaining_pass_reads_the_model_once_through_its_readout(monkeypatch) -> None:
+    """The unembedding, the norms, the soft-cap and the hooks come from one `Readout` per call, not from the model
+    again for each piece (a bridge rebuilds its hook table on every read)."""
+    model = tiny_bridge("gqa", biases=True)
+    built = []
+    original = adapter.readout
+
+    def counting(model):
+        built.append(model)
+        return original(model)
+
+    monkeypatch.setattr(adapter, "readout", counting)
+    pieces = ("unembedding", "post_attention_norm", "final_hooks", "residual_capture", "flow_capture",
+              "captured_post_scale", "attention_update")  # fmt: skip
+    for piece in pieces:
+        monkeypatch.setattr(adapter, piece, lambda *args, piece=piece: pytest.fail(f"adapter.{piece} was called"))
+    cl.logit_attribution(model, IDS, target=3)
+    cl.flow(model, IDS)
+    cl.explain_generation(model, IDS[:4], answer=[5, 6])
+    assert len(built) == 3

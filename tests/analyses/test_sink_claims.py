@@ -29,7 +29,7 @@ def test_the_study_judges_every_claim_from_its_own_numbers(study) -> None:
     assert set(study.effect().index) == {"zero"} and len(study.per_layer()) == 30
     layer, head = study.beta_head
     assert study.heads.loc[(layer, head), "sink_ratio"] == study.heads["sink_ratio"].max()
-    titles = [title for title, _ in study.figures()]
+    titles = list(study.figures())
     assert titles[0].startswith("Per layer") and f"beta curves, L{layer}H{head}" in titles
 
 
@@ -47,7 +47,7 @@ def test_save_then_load_gives_the_same_study(study, tmp_path) -> None:
 
 
 def test_a_folder_without_a_study_is_named(tmp_path) -> None:
-    with pytest.raises(FileNotFoundError, match=r"holds no saved sink study: sink_heads.csv, .* missing"):
+    with pytest.raises(FileNotFoundError, match=r"holds no saved sink study: sink_study.safetensors missing"):
         cl.SinkStudy.load(tmp_path)
     with pytest.raises(ValueError, match=r"variants must be some of \('zero', 'mean_tail'\), got \['none'\]"):
         cl.sink_study(None, torch.zeros(1, 3, dtype=torch.long), variants=("none",))
@@ -55,8 +55,8 @@ def test_a_folder_without_a_study_is_named(tmp_path) -> None:
 
 def test_a_truncated_study_file_is_named(study, tmp_path) -> None:
     folder = study.save(tmp_path / "sinks")
-    beta = folder / "sink_beta.safetensors"
-    beta.write_bytes(beta.read_bytes()[:100])
-    expected = rf"^{beta} is not a sink study's tensors written by SinkStudy.save \(SafetensorError"
+    state = folder / "sink_study.safetensors"
+    state.write_bytes(state.read_bytes()[:100])
+    expected = rf"^{state} is not a SinkStudy written by SinkStudy.save \(SafetensorError"
     with pytest.raises(ValueError, match=expected):
         cl.SinkStudy.load(folder)

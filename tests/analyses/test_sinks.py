@@ -214,3 +214,123 @@ def test_bad_sink_positions() -> None:
         cl.sink_analysis(model, torch.tensor([[1, 2, 3]]), sinks=[9])
     with pytest.raises(ValueError, match="sinks must be positions, a mask or 'auto', got 'first'"):
         cl.sink_analysis(model, torch.tensor([[1, 2, 3]]), sinks="first")
+
+
+def naive_part_factors(d, is_sink, queries):
+    """The sink/tail factors as first written (kept as the oracle): masked full tensors and torch.quantile per head."""
+    from contribution_lens.decomposition import Factor
+
+    q_weight = queries.float()[:, None, :]
+    n_queries = q_weight.sum((0, 2)).clamp_min(1)
+    out = {}
+    for part, keys in (("sink", is_sink), ("tail", ~is_sink)):
+        key_weight = keys.to(d.attention.dtype)[:, None, None, :]
+        attention = d.attention * key_weight
+        mass = attention.sum(-1)
+        for factor in Factor:
+            values = d.factor(factor) * key_weight
+            if factor in (Factor.ATTENTION, Factor.CONTRIBUTION):
+                per_query = values.sum(-1)
+            else:
+                per_query = (attention * values).sum(-1) / mass.clamp_min(1e-30)
+            out[f"{part}_{factor}"] = (per_query * q_weight).sum((0, 2)) / n_queries
+    tail_pairs = d.valid & (~is_sink)[:, None, :] & queries[:, :, None]
+    for name in ("cosine", "relative_norm"):
+        values = d.factor(name)
+        for q in (10, 50, 90):
+            per_head = []
+            for head in range(values.shape[1]):
+                selected = values[:, head][tail_pairs & (d.attention[:, head] > 0)]
+                per_head.append(torch.quantile(selected, q / 100) if selected.numel() else torch.tensor(0.0))
+            out[f"tail_{name}_q{q}"] = torch.stack(per_head)
+    return out
+
+
+QUANTILE_CASES = {
+    "normal": lambda g: torch.randn(5, 2000, generator=g),
+    "heavy tail": lambda g: torch.randn(5, 2000, generator=g).exp() ** 6,
+    "ties and signed zeros": lambda g: (
+        torch.randint(-2, 3, (5, 2000), generator=g).float().where(torch.rand(5, 2000, generator=g) < 0.8, -0.0)
+    ),
+    "tiny and huge": lambda g: (
+        torch.randn(5, 2000, generator=g) * torch.tensor([1e-40, 1e-20, 1.0, 1e20, 1e37])[:, None]
+    ),
+    "one value": lambda g: torch.full((5, 7), 0.25),
+}
+
+
+@pytest.mark.parametrize("case", QUANTILE_CASES, ids=list(QUANTILE_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["float32", "float64"])
+def test_masked_quantiles_are_torch_quantile_exactly(case: str, dtype: torch.dtype) -> None:
+    from contribution_lens.analyses.sinks import masked_quantiles
+
+    g = torch.Generator().manual_seed(7)
+    values = QUANTILE_CASES[case](g).to(dtype)
+    keep = torch.rand(values.shape, generator=g) < 0.7
+    keep[3] = False  # a row with nothing kept gives 0, as before
+    keep[4, :1] = True
+    qs = (0.1, 0.5, 0.9, 0.0, 1.0)
+    got = masked_quantiles(values, keep, qs)
+    assert got.shape == (len(qs), values.shape[0]) and got.dtype == dtype
+    for row in range(values.shape[0]):
+        selected = values[row][keep[row]]
+        for index, q in enumerate(qs):
+            expected = torch.quantile(selected, q) if selected.numel() else torch.zeros((), dtype=dtype)
+            # The same order statistics and the same interpolation: equal to the bit.
+            assert got[index, row].item() == expected.item(), (row, q)
+    unmasked = masked_quantiles(values, None, qs)
+    assert torch.equal(unmasked, torch.quantile(values, torch.tensor(qs, dtype=dtype), dim=1))
+
+
+def padded_layer(seed: int = 3):
+    """A causal layer of two texts, the second padded after 6 of 9 tokens, with some attention exactly 0."""
+    pattern, v, W_O = random_layer(seed=seed)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, 6:] = False
+    pattern = pattern.clone()
+    pattern[:, 1, 5:, 2] = 0.0  # attention exactly 0: such pairs leave the tail distributions
+    pattern = pattern / pattern.sum(-1, keepdim=True)
+    return pattern, v, W_O, mask
+
+
+@pytest.mark.parametrize("scope", ["intra", "inter"])
+@pytest.mark.parametrize("sinks", [None, [0, 3]], ids=["bos", "two sinks"])
+def test_part_factors_match_the_masked_oracle(scope: str, sinks) -> None:
+    from contribution_lens.analyses.sinks import part_factors
+    from contribution_lens.decomposition import decompose
+
+    pattern, v, W_O, mask = padded_layer()
+    geometry = sink_layer(pattern, v, W_O, sinks=sinks, attention_mask=mask)
+    d = decompose(pattern, v, W_O, scope=scope, attention_mask=mask)
+    got = part_factors(d, geometry.sinks, geometry.queries)
+    expected = naive_part_factors(d, geometry.sinks, geometry.queries)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        if "_q" in name:  # the same order statistics: exact
+            assert torch.equal(got[name], value), name
+        else:  # sums in another order: float32 rounding
+            assert_close(got[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_sink_factors_on_the_bundled_model_match_the_oracle(bundled_model) -> None:
+    text = "The capital of France is Paris, and it is a big city with many old streets."
+    kept = {}
+
+    def keep_oracle(layer):
+        from contribution_lens.analyses.sinks import sink_layer as geometry_of
+
+        geometry = geometry_of(layer.pattern, layer.v, layer.W_O)
+        kept[layer.layer] = {
+            scope: naive_part_factors(layer.decompose(scope), geometry.sinks, geometry.queries)
+            for scope in ("intra", "inter")
+        }
+
+    cl.map_layers(bundled_model, text, keep_oracle, layers=[0, 15, 29])
+    analysis = cl.sink_analysis(bundled_model, text, layers=[0, 15, 29])
+    for scope, per_layer in analysis.factors.items():
+        for layer, factors in per_layer.items():
+            for name, value in kept[layer][str(scope)].items():
+                if "_q" in name:
+                    assert torch.equal(factors[name], value), (scope, layer, name)
+                else:
+                    assert_close(factors[name], value, rtol=1e-5, atol=1e-6)

@@ -140,6 +140,14 @@ FAITH = ["faithfulness", "--data", "{text}"]
             "--k: expected an integer from 1 to --chunk-length - 1 (255), got 0",
         ),
         (
+            [*FAITH, "--prepend-bos", "maybe"],
+            "--prepend-bos: expected yes, no or model (the model's own choice, cfg.default_prepend_bos), got 'maybe'",
+        ),
+        (
+            ["sinks", "--data", "{text}", "--prepend-bos", "1"],
+            "--prepend-bos: expected yes, no or model (the model's own choice, cfg.default_prepend_bos), got '1'",
+        ),
+        (
             [*FAITH, "--device", "cuda"],
             "--device: expected a device that is available, got 'cuda' (torch finds no cuda device)",
         ),

@@ -15,6 +15,7 @@ import traitlets
 import contribution_lens as cl
 from conftest import ARTIFACTS, assert_self_contained
 from contribution_lens.views import inspector as ins
+from contribution_lens.views.inspector import codecs, windows
 from contribution_lens.views.plot import token_factors
 from helpers import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, chromium_driver
 
@@ -91,8 +92,8 @@ def test_replication_report_renders_every_claim(browser, tiny_replication) -> No
 TEXT = "When Mary and John went to the store, John gave a drink to"
 LAYERS = [2, 9]
 # Documented quantisation steps (inspector.py): attention via sqrt on 16 bits, cosine on 16 bits.
-D_SQRT = 0.5 / ins.ATTENTION_CODES
-D_COS = 0.5 / ins.COSINE_CODES
+D_SQRT = 0.5 / codecs.ATTENTION_CODES
+D_COS = 0.5 / codecs.COSINE_CODES
 NUMBER = r"(-?[0-9.]+(?:e[-+]?[0-9]+)?)"
 HOVER = re.compile(
     rf"query (.+)<br>key (.+)<br>attention {NUMBER}<br>relative norm intra {NUMBER}, inter {NUMBER}"
@@ -126,8 +127,8 @@ def library(bundled_model) -> dict[str, cl.Geometry]:
 
 def quantised(d: cl.Decomposition) -> cl.Decomposition:
     """The decomposition the page receives: attention and cosine through the documented codes."""
-    attention = ins.dequantise_attention(ins.quantise_attention(d.attention.double().numpy()))
-    cosine = ins.dequantise_cosine(ins.quantise_cosine(d.cosine.double().numpy()))
+    attention = codecs.dequantise_attention(codecs.quantise_attention(d.attention.double().numpy()))
+    cosine = codecs.dequantise_cosine(codecs.quantise_cosine(d.cosine.double().numpy()))
     return cl.Decomposition(
         torch.from_numpy(attention), torch.from_numpy(cosine), d.value_norm.double(), d.output_norm.double(),
         d.valid, d.scope,
@@ -190,7 +191,7 @@ def open_view(browser, page: Path, fragment: str) -> dict:
 
 
 def check_drawn(
-    drawn: dict, library, layer: int, head: int | None, factor: str, scope: str, window: ins.Window | None = None
+    drawn: dict, library, layer: int, head: int | None, factor: str, scope: str, window: windows.Window | None = None
 ) -> None:
     """The one visible heatmap shows ``factor`` of this view, and every hover label all eight numbers.
 
@@ -198,7 +199,7 @@ def check_drawn(
     """
     assert drawn["visible"] == 1, f"{drawn['visible']} visible heatmap traces"
     n = library[scope][layer].attention.shape[-1]
-    window = window or ins.token_window(n)
+    window = window or windows.token_window(n)
     cut = np.ix_(window.queries, window.keys)
     other = "inter" if scope == "intra" else "intra"
     by_scope = {}
@@ -206,7 +207,7 @@ def check_drawn(
         values, tolerance = expected(library, layer, head, s)
         by_scope[s] = ({k: v[cut] for k, v in values.items()}, {k: v[cut] for k, v in tolerance.items()})
     values, tolerance = by_scope[scope]
-    labels = [ins.token_label(i, t) for i, t in enumerate(library[scope].str_tokens[0])]
+    labels = [windows.token_label(i, t) for i, t in enumerate(library[scope].str_tokens[0])]
     assert drawn["y"] == [labels[i] for i in window.queries] and drawn["x"] == [labels[j] for j in window.keys]
     z = np.array([[np.nan if v is None else v for v in row] for row in drawn["z"]], dtype=float)
     causal = window.mask
@@ -258,7 +259,7 @@ def test_inspector_draws_the_view_named_in_the_fragment(browser, page, library, 
 def test_inspector_page_with_a_token_window(browser, bundled_model, library, tmp_path) -> None:
     inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS)
     page = inspector.write_html(tmp_path / "window.html", layers=[9], start=5, tokens=6)
-    window = ins.token_window(15, start=5, tokens=6)
+    window = windows.token_window(15, start=5, tokens=6)
     assert window.keys == [0, 5, 6, 7, 8, 9, 10]
     for view in [(9, 4, "contribution", "intra"), (9, None, "relative_norm", "inter")]:
         check_drawn(open_view(browser, page, fragment(*view)), library, *view, window)
@@ -780,7 +781,7 @@ def test_kv_group_view_draws_the_group_combined(browser, page, library, factor) 
         },
     }  # fmt: skip
     z = drawn_z(drawn)
-    causal = ins.token_window(z.shape[0]).mask
+    causal = windows.token_window(z.shape[0]).mask
     error = np.abs(z - combined[factor])[causal]
     assert np.all(error <= 2e-4 + 1e-3 * np.abs(combined[factor][causal])), f"worst {error.max():.3g}"
     title = browser.execute_script("return document.querySelector('.cl-heatmap .gtitle').textContent")
@@ -792,7 +793,7 @@ def test_kv_group_view_draws_the_group_combined(browser, page, library, factor) 
 @pytest.mark.parametrize(("head", "factor", "scope"), [(3, "attention", "inter"), (None, "contribution", "inter"),
                                                        (3, "contribution", "intra")])  # fmt: skip
 def test_hidden_sink_renormalises_the_other_keys(browser, page, library, head, factor, scope) -> None:
-    from contribution_lens.views.inspector.payload import hide_sink
+    from contribution_lens.views.plot import hide_sink
 
     name = "all" if head is None else head
     drawn = open_view(browser, page, f"#layer=2&head={name}&factor={factor}&scope={scope}&hide_sink=1")
@@ -801,7 +802,7 @@ def test_hidden_sink_renormalises_the_other_keys(browser, page, library, head, f
     want = hide_sink(values[factor], totals)
     z = drawn_z(drawn)
     assert np.isnan(z[:, 0]).all(), "the sink column is hidden"
-    causal = ins.token_window(z.shape[0]).mask
+    causal = windows.token_window(z.shape[0]).mask
     causal[:, 0] = False
     ok = ~np.isnan(want) & causal
     # x' = x S / (S - x0): |dx'| <= S / |S - x0| (|dx| + |x| |dx0| / |S - x0|).
@@ -922,7 +923,7 @@ def check_prediction(shown: dict, explanation: cl.GenerationExplanation, k: int)
     n_layers, n_heads = heads.shape
     assert shown["x"] == [f"H{h}" for h in range(n_heads)] and shown["y"] == [f"L{layer}" for layer in range(n_layers)]
     np.testing.assert_allclose(np.array(shown["z"], dtype=float), heads, rtol=1e-6, atol=1e-12)
-    labels = [ins.token_label(i, t) for i, t in enumerate(explanation.str_tokens)]
+    labels = [windows.token_label(i, t) for i, t in enumerate(explanation.str_tokens)]
     strongest = tuple(int(i) for i in np.unravel_index(np.abs(heads).argmax(), heads.shape))
     for layer, head in [(0, 0), (n_layers - 1, n_heads - 1), OPENED, strongest]:
         match = PREDICTION_HOVER.match(shown["text"][layer][head])
@@ -998,7 +999,7 @@ def test_explained_page_opens_a_clicked_head_at_the_steps_position_or_says_why_n
     menus = {name: Select(control(browser, name)).first_selected_option.get_attribute("value")
              for name in ("view", "layer", "head", "query", "step")}  # fmt: skip
     assert menus == {"view": "heatmap", "layer": str(layer), "head": str(head), "query": str(position), "step": "1"}
-    label = ins.token_label(position, explanation.str_tokens[position])
+    label = windows.token_label(position, explanation.str_tokens[position])
     bars = browser.execute_script("return document.querySelector('.cl-inspector .cl-bars').layout.title.text")
     assert bars.startswith(f"query {label}:"), bars
     # A layer the page does not hold: the page says why and stays on the prediction.

@@ -57,6 +57,17 @@ def test_the_course_has_nine_lessons_in_order() -> None:
     assert [path.name[:3] for path in NOTEBOOKS] == [f"{i:02d}_" for i in range(1, 10)], IDS
 
 
+def test_the_readmes_course_table_lists_every_lesson_with_its_time() -> None:
+    """The table a teacher reads first (README, included in the site's course page) matches the notebooks."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `(\d\d_\w+)` \|.*\| (\d+) min \|$", readme, flags=re.M)
+    assert [name for name, _ in rows] == IDS, f"the README's course table lists {rows}, the notebooks are {IDS}"
+    for name, minutes in rows:
+        opening = read(NOTEBOOK_DIR / f"{name}.ipynb").cells[0].source
+        stated = re.search(r"\*\*Time\.\*\* about (\d+) minutes", opening)
+        assert stated and stated.group(1) == minutes, f"{name}: the README says {minutes} min, the notebook {stated}"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_opens_with_what_it_teaches_and_how_long(path: Path) -> None:
     first = read(path).cells[0]

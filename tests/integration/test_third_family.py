@@ -28,6 +28,9 @@ def test_qwen_loads_offline_with_its_biases_heads_and_no_bos_convention(qwen) ->
     assert cfg.attention_dir == "causal" and cfg.d_vocab == 151936
     # TransformerLens's own record of Qwen's convention: texts get no BOS.
     assert cfg.default_prepend_bos is False
+    # ... and the package follows it by default: the first token is the text's own, not <|endoftext|>.
+    batch = cl.to_token_batch(qwen, "def add")
+    assert batch.str_tokens[0][:2] == ["def", " add"] and not batch.bos_first, batch.str_tokens
     assert cfg.model_name == "Qwen2.5-Coder-0.5B-Instruct"  # not TransformerLens's alias for the base Qwen2.5-0.5B
     attention = qwen.original_model.model.layers[0].self_attn
     for projection in ("q_proj", "k_proj", "v_proj"):
@@ -91,7 +94,8 @@ def test_weights_sum_to_one_and_factors_multiply_back(qwen, scope: str) -> None:
 
 
 def test_it_completes_a_short_code_prompt_sensibly(qwen) -> None:
-    answer = cl.explain_generation(qwen, CODE, max_new_tokens=8, prepend_bos=False, flow=False)
+    # No prepend_bos: the model's own convention (no BOS) is the default; a BOS would change the answer.
+    answer = cl.explain_generation(qwen, CODE, max_new_tokens=8, flow=False)
     # The recursive case, token by token: ' fibonacci', '(n', '-', '1', ')', ' +', ' fibonacci', '(n'.
     assert answer.answer == " fibonacci(n-1) + fibonacci(n", answer.answer
     # The explanation's terms add up to the model's own logit at every step (the exactness check).

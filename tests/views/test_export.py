@@ -10,6 +10,7 @@ import torch
 import contribution_lens as cl
 from conftest import assert_close, tiny_bridge
 from contribution_lens.views import export
+from contribution_lens.views.inspector import figure
 
 WIDGET = export.WIDGET_VIEW
 IDS = torch.tensor([[3, 7, 7, 7, 2, 9, 7, 1, 4, 5]])
@@ -168,7 +169,7 @@ def test_the_inspector_still_shows_when_its_figure_fails(model, monkeypatch) -> 
     def fail(*args, **kwargs):
         raise RuntimeError("no memory")
 
-    monkeypatch.setattr(export, "inspector_figure", fail)
+    monkeypatch.setattr(figure, "inspector_figure", fail)
     with pytest.warns(UserWarning, match=r"static figure failed \(no memory\)"):
         data, _ = inspector._repr_mimebundle_()
     assert WIDGET in data and "text/html" not in data

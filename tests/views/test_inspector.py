@@ -12,23 +12,24 @@ import traitlets
 import contribution_lens as cl
 from conftest import tiny_bridge, tiny_encoder
 from contribution_lens.views import inspector as ins
-from contribution_lens.views.inspector import payload
+from contribution_lens.views import plot
+from contribution_lens.views.inspector import codecs, compact, widget, windows
 
 
 def codes(payload: dict, name: str) -> np.ndarray:
     return np.frombuffer(base64.b64decode(payload[name]), dtype="<u2")
 
 
-def library_codes(model, ids, layer: int, window: ins.Window) -> dict[str, np.ndarray]:
+def library_codes(model, ids, layer: int, window: windows.Window) -> dict[str, np.ndarray]:
     """What the payload must hold, from `cl.attention_geometry` (float32)."""
     by_scope = {s: cl.attention_geometry(model, ids, layers=[layer], scope=s)[layer] for s in cl.SCOPES}
-    cut = {name: payload._cut(tensor[0], window) for name, tensor in [
+    cut = {name: windows.cut(tensor[0], window) for name, tensor in [
         ("attention", by_scope["inter"].attention), ("cosine_inter", by_scope["inter"].cosine),
         ("cosine_intra", by_scope["intra"].cosine)]}  # fmt: skip
     return {
-        "attention": ins.quantise_attention(cut["attention"]).ravel(),
-        "cosine_inter": ins.quantise_cosine(cut["cosine_inter"]).ravel(),
-        "cosine_intra": ins.quantise_cosine(cut["cosine_intra"]).ravel(),
+        "attention": codecs.quantise_attention(cut["attention"]).ravel(),
+        "cosine_inter": codecs.quantise_cosine(cut["cosine_inter"]).ravel(),
+        "cosine_intra": codecs.quantise_cosine(cut["cosine_intra"]).ravel(),
     }
 
 
@@ -88,7 +89,7 @@ def test_bidirectional_models_show_every_pair() -> None:
     assert inspector.window.cells == 36 and inspector.meta["causal"] is False
     assert_payload(inspector, model, ids, 0)
     # Future keys carry weight in an encoder: the payload has them.
-    attention = ins.dequantise_attention(codes(inspector.payload, "attention")).reshape(4, 6, 6)
+    attention = codecs.dequantise_attention(codes(inspector.payload, "attention")).reshape(4, 6, 6)
     assert attention[:, 0, 1:].sum() > 0.1
 
 
@@ -104,19 +105,20 @@ def test_static_page_of_every_layer_at_512_tokens_is_under_50_mb(bundled_model) 
     assert len(html.encode()) <= 50_000_000, f"{len(html.encode()) / 1e6:.1f} MB"
     data = json.loads(re.search(r"class='cl-data'>(.*?)</script>", html).group(1).replace("<\\/", "</"))
     assert sorted(map(int, data["layers"])) == list(range(30)) and data["meta"]["initial"]["query"] == 511
-    window = ins.token_window(512, tokens=512)
-    got = ins.decode_compact(data["layers"]["29"], window)
+    window = windows.token_window(512, tokens=512)
+    got = compact.decode_compact(data["layers"]["29"], window)
     truth = cl.attention_geometry(bundled_model, ids, layers=[29], scope="intra")[29]
     assert (
-        np.abs(got["attention"] - payload._cut(truth.attention[0], window)).max() <= ins.COMPACT_ATTENTION_ERROR + 1e-7
+        np.abs(got["attention"] - windows.cut(truth.attention[0], window)).max()
+        <= codecs.COMPACT_ATTENTION_ERROR + 1e-7
     )
-    assert np.abs(got["cosine_intra"] - payload._cut(truth.cosine[0], window)).max() <= 0.05
+    assert np.abs(got["cosine_intra"] - windows.cut(truth.cosine[0], window)).max() <= 0.05
 
 
 BAD_VALUES = [
     ("start", 300, "start 300 is outside the text of 20 tokens (0..19)"),
     ("start", -1, "start -1 is outside the text of 20 tokens (0..19)"),
-    ("tokens", 0, "tokens must be at least 1, got 0"),
+    ("tokens", 0, "tokens must be a positive integer, got 0"),
     ("layer", 5, "layer 5 is not among the inspected layers [0, 1, 2]"),
     ("head", 9, "head 9 does not exist: -1 (all heads) or 0..3"),
     ("query", 3, "query 3 is not in the token window 10..17: set start first"),
@@ -157,7 +159,7 @@ def test_bad_values_are_refused_before_anything_changes(gqa_inspector, monkeypat
 
 def test_a_bad_keyword_is_refused_before_the_model_runs(monkeypatch) -> None:
     model = tiny_bridge("mha")
-    monkeypatch.setattr(ins.widget, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
+    monkeypatch.setattr(widget, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
     with pytest.raises(ins.InspectorError, match=re.escape("start 300 is outside the text of 6 tokens")):
         cl.inspect(model, torch.arange(6), start=300)
     with pytest.raises(ins.InspectorError, match="head 7 does not exist"):
@@ -168,8 +170,8 @@ def test_every_layer_and_window_is_ready_after_the_first_view(monkeypatch) -> No
     model = tiny_bridge("gqa", biases=True, n_layers=3)
     ids = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(1))
     passes = []
-    original = ins.widget.compute_windows
-    monkeypatch.setattr(ins.widget, "compute_windows", lambda *a, **k: passes.append(1) or original(*a, **k))
+    original = widget.compute_windows
+    monkeypatch.setattr(widget, "compute_windows", lambda *a, **k: passes.append(1) or original(*a, **k))
     inspector = cl.inspect(model, ids, layer=0, tokens=8)
     assert len(passes) == 1
     for layer, start in [(2, 0), (1, 4), (2, 12), (0, 8), (2, 12)]:  # the windows the front-end offers
@@ -182,7 +184,7 @@ def test_every_layer_and_window_is_ready_after_the_first_view(monkeypatch) -> No
 
 def dequantised(payload_: dict, name: str) -> np.ndarray:
     dtype = {"attention": "<u2", "cosine": "<u2", "half": "<f2", "exact": "<f4"}[payload_["codecs"][name]]
-    return payload.dequantise(np.frombuffer(base64.b64decode(payload_[name]), dtype=dtype), payload_["codecs"][name])
+    return codecs.dequantise(np.frombuffer(base64.b64decode(payload_[name]), dtype=dtype), payload_["codecs"][name])
 
 
 def test_kv_groups_and_the_totals_hide_sink_needs(gqa_inspector) -> None:
@@ -191,8 +193,8 @@ def test_kv_groups_and_the_totals_hide_sink_needs(gqa_inspector) -> None:
     window, sent = inspector.window, inspector.payload
     assert inspector.meta["kv_groups"] == [[0, 1], [2, 3]] == sent["kv_groups"]
     d = cl.attention_geometry(model, ids, layers=[1], scope="inter")[1]
-    attention = payload._cut(d.attention[0], window)
-    contribution = payload._cut(d.contribution[0], window)
+    attention = windows.cut(d.attention[0], window)
+    contribution = windows.cut(d.contribution[0], window)
     group_attention = dequantised(sent, "group_attention").reshape(2, -1)
     np.testing.assert_allclose(group_attention, attention.reshape(2, 2, -1).mean(1), atol=4e-5)
     group_contribution = dequantised(sent, "group_contribution_inter").reshape(2, -1)
@@ -204,7 +206,7 @@ def test_kv_groups_and_the_totals_hide_sink_needs(gqa_inspector) -> None:
     np.testing.assert_allclose(totals, d.contribution[0].sum(-1)[:, window.queries].numpy(), atol=1e-5)
     # Hidden sink: the other keys keep the row's total; key 0 is not drawn.
     full = d.contribution[0].sum(0).numpy()
-    hidden = ins.hide_sink(full, full.sum(-1))
+    hidden = plot.hide_sink(full, full.sum(-1))
     assert np.isnan(hidden[:, 0]).all() and np.isnan(hidden[0]).all()
     np.testing.assert_allclose(np.nansum(hidden[1:], -1), 1, atol=1e-5)
     np.testing.assert_allclose(hidden[5, 1:6] / hidden[5, 1], full[5, 1:6] / full[5, 1], rtol=1e-5)
@@ -226,18 +228,18 @@ def test_compact_page_is_within_its_stated_bounds_and_opens_on_the_last_query(va
     window = inspector.window
     for layer in (0, 1):
         sent = data["layers"][str(layer)]
-        got = ins.decode_compact(sent, window)
-        raw = payload.unpack_compact(sent)
+        got = compact.decode_compact(sent, window)
+        raw = compact.unpack_compact(sent)
         by_scope = {s: cl.attention_geometry(model, ids, layers=[layer], scope=s)[layer] for s in cl.SCOPES}
-        truth = payload._cut(by_scope["inter"].attention[0], window)
-        assert np.abs(got["attention"] - truth).max() <= ins.COMPACT_ATTENTION_ERROR + 1e-7
+        truth = windows.cut(by_scope["inter"].attention[0], window)
+        assert np.abs(got["attention"] - truth).max() <= codecs.COMPACT_ATTENTION_ERROR + 1e-7
         n_heads, nq, nk = truth.shape[0], len(window.queries), len(window.keys)
         rows, columns = np.nonzero(window.mask)
         key_scale = raw["key_scales"].reshape(n_heads, nk)[:, columns]
         for scope in cl.SCOPES:
             query_scale = raw[f"query_{scope}_scales"].reshape(n_heads, nq)[:, rows]
-            bound = ins.cosine_error_bound(query_scale, key_scale, sent["d_head"])
-            error = np.abs(got[f"cosine_{scope}"] - payload._cut(by_scope[scope].cosine[0], window))
+            bound = compact.cosine_error_bound(query_scale, key_scale, sent["d_head"])
+            error = np.abs(got[f"cosine_{scope}"] - windows.cut(by_scope[scope].cosine[0], window))
             assert (error <= bound + 1e-6).all(), f"{scope}: {error.max()} beyond {bound.max()}"
             assert error.max() > 0, "the codes are lossy: a zero error means the test compares the codes to themselves"
 
@@ -258,11 +260,11 @@ def test_every_codec_takes_a_read_only_array_without_a_warning() -> None:
     values = np.linspace(-0.9, 0.9, 7)
     frozen = values.copy()
     frozen.setflags(write=False)
-    for codec in payload.CODECS:
+    for codec in codecs.CODECS:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            codes = payload.quantise(frozen, codec)
-        np.testing.assert_array_equal(codes, payload.quantise(values, codec))
+            codes = codecs.quantise(frozen, codec)
+        np.testing.assert_array_equal(codes, codecs.quantise(values, codec))
 
 
 # --- explained predictions: the step control and the prediction view --------------------------------
@@ -372,17 +374,82 @@ STEP_REFUSALS = [
 @pytest.mark.parametrize(("keywords", "message"), STEP_REFUSALS, ids=["step", "view"])
 def test_bad_steps_and_views_are_refused_before_the_model_runs(explained, monkeypatch, keywords, message) -> None:
     model, answer = explained
-    monkeypatch.setattr(ins.widget, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
+    monkeypatch.setattr(widget, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
     with pytest.raises(ins.InspectorError, match=re.escape(message)):
         cl.inspect(model, answer, **keywords)
 
 
 def test_steps_need_explained_predictions_of_this_model(explained, monkeypatch) -> None:
     model, answer = explained
-    monkeypatch.setattr(ins.widget, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
+    monkeypatch.setattr(widget, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
     with pytest.raises(ValueError, match=re.escape("step=1 needs explained predictions")):
         cl.inspect(model, answer.tokens, step=1)
     with pytest.raises(ins.InspectorError, match="the prediction view needs explained predictions"):
         cl.inspect(model, answer.tokens, view="prediction")
     with pytest.raises(ValueError, match="explained on a model of 3 layers and 4 heads; this one has 2 and 4"):
         cl.inspect(tiny_bridge("gqa", n_layers=2), answer)
+
+
+# --- the package's shape: one constructor, one check of each value, the old names kept ------------------
+
+
+def test_inspect_checks_the_layers_and_places_the_window_once(explained, monkeypatch) -> None:
+    import sys
+
+    from contribution_lens import adapter
+
+    model, answer = explained
+    calls = {"check_layers": 0, "window_start": 0}
+
+    def counted(name, function):
+        def count(*args, **kwargs):
+            # The inspector's own calls (the engine checks the layers it runs, once per pass).
+            calls[name] += sys._getframe(1).f_globals["__name__"].startswith("contribution_lens.views.inspector")
+            return function(*args, **kwargs)
+
+        return count
+
+    monkeypatch.setattr(adapter, "check_layers", counted("check_layers", adapter.check_layers))
+    for module in [m for n, m in sys.modules.items() if n.startswith("contribution_lens.views.inspector")]:
+        if hasattr(module, "window_start") and "window_start" in vars(module):
+            monkeypatch.setattr(module, "window_start", counted("window_start", vars(module)["window_start"]))
+    inspector = cl.inspect(model, answer, tokens=6, step=3, layers=[0, 2])  # step 3's position is past 0..5
+    assert calls == {"check_layers": 1, "window_start": 1}
+    assert inspector.query == answer[3].position and inspector.query in inspector.window.queries
+
+
+def test_the_face_offers_what_users_call_and_the_old_names_warn_with_their_place() -> None:
+    import importlib
+
+    from contribution_lens.views import export
+    from contribution_lens.views.inspector import _deprecated
+
+    assert ins.__all__ == ["Inspector", "InspectorError", "inspect"]
+    assert ins.inspect is widget.inspect and issubclass(ins.InspectorError, ValueError)
+    for name, home in _deprecated.INSPECTOR_NAMES.items():
+        moved = re.escape(f"contribution_lens.views.inspector.{name} is deprecated: use {home}.{name}")
+        with pytest.warns(DeprecationWarning, match=moved):
+            value = getattr(ins, name)
+        assert value is getattr(importlib.import_module(home), name)
+    with pytest.warns(DeprecationWarning, match=r"payload\.token_window is deprecated: use .*windows\.token_window"):
+        from contribution_lens.views.inspector.payload import token_window
+    assert token_window is windows.token_window
+    with pytest.warns(
+        DeprecationWarning, match=r"export\.inspector_figure is deprecated: use .*figure\.inspector_figure"
+    ):
+        assert export.inspector_figure is importlib.import_module(f"{ins.__name__}.figure").inspector_figure
+    with pytest.warns(DeprecationWarning, match="contribution_lens.inspector is deprecated"):
+        import contribution_lens.inspector as old  # the 0.2 path
+    with pytest.warns(DeprecationWarning, match=r"inspector\.Window is deprecated: use .*inspector\.windows\.Window"):
+        assert old.Window is windows.Window
+
+
+def test_a_layers_arrays_are_c_contiguous() -> None:
+    """A Fortran-ordered copy (NumPy's ``values[:, cells]``) made every later step 2-3x slower (bench_inspector)."""
+    from contribution_lens.views.inspector import payload
+
+    model = tiny_bridge("gqa", n_layers=1)
+    both = cl.map_layers(model, torch.arange(12)[None], lambda i: (i.decompose("inter"), i.decompose("intra")))[0]
+    arrays = payload.layer_arrays(*both, n_kv_heads=2)
+    assert arrays.attention.flags.c_contiguous
+    assert all(codes.flags.c_contiguous for codes in arrays.codes.values())

@@ -10,6 +10,7 @@ import torch
 
 import contribution_lens as cl
 from conftest import assert_close, raises_bad_input, tiny_bridge
+from contribution_lens.views import overview
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +50,7 @@ def test_head_grid_factor_bars_and_measures(geometry) -> None:
     assert [trace.name for trace in bars.data] == list(cl.FACTORS)
     assert_close(torch.tensor(bars.data[3].x), geometry[1].contribution[0, 0, 5, :6].double(), atol=1e-6)
     assert len({trace.xaxis for trace in bars.data}) == 4  # one scale per factor
-    measures = cl.plot.compare_measures(geometry, layer=1, query=7)
+    measures = overview.compare_measures(geometry, layer=1, query=7)
     assert len(measures.data) == 4
     for trace in measures.data:
         assert np.abs(trace.y).sum() == pytest.approx(1.0, abs=1e-5)
@@ -75,7 +76,7 @@ def test_an_encoders_heatmap_and_bars_show_every_key() -> None:
     assert not np.isnan(z).any(), "a bidirectional pattern has no future keys to blank"
     bars = cl.plot.factor_bars(g, layer=0, query=2, head=1)
     assert len(bars.data[0].y) == 6
-    assert len(cl.plot.compare_measures(g, layer=0, query=2).data[0].x) == 6
+    assert len(overview.compare_measures(g, layer=0, query=2).data[0].x) == 6
 
 
 def png_pixels(data: bytes) -> np.ndarray:
@@ -138,7 +139,7 @@ def all_figures(geometry: cl.Geometry) -> dict[str, go.Figure]:
         "token_heatmap": cl.plot.token_heatmap(geometry, layer=1, head=2),
         "head_grid": cl.plot.head_grid(geometry.head_summary("cosine"), title="cosine"),
         "factor_bars": cl.plot.factor_bars(geometry, layer=1, query=5, head=0),
-        "compare_measures": cl.plot.compare_measures(geometry, layer=1, query=7),
+        "compare_measures": overview.compare_measures(geometry, layer=1, query=7),
         "lines": cl.plot.lines({"a": [1, 2, 3], "b": [3, 1, 2]}, title="lines"),
         "sink_head_grid": cl.plot.sink_head_grid(table, "intra_sink_cosine"),
         "sink_ratio_scatter": cl.plot.sink_ratio_scatter(per_query),  # WebGL, drawn headless too
@@ -235,18 +236,3 @@ def test_hiding_the_sink_drops_key_0_and_renormalises_the_rest(geometry) -> None
     bars = cl.plot.factor_bars(geometry, layer=1, query=5, head=2, hide_sink=True)
     assert list(bars.data[0].y) == [f"{j}:{t}" for j, t in enumerate(geometry.str_tokens[0])][1:6]
     assert_close(torch.tensor(np.asarray(bars.data[0].x, dtype=float)), expected[5, :5], atol=1e-6)
-
-
-def test_compare_measures_draws_a_token_level_measure_as_it_is(geometry) -> None:
-    def summed_attention(d):
-        return d.attention.sum(1)  # [batch query key]
-
-    method = cl.Method.from_decomposition("summed_attention", summed_attention, "attention summed over heads")
-    cl.register_method(method)
-    try:
-        figure = cl.plot.compare_measures(geometry, layer=1, query=5)
-        drawn = next(trace for trace in figure.data if trace.name == "summed_attention")
-        expected = geometry[1].attention[0, :, 5, :6].sum(0).double()
-        assert_close(torch.tensor(drawn.y), expected / expected.abs().sum(), atol=1e-6)
-    finally:
-        cl.unregister_method("summed_attention")

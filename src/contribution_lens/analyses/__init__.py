@@ -10,16 +10,24 @@
   not exported here, where the name is the module's);
 * `flow`: the signed token mixing of every layer, its rollout at a prediction and the pruned graph
   (`Flow`; the function is ``contribution_lens.flow``, likewise);
+* `qk_attribution`: why a head attends: every pre-softmax score of a head split exactly over the
+  query's and the key's upstream components, with the advantage that explains the pattern
+  (`QKAttribution`; the function is ``contribution_lens.qk_attribution``, likewise);
 * `generation`: every token of a generated answer explained from one teacher-forced pass (`explain_generation`).
 
-A new analysis is one file here: a per-layer function, a result type (a `LayerResults`
-subclass or a dataclass with ``save``/``load``), exported below.
+A new analysis is one file here: a per-layer function and a result type with the one lifecycle
+every result has: ``save(path)``/``load(path)`` through `contribution_lens.files.save_result`
+(a `LayerResults` subclass names its own fields in ``STORED``; a dataclass mixes in
+`contribution_lens.files.Saves`), ``figures() -> dict[str, go.Figure]`` and ``report(path)``;
+exported below. Analyses draw with `contribution_lens.views.plot` (below them) and never import
+a method (above them).
 """
 
 from contribution_lens.analyses.flow import Flow, FlowEdges, FlowLayer
 from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
 from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary
 from contribution_lens.analyses.logit_attribution import LogitAttribution
+from contribution_lens.analyses.qk_attribution import QKAttribution, QKCell
 from contribution_lens.analyses.sink_claims import SinkStudy, sink_study
 from contribution_lens.analyses.sink_intervention import SinkIntervention, run_sink_intervention
 from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, claim_verdicts, sink_analysis
@@ -32,6 +40,8 @@ __all__ = [
     "GenerationStep",
     "Geometry",
     "LogitAttribution",
+    "QKAttribution",
+    "QKCell",
     "SinkAnalysis",
     "SinkIntervention",
     "SinkLayer",

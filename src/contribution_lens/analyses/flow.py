@@ -2,7 +2,7 @@
 
 At every layer ``l`` the residual stream after attention, ``r_i = x_i + a_i`` (``x_i`` =
 ``hook_resid_pre``, ``a_i`` = the attention output with ``b_O``), splits by the contribution rule
-into one signed part per (head, key) and the residual term (`contribution_lens.methods.rollout`):
+into one signed part per (head, key) and the residual term (`contribution_lens.mixing`):
 
     w_ij^h = <r_i, alpha_ij^h vt_j^h> / ||r_i||^2 = alpha_ij^h * (||vt_j^h|| / ||r_i||) * cos(r_i, vt_j^h)
     M_ij   = sum_h w_ij^h + [i == j] <r_i, x_i + b_O> / ||r_i||^2          (sum_j M_ij = 1)
@@ -37,12 +37,11 @@ Example:
     (1.0, 1.0)
 """
 
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 import torch
@@ -50,14 +49,15 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.choices import as_indices, as_position
+from contribution_lens.choices import as_indices, as_position, as_threshold
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.files import load_tensors, reading, save_tensors
-from contribution_lens.methods.rollout import layer_mixing
+from contribution_lens.mixing import layer_mixing
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 DEFAULT_THRESHOLD = 0.02
 """Smallest ``|w_ij^h|`` kept as an edge (and the graph's default threshold)."""
-_FORMAT = "contribution_lens.Flow/1"
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,9 @@ class FlowLayer:
     edges: FlowEdges
 
 
-def _flow_layer(model: adapter.Model, layer: adapter.LayerInputs, threshold: float) -> FlowLayer:
-    mixing = layer_mixing(layer, adapter.attention_update(model, layer), factors=True, threshold=threshold)
+def _flow_layer(readout: adapter.Readout, layer: adapter.LayerInputs, threshold: float) -> FlowLayer:
+    """One layer of a flow: its mixing, residual terms and the parts ``|w| >= threshold`` with their factors."""
+    mixing = layer_mixing(layer, readout.attention_update(layer), factors=True, threshold=threshold)
     assert mixing.strong is not None  # asked for with the threshold
     strong = mixing.strong
     first = strong.batch == 0  # a flow explains one text
@@ -108,7 +109,10 @@ class Flow(LayerResults[FlowLayer]):
 
     ``flow.mixing[l]`` is ``[query key]``; ``flow.rollout`` is ``[layer key]`` for the explained
     position (with several, ``flow.at(p).rollout``); ``flow.graph()`` the pruned edges.
+    ``save(path)`` keeps the mixings, residual terms and edges (not the pass's logits).
     """
+
+    STORED = ("positions", "threshold")
 
     def __init__(
         self,
@@ -153,6 +157,7 @@ class Flow(LayerResults[FlowLayer]):
             str_tokens=self.str_tokens,
             n_layers=self.n_layers,
             logits=self.logits,
+            bos_first=self.bos_first,
         )
         flow._rollouts = self._rollouts
         return flow
@@ -181,7 +186,7 @@ class Flow(LayerResults[FlowLayer]):
                     row = row @ mixings[below]
                 rows.append(row)
             self._rollouts[position] = torch.stack(rows).float()
-        return self._rollouts[position]
+        return self._rollouts[position].clone()  # a copy: what a caller changes is not what later reads get
 
     def graph(self, position: int | None = None, threshold: float | None = None) -> pd.DataFrame:
         """The pruned graph of ``position`` (default: the explained one): one row per kept edge.
@@ -192,7 +197,7 @@ class Flow(LayerResults[FlowLayer]):
         ``attention, relative_norm, cosine, weight``.
         """
         position = self.position if position is None else as_position(position, len(self.str_tokens[0]))
-        threshold = self.threshold if threshold is None else float(threshold)
+        threshold = self.threshold if threshold is None else as_threshold(threshold)
         if threshold < self.threshold:
             raise ValueError(f"threshold {threshold:g} is below the {self.threshold:g} the edges were kept at")
         table = self.to_dataframe(min_abs_weight=threshold)
@@ -233,67 +238,31 @@ class Flow(LayerResults[FlowLayer]):
         table.insert(5, "target_token", [tokens[i] for i in table["target"]])
         return table
 
-    def figures(self) -> dict[str, Any]:
-        """``{"graph": ..., "rollout": ...}``: the pruned graph and the rollout heatmap (plotly)."""
+    def figures(self) -> "dict[str, go.Figure]":
+        """``{"graph": ..., "rollout": ...}``: the pruned graph and the rollout heatmap of the explained position.
+
+        A flow explaining several positions draws both for each: ``"graph at 7"``, ``"rollout at 7"``, ...
+        """
         from contribution_lens.views import plot
 
-        return {"graph": plot.flow_graph(self), "rollout": plot.flow_rollout(self)}
+        if len(self.positions) == 1:
+            return {"graph": plot.flow_graph(self), "rollout": plot.flow_rollout(self)}
+        drawn = {}
+        for position in self.positions:
+            drawn[f"graph at {position}"] = plot.flow_graph(self, position=position)
+            drawn[f"rollout at {position}"] = plot.flow_rollout(self, position=position)
+        return drawn
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the mixings, residual terms and edges to one ``.safetensors`` file."""
-        tensors, metadata = self._parts()
-        return save_tensors(path, tensors, metadata, format=_FORMAT, example="flow.safetensors")
+    def report(self, path: str | os.PathLike) -> Path:
+        """One self-contained HTML page: the figures, then the pruned graph's edges of each explained position."""
+        from contribution_lens.views import html
 
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "Flow":
-        """Read a file written by `save`."""
-        # A truncated file, another format or edited metadata: the error names the file.
-        tensors, metadata = load_tensors(path, format=_FORMAT, kind="Flow")
-        with reading(path, "a Flow written by Flow.save"):
-            return cls._from_parts(tensors, metadata)
-
-    def _parts(self) -> tuple[dict[str, Tensor], dict[str, str]]:
-        """What `save` writes: tensors (tokens, mask, each layer's mixing, residual and edges) and string metadata.
-
-        Also how a `GenerationExplanation` file holds the one flow its steps share (under a prefix).
-        The logits of the pass, where the flow kept them, are not written.
-        """
-        # Cloned: the tokens may share storage with another tensor of the same file, which safetensors refuses.
-        tensors = {name: getattr(self, name).cpu().contiguous().clone() for name in ("tokens", "attention_mask")}
-        for layer, value in self.items():
-            tensors[f"{layer}.mixing"] = value.mixing.contiguous().clone()
-            tensors[f"{layer}.residual"] = value.residual.contiguous().clone()
-            for f in fields(FlowEdges):
-                tensors[f"{layer}.edges.{f.name}"] = getattr(value.edges, f.name).contiguous().clone()
-        metadata = {
-            "n_layers": str(self.n_layers),
-            "positions": json.dumps(self.positions),
-            "threshold": repr(self.threshold),
-            "str_tokens": json.dumps(self.str_tokens),
-        }
-        return tensors, metadata
-
-    @classmethod
-    def _from_parts(cls, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> "Flow":
-        """The flow `_parts` wrote."""
-        n_layers = int(metadata["n_layers"])
-        layers = {
-            layer: FlowLayer(
-                tensors[f"{layer}.mixing"],
-                tensors[f"{layer}.residual"],
-                FlowEdges(**{f.name: tensors[f"{layer}.edges.{f.name}"] for f in fields(FlowEdges)}),
-            )
-            for layer in range(n_layers)
-        }
-        return cls(
-            layers,
-            positions=json.loads(metadata["positions"]),
-            threshold=float(metadata["threshold"]),
-            tokens=tensors["tokens"],
-            attention_mask=tensors["attention_mask"],
-            str_tokens=json.loads(metadata["str_tokens"]),
-            n_layers=n_layers,
-        )
+        labels = self.labels()
+        sections: list[html.Section] = [("Text", "".join(self.str_tokens[0])), *self.figures().items()]
+        for position in self.positions:
+            heading = f"The pruned graph of {labels[position]} (|weight| ≥ {self.threshold:g})"
+            sections.append((heading, self.graph(position)))
+        return html.write_html(path, f"Flow into {', '.join(labels[p] for p in self.positions)}", sections)
 
 
 def flow(
@@ -302,7 +271,7 @@ def flow(
     position: int | Sequence[int] = -1,
     *,
     threshold: float = DEFAULT_THRESHOLD,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
 ) -> Flow:
     """The signed token mixing of every layer and its rollout at ``position``, in one forward pass.
 
@@ -312,7 +281,8 @@ def flow(
         position: the explained position(s) (negative ones count from the end); several share
             the one pass (``flow.at(p)`` picks one).
         threshold: the smallest ``|w_ij^h|`` kept as an edge of the graph.
-        prepend_bos: prepend the tokenizer's BOS to a text.
+        prepend_bos: prepend the tokenizer's BOS to a text; None: the model's own choice
+            (``cfg.default_prepend_bos``).
 
     Every layer keeps its ``[query key]`` mixing (``n_layers * pos^2`` floats) and the edges
     above ``threshold``; the per-head ``[head query key]`` weights live only inside the layer's hook.
@@ -321,15 +291,12 @@ def flow(
         raise ValueError(f"flow explains one text: got a batch of {inputs.shape[0]} token rows")
     if not isinstance(inputs, str | Tensor):
         raise TypeError(f"flow explains one text (a str or token ids), got {type(inputs).__name__}")
-    if not threshold > 0:
-        raise ValueError(f"threshold must be positive, got {threshold}")
+    threshold = as_threshold(threshold)
     batch = adapter.to_token_batch(model, inputs, prepend_bos=prepend_bos)
     n = batch.tokens.shape[1]
     positions = [as_position(p, n) for p in as_indices(position, "positions")]  # bad positions fail before the pass
+    readout = adapter.readout(model)
     results = map_layers(
-        model,
-        batch,
-        lambda layer: _flow_layer(model, layer, threshold),
-        capture=adapter.flow_capture(model),
+        model, batch, lambda layer: _flow_layer(readout, layer, threshold), capture=list(readout.flow_capture)
     )
     return Flow.from_results(results, positions=positions, threshold=threshold)

@@ -18,12 +18,11 @@ Then prompt and answer run once more, together: step ``k`` explains the logit of
     ' Paris'
 """
 
-import json
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, overload
 
 import pandas as pd
 import torch
@@ -41,10 +40,11 @@ from contribution_lens.analyses.logit_attribution import (
     one_text,
     token_id,
 )
-from contribution_lens.files import load_tensors, reading, save_tensors
+from contribution_lens.choices import as_count, as_threshold
+from contribution_lens.files import Saves
 
-_FORMAT = "contribution_lens.GenerationExplanation/1"
-V = TypeVar("V")
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 
 @dataclass(frozen=True, eq=False)
@@ -72,18 +72,19 @@ class GenerationStep:
 
 
 @dataclass(frozen=True, eq=False)
-class GenerationExplanation(Sequence[GenerationStep]):
+class GenerationExplanation(Saves, Sequence[GenerationStep]):
     """A prompt, the answer generated from it and one `GenerationStep` per answer token.
 
     ``save(path)`` writes it all to one ``.safetensors`` file, ``GenerationExplanation.load(path)``
-    reads it back.
+    reads it back. Steps whose flows come from one pass (all of `explain_generation`'s) share one
+    copy of its layers, on disk as in memory.
     """
 
     prompt: str | None
     tokens: Int[Tensor, " pos"]
     str_tokens: list[str]
     prompt_length: int
-    """Tokens of the prompt (BOS included): the answer starts at this position."""
+    """Tokens of the prompt (BOS included where it has one): the answer starts at this position."""
     steps: tuple[GenerationStep, ...]
 
     @property
@@ -136,7 +137,7 @@ class GenerationExplanation(Sequence[GenerationStep]):
         )
         return table.iloc[:, : max(1, width - 1)]
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> "dict[str, go.Figure]":
         """``keys``: the answer tokens x keys heatmap of attention terms."""
         from contribution_lens.views import plot
 
@@ -147,111 +148,16 @@ class GenerationExplanation(Sequence[GenerationStep]):
             f"GenerationExplanation({len(self.steps)} tokens: {self.answer!r}, prompt of {self.prompt_length} tokens)"
         )
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the prompt, the tokens and every step (attribution and flow) to one ``.safetensors`` file.
+    def report(self, path: str | os.PathLike) -> Path:
+        """One self-contained HTML page: the prompt and answer, the figures and one row per answer token."""
+        from contribution_lens.views import html
 
-        Steps whose flows come from one pass (all of `explain_generation`'s) share one copy of its
-        mixings and edges, as they do in memory; an attribution's tokens are written only where they
-        are not the explanation's. Not written: a flow's logits (as `Flow.save` does not).
-        """
-        tensors, metadata = self._parts()
-        return save_tensors(path, tensors, metadata, format=_FORMAT, example="generation.safetensors")
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "GenerationExplanation":
-        """Read a file written by `save`; the steps' flows share one set of layers again."""
-        # A truncated file, another format or edited metadata: the error names the file.
-        tensors, metadata = load_tensors(path, format=_FORMAT, kind="GenerationExplanation")
-        with reading(path, "a GenerationExplanation written by GenerationExplanation.save"):
-            return cls._from_parts(tensors, metadata)
-
-    def _parts(self) -> tuple[dict[str, Tensor], dict[str, str]]:
-        """The tensors and string metadata of `save`: step ``k`` under ``steps.{k}.``, flow ``i`` under ``flows.{i}.``.
-
-        A step's attribution and a flow are written as `LogitAttribution.save` and `Flow.save` write
-        them (`LogitAttribution._parts`, `Flow._parts`), their names prefixed.
-        """
-        tensors = {"tokens": self.tokens.cpu().contiguous().clone()}
-        metadata = {name: json.dumps(getattr(self, name)) for name in ("prompt", "str_tokens", "prompt_length")}
-        flows, flow_of = _distinct_flows(self.steps)
-        metadata |= {"n_steps": json.dumps(len(self.steps)), "n_flows": json.dumps(len(flows))}
-        for index, flow in enumerate(flows):
-            flow_tensors, flow_metadata = flow._parts()
-            tensors |= _prefixed(flow_tensors, f"flows.{index}.")
-            metadata |= _prefixed(flow_metadata, f"flows.{index}.")
-        for k, (step, flow_index) in enumerate(zip(self.steps, flow_of, strict=True)):
-            step_tensors, step_metadata = step.attribution._parts()
-            if step.attribution.str_tokens == self.str_tokens and torch.equal(
-                step_tensors["tokens"], tensors["tokens"]
-            ):
-                del step_tensors["tokens"], step_metadata["str_tokens"]  # the explanation's own: written once
-            tensors |= _prefixed(step_tensors, f"steps.{k}.attribution.")
-            metadata |= _prefixed(step_metadata, f"steps.{k}.attribution.")
-            explains = None if step.flow is None else {"index": flow_index, "positions": step.flow.positions}
-            fields = {"token": step.token, "token_id": step.token_id, "position": step.position, "flow": explains}
-            metadata[f"steps.{k}"] = json.dumps(fields)
-        return tensors, metadata
-
-    @classmethod
-    def _from_parts(cls, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> "GenerationExplanation":
-        """The explanation `_parts` wrote."""
-        shared_tensors, shared_metadata = {"tokens": tensors["tokens"]}, {"str_tokens": metadata["str_tokens"]}
-        flows = [
-            Flow._from_parts(_under(tensors, f"flows.{index}."), _under(metadata, f"flows.{index}."))
-            for index in range(json.loads(metadata["n_flows"]))
+        sections: list[html.Section] = [
+            ("Prompt and answer", "".join(self.str_tokens[: self.prompt_length]) + " ▸ " + self.answer),
+            *self.figures().items(),
+            ("Per answer token", self.to_dataframe()),
         ]
-        steps = []
-        for k in range(json.loads(metadata["n_steps"])):
-            prefix = f"steps.{k}.attribution."
-            attribution = LogitAttribution._from_parts(
-                shared_tensors | _under(tensors, prefix), shared_metadata | _under(metadata, prefix)
-            )
-            fields = json.loads(metadata[f"steps.{k}"])
-            flow = fields.pop("flow")
-            if flow is not None:
-                flow = flows[flow["index"]]._explaining(flow["positions"])
-            steps.append(GenerationStep(**fields, attribution=attribution, flow=flow))
-        return cls(
-            prompt=json.loads(metadata["prompt"]),
-            tokens=tensors["tokens"],
-            str_tokens=json.loads(metadata["str_tokens"]),
-            prompt_length=json.loads(metadata["prompt_length"]),
-            steps=tuple(steps),
-        )
-
-
-def _distinct_flows(steps: Sequence[GenerationStep]) -> tuple[list[Flow], list[int | None]]:
-    """The distinct flows of the steps (`Flow.at` of one flow shares its layers) and each step's index among them."""
-    flows: list[Flow] = []
-    indices: list[int | None] = []
-    for step in steps:
-        if step.flow is None:
-            indices.append(None)
-            continue
-        index = next((i for i, flow in enumerate(flows) if _same_layers(flow, step.flow)), len(flows))
-        if index == len(flows):
-            flows.append(step.flow)
-        indices.append(index)
-    return flows, indices
-
-
-def _same_layers(a: Flow, b: Flow) -> bool:
-    """Whether two flows are one flow explained at other positions: the very same layer objects, tokens, threshold."""
-    return (
-        a.layers == b.layers
-        and all(a[layer] is b[layer] for layer in a.layers)
-        and (a.threshold, a.n_layers, a.str_tokens) == (b.threshold, b.n_layers, b.str_tokens)
-        and torch.equal(a.tokens, b.tokens)
-    )
-
-
-def _prefixed(mapping: Mapping[str, V], prefix: str) -> dict[str, V]:
-    return {prefix + name: value for name, value in mapping.items()}
-
-
-def _under(mapping: Mapping[str, V], prefix: str) -> dict[str, V]:
-    """The entries of ``mapping`` named ``prefix + name``, by ``name`` (`_prefixed` undone)."""
-    return {name.removeprefix(prefix): value for name, value in mapping.items() if name.startswith(prefix)}
+        return html.write_html(path, f"GenerationExplanation of {self.answer!r}", sections)
 
 
 def greedy_tokens(
@@ -272,14 +178,16 @@ def greedy_tokens(
     return torch.tensor(new, dtype=torch.long)
 
 
-def _answer_ids(model: adapter.Model, answer: str | Sequence[TokenLike] | Tensor) -> list[int]:
+def _answer_ids(
+    model: adapter.Model, answer: str | Sequence[TokenLike] | Tensor, readout: adapter.Readout
+) -> list[int]:
     if isinstance(answer, str):
         ids = model.tokenizer.encode(answer, add_special_tokens=False)
     elif isinstance(answer, Tensor):
         ids = answer.reshape(-1).tolist()
     else:
-        ids = [token_id(model, token, "answer token") for token in answer]
-    checked = [token_id(model, int(i), "answer token") for i in ids]
+        ids = [token_id(model, token, "answer token", readout) for token in answer]
+    checked = [token_id(model, int(i), "answer token", readout) for i in ids]
     if not checked:
         raise ValueError("answer is empty: there is no token to explain")
     return checked
@@ -294,7 +202,7 @@ def explain_generation(
     stop_at_eos: bool = True,
     flow: bool = True,
     threshold: float = DEFAULT_THRESHOLD,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> GenerationExplanation:
     """Generate greedily from ``prompt`` (or take ``answer``) and explain every answer token's logit.
@@ -305,35 +213,35 @@ def explain_generation(
 
     Args:
         model: a decoder ``TransformerBridge`` with an LM head.
-        prompt: a text (BOS prepended) or token ids ``[pos]``.
+        prompt: a text (tokenised as the model does, see ``prepend_bos``) or token ids ``[pos]``.
         max_new_tokens: how many tokens to generate at most (greedy decoding).
         answer: explain this continuation instead of generating one (a text, tokens or ids).
         stop_at_eos: stop generating after the tokenizer's end-of-sequence token.
         flow: also compute every step's flow in the same pass (``step.flow``).
         threshold: the flow graph's smallest kept edge weight (see `contribution_lens.flow`).
-        prepend_bos: prepend the tokenizer's BOS to a text prompt.
+        prepend_bos: prepend the tokenizer's BOS to a text prompt; None: the model's own choice
+            (``cfg.default_prepend_bos``).
         dtype: accumulation dtype of the terms.
     """
-    check_decoder(model)
-    if answer is None and (
-        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
-    ):
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    readout = check_decoder(model)
+    if answer is None:
+        max_new_tokens = as_count(max_new_tokens, "max_new_tokens")
+    threshold = as_threshold(threshold)
     batch = one_text(model, prompt, prepend_bos)
     prompt_ids = batch.tokens[0]
     if answer is None:
         new = greedy_tokens(model, prompt_ids, max_new_tokens, stop_at_eos=stop_at_eos).tolist()
     else:
-        new = _answer_ids(model, answer)
+        new = _answer_ids(model, answer, readout)
     full = torch.cat([prompt_ids, torch.tensor(new, dtype=torch.long, device=prompt_ids.device)])
     adapter.check_length(model, full.shape[0], "prompt and answer")
     whole = adapter.to_token_batch(model, full)
     start = prompt_ids.shape[0]
     positions = list(range(start - 1, start - 1 + len(new)))
-    also = (lambda layer: _flow_layer(model, layer, threshold)) if flow else None
-    capture = adapter.flow_capture(model) if flow else ()
+    also = (lambda layer: _flow_layer(readout, layer, threshold)) if flow else None
+    capture = readout.flow_capture if flow else ()
     explained, flows = attribute_with(
-        model, whole, positions, new, [None] * len(new), dtype=dtype, also=also, also_capture=capture
+        model, whole, positions, new, [None] * len(new), dtype=dtype, also=also, also_capture=capture, readout=readout
     )
     shared = None if flows is None else Flow.from_results(flows, positions=positions, threshold=threshold)
     steps = tuple(

@@ -5,10 +5,11 @@ instead of the decompositions: `layer_summary` streams the same numbers as
 ``attention_geometry(...).layer_summary()`` with one layer alive at a time.
 """
 
-import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from operator import attrgetter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import einops
 import pandas as pd
@@ -19,19 +20,22 @@ from transformer_lens import ActivationCache
 
 from contribution_lens import adapter
 from contribution_lens.choices import as_index, as_indices
-from contribution_lens.decomposition import Decomposition, Factor, Scope, decompose
+from contribution_lens.decomposition import MEASURES, Decomposition, Factor, Scope, decompose
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.files import reading, save_tensors
 
-_FIELDS = ("attention", "cosine", "value_norm", "output_norm", "valid")
-_FORMAT = "contribution_lens.Geometry/1"
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 
 class Geometry(LayerResults[Decomposition]):
     """Per-layer `Decomposition` of a batch, with the tokens that label it.
 
     ``geometry[3].contribution`` is ``[batch head query key]``; ``geometry[-1]`` is the last layer.
+    ``save(path)`` / ``Geometry.load(path)`` keep every layer's factors in one file; ``figures()``
+    and ``report(path)`` are its overview.
     """
+
+    STORED = ("scope",)
 
     def __init__(
         self,
@@ -42,6 +46,7 @@ class Geometry(LayerResults[Decomposition]):
         scope: Scope | str,
         n_layers: int | None = None,
         logits: Tensor | None = None,
+        bos_first: bool = True,
     ) -> None:
         super().__init__(
             layers,
@@ -50,6 +55,7 @@ class Geometry(LayerResults[Decomposition]):
             str_tokens=str_tokens,
             n_layers=n_layers,
             logits=logits,
+            bos_first=bos_first,
         )
         self.scope = Scope.of(scope)
         for layer, d in self.items():
@@ -65,7 +71,7 @@ class Geometry(LayerResults[Decomposition]):
         device_move = not isinstance(target, torch.dtype)
         tokens = self.tokens.to(target) if device_move else self.tokens
         mask = self.attention_mask.to(target) if device_move else self.attention_mask
-        return Geometry(moved, tokens, mask, self.str_tokens, self.scope, self.n_layers)
+        return Geometry(moved, tokens, mask, self.str_tokens, self.scope, self.n_layers, bos_first=self.bos_first)
 
     def head_summary(self, factor: Factor | str = Factor.CONTRIBUTION) -> Float[Tensor, "layer head"]:
         """Mean of ``factor`` over every valid (query, key) pair of the batch, per layer and head.
@@ -80,13 +86,22 @@ class Geometry(LayerResults[Decomposition]):
             rows.append(total / valid.sum().clamp_min(1))
         return torch.stack(rows)
 
-    def layer_summary(self, sink: int = 0) -> pd.DataFrame:
-        """One row per layer: how far attention and contribution disagree (see `layer_disagreement`)."""
-        rows = [{"layer": layer, **layer_disagreement(d, self.attention_mask, sink)} for layer, d in self.items()]
+    def layer_summary(self, sink: int | None = None) -> pd.DataFrame:
+        """One row per layer: how far attention and contribution disagree (see `layer_disagreement`).
+
+        ``sink``: the key position compared; None: 0 where every text starts with the model's BOS,
+        else, per layer and text, the key of largest attention share (`sink_positions`).
+        """
+        mask = self.attention_mask
+        rows = [
+            {"layer": layer, **layer_disagreement(d, mask, sink_positions(d, sink, self.bos_first, mask))}
+            for layer, d in self.items()
+        ]
         return pd.DataFrame(rows).set_index("layer")
 
-    def sink_layer(self, sink: int = 0) -> int:
-        """The layer where attention to and contribution of key ``sink`` differ most (token level)."""
+    def sink_layer(self, sink: int | None = None) -> int:
+        """The layer where attention to and contribution of key ``sink`` differ most (token level; ``sink`` as in
+        `layer_summary`)."""
         table = self.layer_summary(sink)
         return int(table["sink_contribution"].sub(table["sink_attention"]).abs().idxmax())
 
@@ -132,51 +147,85 @@ class Geometry(LayerResults[Decomposition]):
             table = table[table["contribution"].abs() >= min_abs_contribution].reset_index(drop=True)
         return table
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write every layer's tensors to one ``.safetensors`` file, tokens and scope in its metadata."""
-        tensors = {"tokens": self.tokens.cpu().contiguous(), "attention_mask": self.attention_mask.cpu().contiguous()}
-        for layer, d in self.items():
-            for name in _FIELDS:
-                tensors[f"{layer}.{name}"] = getattr(d, name).detach().cpu().contiguous().clone()
-        metadata = {
-            "scope": str(self.scope),
-            "n_layers": str(self.n_layers),
-            "layers": json.dumps(self.layers),
-            "str_tokens": json.dumps(self.str_tokens),
+    def figures(
+        self,
+        *,
+        layer: int | None = None,
+        index: int = 0,
+        measures: Mapping[str, Callable[[Decomposition], Tensor]] | None = None,
+    ) -> "dict[str, go.Figure]":
+        """The overview of batch element ``index``, each figure under its title.
+
+        The attention to, and the contribution of, the first token (BOS) per layer and head; then,
+        at ``layer`` (default: `sink_layer` of key 0, where the two disagree most), the token-level
+        contribution heatmap and the measures of the last query side by side. ``measures`` maps
+        a label to a score of a `Decomposition`: by default its own four (attention,
+        value-weighted, output-normalised, contribution); ``cl.methods.decomposition_measures()``
+        adds every registered one.
+        """
+        from contribution_lens.views import plot
+
+        shown = self.sink_layer(0) if layer is None else self.resolve(layer)
+        query = len(self.str_tokens[index]) - 1
+        sink_attention = torch.stack([d.attention[index, :, 1:, 0].mean(-1) for d in self.values()])
+        sink_contribution = torch.stack([d.contribution[index, :, 1:, 0].mean(-1) for d in self.values()])
+        chosen = measures if measures is not None else {label: attrgetter(name) for name, label in MEASURES.items()}
+        # Key 0 is BOS where the texts start with one, else the text's first token, named as such.
+        first = "BOS" if self.bos_first else f"the first token, {self.str_tokens[index][0]!r}"
+        bos = f"contribution of {first} ({self.scope}-head)"
+        return {
+            f"Attention to the first token ({first}), per head": plot.head_grid(
+                sink_attention, title=f"attention to {first}", layers=self.layers
+            ),
+            f"Contribution of the first token ({first}), per head": plot.head_grid(
+                sink_contribution, title=bos, layers=self.layers, signed=True
+            ),
+            f"Token-level contribution at layer {shown}": plot.token_heatmap(self, layer=shown, index=index),
+            f"Every measure for the last query at layer {shown}": plot.measure_bars(
+                self, chosen, layer=shown, query=query, index=index
+            ),
         }
-        return save_tensors(path, tensors, metadata, format=_FORMAT, example="geometry.safetensors")
 
-    @classmethod
-    def load(cls, path: str | os.PathLike, device: torch.device | str = "cpu") -> "Geometry":
-        """Read a file written by `save`."""
-        from safetensors import safe_open
+    def report(
+        self,
+        path: str | os.PathLike,
+        *,
+        title: str | None = None,
+        layer: int | None = None,
+        text: str = "",
+        measures: Mapping[str, Callable[[Decomposition], Tensor]] | None = None,
+    ) -> Path:
+        """One self-contained HTML page: the text, the per-layer summary and `figures` (of batch element 0).
 
-        source = Path(path)
-        if not source.is_file():
-            raise FileNotFoundError(f"no saved Geometry at {source}")
-        # A truncated file, edited metadata or labels that no longer fit the tokens: the error names the file.
-        with reading(source, "a Geometry written by Geometry.save"):
-            with safe_open(str(source), framework="pt", device=str(device)) as handle:
-                metadata = handle.metadata() or {}
-                if metadata.get("format") != _FORMAT:
-                    raise ValueError(f"its format is {metadata.get('format')!r}")
-                layers = {
-                    layer: Decomposition(
-                        **{name: handle.get_tensor(f"{layer}.{name}") for name in _FIELDS}, scope=metadata["scope"]
-                    )
-                    for layer in json.loads(metadata["layers"])
-                }
-                tokens, mask = handle.get_tensor("tokens"), handle.get_tensor("attention_mask")
-            return cls(
-                layers, tokens, mask, json.loads(metadata["str_tokens"]), metadata["scope"], int(metadata["n_layers"])
-            )
+        ``title`` defaults to what the result is: ``Geometry of N tokens (scope-head)``.
+
+        Example:
+            >>> import contribution_lens as cl, tempfile
+            >>> model = cl.load_model()
+            >>> g = cl.attention_geometry(model, "The cat sat on the mat.")
+            >>> g.report(tempfile.mkdtemp() + "/demo.html").stat().st_size > 1_000_000  # plotly.js is embedded
+            True
+        """
+        from contribution_lens.views import html
+
+        sections: list[html.Section] = [
+            ("Text", text or "".join(self.str_tokens[0])),
+            ("Per-layer summary", self.layer_summary()),
+            *self.figures(layer=layer, measures=measures).items(),
+        ]
+        default = f"Geometry of {len(self.str_tokens[0])} tokens ({self.scope}-head)"
+        return html.write_html(path, default if title is None else title, sections)
 
 
 def _positions(value: int | Sequence[int] | None, size: int, what: str) -> list[int]:
     if value is None:
         return list(range(size))
+    plural = {"query": "queries"}.get(what, f"{what}s")
     resolved = []
-    for item in as_indices(value, {"query": "queries"}.get(what, f"{what}s")):
+    items = as_indices(value, plural)
+    if not items:
+        raise ValueError(f"{plural} is empty: give at least one {what}, or None for all {plural}")
+    for item in items:
         if not -size <= item < size:
             raise IndexError(f"{what} {item} does not exist (0..{size - 1})")
         resolved.append(item % size)
@@ -206,7 +255,22 @@ def _layer_frame(
     )
 
 
-def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) -> dict[str, float]:
+def sink_positions(
+    d: Decomposition, sink: int | None, bos_first: bool, attention_mask: Bool[Tensor, "batch key"]
+) -> int | Int[Tensor, " batch"]:
+    """The key compared with the rest in a layer summary: ``sink``, or 0 after a BOS, else found per text.
+
+    Found: the key of largest attention share (`contribution_lens.analyses.sinks.sink_shares`,
+    Gu et al.'s share, averaged over heads and the queries that see the key).
+    """
+    if sink is not None or bos_first:
+        return 0 if sink is None else sink
+    from contribution_lens.analyses.sinks import sink_shares
+
+    return sink_shares(d.attention, attention_mask=attention_mask).argmax(-1)
+
+
+def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int | Tensor = 0) -> dict[str, float]:
     """How far attention and contribution disagree in one layer, token level.
 
     * ``sink_attention`` / ``sink_contribution``: mean over real queries ``i != sink`` that can
@@ -215,6 +279,7 @@ def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) 
     * ``top1_agreement``: share of those queries whose most-attended key is also the key of
       largest contribution.
 
+    ``sink`` is one key position, or one per text (``[batch]``, as `sink_positions` finds them).
     Raises for a batch whose texts all have one token: no query then sees another key.
     """
     if int(attention_mask.sum(-1).max()) < 2:
@@ -222,12 +287,19 @@ def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) 
             "a layer summary compares each query's attention with its contributions over the keys it sees: "
             "it needs a text of at least two tokens (with prepend_bos=False a one-word text has one)"
         )
-    sink = _sink_position(sink, d.shape[3])
-    real_query = attention_mask.to(d.attention.device) & d.valid[:, :, sink]  # a new tensor
-    real_query[:, sink] = False  # the sink attending to itself says nothing
+    batch, _, n_query, n_key = d.shape
+    column = (
+        torch.full((batch,), _sink_position(sink, n_key), device=d.attention.device)
+        if not isinstance(sink, Tensor)
+        else sink.to(d.attention.device, torch.long)
+    )
+    at_sink = einops.repeat(column, "batch -> batch query 1", query=n_query)
+    real_query = attention_mask.to(d.attention.device) & d.valid.gather(2, at_sink)[..., 0]  # a new tensor
+    real_query[torch.arange(batch), column] = False  # the sink attending to itself says nothing
     if not bool(real_query.any()):
+        shown = int(column[0]) if isinstance(sink, int) or not isinstance(sink, Tensor) else column.tolist()
         raise ValueError(
-            f"no real query other than the sink sees key {sink} (causal attention: only later tokens see it; "
+            f"no real query other than the sink sees key {shown} (causal attention: only later tokens see it; "
             "padding sees nothing): choose an earlier sink position"
         )
     # Head by head: a long text's summary never holds a second full [batch head query key] tensor.
@@ -244,8 +316,8 @@ def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int = 0) 
     attention /= d.shape[1]
     agree = attention.argmax(-1) == contribution.argmax(-1)
     return {
-        "sink_attention": _mean(attention[..., sink][real_query]),
-        "sink_contribution": _mean(contribution[..., sink][real_query]),
+        "sink_attention": _mean(attention.gather(2, at_sink)[..., 0][real_query]),
+        "sink_contribution": _mean(contribution.gather(2, at_sink)[..., 0][real_query]),
         "negative_share": negative / attended if attended else float("nan"),
         "top1_agreement": _mean(agree[real_query].float()),
     }
@@ -276,10 +348,13 @@ def layer_summary(
     *,
     layers: int | Sequence[int] | None = None,
     scope: Scope | str = Scope.INTER,
-    sink: int = 0,
-    prepend_bos: bool = True,
+    sink: int | None = None,
+    prepend_bos: bool | None = None,
 ) -> pd.DataFrame:
     """`Geometry.layer_summary` without keeping any layer: memory of one layer at a time.
+
+    ``sink`` as in `Geometry.layer_summary` (None: 0 after a BOS, else found per layer and text);
+    ``prepend_bos``: prepend the tokenizer's BOS to texts (None: the model's own choice).
 
     Example:
         >>> import contribution_lens as cl
@@ -291,7 +366,9 @@ def layer_summary(
     scope = Scope.of(scope)
 
     def summarise(layer: adapter.LayerInputs) -> dict[str, float]:
-        return layer_disagreement(layer.decompose(scope), layer.attention_mask, sink)
+        d = layer.decompose(scope)
+        mask = layer.attention_mask
+        return layer_disagreement(d, mask, sink_positions(d, sink, layer.bos_first, mask))
 
     results = map_layers(model, inputs, summarise, layers=layers, prepend_bos=prepend_bos)
     return pd.DataFrame([{"layer": layer, **row} for layer, row in results.items()]).set_index("layer")
@@ -306,7 +383,7 @@ def attention_geometry(
     attention_mask: Tensor | None = None,
     tokens: Tensor | None = None,
     dtype: torch.dtype | None = None,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
 ) -> Geometry:
     """Contribution weights and their factors for every requested layer, in one forward pass.
 
@@ -324,7 +401,8 @@ def attention_geometry(
         attention_mask: padding mask for token ids or a cache (1 = real token).
         tokens: the token ids a cache was computed from, for labels.
         dtype: accumulation dtype (float32 by default, whatever the model's dtype).
-        prepend_bos: prepend BOS to texts (see `contribution_lens.adapter`).
+        prepend_bos: prepend the tokenizer's BOS to texts; None: the model's own choice
+            (``cfg.default_prepend_bos``, `contribution_lens.adapter.prepends_bos`).
 
     Example:
         >>> import contribution_lens as cl
@@ -394,4 +472,5 @@ def _from_cache(
     )
     if attention_mask is not None:
         str_tokens = [labels[: int(m.sum())] for labels, m in zip(str_tokens, full_mask, strict=True)]
-    return Geometry(results, token_ids, full_mask, str_tokens, scope, adapter.n_layers(model))
+    bos_first = tokens is None or set(token_ids[:, 0].tolist()) <= adapter.start_ids(model)
+    return Geometry(results, token_ids, full_mask, str_tokens, scope, adapter.n_layers(model), bos_first=bos_first)

@@ -31,12 +31,11 @@ logit would lose if that component's output were removed *and the scales stayed 
     ' Mary'
 """
 
-import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import einops
 import pandas as pd
@@ -45,39 +44,26 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.choices import as_position
+from contribution_lens.choices import as_count, as_position
 from contribution_lens.engine import LayerResults, map_layers
-from contribution_lens.files import load_tensors, reading, save_tensors
+from contribution_lens.files import Saves
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 TOLERANCE = 1e-3
 """Relative gap between the sum of the terms and the model's logit above which a call fails."""
-_FORMAT = "contribution_lens.LogitAttribution/1"
-_TENSORS = ("tokens", "attention", "attention_bias", "post_norm_bias", "mlp")
-_METADATA = (
-    "str_tokens",
-    "position",
-    "target",
-    "target_token",
-    "foil",
-    "foil_token",
-    "logit",
-    "embed",
-    "final_norm_bias",
-    "unembed_bias",
-    "has_biases",
-    "softcap",
-)
-"""The fields a file holds as JSON metadata; `_TENSORS` are its tensors (together: every field)."""
 
 
 @dataclass(frozen=True, eq=False)
-class LogitAttribution:
+class LogitAttribution(Saves):
     """Signed terms that add up to one next-token logit (or logit difference) of a decoder.
 
     ``attention[l, h, j]`` is key ``j``'s term through head ``h`` of layer ``l``; the others are
     one number per layer (``mlp``, ``attention_bias`` = ``b_O``, ``post_norm_bias``) or per model
     (``embed``, ``final_norm_bias``, ``unembed_bias``). ``logit`` is the model's own value, and
     ``total()`` the terms' sum. Biases a model does not have are 0 and get no table row.
+    ``save(path)`` / ``LogitAttribution.load(path)`` keep it in one file.
     """
 
     tokens: Int[Tensor, " pos"]
@@ -195,12 +181,11 @@ class LogitAttribution:
 
     def top(self, k: int = 10) -> pd.DataFrame:
         """The ``k`` terms of largest magnitude (any component), largest first."""
-        if k < 1:
-            raise ValueError(f"k must be a positive integer, got {k}")
+        k = as_count(k, "k")
         table = self.to_dataframe()
         return table.loc[table["value"].abs().sort_values(ascending=False).index[:k]].reset_index(drop=True)
 
-    def figures(self) -> dict[str, Any]:
+    def figures(self) -> "dict[str, go.Figure]":
         """``heads`` (layers x heads heatmap), ``keys`` (per-key bars with tokens), ``layers`` (attention vs MLP)."""
         from contribution_lens.views import plot
 
@@ -213,33 +198,19 @@ class LogitAttribution:
             f"layers={self.n_layers}, heads={self.attention.shape[1]}, top key {key}:{self.str_tokens[key]!r})"
         )
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the terms to one ``.safetensors`` file (tokens, target and foil in its metadata)."""
-        tensors, metadata = self._parts()
-        return save_tensors(path, tensors, metadata, format=_FORMAT, example="logit.safetensors")
+    def report(self, path: str | os.PathLike) -> Path:
+        """One self-contained HTML page: the figures, the largest terms and the terms per layer."""
+        from contribution_lens.views import html
 
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "LogitAttribution":
-        """Read a file written by `save`."""
-        # A truncated file, another format or edited metadata: the error names the file.
-        tensors, metadata = load_tensors(path, format=_FORMAT, kind="LogitAttribution")
-        with reading(path, "a LogitAttribution written by LogitAttribution.save"):
-            return cls._from_parts(tensors, {name: value for name, value in metadata.items() if name != "format"})
-
-    def _parts(self) -> tuple[dict[str, Tensor], dict[str, str]]:
-        """What `save` writes: the tensor fields, and every other field as JSON metadata.
-
-        Also how a `GenerationExplanation` file holds each step's attribution (under a prefix).
-        """
-        tensors = {name: getattr(self, name).detach().cpu().contiguous().clone() for name in _TENSORS}
-        return tensors, {name: json.dumps(getattr(self, name)) for name in _METADATA}
-
-    @classmethod
-    def _from_parts(cls, tensors: Mapping[str, Tensor], metadata: Mapping[str, str]) -> "LogitAttribution":
-        """The attribution `_parts` wrote."""
-        fields: dict[str, Any] = {**tensors, **{name: json.loads(value) for name, value in metadata.items()}}
-        fields["has_biases"] = tuple(fields["has_biases"])
-        return cls(**fields)
+        sections: list[html.Section] = [
+            ("Text", "".join(self.str_tokens)),
+            ("What is explained", f"{self.quantity} = {self.logit:.4f} at position {self.position}; "
+             f"the terms add up to {self.total():.4f}"),
+            *self.figures().items(),
+            ("The 20 largest terms", self.top(20)),
+            ("Per layer", self.by_layer()),
+        ]  # fmt: skip
+        return html.write_html(path, f"LogitAttribution of {self.quantity}", sections)
 
 
 def _rows(component: str, term: str, values: list[float], *, layers: bool = False) -> pd.DataFrame:
@@ -277,18 +248,20 @@ class _LayerRecord:
     post_scale: Float[Tensor, " pos"] | None
 
 
-def check_decoder(model: adapter.Model) -> None:
-    """Refuse, before any pass, a model whose next-token logits this analysis cannot split."""
+def check_decoder(model: adapter.Model) -> adapter.Readout:
+    """Refuse, before any pass, a model whose next-token logits this analysis cannot split; else its readout."""
     adapter.n_layers(model)
     if not adapter.is_causal_model(model):
         raise ValueError(
             "logit attribution explains a decoder's next-token logit; this model's attention is bidirectional "
             "(an encoder such as BERT), and its masked-LM head transforms the residual stream non-linearly"
         )
-    adapter.unembedding(model)
+    readout = adapter.readout(model)
+    readout.unembedding()
+    return readout
 
 
-def token_id(model: adapter.Model, token: TokenLike, what: str) -> int:
+def token_id(model: adapter.Model, token: TokenLike, what: str, readout: adapter.Readout | None = None) -> int:
     """``token`` as an id of the model's vocabulary; a string must be exactly one token.
 
     Example:
@@ -300,7 +273,7 @@ def token_id(model: adapter.Model, token: TokenLike, what: str) -> int:
         >>> token_id(model, 9, "target")
         9
     """
-    d_vocab = int(adapter.unembedding(model)[0].shape[1])
+    d_vocab = int((readout or adapter.readout(model)).unembedding()[0].shape[1])
     if isinstance(token, str):
         tokenizer = getattr(model, "tokenizer", None)
         if tokenizer is None:
@@ -312,6 +285,11 @@ def token_id(model: adapter.Model, token: TokenLike, what: str) -> int:
                 f"{what} {token!r} is {len(ids)} tokens for this tokenizer ({pieces}); give exactly one token, "
                 "as a string or an id (a leading space is part of a token: ' Mary', not 'Mary')"
             )
+        if not 0 <= ids[0] < d_vocab:
+            raise ValueError(
+                f"{what} {token!r} is token id {ids[0]}, outside the model's vocabulary of {d_vocab} ids "
+                f"(0..{d_vocab - 1}): the tokenizer has tokens the model has no embedding for"
+            )
         return int(ids[0])
     index = adapter.as_index(token, f"{what} must be a token string or an integer id")
     if not 0 <= index < d_vocab:
@@ -319,7 +297,7 @@ def token_id(model: adapter.Model, token: TokenLike, what: str) -> int:
     return index
 
 
-def one_text(model: adapter.Model, text: str | Tensor, prepend_bos: bool) -> adapter.TokenBatch:
+def one_text(model: adapter.Model, text: str | Tensor, prepend_bos: bool | None) -> adapter.TokenBatch:
     """One text (or one row of token ids) as a batch of one."""
     if not isinstance(text, str | Tensor):
         raise TypeError(f"text must be one string or a tensor of token ids, got {type(text).__name__}")
@@ -328,11 +306,11 @@ def one_text(model: adapter.Model, text: str | Tensor, prepend_bos: bool) -> ada
     return adapter.to_token_batch(model, text, prepend_bos=prepend_bos)
 
 
-def _recorder(model: adapter.Model, positions: Tensor) -> Any:
+def _recorder(readout: adapter.Readout, positions: Tensor) -> Any:
     def record(layer: adapter.LayerInputs) -> _LayerRecord:
         pre = layer.captured[adapter.RESID_PRE][0]
         post = layer.captured[adapter.RESID_POST][0]
-        scale = adapter.captured_post_scale(model, layer)
+        scale = readout.post_scale(layer)
         rows = positions.to(pre.device)
         return _LayerRecord(
             alpha=layer.pattern[0][:, rows, :],
@@ -355,11 +333,11 @@ def _dot(bias: Tensor | None, direction: Tensor) -> Tensor:
 
 
 def _layer_terms(
-    model: adapter.Model, layer: int, record: _LayerRecord, u: Float[Tensor, "pos d_model"]
+    readout: adapter.Readout, layer: int, record: _LayerRecord, u: Float[Tensor, "pos d_model"]
 ) -> dict[str, Tensor]:
     """One layer's terms for every explained position: ``attention`` ``[pos head key]``, the rest ``[pos]``."""
     dtype = u.dtype
-    norm = adapter.post_attention_norm(model, layer)
+    norm = readout.post_norms[layer]
     u_layer = u if norm is None or record.post_scale is None else norm.pull_back(u, record.post_scale)
     # <alpha_ij vt_j, u> = alpha_ij * (v_j @ (W_O u)): the projected values are never formed.
     read = einops.einsum(record.W_O.to(dtype), u_layer, "head d_head d_model, pos d_model -> pos head d_head")
@@ -375,28 +353,13 @@ def _layer_terms(
     }
 
 
-def _directions(
-    model: adapter.Model, targets: list[int], foils: list[int | None], dtype: torch.dtype
-) -> tuple[Float[Tensor, "pos d_model"], Float[Tensor, " pos"]]:
-    """``W_U[:, t] - W_U[:, f]`` per explained position, and ``b_U[t] - b_U[f]``."""
-    W_U, b_U = adapter.unembedding(model)
-    rows = W_U[:, targets].T.to(dtype)
-    bias = torch.zeros(len(targets), dtype=dtype, device=rows.device) if b_U is None else b_U[targets].to(dtype)
-    for index, foil in enumerate(foils):
-        if foil is not None:
-            rows[index] -= W_U[:, foil].to(dtype)
-            if b_U is not None:
-                bias[index] -= b_U[foil].to(dtype)
-    return rows, bias
-
-
-def _check_total(model: adapter.Model, result: LogitAttribution) -> None:
+def _check_total(readout: adapter.Readout, result: LogitAttribution) -> None:
     total = result.total()
     gap = abs(total - result.logit) / max(1.0, abs(result.logit))
     if not gap <= TOLERANCE:
         raise RuntimeError(
             f"the terms of {result.quantity} at position {result.position} add up to {total:.6g} but the model's "
-            f"value is {result.logit:.6g} (relative gap {gap:.2g}): {type(model).__name__}'s residual stream or "
+            f"value is {result.logit:.6g} (relative gap {gap:.2g}): {readout.model_name}'s residual stream or "
             "norms are not wired the way the adapter reads them"
         )
 
@@ -409,14 +372,16 @@ def attribute_positions(
     foils: Sequence[int | None],
     *,
     dtype: torch.dtype = torch.float32,
+    readout: adapter.Readout | None = None,
 ) -> list[LogitAttribution]:
     """`LogitAttribution` at every position of ``positions`` of a batch of one, from one forward pass.
 
     ``targets[k]`` is the token explained at ``positions[k]`` (None: the model's top prediction
     there); ``foils[k]`` the token it is contrasted with, or None. Memory: per layer the pattern's
     rows at those positions and ``hook_v``; the largest intermediate is ``[pos head key]``.
+    ``readout`` is the model's `contribution_lens.adapter.Readout` where the caller has built it.
     """
-    return attribute_with(model, batch, positions, targets, foils, dtype=dtype)[0]
+    return attribute_with(model, batch, positions, targets, foils, dtype=dtype, readout=readout)[0]
 
 
 def attribute_with(
@@ -429,26 +394,29 @@ def attribute_with(
     dtype: torch.dtype = torch.float32,
     also: Callable[[adapter.LayerInputs], Any] | None = None,
     also_capture: Sequence[str] = (),
+    readout: adapter.Readout | None = None,
 ) -> tuple[list[LogitAttribution], LayerResults[Any] | None]:
     """`attribute_positions`, and another per-layer function ``also`` run in the same pass (its results second)."""
+    readout = readout or adapter.readout(model)
     store: dict[str, Tensor] = {}
     rows = torch.tensor(list(positions), dtype=torch.long)
-    record = _recorder(model, rows)
-    capture = list(dict.fromkeys([*adapter.residual_capture(model), *also_capture]))
+    record = _recorder(readout, rows)
+    capture = list(dict.fromkeys([*readout.residual_capture, *also_capture]))
     both = map_layers(
         model,
         batch,
         record if also is None else (lambda layer: (record(layer), also(layer))),
         capture=capture,
-        whole_pass=True,  # the unembedding sees the explained positions only (`adapter.final_hooks`)
-        extra_hooks=adapter.final_hooks(model, rows.tolist(), store),
+        whole_pass=True,  # the unembedding sees the explained positions only (`Readout.final_hooks`)
+        extra_hooks=readout.final_hooks(rows.tolist(), store),
     )
     records = both if also is None else both.map(lambda pair: pair[0])
     extra = None if also is None else both.map(lambda pair: pair[1])
-    return _assemble(model, batch, rows.tolist(), targets, foils, records, store, dtype), extra
+    return _assemble(readout, model, batch, rows.tolist(), targets, foils, records, store, dtype), extra
 
 
 def _assemble(
+    readout: adapter.Readout,
     model: adapter.Model,
     batch: adapter.TokenBatch,
     positions: list[int],
@@ -464,16 +432,17 @@ def _assemble(
     for position, target, foil in zip(positions, chosen, foils, strict=True):
         if foil is not None and foil == target:
             raise ValueError(f"foil {foil} is the top prediction at position {position}: the difference would be 0")
-    direction, unembed_bias = _directions(model, chosen, list(foils), dtype)
-    final = adapter.final_norm(model)
+    direction, unembed_bias = readout.direction(chosen, list(foils), dtype)
+    final = readout.final_norm
     u = direction if final is None else final.pull_back(direction, store["final_scale"].reshape(-1))
     final_bias = _dot(None if final is None else final.bias, direction)
     first = records[0].resid_pre
     assert first is not None  # layer 0 keeps the embedding
     embed = (first.to(dtype) * u).sum(-1)
-    per_layer = [_layer_terms(model, layer, record, u) for layer, record in records.items()]
+    per_layer = [_layer_terms(readout, layer, record, u) for layer, record in records.items()]
     stacked = {name: torch.stack([terms[name] for terms in per_layer], dim=1).cpu() for name in per_layer[0]}
-    has = _biases(model, records, final)
+    has_b_O = any(record.b_O is not None for record in records.values())
+    has = ("b_O", *readout.biases) if has_b_O else readout.biases
     results = []
     for k, (position, target, foil) in enumerate(zip(positions, chosen, foils, strict=True)):
         value = logits[k, target] - (0.0 if foil is None else logits[k, foil])
@@ -491,26 +460,11 @@ def _assemble(
             final_norm_bias=float(final_bias[k]),
             unembed_bias=float(unembed_bias[k]),
             has_biases=has,
-            softcap=adapter.logit_softcap(model),
+            softcap=readout.softcap,
         )
-        _check_total(model, result)
+        _check_total(readout, result)
         results.append(result)
     return results
-
-
-def _biases(model: adapter.Model, records: Any, final: adapter.FrozenNorm | None) -> tuple[str, ...]:
-    names = []
-    if any(record.b_O is not None for record in records.values()):
-        names.append("b_O")
-    if any(
-        (norm := adapter.post_attention_norm(model, layer)) is not None and norm.bias is not None for layer in records
-    ):
-        names.append("post_norm")
-    if final is not None and final.bias is not None:
-        names.append("final_norm")
-    if adapter.unembedding(model)[1] is not None:
-        names.append("unembed")
-    return tuple(names)
 
 
 def logit_attribution(
@@ -520,7 +474,7 @@ def logit_attribution(
     foil: TokenLike | None = None,
     position: int = -1,
     *,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> LogitAttribution:
     """Split the logit of ``target`` at ``position`` (or ``logit(target) - logit(foil)``) into exact signed terms.
@@ -531,12 +485,13 @@ def logit_attribution(
 
     Args:
         model: a decoder ``TransformerBridge`` with an LM head.
-        text: one text (BOS prepended) or token ids ``[pos]``.
+        text: one text (tokenised as the model does, see ``prepend_bos``) or token ids ``[pos]``.
         target: the token whose logit is explained, as a one-token string (``" Mary"``) or an id;
             None: the model's top prediction at ``position``.
         foil: a token to contrast with ("why Mary and not John"): the difference is explained.
         position: the position whose next-token prediction is explained (negative: from the end).
-        prepend_bos: prepend the tokenizer's BOS to a text.
+        prepend_bos: prepend the tokenizer's BOS to a text; None: the model's own choice
+            (``cfg.default_prepend_bos``).
         dtype: accumulation dtype of the terms (float32; float64 for a tighter sum).
 
     Example:
@@ -546,11 +501,11 @@ def logit_attribution(
         >>> result.target_token, result.by_head().shape
         (' Paris', (30, 9))
     """
-    check_decoder(model)
-    target_id = None if target is None else token_id(model, target, "target")
-    foil_id = None if foil is None else token_id(model, foil, "foil")
+    readout = check_decoder(model)
+    target_id = None if target is None else token_id(model, target, "target", readout)
+    foil_id = None if foil is None else token_id(model, foil, "foil", readout)
     if foil_id is not None and foil_id == target_id:
         raise ValueError(f"foil {foil!r} is the target: logit(target) - logit(foil) would be 0 by definition")
     batch = one_text(model, text, prepend_bos)
     index = as_position(position, batch.tokens.shape[1])
-    return attribute_positions(model, batch, [index], [target_id], [foil_id], dtype=dtype)[0]
+    return attribute_positions(model, batch, [index], [target_id], [foil_id], dtype=dtype, readout=readout)[0]

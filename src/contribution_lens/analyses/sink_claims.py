@@ -21,7 +21,7 @@ from contribution_lens import adapter
 from contribution_lens.analyses.sink_intervention import RUNS, VARIANTS, SinkIntervention, run_sink_intervention
 from contribution_lens.analyses.sinks import PARTS, SinkLayer, claim_verdicts, sink_analysis
 from contribution_lens.choices import Factor
-from contribution_lens.files import atomic_path, reading, write_text
+from contribution_lens.files import load_result, save_result, write_text
 
 MAX_POINTS = 5000
 """(head, query) points kept for the sink-ratio scatter."""
@@ -30,8 +30,7 @@ FILES = {
     "claims": "sink_claims.json",
     "layers": "sink_intervention_layers.csv",
     "points": "sink_points.csv",
-    "beta": "sink_beta.safetensors",
-    "study": "sink_study.json",
+    "study": "sink_study.safetensors",
     "report": "sinks.html",
 }
 """What `SinkStudy.save` writes into its folder."""
@@ -81,8 +80,8 @@ class SinkStudy:
         """Per variant and layer: mean output norm and cone cosines, clean and intervened."""
         return pd.concat({v: r.per_layer for v, r in self.interventions.items()}, names=["variant"])
 
-    def figures(self) -> list[tuple[str, go.Figure]]:
-        """Every figure of the report, titled: per-layer means, per-head grids, beta curves, scatter, norms."""
+    def figures(self) -> dict[str, go.Figure]:
+        """Every figure of the report under its title: per-layer means, per-head grids, beta curves, scatter, norms."""
         from contribution_lens.views import plot
 
         layer_means = self.heads.groupby("layer").mean()
@@ -120,7 +119,7 @@ class SinkStudy:
             figures.append(
                 (f"{title.capitalize()}, clean vs intervened", plot.lines(series, title=f"{title} per layer", x=x))
             )
-        return figures
+        return dict(figures)
 
     def report(self, path: str | os.PathLike) -> Path:
         """One self-contained HTML page: the claims judged first, then the figures and every number."""
@@ -129,75 +128,41 @@ class SinkStudy:
         sections: list[html.Section] = [
             ("The claims, measured on this model", self.verdicts()),
             ("Sink-norm intervention", self.effect()),
-            *self.figures(),
+            *self.figures().items(),
             ("Every number behind the claims", pd.DataFrame({"value": self.claims})),
             ("Per head", self.heads),
         ]
         return html.write_html(path, f"Attention sinks: {self.model_name}", sections)
 
     def save(self, folder: str | os.PathLike) -> Path:
-        """Write `FILES` into ``folder`` (each atomically); `load` reads them back."""
-        from safetensors.torch import save_file
+        """Write `FILES` into ``folder`` (each atomically): the tables and the page for people, and the study itself.
 
+        The study is one file (`contribution_lens.files.save_result`, as every result is saved); `load` reads it.
+        """
         out = Path(folder)
         out.mkdir(parents=True, exist_ok=True)
         write_text(out / FILES["heads"], self.heads.to_csv())
         write_text(out / FILES["claims"], json.dumps(self.claims, indent=2))
         write_text(out / FILES["layers"], self.per_layer().to_csv())
         write_text(out / FILES["points"], self.points.to_csv(index=False))
-        tensors = {
-            f.name: getattr(self.beta, f.name).cpu().contiguous() for f in fields(SinkLayer) if f.name != "factors"
-        }
-        with atomic_path(out / FILES["beta"]) as staging:
-            save_file(tensors, str(staging))
-        study = {
-            "format": "contribution_lens.SinkStudy/1",
-            "model_name": self.model_name,
-            "beta_head": list(self.beta_head),
-            "queries": self.queries,
-            "effects": {v: r.effect() for v, r in self.interventions.items()},
-        }
-        write_text(out / FILES["study"], json.dumps(study, indent=2))
+        save_result(out / FILES["study"], self, example=FILES["study"])
         self.report(out / FILES["report"])
         return out
 
     @classmethod
     def load(cls, folder: str | os.PathLike) -> "SinkStudy":
-        """A study written by `save`."""
-        from safetensors.torch import load_file
-
+        """The study `save` wrote into ``folder``."""
         source = Path(folder)
-        missing = [name for key, name in FILES.items() if key != "report" and not (source / name).is_file()]
-        if missing:
-            raise FileNotFoundError(f"{source} holds no saved sink study: {', '.join(missing)} missing")
-        with reading(source / FILES["study"], "a sink study written by SinkStudy.save"):
-            study = json.loads((source / FILES["study"]).read_text(encoding="utf-8"))
-        if study.get("format") != "contribution_lens.SinkStudy/1":
-            raise ValueError(f"{source / FILES['study']} was not written by SinkStudy.save")
-        per_layer = pd.read_csv(source / FILES["layers"], index_col=["variant", "layer"])
-        interventions = {
-            v: SinkIntervention(v, per_layer.loc[v], effect["ppl_clean"], effect["ppl"], effect["delta_loss"])
-            for v, effect in study["effects"].items()
-        }
-        with reading(source / FILES["beta"], "a sink study's tensors written by SinkStudy.save"):
-            beta = SinkLayer(**load_file(str(source / FILES["beta"])))  # type: ignore[arg-type]
-        return cls(
-            heads=pd.read_csv(source / FILES["heads"], index_col=["layer", "head"]),
-            claims=json.loads((source / FILES["claims"]).read_text(encoding="utf-8")),
-            interventions=interventions,
-            points=pd.read_csv(source / FILES["points"]),
-            beta=beta,
-            beta_head=(int(study["beta_head"][0]), int(study["beta_head"][1])),
-            queries=[int(q) for q in study["queries"]],
-            model_name=study["model_name"],
-        )
+        if not (source / FILES["study"]).is_file():
+            raise FileNotFoundError(f"{source} holds no saved sink study: {FILES['study']} missing")
+        return load_result(source / FILES["study"], cls)
 
 
 def sink_study(
     model: adapter.Model,
     chunks: Tensor,
     *,
-    k: int = 1,
+    k: int | None = None,
     batch_size: int = 8,
     variants: tuple[str, ...] = VARIANTS,
     model_name: str = "",
@@ -206,8 +171,10 @@ def sink_study(
     """The sink geometry of every layer and head of token ``chunks [n pos]``, and the sink-norm interventions.
 
     Args:
-        chunks: token ids, each row starting with BOS (`contribution_lens.faithfulness.data.chunk_tokens`).
-        k: the sink is the first ``k`` positions.
+        chunks: token ids (`contribution_lens.faithfulness.data.chunk_tokens`), each row starting with
+            BOS where the model prepends one.
+        k: the sink is the first ``k`` positions; None (default): position 0 where every chunk starts
+            with the model's BOS, else the keys `contribution_lens.analyses.sinks.detect_sinks` finds.
         batch_size: chunks per forward pass of the interventions.
         variants: which interventions to run (`contribution_lens.analyses.sink_intervention.VARIANTS`).
 
@@ -236,7 +203,9 @@ def sink_study(
         claims |= intervention.claims()
     top_layer, top_head = (int(x) for x in heads["sink_ratio"].idxmax())
     length = chunks.shape[1]
-    queries = [q for q in (8, 64, 128, length - 1) if k <= q < length and bool(analysis[top_layer].queries[0, q])]
+    queries = [
+        q for q in (8, 64, 128, length - 1) if (k or 1) <= q < length and bool(analysis[top_layer].queries[0, q])
+    ]
     points = analysis.per_query()
     if len(points) > MAX_POINTS:
         points = points.sample(MAX_POINTS, random_state=0).sort_index()

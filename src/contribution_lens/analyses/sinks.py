@@ -1,6 +1,7 @@
 """Attention sinks: sink vs tail decomposition, anti-alignment, the convex sink-ratio curve.
 
-For one head and query ``i``, with the first ``k`` positions as the sink (``k = 1``: BOS):
+For one head and query ``i``, with the first ``k`` positions as the sink (``k = 1``: BOS; where
+a text has no BOS, or for an encoder, the sink keys `detect_sinks` finds instead):
 
 * sink ratio ``a_i = sum_{j<k} alpha_ij``; sink part ``s_i = sum_{j<k} alpha_ij vt_j``; tail
   output ``t_i = sum_{j>=k} alpha_ij vt_j``, so ``o_i = s_i + t_i``;
@@ -14,21 +15,27 @@ For one head and query ``i``, with the first ``k`` positions as the sink (``k = 
 Every inner product is taken through ``d_head`` with the Gram matrix ``W_O^h W_O^h^T``.
 """
 
+import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import einops
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from contribution_lens import adapter
 from contribution_lens.choices import as_index
 from contribution_lens.decomposition import Decomposition, Factor, Scope, head_gram, is_causal
 from contribution_lens.engine import LayerResults, map_layers
+
+if TYPE_CHECKING:
+    import plotly.graph_objects as go
 
 PARTS = ("sink", "tail")
 
@@ -116,20 +123,11 @@ def sink_mask(
     return mask
 
 
-def detect_sinks(
-    pattern: Float[Tensor, "batch head query key"],
-    *,
-    epsilon: float = 0.3,
-    attention_mask: Bool[Tensor, "batch key"] | None = None,
-) -> Bool[Tensor, "batch key"]:
-    """Sink keys by the attention-share threshold of Gu et al. (2024): mean share ``> epsilon``.
-
-    A key's share is its attention averaged over heads and over the real queries that can see
-    it (for a causal pattern, the queries at or after it). Where no key passes the threshold the
-    key of largest share is the sink, so every text has one.
-    """
-    if not 0 < epsilon < 1:
-        raise ValueError(f"epsilon must lie in (0, 1), got {epsilon}")
+def sink_shares(
+    pattern: Float[Tensor, "batch head query key"], *, attention_mask: Bool[Tensor, "batch key"] | None = None
+) -> Float[Tensor, "batch key"]:
+    """Each key's attention share (Gu et al., 2024): its attention averaged over heads and over the
+    real queries that can see it (for a causal pattern, the queries at or after it); 0 at padding."""
     batch, _, n_query, n_key = pattern.shape
     real = (
         torch.ones(batch, n_key, dtype=torch.bool, device=pattern.device)
@@ -140,10 +138,27 @@ def detect_sinks(
     received = einops.reduce(alpha, "batch head query key -> batch key", "mean") * n_query
     seen_by = einops.reduce((alpha > 0).float(), "batch head query key -> batch key", "max")
     viewers = einops.reduce((alpha > 0).float(), "batch head query key -> batch head key", "sum").amax(1).clamp_min(1)
-    share = torch.where(seen_by > 0, received / viewers, 0)
-    sinks = (share > epsilon) & real
+    return torch.where((seen_by > 0) & real, received / viewers, 0)
+
+
+def detect_sinks(
+    pattern: Float[Tensor, "batch head query key"],
+    *,
+    epsilon: float = 0.3,
+    attention_mask: Bool[Tensor, "batch key"] | None = None,
+) -> Bool[Tensor, "batch key"]:
+    """Sink keys by the attention-share threshold of Gu et al. (2024): mean share ``> epsilon``.
+
+    A key's share is `sink_shares`: its attention averaged over heads and over the real queries
+    that can see it. Where no key passes the threshold the key of largest share is the sink, so
+    every text has one.
+    """
+    if not 0 < epsilon < 1:
+        raise ValueError(f"epsilon must lie in (0, 1), got {epsilon}")
+    share = sink_shares(pattern, attention_mask=attention_mask)
+    sinks = share > epsilon
     fallback = torch.zeros_like(sinks)
-    fallback[torch.arange(batch), share.argmax(-1)] = True
+    fallback[torch.arange(pattern.shape[0]), share.argmax(-1)] = True
     return torch.where(sinks.any(-1, keepdim=True), sinks, fallback)
 
 
@@ -155,10 +170,12 @@ def sink_layer(
     k: int = 1,
     sinks: Sequence[int] | Tensor | None = None,
     attention_mask: Bool[Tensor, "batch key"] | None = None,
+    causal: bool | None = None,
 ) -> SinkLayer:
     """Sink geometry of one layer from its pattern, values and ``W_O`` (see the module doc).
 
     The sink is ``sinks`` (positions, or a ``[batch key]`` mask) or else the first ``k`` positions.
+    ``causal``: whether the pattern is causal (None: read from the pattern, one pass over it).
     """
     batch, n_heads, n_query, n_key = pattern.shape
     if n_query != n_key:
@@ -173,17 +190,14 @@ def sink_layer(
     valid = einops.rearrange(real, "batch key -> batch 1 1 key") & einops.rearrange(
         real, "batch query -> batch 1 query 1"
     )
-    alpha = torch.where(valid, pattern.float(), 0)
-    alpha_sink = alpha * einops.rearrange(is_sink, "batch key -> batch 1 1 key")
-    alpha_tail = alpha - alpha_sink
+    # Padding may hold anything (NaN too): zeroed where there is some, else the pattern is used as it is.
+    alpha = pattern.float() if attention_mask is None else torch.where(valid, pattern.float(), 0)
     group = n_heads // v.shape[2]
     values = torch.where(einops.rearrange(real, "batch key -> batch key 1 1"), v.float(), 0)
     values = einops.repeat(values, "batch key kv_head d_head -> batch (kv_head group) key d_head", group=group)
     gram = head_gram(W_O.float())
 
-    sink_ratio = alpha_sink.sum(-1)
-    z_sink = einops.einsum(alpha_sink, values, "b h q k, b h k d -> b h q d")
-    z_tail = einops.einsum(alpha_tail, values, "b h q k, b h k d -> b h q d")
+    sink_ratio, z_sink, z_tail = _sink_and_tail_outputs(alpha, values, is_sink)
     z_out = z_sink + z_tail
     sink_mean = z_sink / sink_ratio.clamp_min(1e-30)[..., None]
     tail_mean = z_tail / (1 - sink_ratio).clamp_min(1e-30)[..., None]
@@ -199,7 +213,8 @@ def sink_layer(
     )
     sink_token_cosine = _sink_token_cosine(values, gram, is_sink)
     keys = real & ~is_sink
-    queries = _sink_and_tail_queries(pattern, valid[:, 0], real, is_sink, keys)
+    causal = is_causal(pattern) if causal is None else causal
+    queries = _sink_and_tail_queries(valid[:, 0], real, is_sink, keys, causal)
     cone_cosine = _cone_cosine(tail_mean, tail_sq, z_out, out_sq, gram, queries)
 
     if sinks is not None and not isinstance(sinks, Tensor) and not bool(queries.any()):
@@ -224,6 +239,22 @@ def sink_layer(
     )
 
 
+def _sink_and_tail_outputs(
+    alpha: Float[Tensor, "b h q k"], values: Float[Tensor, "b h k d"], is_sink: Bool[Tensor, "b k"]
+) -> tuple[Float[Tensor, "b h q"], Float[Tensor, "b h q d"], Float[Tensor, "b h q d"]]:
+    """``a_i = sum_{j in sink} alpha_ij``, ``z_sink = sum_{j in sink} alpha_ij v_j`` and ``z_tail`` (the other keys).
+
+    The pattern times the values of the part's keys alone: the sink's from its few columns, the
+    tail's from masked values; the pattern is never copied.
+    """
+    sink_keys = is_sink.to(values.dtype)
+    columns = is_sink.any(0).nonzero().squeeze(1)
+    alpha_sink = alpha.index_select(3, columns) * sink_keys[:, None, None, columns]
+    z_sink = einops.einsum(alpha_sink, values.index_select(2, columns), "b h q k, b h k d -> b h q d")
+    z_tail = einops.einsum(alpha, values * (1 - sink_keys[:, None, :, None]), "b h q k, b h k d -> b h q d")
+    return alpha_sink.sum(-1), z_sink, z_tail
+
+
 def _cosine(dot: Tensor, sq_x: Tensor, sq_y: Tensor) -> Tensor:
     """``dot / sqrt(sq_x sq_y)`` in [-1, 1], 0 where a norm is 0."""
     norms = (sq_x.clamp_min(0) * sq_y.clamp_min(0)).sqrt()
@@ -243,12 +274,12 @@ def _sink_token_cosine(
 
 
 def _sink_and_tail_queries(
-    pattern: Tensor, visible: Bool[Tensor, "b q k"], real: Tensor, is_sink: Tensor, keys: Tensor
+    visible: Bool[Tensor, "b q k"], real: Tensor, is_sink: Tensor, keys: Tensor, causal: bool
 ) -> Bool[Tensor, "b q"]:
-    """Real non-sink queries that see at least one sink key and one tail key (causally, if the pattern is)."""
-    n_query, n_key = pattern.shape[-2:]
-    if is_causal(pattern):
-        visible = visible & torch.ones(n_query, n_key, dtype=torch.bool, device=pattern.device).tril()
+    """Real non-sink queries that see at least one sink key and one tail key (causally, if ``causal``)."""
+    n_query, n_key = visible.shape[-2:]
+    if causal:
+        visible = visible & torch.ones(n_query, n_key, dtype=torch.bool, device=visible.device).tril()
     return real & ~is_sink & (visible & is_sink[:, None, :]).any(-1) & (visible & keys[:, None, :]).any(-1)
 
 
@@ -265,48 +296,234 @@ def _cone_cosine(
 
 
 def part_factors(
-    d: Decomposition, is_sink: Bool[Tensor, "batch key"], queries: Bool[Tensor, "batch query"]
+    d: Decomposition,
+    is_sink: Bool[Tensor, "batch key"],
+    queries: Bool[Tensor, "batch query"],
+    pairs: "TailPairs | None" = None,
+    quantiles: dict[str, Float[Tensor, " head"]] | None = None,
 ) -> dict[str, Float[Tensor, " head"]]:
     """Sink vs tail factors per head, each a mean over the sink layer's ``queries``.
 
-    Attention and contribution are summed over the part's keys; relative norm and cosine are
-    their attention-weighted mean over the part's keys. Keys ``sink_*`` and ``tail_*``, plus
-    ``tail_cosine_q10/q50/q90`` and ``tail_relative_norm_q10/q50/q90`` (distribution over
-    (query, tail key) pairs).
+    For a part ``P`` (the sink keys, or the others) and query ``i``: attention ``sum_{j in P} alpha_ij``
+    and contribution ``sum_{j in P} c_ij`` are summed over the part's keys; relative norm and cosine
+    are their attention-weighted means ``sum_{j in P} alpha_ij x_ij / sum_{j in P} alpha_ij``. Since
+    ``c_ij = alpha_ij cos_ij ||vt_j|| / ||o_i||`` and ``relative_norm_ij = ||vt_j|| / ||o_i||``, every
+    sum is a product of a pattern-sized tensor (``alpha`` or ``alpha cos``) with per-key weights: one
+    batched matrix product, no masked copy. Keys ``sink_*`` and ``tail_*``, plus
+    ``tail_cosine_q10/q50/q90`` and ``tail_relative_norm_q10/q50/q90``: the distribution over
+    (query, tail key) pairs with ``alpha > 0``, as ``torch.quantile`` gives it (`tail_quantiles`;
+    ``pairs``: those pairs where the caller has them already, `TailPairs.of`; ``quantiles``: the
+    quantiles themselves, where `tail_quantiles` found them for several decompositions at once).
+
+    Example:
+        >>> import torch
+        >>> from contribution_lens.decomposition import decompose
+        >>> pattern = torch.tensor([[[[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.5, 0.25, 0.25]]]])
+        >>> v = torch.tensor([[[[1.0, 0.0]], [[0.0, 1.0]], [[0.0, 2.0]]]])
+        >>> d = decompose(pattern, v, torch.eye(2)[None], scope="intra")
+        >>> sink = torch.tensor([[True, False, False]])
+        >>> f = part_factors(d, sink, torch.tensor([[False, True, True]]))
+        >>> round(f["sink_attention"].item(), 3), round((f["sink_contribution"] + f["tail_contribution"]).item(), 3)
+        (0.5, 1.0)
     """
-    q_weight = einops.rearrange(queries.float(), "b q -> b 1 q")
+    q_weight = einops.rearrange(queries.to(d.attention.dtype), "b q -> b 1 q")
     n_queries = q_weight.sum((0, 2)).clamp_min(1)
+    alpha = d.attention
+    sink_keys = is_sink.to(alpha.dtype)
+    value_norm = d.value_norm.to(alpha.dtype)
+    # Per-key weights [b h k part]: 1 on the part's keys, then ||vt_j|| on them.
+    key_weights = torch.stack(
+        [
+            einops.repeat(sink_keys, "b k -> b h k", h=alpha.shape[1]),
+            einops.repeat(1 - sink_keys, "b k -> b h k", h=alpha.shape[1]),
+            value_norm * sink_keys[:, None],
+            value_norm * (1 - sink_keys[:, None]),
+        ],
+        dim=-1,
+    )
+    with_attention = einops.einsum(alpha, key_weights, "b h q k, b h k part -> b h q part")
+    with_cosine = einops.einsum(alpha * d.cosine, key_weights, "b h q k, b h k part -> b h q part")
+    inverse_norm = torch.where(d.output_norm != 0, 1 / torch.where(d.output_norm != 0, d.output_norm, 1), 0)
     out: dict[str, Tensor] = {}
-    for part, keys in (("sink", is_sink), ("tail", ~is_sink)):
-        key_weight = einops.rearrange(keys.to(d.attention.dtype), "b k -> b 1 1 k")
-        attention = d.attention * key_weight
-        mass = attention.sum(-1)
+    for index, part in enumerate(PARTS):
+        mass = with_attention[..., index]
+        per_query = {
+            Factor.ATTENTION: mass,
+            Factor.RELATIVE_NORM: with_attention[..., 2 + index] * inverse_norm / mass.clamp_min(1e-30),
+            Factor.COSINE: with_cosine[..., index] / mass.clamp_min(1e-30),
+            Factor.CONTRIBUTION: with_cosine[..., 2 + index] * inverse_norm,
+        }
         for factor in Factor:
-            name = str(factor)
-            values = d.factor(factor) * key_weight
-            if factor in (Factor.ATTENTION, Factor.CONTRIBUTION):
-                per_query = values.sum(-1)
-            else:
-                per_query = (attention * values).sum(-1) / mass.clamp_min(1e-30)
-            out[f"{part}_{name}"] = (per_query * q_weight).sum((0, 2)) / n_queries
-    tail_pairs = d.valid & (~is_sink)[:, None, :] & queries[:, :, None]  # [b q k]
-    for name in ("cosine", "relative_norm"):
-        values = d.factor(name)
-        for q in (10, 50, 90):
-            per_head = []
-            for head in range(values.shape[1]):
-                selected = values[:, head][tail_pairs & (d.attention[:, head] > 0)]
-                per_head.append(torch.quantile(selected, q / 100) if selected.numel() else torch.tensor(0.0))
-            out[f"tail_{name}_q{q}"] = torch.stack(per_head)
-    return out
+            out[f"{part}_{factor}"] = (per_query[factor] * q_weight).sum((0, 2)) / n_queries
+    if quantiles is None:
+        quantiles = tail_quantiles([d], pairs or TailPairs.of(d.attention, d.valid, is_sink, queries))[0]
+    return out | quantiles
+
+
+QUANTILES = (10, 50, 90)
+"""The percentiles of the tail's cosine and relative norm that `part_factors` reports."""
+
+
+@dataclass(frozen=True)
+class TailPairs:
+    """The (query, tail key) pairs of one layer whose cosine and relative norm `tail_quantiles` describes.
+
+    A pair is a query in ``queries`` and a key it sees that is not a sink, in any text of the
+    batch; ``keep`` (``[head pair]``, None when every pair is kept) leaves out the pairs a head
+    gives no attention. The same for both scopes: built once per layer.
+    """
+
+    at: Int[Tensor, " pair"]
+    """Flat ``(b q k)`` index of each pair."""
+    key: Int[Tensor, " pair"]
+    """Flat ``(b k)`` index of its key."""
+    query: Int[Tensor, " pair"]
+    """Flat ``(b q)`` index of its query."""
+    keep: Bool[Tensor, "head pair"] | None
+
+    @classmethod
+    def of(
+        cls,
+        attention: Float[Tensor, "batch head query key"],
+        valid: Bool[Tensor, "batch query key"],
+        is_sink: Bool[Tensor, "batch key"],
+        queries: Bool[Tensor, "batch query"],
+    ) -> "TailPairs":
+        pairs = valid & (~is_sink)[:, None, :] & queries[:, :, None]
+        b, q, k = pairs.nonzero(as_tuple=True)
+        n_query, n_key = pairs.shape[1:]
+        at = (b * n_query + q) * n_key + k
+        attended = einops.rearrange(attention, "b h q k -> h (b q k)").index_select(1, at) > 0
+        return cls(at, b * n_key + k, b * n_query + q, None if bool(attended.all()) else attended)
+
+    def gather(self, tensor: Float[Tensor, "batch head query key"]) -> Float[Tensor, "head pair"]:
+        return einops.rearrange(tensor, "b h q k -> h (b q k)").index_select(1, self.at)
+
+
+def tail_quantiles(
+    decompositions: Sequence[Decomposition], pairs: TailPairs
+) -> list[dict[str, Float[Tensor, " head"]]]:
+    """Per decomposition and head, `QUANTILES` of ``cos_ij`` and of ``||vt_j|| / ||o_i||`` over the tail ``pairs``.
+
+    The relative norm is gathered from its two factors, never built pattern-sized; it is bit for
+    bit what ``Decomposition.relative_norm`` holds at those pairs. Every factor of every
+    decomposition (both scopes of a layer) goes through one `masked_quantiles` call, as rows.
+    """
+    n_heads, n_pairs = decompositions[0].cosine.shape[1], pairs.at.numel()
+    rows = decompositions[0].cosine.new_empty(2 * n_heads * len(decompositions), n_pairs)
+    for index, d in enumerate(decompositions):
+        cosine, relative_norm = rows[2 * index * n_heads :][:n_heads], rows[(2 * index + 1) * n_heads :][:n_heads]
+        torch.index_select(einops.rearrange(d.cosine, "b h q k -> h (b q k)"), 1, pairs.at, out=cosine)
+        torch.index_select(einops.rearrange(d.value_norm, "b h k -> h (b k)"), 1, pairs.key, out=relative_norm)
+        output_norm = einops.rearrange(d.output_norm, "b h q -> h (b q)")
+        if bool((output_norm != 0).all()):
+            relative_norm.div_(output_norm.index_select(1, pairs.query))
+        else:  # Decomposition.relative_norm's 0 where ||o|| = 0
+            gathered = output_norm.index_select(1, pairs.query)
+            relative_norm.copy_(torch.where(gathered != 0, relative_norm / gathered.where(gathered != 0, 1), 0))
+    keep = None if pairs.keep is None else pairs.keep.repeat(2 * len(decompositions), 1)
+    found = masked_quantiles(rows, keep, [p / 100 for p in QUANTILES])
+    return [
+        {
+            f"tail_{name}_q{p}": found[index, (2 * part + kind) * n_heads :][:n_heads]
+            for kind, name in enumerate(("cosine", "relative_norm"))
+            for index, p in enumerate(QUANTILES)
+        }
+        for part in range(len(decompositions))
+    ]
+
+
+def _bin_bits(items: int) -> int:
+    """``b`` with about 8 values a bin in ``2**b`` bins (at least ``2**12``, at most ``2**18``)."""
+    return min(18, max(12, math.ceil(math.log2(max(items, 1) / 8))))
+
+
+def masked_quantiles(
+    values: Float[Tensor, "row item"], keep: Bool[Tensor, "row item"] | None, fractions: Sequence[float]
+) -> Float[Tensor, "fraction row"]:
+    """``torch.quantile(values[r][keep[r]], f)`` (linear interpolation) for every row and fraction, exactly.
+
+    With ``n`` kept values ``x_(0) <= ... <= x_(n-1)`` in a row and ``r = f (n - 1)``, the quantile
+    is ``x_(floor r) + (r - floor r) (x_(ceil r) - x_(floor r))``, computed as ``torch.quantile``
+    computes it (``r`` in the values' dtype, ``torch.lerp``), so the result is the same to the bit.
+    Only the order statistics at ``floor r`` and ``ceil r`` are found, without sorting a row: each
+    value gets a bin that never decreases with the value (the bits of ``x - min``, a non-negative
+    float, read as an integer and shifted into about ``items / 8`` bins), the
+    cumulative counts of the bins give the bin and the rank inside it of each order statistic, and
+    only the values in those few bins are sorted. A row with nothing kept gives 0. Values must be
+    finite.
+
+    Example:
+        >>> import torch
+        >>> values = torch.tensor([[3.0, 1.0, 2.0, 10.0], [4.0, -1.0, 0.5, 0.0]])
+        >>> found = masked_quantiles(values, torch.tensor([[True, True, True, False], [True] * 4]), [0.5, 0.9])
+        >>> [[round(x, 4) for x in row] for row in found.tolist()]  # rows: fractions; columns: rows of values
+        [[2.0, 0.25], [2.8, 2.95]]
+    """
+    n_rows, bin_bits = values.shape[0], _bin_bits(values.shape[1])
+    bins = 1 << bin_bits
+    values = values if values.dtype == torch.float64 else values.to(torch.float32)
+    integer = torch.int64 if values.dtype == torch.float64 else torch.int32
+    low = (values if keep is None else torch.where(keep, values, torch.inf)).amin(1, keepdim=True)
+    # x - min is a non-negative float (or inf): its bits, read as an integer, grow with it. Below
+    # 2**-24 of the widest row's span all is one bin (else most bins would go to exponents no
+    # value has); then one right shift for every row brings the widest to at most `_bin_bits` bins:
+    # log-spaced, so a heavy tail does not crowd the bulk into a few bins. In place: each new
+    # tensor costs a first touch of its memory, as much as the arithmetic.
+    difference = values - low
+    span = float((difference if keep is None else torch.where(keep, difference, 0)).max())
+    floor = torch.tensor(span * 2.0**-24, dtype=values.dtype)
+    binned = difference.clamp_min_(floor).view(integer)
+    binned -= floor.view(integer)
+    widest = float(torch.tensor(span, dtype=values.dtype).view(integer) - floor.view(integer))
+    binned >>= max(0, math.frexp(widest + 1)[1] - bin_bits)
+    binned += torch.arange(n_rows, device=values.device, dtype=integer)[:, None] * bins
+    if keep is not None:
+        binned.masked_fill_(~keep, n_rows * bins)  # one spare bin past the rows' for what is left out
+    counts = torch.bincount(binned.flatten(), minlength=n_rows * bins + 1)[: n_rows * bins].reshape(n_rows, bins)
+    cumulative = counts.cumsum(1)
+    n = cumulative[:, -1]
+    ranks = torch.tensor(list(fractions), dtype=values.dtype, device=values.device)[:, None] * (n - 1).clamp_min(0)
+    below, above = ranks.to(torch.int64), ranks.ceil().to(torch.int64)
+    wanted = einops.rearrange(torch.stack([below, above]), "end fraction row -> row (end fraction)").contiguous()
+    bin_of = torch.searchsorted(cumulative, wanted, right=True).clamp_max(bins - 1)  # [row target]
+    before = torch.where(bin_of > 0, cumulative.gather(1, (bin_of - 1).clamp_min(0)), 0)
+    targets = bin_of + torch.arange(n_rows, device=values.device)[:, None] * bins
+    candidates = _values_in_bins(values, binned, targets, n_rows * bins + 1)
+    # A target's value: its bin's first candidate plus its rank inside the bin.
+    distinct = torch.unique(targets)
+    sizes = counts.flatten()[distinct]
+    at = (sizes.cumsum(0) - sizes)[torch.searchsorted(distinct, targets)] + (wanted - before)
+    found = (
+        candidates[at.clamp(0, max(candidates.numel() - 1, 0))] if candidates.numel() else values.new_zeros(at.shape)
+    )
+    found = einops.rearrange(found, "row (end fraction) -> end fraction row", end=2)
+    result = torch.lerp(found[0], found[1], ranks - below)
+    return torch.where(n > 0, result, 0)
+
+
+def _values_in_bins(
+    values: Float[Tensor, "row item"], binned: Int[Tensor, "row item"], targets: Int[Tensor, "row target"], n_bins: int
+) -> Float[Tensor, " candidate"]:
+    """The values whose bin (of ``n_bins``) is one of their row's ``targets``, sorted by bin, then by value."""
+    wanted = torch.zeros(n_bins, dtype=torch.uint8, device=binned.device)
+    wanted[targets.flatten()] = 1
+    hit = wanted.index_select(0, binned.flatten()).view(binned.shape)  # a lookup: one pass, whatever the targets
+    rows, items = hit.nonzero(as_tuple=True)
+    candidates, order = values[rows, items].sort(stable=True)
+    _, regroup = binned[rows, items][order].sort(stable=True)
+    return candidates[regroup]
 
 
 class SinkAnalysis(LayerResults[SinkLayer]):
     """Sink geometry of every requested layer for one batch: a `LayerResults` of `SinkLayer`.
 
     ``analysis[10]`` is layer 10's `SinkLayer` (its sink/tail factors in ``.factors``);
-    `head_table`, `per_query` and `claims` read every layer.
+    `head_table`, `per_query` and `claims` read every layer. ``save(path)`` /
+    ``SinkAnalysis.load(path)`` keep it in one file; ``figures()`` and ``report(path)`` draw it.
     """
+
+    STORED = ("k",)
 
     def __init__(self, layers: Mapping[int, SinkLayer], *, k: int = 1, **results: Any) -> None:
         super().__init__(layers, **results)
@@ -405,26 +622,58 @@ class SinkAnalysis(LayerResults[SinkLayer]):
         """The sink claims this analysis can judge, in words (`claim_verdicts`)."""
         return claim_verdicts(self.claims())
 
+    def figures(self) -> "dict[str, go.Figure]":
+        """Per layer and head: the sink ratio, the anti-aligned share and the sink's contribution; the scatter."""
+        from contribution_lens.views import plot
+
+        heads = self.head_table()
+        columns = {
+            "sink_ratio": "Sink ratio, per head",
+            "negative_sink_tail_share": "Share of queries whose sink value points against the tail, per head",
+            **{f"{scope}_sink_contribution": f"Contribution of the sink ({scope}-head), per head" for scope in Scope},
+        }
+        out = {title: plot.sink_head_grid(heads, column) for column, title in columns.items() if column in heads}
+        out["Sink ratio vs output norm"] = plot.sink_ratio_scatter(self.per_query())
+        return out
+
+    def report(self, path: str | os.PathLike) -> Path:
+        """One self-contained HTML page: the claims judged, the figures, every per-head number."""
+        from contribution_lens.views import html
+
+        sections: list[html.Section] = [
+            ("The claims, measured here", self.verdicts()),
+            *self.figures().items(),
+            ("Per head", self.head_table()),
+        ]
+        texts = self.tokens.shape[0]
+        return html.write_html(
+            path, f"SinkAnalysis of {texts} text{'s' * (texts != 1)}, layers {self.layers}", sections
+        )
+
 
 def sink_analysis(
     model: adapter.Model,
     inputs: str | Sequence[str] | Tensor,
     *,
-    k: int = 1,
+    k: int | None = None,
     sinks: Sequence[int] | str | None = None,
     epsilon: float = 0.3,
     layers: int | Sequence[int] | None = None,
     scopes: Sequence[str] = ("intra", "inter"),
     attention_mask: Tensor | None = None,
+    prepend_bos: bool | None = None,
 ) -> SinkAnalysis:
     """Sink geometry and sink/tail factors of every requested layer in one forward pass.
 
     Args:
-        k: the sink is the first ``k`` positions (BOS for decoders), unless ``sinks`` is given.
+        k: the sink is the first ``k`` positions, unless ``sinks`` is given. None (default):
+            position 0 where every text starts with the model's BOS, else ``sinks="auto"``.
         sinks: sink positions, or ``"auto"``: per layer and text, the keys whose mean attention
             share exceeds ``epsilon`` (Gu et al.'s threshold; see `detect_sinks`), which finds
-            an encoder's ``[CLS]``/``[SEP]``.
+            an encoder's ``[CLS]``/``[SEP]`` and the sink of a text without BOS.
         epsilon: the threshold for ``sinks="auto"``.
+        prepend_bos: prepend the tokenizer's BOS to texts; None: the model's own choice
+            (``cfg.default_prepend_bos``).
 
     Example:
         >>> import contribution_lens as cl
@@ -439,17 +688,30 @@ def sink_analysis(
         raise ValueError(f"sinks must be positions, a mask or 'auto', got {sinks!r}")
     if isinstance(scopes, str) or not scopes:
         raise ValueError(f"scopes must be some of {tuple(map(str, Scope))}, got {scopes!r}")
+    if k is not None:
+        k = as_index(k, "k must be an integer")
     wanted = [Scope.of(scope) for scope in scopes]
+    positions = None if isinstance(sinks, str) else sinks
 
     def on_layer(layer: adapter.LayerInputs) -> SinkLayer:
         mask = layer.padding_mask
-        chosen = detect_sinks(layer.pattern, epsilon=epsilon, attention_mask=mask) if isinstance(sinks, str) else sinks
-        geometry = sink_layer(layer.pattern, layer.v, layer.W_O, k=k, sinks=chosen, attention_mask=mask)
-        factors = {scope: part_factors(layer.decompose(scope), geometry.sinks, geometry.queries) for scope in wanted}
+        find = isinstance(sinks, str) or (sinks is None and k is None and not layer.bos_first)
+        chosen = detect_sinks(layer.pattern, epsilon=epsilon, attention_mask=mask) if find else positions
+        geometry = sink_layer(
+            layer.pattern, layer.v, layer.W_O, k=k or 1, sinks=chosen, attention_mask=mask, causal=layer.causal
+        )
+        decompositions = {scope: layer.decompose(scope) for scope in wanted}
+        first = next(iter(decompositions.values()))  # the pairs are the same in every scope
+        pairs = TailPairs.of(first.attention, first.valid, geometry.sinks, geometry.queries)
+        found = tail_quantiles(list(decompositions.values()), pairs)  # both scopes in one count
+        factors = {
+            scope: part_factors(d, geometry.sinks, geometry.queries, quantiles=q)
+            for (scope, d), q in zip(decompositions.items(), found, strict=True)
+        }
         return replace(geometry, factors=factors)
 
-    results = map_layers(model, inputs, on_layer, layers=layers, attention_mask=attention_mask)
-    return SinkAnalysis.from_results(results, k=k)
+    results = map_layers(model, inputs, on_layer, layers=layers, attention_mask=attention_mask, prepend_bos=prepend_bos)
+    return SinkAnalysis.from_results(results, k=k or 1)
 
 
 def claim_verdicts(claims: dict[str, float]) -> pd.DataFrame:

@@ -9,7 +9,7 @@ from typing import Any
 from contribution_lens._settings import option
 from contribution_lens.cli import checks
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @dataclass(frozen=True)
@@ -43,15 +43,15 @@ def rank_device(device: str | None) -> str | None:
 
 
 def load(args: argparse.Namespace) -> Any:
-    import torch
 
     from contribution_lens import loading
 
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     device = rank_device(args.device)
     if device is not None and device.startswith("cuda:"):
+        import torch
+
         torch.cuda.set_device(device)  # NCCL's collectives (the ranks' barriers) run on the current device
-    return loading.load_model(args.model, device=device, dtype=dtype)
+    return loading.load_model(args.model, device=device, dtype=loading.check_dtype(args.dtype))
 
 
 def written(out: Path, names: tuple[str, ...]) -> str:

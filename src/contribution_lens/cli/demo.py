@@ -48,8 +48,8 @@ def check(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from contribution_lens import attention_geometry
-    from contribution_lens.views import overview
+    from contribution_lens.analyses import attention_geometry
+    from contribution_lens.methods import decomposition_measures
 
     model = common.load(args)
     geometry = attention_geometry(model, args.settings.text)
@@ -57,8 +57,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"Per-layer contribution geometry of {len(geometry.str_tokens[0])} tokens on {args.model}:")
         print(geometry.layer_summary().to_string())
     title = f"contribution-lens demo: {args.model}"
-    path = overview.write(
-        geometry, Path(args.out) / "demo.html", title=title, layer=args.settings.layer, text=args.settings.text
+    path = geometry.report(
+        Path(args.out) / "demo.html",
+        title=title,
+        layer=args.settings.layer,
+        text=args.settings.text,
+        measures=decomposition_measures(),
     )
     print(f"wrote {path}")
     return 0

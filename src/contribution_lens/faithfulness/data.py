@@ -28,6 +28,7 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from contribution_lens import adapter
 from contribution_lens.faithfulness.settings import CHOICE_TASKS, LM_TASKS
 
 __all__ = [
@@ -166,16 +167,17 @@ def _hf_texts(name: str) -> list[str]:
 
 
 def chunk_tokens(
-    tokenizer: Any, texts: list[str], *, length: int, bos_token_id: int, max_chunks: int | None = None
+    tokenizer: Any, texts: list[str], *, length: int, bos_token_id: int | None, max_chunks: int | None = None
 ) -> Int[Tensor, "chunk pos"]:
     """Fixed-length chunks ``[BOS, t_1, ..., t_{length-1}]`` cut from the joined documents.
 
     Documents are joined with blank lines into one stream (GSM8K items are shorter than a
-    chunk) and cut into consecutive pieces; the remainder is dropped.
+    chunk) and cut into consecutive pieces; the remainder is dropped. With ``bos_token_id=None``
+    (a model that takes no BOS) a chunk is ``length`` tokens of the stream.
     """
     if length < 2:
         raise ValueError(f"chunk length must be at least 2 tokens, got {length}")
-    body = length - 1
+    body = length - (bos_token_id is not None)
     needed = None if max_chunks is None else max_chunks * body
     stream: list[int] = []
     for text in texts:
@@ -186,18 +188,25 @@ def chunk_tokens(
     if max_chunks is not None:
         n_chunks = min(n_chunks, max_chunks)
     if n_chunks == 0:
-        raise ValueError(f"the texts hold {len(stream)} tokens, fewer than one chunk of {length} (with BOS)")
+        with_bos = "" if bos_token_id is None else " (with BOS)"
+        raise ValueError(f"the texts hold {len(stream)} tokens, fewer than one chunk of {length}{with_bos}")
     pieces = torch.tensor(stream[: n_chunks * body], dtype=torch.long).reshape(n_chunks, body)
+    if bos_token_id is None:
+        return pieces
     return torch.cat([torch.full((n_chunks, 1), bos_token_id, dtype=torch.long), pieces], dim=1)
 
 
-def text_chunks(model: Any, specs: Iterable[str], *, length: int, max_chunks: int | None) -> Int[Tensor, "chunk pos"]:
+def text_chunks(
+    model: Any, specs: Iterable[str], *, length: int, max_chunks: int | None, prepend_bos: bool | None = None
+) -> Int[Tensor, "chunk pos"]:
     """The chunks of every text set in ``specs``, in order, cut for ``model`` as its faithfulness run cuts them.
 
     Each set gives at most ``max_chunks`` chunks of `chunk_tokens` (its first ones: a faithfulness
-    run with the same length cuts the same chunks first); ``contribution-lens sinks`` studies these.
+    run with the same length and ``prepend_bos`` cuts the same chunks first); ``contribution-lens
+    sinks`` studies these. ``prepend_bos``: start each chunk with the tokenizer's BOS (None: the
+    model's own choice, `contribution_lens.adapter.bos_to_prepend`).
     """
-    bos = int(model.tokenizer.bos_token_id)
+    bos = adapter.bos_to_prepend(model, prepend_bos)
     pieces = [
         chunk_tokens(model.tokenizer, load_texts(spec), length=length, bos_token_id=bos, max_chunks=max_chunks)
         for spec in specs

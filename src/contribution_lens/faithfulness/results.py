@@ -9,8 +9,10 @@ that produced them. Everything else is derived from the records, once, on first 
   per ratio, AOPC, verdicts, accuracy against chance;
 * `verdicts()`, `verdict_sentences()`, `figures()`, `report(path)`.
 
-`save(folder)` writes the files of the run's folder, `FaithfulnessRun.load(folder)` reads a
-folder back (what `contribution_lens.faithfulness.run` left, finished or not).
+`save(folder)` writes the files of the run's folder (the run itself in ``faithfulness_run.safetensors``,
+through `contribution_lens.files.save_result` as every result; the tables and the page for people),
+`FaithfulnessRun.load(folder)` reads a folder back (what `contribution_lens.faithfulness.run` left,
+finished or, from its part files, not).
 
 Example:
     >>> records = [
@@ -24,6 +26,7 @@ Example:
     [['contribution', 'attention', 'better']]
 """
 
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -36,12 +39,22 @@ import plotly.graph_objects as go
 
 from contribution_lens.faithfulness import report, statistics
 from contribution_lens.faithfulness.settings import DataSettings, Settings
-from contribution_lens.files import write_text
+from contribution_lens.files import load_result, save_result, write_text
 from contribution_lens.losses import perplexity
 
 GROUP = ["task", "protocol", "method", "mode", "ratio"]
-FILES = ("config.json", "records.jsonl", "summary.csv", "aopc.csv", "verdicts.csv", "report.html")
+FILES = (
+    "config.json",
+    "records.jsonl",
+    "summary.csv",
+    "aopc.csv",
+    "verdicts.csv",
+    "report.html",
+    "faithfulness_run.safetensors",
+)
 """What `FaithfulnessRun.save` writes (``config.json`` only where the run knows its settings)."""
+STATE = "faithfulness_run.safetensors"
+"""The run itself, as every result is saved (`contribution_lens.files.save_result`)."""
 
 
 class FaithfulnessRun:
@@ -74,48 +87,73 @@ class FaithfulnessRun:
             f"protocols={protocols}, records={len(self.records)})"
         )
 
-    @cached_property
+    @property
     def frame(self) -> pd.DataFrame:
-        """The records as a table, one row per text and condition."""
+        """The records as a table, one row per text and condition (a copy: the run's own tables read the kept one)."""
+        return self._frame.copy()
+
+    @property
+    def tables(self) -> statistics.Tables:
+        """Every number with its paired-bootstrap interval (Δloss, AOPC, verdicts, accuracy); copies, as `frame`."""
+        return dataclasses.replace(
+            self._tables, **{f.name: getattr(self._tables, f.name).copy() for f in dataclasses.fields(self._tables)}
+        )
+
+    @property
+    def summary(self) -> pd.DataFrame:
+        """Per (task, protocol, method, mode, ratio): PPL, ΔPPL, Δloss or accuracy, with 95% intervals (a copy)."""
+        return self._summary.copy()
+
+    @cached_property
+    def _frame(self) -> pd.DataFrame:
         frame = pd.DataFrame(self.records)
         if "protocol" not in frame:
             frame["protocol"] = "every_layer"
         return frame
 
     @cached_property
-    def tables(self) -> statistics.Tables:
-        """Every number with its paired-bootstrap interval (Δloss, AOPC, verdicts, accuracy)."""
-        return statistics.bootstrap_tables(self.frame, resamples=self.resamples, seed=self.seed)
+    def _tables(self) -> statistics.Tables:
+        return statistics.bootstrap_tables(self._frame, resamples=self.resamples, seed=self.seed)
 
     @cached_property
-    def summary(self) -> pd.DataFrame:
-        """Per (task, protocol, method, mode, ratio): PPL, ΔPPL, Δloss or accuracy, with 95% intervals."""
-        rows = [_summary_row(keys, group) for keys, group in self.frame.groupby([*GROUP, "kind"])]
+    def _summary(self) -> pd.DataFrame:
+        rows = [_summary_row(keys, group) for keys, group in self._frame.groupby([*GROUP, "kind"])]
         intervals = pd.concat(
             [
-                self.tables.delta_loss[[*GROUP, "ci_low", "ci_high"]],
-                self.tables.accuracy[[*GROUP, "ci_low", "ci_high", "clean_ci_low", "clean_ci_high", "chance"]],
+                self._tables.delta_loss[[*GROUP, "ci_low", "ci_high"]],
+                self._tables.accuracy[[*GROUP, "ci_low", "ci_high", "clean_ci_low", "clean_ci_high", "chance"]],
             ]
         )
         return pd.DataFrame(rows).merge(intervals.astype({"ratio": float}), on=GROUP, how="left")
 
     def aopc(self) -> pd.DataFrame:
         """Area over the perturbation curve (mean Δloss over the nonzero ratios) with its interval."""
-        return self.tables.aopc
+        return self._tables.aopc.copy()
 
     def verdicts(self) -> pd.DataFrame:
         """The claimed ordering judged pair by pair: better, worse or indistinguishable."""
-        return self.tables.verdicts
+        return self._tables.verdicts.copy()
 
     def verdict_sentences(self, *, with_task: bool | None = None) -> list[str]:
         """Each verdict in words, with its Δloss difference and interval (naming the task where several are)."""
         if with_task is None:
-            with_task = self.frame["task"].nunique() > 1
+            with_task = self._frame["task"].nunique() > 1
         return [report.verdict_sentence(row, with_task=with_task) for _, row in self.verdicts().iterrows()]
 
-    def figures(self) -> list[tuple[str, go.Figure]]:
-        """Δloss, ΔPPL and accuracy against the removal ratio, per task, protocol and mode."""
-        return report.figures(self.summary)
+    def figures(self) -> dict[str, go.Figure]:
+        """Δloss, ΔPPL and accuracy against the removal ratio, per task, protocol and mode, each under its title."""
+        return dict(report.figures(self.summary))
+
+    def stored_fields(self) -> dict[str, Any]:
+        """What `save` keeps of the run (`contribution_lens.files.save_result`): its records and settings."""
+        return {
+            "records": self.records,
+            "settings": self.settings,
+            "data": self.data,
+            "model_name": self.model_name,
+            "resamples": self.resamples,
+            "seed": self.seed,
+        }
 
     def report(self, path: str | os.PathLike) -> Path:
         """One self-contained HTML page: verdicts in words first, then the curves and every number."""
@@ -136,13 +174,27 @@ class FaithfulnessRun:
         write_text(out / "records.jsonl", records_text(self.records))
         for name, frame in (("summary", self.summary), ("aopc", self.aopc()), ("verdicts", self.verdicts())):
             write_text(out / f"{name}.csv", frame.to_csv(index=False))
+        save_result(out / STATE, self, example=STATE)
         self.report(out / "report.html")
         return out
 
     @classmethod
-    def load(cls, folder: str | os.PathLike, *, resamples: int = 1000) -> "FaithfulnessRun":
-        """A run folder read back: ``records.jsonl`` where the run finished, else its part files."""
+    def load(cls, folder: str | os.PathLike, *, resamples: int | None = None) -> "FaithfulnessRun":
+        """A run folder read back: the run `save` wrote, else (a run still going) its config and part files.
+
+        ``resamples``: the bootstrap's resamples (default: those the run was saved with, else 1000).
+        """
         source = Path(folder)
+        if (source / STATE).is_file():
+            saved = load_result(source / STATE, cls)
+            if resamples is not None:
+                saved.resamples = resamples
+            return saved
+        return cls._in_progress(source, 1000 if resamples is None else resamples)
+
+    @classmethod
+    def _in_progress(cls, source: Path, resamples: int) -> "FaithfulnessRun":
+        """The run of a folder that holds its config and records (or part files) but no saved run."""
         config_path = source / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{source} holds no faithfulness run (no config.json)")

@@ -11,7 +11,8 @@ Layout of ``out``:
   ``ci_low``/``ci_high``;
 * ``aopc.csv`` -- the area over the perturbation curve per protocol, task, mode and method;
 * ``verdicts.csv`` -- the claimed ordering judged pair by pair (`contribution_lens.faithfulness.statistics`);
-* ``report.html`` -- the verdicts in words, then the curves; written by rank 0 at the end.
+* ``report.html`` -- the verdicts in words, then the curves; written by rank 0 at the end;
+* ``faithfulness_run.safetensors`` -- the run itself (records and settings), as every result is saved.
 
 `run` returns the `contribution_lens.faithfulness.FaithfulnessRun` (on rank 0), which
 `FaithfulnessRun.load` reads back from the folder.
@@ -38,7 +39,7 @@ from contribution_lens.engine import map_layers
 from contribution_lens.faithfulness import data
 from contribution_lens.faithfulness.protocols import PROTOCOLS
 from contribution_lens.faithfulness.removal import NOTHING_REMOVED, CleanRun, Condition, LayerScores, masked_forward
-from contribution_lens.faithfulness.results import FaithfulnessRun, read_records, records_text
+from contribution_lens.faithfulness.results import STATE, FaithfulnessRun, read_records, records_text
 from contribution_lens.faithfulness.settings import DataSettings, RunOptions, Settings, task_name
 from contribution_lens.files import write_text
 from contribution_lens.losses import continuation_logprob, token_nll
@@ -94,12 +95,15 @@ class Unit:
 def build_units(model: adapter.Model, config: DataSettings) -> list[Unit]:
     """Tokenise every data set and cut it into units, in a deterministic order."""
     tokenizer = model.tokenizer
-    bos = int(tokenizer.bos_token_id)
+    bos = adapter.bos_to_prepend(model, config.prepend_bos)
+    first = [] if bos is None else [bos]
     units: list[Unit] = []
     for spec in config.lm:
         task = task_name(spec)
         adapter.check_length(model, config.chunk_length, "the chunk length")
-        chunks = data.text_chunks(model, [spec], length=config.chunk_length, max_chunks=config.max_chunks)
+        chunks = data.text_chunks(
+            model, [spec], length=config.chunk_length, max_chunks=config.max_chunks, prepend_bos=config.prepend_bos
+        )
         for start in range(0, chunks.shape[0], config.batch_size):
             rows = list(range(start, min(start + config.batch_size, chunks.shape[0])))
             units.append(Unit(task, "lm", [str(r) for r in rows], [chunks[r] for r in rows], [], []))
@@ -110,7 +114,7 @@ def build_units(model: adapter.Model, config: DataSettings) -> list[Unit]:
         for item in items:
             seqs, spans = [], []
             for context, continuation in zip(item.contexts, item.continuations, strict=True):
-                ctx = [bos, *tokenizer(context, add_special_tokens=False)["input_ids"]]
+                ctx = [*first, *tokenizer(context, add_special_tokens=False)["input_ids"]]
                 cont = tokenizer(continuation, add_special_tokens=False)["input_ids"]
                 if not cont:
                     raise data.DataFormatError(f"{task} item {item.item_id}: empty continuation")
@@ -247,6 +251,10 @@ def run(
     _repair_tail(part)
     done = finished(out_dir)
     plan = plan_units(model, units[rank::world], data, settings, done, layers=plan_layers)
+    if plan and rank == 0:
+        # The folder's saved run (if any) is out of date until this one is saved: `FaithfulnessRun.load`
+        # reads the part files meanwhile.
+        (out_dir / STATE).unlink(missing_ok=True)
     bar = tqdm(
         total=sum(work.passes for work in plan),
         desc=f"{label} passes (rank {rank})",

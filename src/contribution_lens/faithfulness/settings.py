@@ -23,10 +23,12 @@ from contribution_lens._settings import (
     SettingError,
     at_least,
     check_fields,
+    check_prepend_bos,
     check_ratios,
     option,
     parse_integers,
     parse_names,
+    parse_prepend_bos,
     parse_ratios,
     subset,
 )
@@ -182,7 +184,7 @@ class DataSettings:
         many=True,
         required=True,
     )
-    chunk_length: int = option(256, "tokens per text chunk, BOS included", check=at_least(2))
+    chunk_length: int = option(256, "tokens per text chunk, BOS included where there is one", check=at_least(2))
     max_chunks: int | None = option(200, "text chunks per data set", check=at_least(1, optional=True))
     max_items: int | None = option(200, "items per multiple-choice set", check=at_least(1, optional=True))
     max_item_tokens: int = option(512, "longer items are skipped", check=at_least(1))
@@ -194,6 +196,15 @@ class DataSettings:
         check=_optional_ratios,
     )
     """Ratios for multiple-choice tasks (they cost one pass per option); None = the settings' ratios."""
+    prepend_bos: bool | None = option(
+        None,
+        "start every chunk and item with the tokenizer's BOS: yes, no or model (default: the model's own "
+        "choice, cfg.default_prepend_bos)",
+        parse=parse_prepend_bos,
+        check=check_prepend_bos,
+        show="model",
+    )
+    """BOS at the start of every sequence; None: the model's own choice (recorded only where given)."""
 
     def __post_init__(self) -> None:
         for name in ("data", "choice_ratios"):
@@ -223,6 +234,8 @@ class DataSettings:
             "max_item_tokens": self.max_item_tokens,
             "batch_size": self.batch_size,
             "choice_ratios": None if self.choice_ratios is None else list(self.choice_ratios),
+            # Absent unless given: a run recorded before the option existed resumes with the same settings.
+            **({} if self.prepend_bos is None else {"prepend_bos": self.prepend_bos}),
         }
 
 

@@ -21,12 +21,11 @@ Example:
     torch.Size([1, 2, 3, 3])
 """
 
-import einops
 import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from contribution_lens.decomposition import Decomposition, Scope, decompose
+from contribution_lens.decomposition import MEASURES, Decomposition, Scope, decompose
 from contribution_lens.methods.registry import Method, available_methods, get_method
 
 
@@ -37,12 +36,12 @@ def attention(d: Decomposition) -> Float[Tensor, "batch head query key"]:
 
 def value_weighted(d: Decomposition) -> Float[Tensor, "batch head query key"]:
     """``alpha_ij^h ||vt_j^h||``."""
-    return d.attention * einops.rearrange(d.value_norm, "batch head key -> batch head 1 key")
+    return d.value_weighted
 
 
 def output_normalized(d: Decomposition) -> Float[Tensor, "batch head query key"]:
     """``alpha_ij^h ||vt_j^h|| / ||o||``."""
-    return d.attention * d.relative_norm
+    return d.output_normalized
 
 
 def contribution(d: Decomposition) -> Float[Tensor, "batch head query key"]:
@@ -52,13 +51,13 @@ def contribution(d: Decomposition) -> Float[Tensor, "batch head query key"]:
 
 METHODS: tuple[Method, ...] = (
     Method.from_decomposition(
-        "attention", attention, "attention weight alpha", label="attention α", default=True, builtin=True
+        "attention", attention, "attention weight alpha", label=MEASURES["attention"], default=True, builtin=True
     ),
     Method.from_decomposition(
         "value_weighted",
         value_weighted,
         "alpha ||vt||: Kobayashi et al.'s per-head norm (summed over heads at token level)",
-        label="value-weighted α‖vt‖",
+        label=MEASURES["value_weighted"],
         default=True,
         builtin=True,
     ),
@@ -66,7 +65,7 @@ METHODS: tuple[Method, ...] = (
         "output_normalized",
         output_normalized,
         "alpha ||vt|| / ||o||",
-        label="output-normalised α‖vt‖/‖o‖",
+        label=MEASURES["output_normalized"],
         default=True,
         builtin=True,
     ),
@@ -75,7 +74,7 @@ METHODS: tuple[Method, ...] = (
         contribution,
         "contribution weight c = alpha (||vt|| / ||o||) cos(o, vt)",
         signed=True,
-        label="contribution c",
+        label=MEASURES["contribution"],
         default=True,
         builtin=True,
     ),

@@ -19,6 +19,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from contribution_lens import adapter
+from contribution_lens.analyses.logit_attribution import attribute_positions
 from contribution_lens.methods.registry import Method, prepared_score
 
 
@@ -26,8 +27,6 @@ def last_prediction_scores(
     model: adapter.Model, batch: adapter.TokenBatch, layers: Sequence[int]
 ) -> dict[int, Float[Tensor, "batch query key"]]:
     """Per requested layer, ``[batch query key]`` zeros but for row ``n - 2`` of each text: ``s_ej``."""
-    from contribution_lens.analyses.logit_attribution import attribute_positions  # analyses import methods
-
     batch_size, length = batch.tokens.shape
     scores = torch.zeros(batch_size, length, length, dtype=torch.float32, device=batch.tokens.device)
     for row, n in enumerate(batch.lengths.tolist()):

@@ -229,6 +229,24 @@ def default_methods() -> tuple[str, ...]:
     return tuple(name for name, method in _REGISTRY.items() if method.default)
 
 
+def decomposition_measures() -> dict[str, DecompositionScore]:
+    """Every registered method that reads one layer's `Decomposition` alone, by its label, in registration order.
+
+    What a figure comparing measures draws (`contribution_lens.views.plot.measure_bars`): the four
+    built-ins and any registered with `Method.from_decomposition`.
+
+    Example:
+        >>> import contribution_lens as cl
+        >>> list(cl.methods.decomposition_measures())[:2]
+        ['attention α', 'value-weighted α‖vt‖']
+    """
+    return {
+        method.label: method.decomposition_score
+        for method in _REGISTRY.values()
+        if method.decomposition_score is not None
+    }
+
+
 def prepared_score(layer: LayerInputs, context: ScoreContext) -> Tensor:
     """The scores the method's ``prepare`` computed for this layer (``value_zeroing``, ``alti_rollout``)."""
     if not isinstance(context.prepared, dict) or layer.layer not in context.prepared:

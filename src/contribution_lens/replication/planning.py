@@ -137,7 +137,9 @@ def plan(
                            out / "choice"),
     ]  # fmt: skip
     if data.lm:
-        chunks = text_data.text_chunks(skeleton, data.lm, length=data.chunk_length, max_chunks=parts.sink_chunks)
+        chunks = text_data.text_chunks(
+            skeleton, data.lm, length=data.chunk_length, max_chunks=parts.sink_chunks, prepend_bos=data.prepend_bos
+        )
         one = token_flops(skeleton, [chunks.shape[1]])
         done = _opening_done(out / OPENING)
         left = [i for i in range(chunks.shape[0]) if i not in done]

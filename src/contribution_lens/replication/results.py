@@ -96,26 +96,22 @@ class Replication:
                 lines += ["", "```bash", c.command, "```"]
         return "\n".join(lines) + "\n"
 
-    def figures(self) -> list[tuple[str, go.Figure]]:
-        """The opening case per layer and per head (where the tables hold them)."""
+    def figures(self) -> dict[str, go.Figure]:
+        """The opening case per layer and per head (where the tables hold them), by title."""
         from contribution_lens.views import plot
 
-        figures = []
+        figures: dict[str, go.Figure] = {}
         opening = self.tables.get("opening")
         if opening is not None and not opening.empty:
             series = {name: opening[name].tolist() for name in ("sink_attention", "sink_contribution")}
-            figures.append(
-                (
-                    "The opening case: the first token's attention and contribution per layer",
-                    plot.lines(series, title="first token, mean over texts", x=list(opening["layer"])),
-                )
-            )
+            title = "The opening case: the first token's attention and contribution per layer"
+            figures[title] = plot.lines(series, title="first token, mean over texts", x=list(opening["layer"]))
         heads = self.tables.get("sink_heads")
         if heads is not None and not heads.empty:
             table = heads.set_index(["layer", "head"])
             for column in ("intra_sink_attention", "intra_sink_contribution"):
                 if column in table:
-                    figures.append((f"Per head: {column}", plot.sink_head_grid(table, column)))
+                    figures[f"Per head: {column}"] = plot.sink_head_grid(table, column)
         return figures
 
     def report(self, path: str | os.PathLike) -> Path:
@@ -132,7 +128,7 @@ class Replication:
         sections: list[html.Section] = [("How to read this page", intro), ("The claims", claims)]
         if not self.cells().empty:
             sections.append(("Every setting", self.cells()))
-        sections += self.figures()
+        sections += list(self.figures().items())
         for name, title in (("aopc", "AOPC of the text run"), ("accuracy", "Multiple-choice accuracy")):
             table = self.tables.get(name)
             if table is not None and not table.empty:

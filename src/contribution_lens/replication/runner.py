@@ -99,6 +99,8 @@ def part_commands(
     above = _tasks(parts.data.choice) if above is None else above
     sinks: list[Any] = [PROG, "sinks", *model_flags, *[word for spec in parts.data.lm for word in ("--data", spec)]]
     sinks += ["--chunk-length", parts.data.chunk_length, "--max-chunks", parts.sink_chunks]
+    if parts.data.prepend_bos is not None:
+        sinks += ["--prepend-bos", "yes" if parts.data.prepend_bos else "no"]
     sinks += ["--batch-size", parts.data.batch_size, "--out", out / "sinks"]
     replicate = [PROG, "replicate", *model_flags, "--size", parts.size.name, *flags(parts.data), *run_flags]
     lm, choice = bool(parts.data.lm), bool(parts.data.choice)
@@ -180,7 +182,9 @@ def run(
         return None
     commands = part_commands(parts, out_dir, flags_, options, above)
     chunks = (
-        text_data.text_chunks(model, data.lm, length=data.chunk_length, max_chunks=parts.sink_chunks)
+        text_data.text_chunks(
+            model, data.lm, length=data.chunk_length, max_chunks=parts.sink_chunks, prepend_bos=data.prepend_bos
+        )
         if data.lm
         else None
     )

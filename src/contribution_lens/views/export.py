@@ -30,11 +30,10 @@ from typing import TYPE_CHECKING, Any
 import plotly.graph_objects as go
 
 from contribution_lens import files
+from contribution_lens._lazy import face
 
 if TYPE_CHECKING:
     import nbformat
-
-    from contribution_lens.views.inspector.payload import Window
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
@@ -205,66 +204,6 @@ def write_mathjax(folder: str | Path) -> str:
     return MATHJAX_URL
 
 
-def inspector_figure(
-    payload: dict[str, Any],
-    window: "Window",
-    labels: list[str],
-    *,
-    layer: int,
-    head: int,
-    factor: str,
-    scope: str,
-    query: int,
-    hide_sink: bool = False,
-    group_kv: bool = False,
-) -> go.Figure:
-    """The inspector's view as a figure: the query x key heatmap of its window, the selected query outlined.
-
-    Drawn from the layer's payload the widget already holds (no forward pass), with the numbers
-    the page draws (`contribution_lens.views.inspector.payload.view_factors`: within the fine
-    codecs' bounds of the library's) and the same hover text. ``head`` -1 is token level (all
-    heads); ``hide_sink`` and ``group_kv`` as in the widget.
-    """
-    import numpy as np
-
-    from contribution_lens.choices import Factor
-    from contribution_lens.views import plot
-    from contribution_lens.views.inspector.payload import view_factors
-
-    grids = view_factors(payload, window, head=head, scope=scope, group_kv=group_kv, hide_sink=hide_sink)
-    queries, keys = [labels[i] for i in window.queries], [labels[j] for j in window.keys]
-    hover = np.stack([grids[name] for name in ("attention", "relative_norm", "cosine", "contribution")], axis=-1)
-    trace = plot._heatmap(grids[factor], keys, Factor.of(factor), hover)
-    trace.update(y=queries)
-    figure = go.Figure(trace)
-    row = window.queries.index(query) if query in window.queries else len(queries) - 1
-    figure.add_shape(
-        type="rect", xref="paper", x0=0, x1=1, y0=row - 0.5, y1=row + 0.5, line={"color": "black", "width": 2}
-    )
-    if head < 0:
-        where = f"L{layer}, all heads"
-    elif group_kv and "group_attention" in payload:
-        group = next(g for g, heads in enumerate(payload["kv_groups"]) if head in heads)
-        where = f"L{layer} KV group {group} (heads {', '.join(map(str, payload['kv_groups'][group]))})"
-    else:
-        where = f"L{layer}H{head}"
-    where += ", sink hidden" if hide_sink else ""
-    figure.update_layout(
-        title=f"Inspector: {factor} ({scope}), {where}, query {queries[row]}",
-        xaxis={"title": "key", "tickangle": -60, "tickmode": "array", "tickvals": keys, "ticktext": keys},
-        yaxis={
-            "title": "query",
-            "autorange": "reversed",
-            "tickmode": "array",
-            "tickvals": queries,
-            "ticktext": queries,
-        },
-        height=max(400, 14 * len(queries) + 200),
-        width=max(500, 14 * len(keys) + 260),
-    )
-    return figure
-
-
 def figure_html(figure: go.Figure) -> str:
     """The HTML that showing ``figure`` here gives: the notebook renderer's when it is the default
     (`contribution_lens.plot.use_in_notebook`: plotly.js once per notebook), else a self-contained
@@ -284,3 +223,14 @@ def _need(module: str, package: str) -> Any:
     if importlib.util.find_spec(module) is None:
         raise ModuleNotFoundError(f"exporting notebooks needs {package}: pip install {package}")
     return importlib.import_module(module)
+
+
+_DEPRECATED = {
+    "inspector_figure": (
+        "contribution_lens.views.inspector.figure:inspector_figure",
+        "use contribution_lens.views.inspector.figure.inspector_figure",
+    )
+}
+"""Names that moved out of this module: each warns and comes from its new place."""
+if not TYPE_CHECKING:  # type checkers see this module's own names only
+    __getattr__ = face(__name__, {}, _DEPRECATED)[0]

@@ -1,63 +1,65 @@
-"""A one-page overview of a `Geometry`: what ``contribution-lens demo`` writes.
+"""Every registered measure side by side (`compare_measures`), and the old free functions of a `Geometry`'s page.
 
-The attention to, and the contribution of, the first token (BOS) per layer and head; then, at one
-layer, the token-level contribution heatmap and every registered measure for the last query.
+`compare_measures` reads the method registry, so it lives here, above the methods, not in the
+drawing below them (`contribution_lens.views.plot.measure_bars` draws it). A `Geometry`'s overview
+is its own: `Geometry.figures` and `Geometry.report` (what ``contribution-lens demo`` writes);
+`figures` and `write` here keep working, with a warning that says so.
 """
 
 import os
+import warnings
 from pathlib import Path
 
 import plotly.graph_objects as go
-import torch
 
 from contribution_lens.analyses.geometry import Geometry
-from contribution_lens.views import html, plot
+from contribution_lens.methods import decomposition_measures
+from contribution_lens.views import plot
+
+
+def compare_measures(geometry: Geometry, *, layer: int, query: int, index: int = 0) -> go.Figure:
+    """Every registered measure read off the decomposition for one query, each scaled to unit total |score|.
+
+    The built-ins are attention, value-weighted, output-normalised and contribution; a user's
+    method made with `contribution_lens.Method.from_decomposition` joins them, per head (summed
+    over heads here) or token level ``[batch query key]``.
+
+    Example:
+        >>> import torch, contribution_lens as cl
+        >>> future = torch.ones(3, 3).triu(1).bool()
+        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3).masked_fill(future, -torch.inf), -1)
+        >>> d = cl.decompose(pattern, torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8))
+        >>> g = cl.Geometry({0: d}, torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool),
+        ...                 [["<s>", "a", "b"]], "inter")
+        >>> [trace.name for trace in compare_measures(g, layer=0, query=2).data][:2]
+        ['attention α', 'value-weighted α‖vt‖']
+    """
+    return plot.measure_bars(geometry, decomposition_measures(), layer=layer, query=query, index=index)
 
 
 def figures(geometry: Geometry, *, layer: int | None = None, index: int = 0) -> list[tuple[str, go.Figure]]:
-    """The overview's figures; ``layer`` defaults to `Geometry.sink_layer` (where the two disagree most)."""
-    shown = geometry.sink_layer() if layer is None else geometry.resolve(layer)
-    query = len(geometry.str_tokens[index]) - 1
-    sink_attention = torch.stack([d.attention[index, :, 1:, 0].mean(-1) for d in geometry.values()])
-    sink_contribution = torch.stack([d.contribution[index, :, 1:, 0].mean(-1) for d in geometry.values()])
-    title = f"contribution of BOS ({geometry.scope}-head)"
-    return [
-        (
-            "Attention to the first token (BOS), per head",
-            plot.head_grid(sink_attention, title="attention to BOS", layers=geometry.layers),
-        ),
-        (
-            "Contribution of the first token (BOS), per head",
-            plot.head_grid(sink_contribution, title=title, layers=geometry.layers, signed=True),
-        ),
-        (f"Token-level contribution at layer {shown}", plot.token_heatmap(geometry, layer=shown, index=index)),
-        (
-            f"Every measure for the last query at layer {shown}",
-            plot.compare_measures(geometry, layer=shown, query=query, index=index),
-        ),
-    ]
+    """Deprecated: `Geometry.figures` (a dict, titled as here), which this returns as (title, figure) pairs."""
+    warnings.warn(
+        "contribution_lens.views.overview.figures is deprecated: use Geometry.figures(layer=..., index=...) "
+        "(a dict of titled figures)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return list(geometry.figures(layer=layer, index=index, measures=decomposition_measures()).items())
 
 
 def write(
     geometry: Geometry,
     path: str | os.PathLike,
     *,
-    title: str = "contribution-lens",
+    title: str = "contribution-lens",  # the page's title before it was Geometry.report's
     layer: int | None = None,
     text: str = "",
 ) -> Path:
-    """One self-contained HTML page: the text, the per-layer summary and `figures` (of batch element 0).
-
-    Example:
-        >>> import contribution_lens as cl, tempfile
-        >>> model = cl.load_model()
-        >>> g = cl.attention_geometry(model, "The cat sat on the mat.")
-        >>> write(g, tempfile.mkdtemp() + "/demo.html").stat().st_size > 1_000_000  # plotly.js is embedded
-        True
-    """
-    sections: list[html.Section] = [
-        ("Text", text or "".join(geometry.str_tokens[0])),
-        ("Per-layer summary", geometry.layer_summary()),
-        *figures(geometry, layer=layer),
-    ]
-    return html.write_html(path, title, sections)
+    """Deprecated: `Geometry.report`."""
+    warnings.warn(
+        "contribution_lens.views.overview.write is deprecated: use Geometry.report(path, title=..., text=...)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return geometry.report(path, title=title, layer=layer, text=text, measures=decomposition_measures())

@@ -2,13 +2,18 @@
 
 Signed quantities (cosine, contribution) use a diverging scale centred at 0; axis labels are
 unique ``"{position}:{token}"`` strings so repeated tokens stay apart.
+
+Drawing is the bottom of the views: a function takes a result by what it offers (the result types
+are named for type checkers only) and knows no registry, so every result's ``figures()`` draws
+with these functions without an import circle.
 """
 
 import os
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pandas as pd
@@ -18,14 +23,30 @@ from plotly.subplots import make_subplots
 from torch import Tensor
 
 from contribution_lens import files
-from contribution_lens.analyses.flow import Flow
-from contribution_lens.analyses.generation import GenerationExplanation
-from contribution_lens.analyses.geometry import Geometry
-from contribution_lens.analyses.logit_attribution import LogitAttribution
-from contribution_lens.analyses.sinks import SinkLayer
-from contribution_lens.choices import FACTORS, Factor
+from contribution_lens._lazy import face
+from contribution_lens.choices import FACTORS, Factor, as_index
 from contribution_lens.decomposition import Decomposition
-from contribution_lens.methods import available_methods, get_method
+from contribution_lens.qk import component_layer_head
+
+if TYPE_CHECKING:
+    from contribution_lens.analyses.flow import Flow
+    from contribution_lens.analyses.generation import GenerationExplanation
+    from contribution_lens.analyses.geometry import Geometry
+    from contribution_lens.analyses.logit_attribution import LogitAttribution
+    from contribution_lens.analyses.qk_attribution import QKAttribution
+    from contribution_lens.analyses.sinks import SinkLayer
+
+__getattr__, _ = face(
+    __name__,
+    {},
+    {
+        "compare_measures": (
+            "contribution_lens.views.overview:compare_measures",
+            "use contribution_lens.views.compare_measures (every registered measure), or "
+            "Geometry.figures(measures=...)",
+        )
+    },
+)  # `compare_measures` reads the method registry, which drawing does not know
 
 DIVERGING = "RdBu_r"
 SEQUENTIAL = "Viridis"
@@ -33,11 +54,12 @@ SEQUENTIAL = "Viridis"
 
 def _check_head(d: Decomposition, head: int | None) -> None:
     n_heads = d.attention.shape[1]
+    head = None if head is None else as_index(head, "head must be an integer (or None: every head)")
     if head is not None and not 0 <= head < n_heads:
         raise ValueError(f"head {head} does not exist: the layer has {n_heads} heads (0..{n_heads - 1})")
 
 
-def _check_index(geometry: Geometry, index: int) -> int:
+def _check_index(geometry: "Geometry", index: int) -> int:
     batch = geometry.tokens.shape[0]
     if not 0 <= index < batch:
         raise ValueError(f"index {index} is outside the batch of {batch}")
@@ -121,8 +143,40 @@ def _heatmap(values: np.ndarray, labels: list[str], factor: Factor, customdata: 
     )
 
 
+def factor_grid(
+    factors: dict[str, np.ndarray],
+    *,
+    factor: Factor | str,
+    queries: Sequence[str],
+    keys: Sequence[str],
+) -> go.Figure:
+    """Query x key heatmap of one factor, drawn from ``[query key]`` grids of all four (NaN cells blank).
+
+    ``factors`` maps each of `contribution_lens.FACTORS` to its grid; the hover shows all four
+    numbers of a cell. Every query and key is labelled (``queries``, ``keys``: unique labels).
+
+    Example:
+        >>> grid = np.array([[1.0, np.nan], [0.25, 0.75]])
+        >>> figure = factor_grid({name: grid for name in FACTORS}, factor="attention", queries=["0:a", "1:b"],
+        ...                      keys=["0:a", "1:b"])
+        >>> figure.data[0].y, figure.layout.yaxis.autorange
+        (('0:a', '1:b'), 'reversed')
+    """
+    factor = Factor.of(factor)
+    hover = np.stack([np.asarray(factors[name]) for name in FACTORS], axis=-1)
+    trace = _heatmap(np.asarray(factors[factor]), list(keys), factor, hover).update(y=list(queries))
+    ticks = {"tickmode": "array", "tickvals": list(keys), "ticktext": list(keys)}
+    return go.Figure(trace).update_layout(
+        xaxis={"title": "key", "tickangle": -60, **ticks},
+        yaxis={"title": "query", "autorange": "reversed", **ticks, "tickvals": list(queries),
+               "ticktext": list(queries)},
+        height=max(400, 14 * len(queries) + 200),
+        width=max(500, 14 * len(keys) + 260),
+    )  # fmt: skip
+
+
 def token_heatmap(
-    geometry: Geometry,
+    geometry: "Geometry",
     *,
     layer: int,
     head: int | None = None,
@@ -212,7 +266,7 @@ def head_grid(
 
 
 def factor_bars(
-    geometry: Geometry,
+    geometry: "Geometry",
     *,
     layer: int,
     query: int,
@@ -252,31 +306,48 @@ def factor_bars(
     return figure
 
 
-def compare_measures(geometry: Geometry, *, layer: int, query: int, index: int = 0) -> go.Figure:
-    """Every registered measure read off the decomposition for one query, each scaled to unit total |score|.
+Measure = Callable[[Decomposition], Tensor]
+"""A score read off one layer's `Decomposition`: ``[batch head query key]`` per head or ``[batch query key]``."""
 
-    The built-ins are attention, value-weighted, output-normalised and contribution; a user's
-    method made with `contribution_lens.Method.from_decomposition` joins them, per head (summed
-    over heads here) or token level ``[batch query key]``.
+
+def measure_bars(
+    geometry: "Geometry", measures: Mapping[str, Measure], *, layer: int, query: int, index: int = 0
+) -> go.Figure:
+    """Each measure's scores of the keys of one query, side by side, each scaled to unit total ``|score|``.
+
+    ``measures`` maps a label to a score of the layer's `Decomposition`; a per-head score
+    ``[batch head query key]`` is summed over heads, a token-level one ``[batch query key]`` drawn
+    as it is. `Geometry.figures` passes the decomposition's own four (attention, value-weighted,
+    output-normalised, contribution); `contribution_lens.views.overview.compare_measures` every
+    registered measure.
+
+    Example:
+        >>> import torch, contribution_lens as cl
+        >>> future = torch.ones(3, 3).triu(1).bool()
+        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3).masked_fill(future, -torch.inf), -1)
+        >>> d = cl.decompose(pattern, torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8))
+        >>> g = cl.Geometry({0: d}, torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.bool),
+        ...                 [["<s>", "a", "b"]], "inter")
+        >>> bars = measure_bars(g, {"attention": lambda d: d.attention}, layer=0, query=2)
+        >>> round(float(abs(bars.data[0].y).sum()), 6)
+        1.0
     """
     d = geometry[layer]
     keys = _query_keys(geometry, index, query)
     bars = {}
-    for method in map(get_method, available_methods()):
-        if method.decomposition_score is None:
-            continue
-        scores = method.decomposition_score(d)
+    for label, measure in measures.items():
+        scores = measure(d)
         # Per head [batch head query key] is summed over heads; token level [batch query key] is as it is.
         score = scores[index, :, query].sum(0) if scores.ndim == 4 else scores[index, query]
         score = score[: len(keys)]
-        bars[method.label] = score / score.abs().sum().clamp_min(1e-30)
+        bars[label] = score / score.abs().sum().clamp_min(1e-30)
     title = (
         f"Importance of each key for query {geometry.labels(index)[query]!r} at layer {layer} (sum over heads, scaled)"
     )
     return _grouped_bars(bars, keys, title, "share of total |score|")
 
 
-def _query_keys(geometry: Geometry, index: int, query: int) -> list[str]:
+def _query_keys(geometry: "Geometry", index: int, query: int) -> list[str]:
     """Labels of the keys query ``query`` sees, after checking the query exists.
 
     That is up to the query itself in a decoder, the whole text in an encoder.
@@ -501,7 +572,7 @@ def _flow_hover(row: pd.Series, tokens: list[str]) -> str:
 
 
 def flow_graph(
-    flow: Flow, *, position: int | None = None, threshold: float | None = None, max_edges: int = 400
+    flow: "Flow", *, position: int | None = None, threshold: float | None = None, max_edges: int = 400
 ) -> go.Figure:
     """`Flow.graph` drawn: layers as columns, tokens as rows; width = ``|weight|``, colour = sign.
 
@@ -575,7 +646,7 @@ def flow_graph(
     return figure
 
 
-def flow_rollout(flow: Flow, *, position: int | None = None) -> go.Figure:
+def flow_rollout(flow: "Flow", *, position: int | None = None) -> go.Figure:
     """The rollout ``[layer key]`` of the explained position: each input token's signed share per layer."""
     rollout = flow.rollout if position is None else flow.rollout_at(position)
     labels = flow.labels()
@@ -600,7 +671,7 @@ def flow_rollout(flow: Flow, *, position: int | None = None) -> go.Figure:
 # --- Logit attribution ------------------------------------------------------------------------------
 
 
-def logit_heads(result: LogitAttribution) -> go.Figure:
+def logit_heads(result: "LogitAttribution") -> go.Figure:
     """Layer x head heatmap of each head's attention terms (summed over keys): who writes the logit."""
     values = result.attention.sum(-1)
     return head_grid(
@@ -611,7 +682,7 @@ def logit_heads(result: LogitAttribution) -> go.Figure:
     )
 
 
-def logit_keys(result: LogitAttribution) -> go.Figure:
+def logit_keys(result: "LogitAttribution") -> go.Figure:
     """One bar per key the position sees: its attention terms summed over layers and heads, tokens labelled."""
     series = result.by_key()
     labels = [f"{j}:{result.str_tokens[j]}" for j in series.index]
@@ -631,7 +702,7 @@ def logit_keys(result: LogitAttribution) -> go.Figure:
     return figure
 
 
-def logit_layers(result: LogitAttribution) -> go.Figure:
+def logit_layers(result: "LogitAttribution") -> go.Figure:
     """Per layer, the attention terms, attention's biases and the MLP's term side by side."""
     table = result.by_layer()
     figure = go.Figure()
@@ -652,7 +723,7 @@ def logit_layers(result: LogitAttribution) -> go.Figure:
     return figure
 
 
-def generation_keys(explanation: GenerationExplanation) -> go.Figure:
+def generation_keys(explanation: "GenerationExplanation") -> go.Figure:
     """Answer tokens x keys heatmap: each generated token's attention terms per key (diverging, centred at 0)."""
     table = explanation.key_matrix()
     figure = go.Figure(
@@ -673,3 +744,95 @@ def generation_keys(explanation: GenerationExplanation) -> go.Figure:
         height=max(360, 22 * len(table.index) + 200),
     )
     return figure
+
+
+# --- why a head attends (`QKAttribution`) ---------------------------------------------------------
+
+
+def _qk_title(result: "QKAttribution", head: int, query: int) -> str:
+    return f"L{result.layer}H{head}, query {query}:{result.str_tokens[query]!r}"
+
+
+def qk_advantage(result: "QKAttribution", *, head: int, query: int, side: str = "key") -> go.Figure:
+    """Components x keys heatmap of the advantage ``A_ij^c`` of one head and query (diverging, centred at 0).
+
+    Each column sums to ``log alpha_ij + H(alpha_i)``; the hover gives the component, the key,
+    the advantage and the key's weight.
+    """
+    table = result.advantage(side, head=head, query=query)
+    alpha = result.pattern[result.heads.index(head), result.queries.index(query % len(result.str_tokens))]
+    keys = [f"{j}:{result.str_tokens[j]}" for j in table.columns]
+    weights = np.array([[float(alpha[j]) for j in table.columns]] * len(table.index))
+    figure = go.Figure(
+        go.Heatmap(
+            z=table.to_numpy(),
+            x=keys,
+            y=list(table.index),
+            customdata=weights,
+            colorscale=DIVERGING,
+            zmid=0,
+            hovertemplate="%{y} at key %{x}<br>advantage %{z:.4f}<br>alpha %{customdata:.4f}<extra></extra>",
+            colorbar={"title": "advantage"},
+        )
+    )
+    figure.update_layout(
+        title=f"{side.capitalize()}-side advantage per component, {_qk_title(result, head, query)}",
+        xaxis={"title": "key", "tickangle": -60},
+        yaxis={"title": f"{side} component", "autorange": "reversed"},
+        height=max(400, 14 * len(table.index)),
+    )
+    return figure
+
+
+def qk_key_bars(result: "QKAttribution", *, head: int, query: int, key: int | None = None, top: int = 15) -> go.Figure:
+    """Both sides' advantages at one key (default: the most attended), the ``top`` components of each by size.
+
+    The title names the key's token, its weight, and the total beside ``log alpha + H``.
+    """
+    cell = result.cell(query=query, key=key, head=head)
+    figure = make_subplots(rows=1, cols=2, subplot_titles=("key side", "query side"), horizontal_spacing=0.25)
+    for column, series in enumerate((cell.key_side, cell.query_side), start=1):
+        chosen = series.reindex(series.abs().sort_values(ascending=False).index[:top])[::-1]
+        figure.add_trace(
+            go.Bar(
+                x=chosen.to_numpy(),
+                y=list(chosen.index),
+                orientation="h",
+                marker={"color": ["#b2182b" if v >= 0 else "#2166ac" for v in chosen.to_numpy()]},
+                hovertemplate="%{y}<br>advantage %{x:.4f}<extra></extra>",
+                showlegend=False,
+            ),
+            row=1,
+            col=column,
+        )
+    token = result.str_tokens[cell.key]
+    figure.update_layout(
+        title=(
+            f"Why {_qk_title(result, head, cell.query)} attends to key {cell.key}:{token!r} (alpha {cell.alpha:.3f}): "
+            f"advantages sum to {cell.total:.3f}, log alpha + H = {cell.log_alpha_plus_entropy:.3f}"
+        ),
+        height=max(400, 22 * top),
+    )
+    figure.update_xaxes(title_text="advantage")
+    return figure
+
+
+def qk_heads(result: "QKAttribution", *, head: int, query: int, key: int | None = None) -> go.Figure:
+    """Layers x heads grid of each earlier head's key-side advantage at one key (default: the most attended).
+
+    What K-composition looks like: an earlier head whose output makes this key attractive.
+    """
+    cell = result.cell(query=query, key=key, head=head)
+    n_heads = max((h for _, h in map(component_layer_head, cell.key_side.index) if h is not None), default=-1) + 1
+    values = torch.zeros(max(result.layer, 1), max(n_heads, 1), dtype=torch.float64)
+    for name, value in cell.key_side.items():
+        layer, h = component_layer_head(str(name))
+        if layer is not None and h is not None:
+            values[layer, h] = float(value)
+    return head_grid(
+        values,
+        title=f"Key-side advantage of each earlier head at key {cell.key}:{result.str_tokens[cell.key]!r}, "
+        f"{_qk_title(result, head, cell.query)}",
+        signed=True,
+        colorbar_title="advantage",
+    )

@@ -1,13 +1,15 @@
 """The inspector's static page: plotly.js once, every embedded layer's payload once, the view in the URL fragment.
 
 One self-contained file that opens offline. The drawing code is the inspector's ES module
-(``static/inspector.js``), inlined once in a ``<script type="module">`` that mounts it on the
-page's root element; the data sits in a ``<script type="application/json">`` block.
+(`module`: ``static/*.js`` assembled into one), inlined once in a ``<script type="module">`` that
+mounts it on the page's root element; the data sits in a ``<script type="application/json">`` block.
 """
 
+import functools
 import html
 import json
 import os
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -22,10 +24,47 @@ def asset(name: str) -> str:
     return (resources.files("contribution_lens.views.inspector") / "static" / name).read_text(encoding="utf-8")
 
 
+MODULES = (
+    "codecs.js",
+    "windows.js",
+    "factors.js",
+    "captions.js",
+    "colours.js",
+    "controls.js",
+    "figures.js",
+    "prediction.js",
+    "view.js",
+    "fragment.js",
+    "page.js",
+    "inspector.js",
+)
+"""The front-end's files, each after those it imports; ``inspector.js`` (the widget's entry) last."""
+_IMPORT = re.compile(r'^import \{[^}]*\} from "\./([a-z]+\.js)";\n', re.MULTILINE)
+
+
+@functools.cache
+def module() -> str:
+    """The front-end's ES module as the widget and the page load it: `MODULES` in one, their imports removed.
+
+    The widget's module is loaded from a string (anywidget's ``_esm``) and the page's is inline,
+    so neither can fetch a file: each file's ``import { ... } from "./x.js";`` lines go, the
+    names they import being defined earlier in the same module. Every other line is kept
+    (``export`` included: the one module exports what every file does).
+    """
+    parts = []
+    for position, name in enumerate(MODULES):
+        text = asset(name)
+        for imported in _IMPORT.findall(text):
+            if imported not in MODULES[:position]:
+                raise RuntimeError(f"static/{name} imports {imported}, which is not among the modules before it")
+        parts.append(f"// --- {name} ---\n" + _IMPORT.sub("", text))
+    return "\n".join(parts)
+
+
 def render(meta: dict[str, Any], payloads: dict[int, dict[str, Any]], steps: dict[str, Any] | None = None) -> str:
     """The page for `contribution_lens.views.inspector.payload.meta`, those layers' payloads and explained steps.
 
-    ``steps`` (`contribution_lens.views.inspector.payload.steps_payload`) adds the step control and
+    ``steps`` (`contribution_lens.views.inspector.steps.steps_payload`) adds the step control and
     the prediction view.
     """
     data = {
@@ -44,7 +83,7 @@ def render(meta: dict[str, Any], payloads: dict[int, dict[str, Any]], steps: dic
             f"</head><body><h1>{html.escape(title)}</h1><div class='cl-page-root'></div>",
             f"<script type='application/json' class='cl-data'>{blob}</script>",
             "<script type='module'>",
-            asset("inspector.js"),
+            module(),
             "const root = document.querySelector('.cl-page-root');",
             "page(root, JSON.parse(document.querySelector('.cl-data').textContent));",
             "</script>",

@@ -1,39 +1,32 @@
-"""The live inspector: an anywidget that computes one layer's payload when the front-end asks for it.
+"""The live inspector: `inspect` builds it, an anywidget that sends one layer's payload when the front-end asks.
 
-The widget holds the model and the text; `contribution_lens.views.inspector.payload` makes each
-layer's numbers and `contribution_lens.views.inspector.page` the static page. Its front-end is
-the ES module ``static/inspector.js`` (shared with the page), which loads plotly.js once per
-notebook page: the first widget that finds no ``globalThis.Plotly`` asks the kernel for it in one
-custom message.
+The widget holds its `contribution_lens.views.inspector.subject.Subject` (the model, the text,
+the layers) and the payloads computed so far; `contribution_lens.views.inspector.page` makes
+the static page. Its front-end is the ES module of ``static/`` (shared with the page, assembled
+by `contribution_lens.views.inspector.page.module`), which loads plotly.js once per notebook
+page: the first widget that finds no ``globalThis.Plotly`` asks the kernel for it in one custom
+message.
 """
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anywidget
 import plotly.offline
 import traitlets
+from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.choices import FACTORS, SCOPES
+from contribution_lens.choices import as_count
 from contribution_lens.views import export, plot
-from contribution_lens.views.inspector import page
-from contribution_lens.views.inspector.payload import (
-    DEFAULT_TOKENS,
-    VIEWS,
-    Steps,
-    Window,
-    compute_windows,
-    meta,
-    payload_bytes,
-    steps_payload,
-    token_label,
-    token_window,
-    window_start,
-    window_starts,
-)
+from contribution_lens.views.inspector import figure, page
+from contribution_lens.views.inspector.compute import compute_windows
+from contribution_lens.views.inspector.payload import meta, payload_bytes
+from contribution_lens.views.inspector.steps import steps_payload
+from contribution_lens.views.inspector.subject import Explained, InspectorError, Opening, Subject
+from contribution_lens.views.inspector.windows import DEFAULT_TOKENS, Window, window_start, window_starts
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -42,21 +35,82 @@ COMPACT_ABOVE_BYTES = 20_000_000
 """A page whose fine payloads would pass this many bytes is written in the compact codec (`write_html`)."""
 PRECOMPUTE_BYTES = 400_000_000
 """The most payload bytes one pass precomputes beyond the window shown (other windows of the same size)."""
+CHECKED = ("layer", "head", "factor", "scope", "start", "tokens", "query", "view", "step")
+"""The traits whose values are checked (`Subject.refusal`) before they change anything."""
 
 
-class InspectorError(traitlets.TraitError, ValueError):
-    """A value the inspector refuses; its message is also in the widget's ``error`` trait."""
+def inspect(
+    model: adapter.Model,
+    text: str | Tensor | Explained,
+    layer: int | None = None,
+    head: int | None = None,
+    *,
+    layers: Sequence[int] | None = None,
+    factor: str = "contribution",
+    scope: str = "inter",
+    start: int | None = None,
+    tokens: int = DEFAULT_TOKENS,
+    hide_sink: bool = False,
+    group_kv: bool = False,
+    view: str | None = None,
+    step: int | None = None,
+    prepend_bos: bool | None = None,
+) -> "Inspector":
+    """A live inspector of every layer, head, factor and scope of one text (display it in Jupyter).
+
+    For layer ``l``, head ``h``, query ``i`` and key ``j`` it draws the contribution weight
+    ``c_ij = alpha_ij * ||vt_j||/||o_i|| * cos(o_i, vt_j)`` or one of its three factors, per
+    head or summed over heads (token level), as a query x key heatmap of a token window, the
+    text coloured by one query's row, and that row's factors as bars.
+
+    Args:
+        model: a TransformerLens ``TransformerBridge``.
+        text: the text (BOS as ``prepend_bos`` says) or token ids; or explained predictions of one text (a
+            `contribution_lens.GenerationExplanation`, a `contribution_lens.LogitAttribution` or a
+            list of them): their tokens, with a step control and the ``prediction`` view.
+        layer: open on this layer (default: the last of ``layers``).
+        layers: layers offered (default: all).
+        head: open on this head (default: all heads, token level).
+        factor: ``attention``, ``relative_norm``, ``cosine`` or ``contribution``.
+        scope: ``inter`` or ``intra``.
+        start: first query position of the token window (default: 0, or the window holding the step).
+        tokens: queries in the token window (keys are the same positions plus the sink).
+        hide_sink: hide key 0 and renormalise the other keys' shares (`contribution_lens.views.plot.hide_sink`).
+        group_kv: show the KV group of ``head`` (the heads sharing its value head) combined.
+        view: ``heatmap``, ``text`` or ``prediction`` (default: ``prediction`` for explained
+            predictions, else ``heatmap``).
+        step: the explained step shown (default 0); the query starts at its position.
+        prepend_bos: BOS before a text (None: the model's own choice, ``cfg.default_prepend_bos``).
+
+    Every value is checked once, here, before the model runs: a bad one raises `InspectorError`
+    (a ``ValueError``). The first view then runs one forward pass for every layer and every
+    window of ``tokens`` queries; switching layer or window afterwards sends what is ready.
+
+    Example:
+        >>> import contribution_lens as cl
+        >>> model = cl.load_model()
+        >>> inspector = cl.inspect(model, "The cat sat on the mat.", layer=3)
+        >>> inspector.layer, inspector.meta["key_labels"][:2]
+        (3, ['0:<|im_start|>', '1:The'])
+    """
+    tokens = as_count(tokens, "tokens")  # before the text is read or any window is laid out
+    subject = Subject.of(model, text, layers, prepend_bos=prepend_bos)
+    opening = subject.opening(
+        layer=layer, head=head, factor=factor, scope=scope, start=start, tokens=tokens, hide_sink=hide_sink,
+        group_kv=group_kv, view=view, step=step,
+    )  # fmt: skip
+    return Inspector(subject, opening)
 
 
 class Inspector(anywidget.AnyWidget):
-    """The live inspector: every layer's payload computed once, in one forward pass; switches send one.
+    """The live inspector (built by `inspect`): every layer's payload computed once, in one forward pass.
 
     ``head`` is -1 for all heads (token level); ``query`` is the position whose per-key factors
     are drawn as bars; ``hide_sink`` hides key 0 and renormalises the other keys' shares
-    (`contribution_lens.views.inspector.payload.hide_sink`); ``group_kv`` shows, in place of
-    ``head``, the KV group it belongs to (the heads sharing its value head, combined: meta
-    ``kv_groups``, payload ``group_*``). Head, factor, scope, query, ``hide_sink`` and
-    ``group_kv`` are drawn by the front-end from the payload already sent.
+    (`contribution_lens.views.plot.hide_sink`); ``group_kv`` shows, in place of ``head``, the KV
+    group it belongs to (the heads sharing its value head, combined: meta ``kv_groups``, payload
+    ``group_*``). Head, factor, scope, query, ``hide_sink`` and ``group_kv`` are drawn by the
+    front-end from the payload already sent.
 
     With explained predictions (``steps``, from `contribution_lens.explain_generation` or
     `contribution_lens.logit_attribution`) the ``prediction`` view draws step ``step``'s direct
@@ -69,13 +123,13 @@ class Inspector(anywidget.AnyWidget):
     beyond the shown window): a later layer or window switch only sends what is ready. A new
     ``tokens`` (or a start off those windows) runs one more pass.
 
-    A bad value (``start``, ``tokens``, ``layer``, ``head``, ``query``, ``factor``, ``scope``) is
-    refused before anything changes: Python gets an `InspectorError` (a ``TraitError`` and a
-    ``ValueError``), the front-end the reason in the ``error`` trait ("" when all is well) and
-    the value it had.
+    A bad value (``start``, ``tokens``, ``layer``, ``head``, ``query``, ``factor``, ``scope``,
+    ``view``, ``step``) is refused before anything changes: Python gets an `InspectorError` (a
+    ``TraitError`` and a ``ValueError``), the front-end the reason in the ``error`` trait (""
+    when all is well) and the value it had.
     """
 
-    _esm = page.asset("inspector.js")
+    _esm = page.module()
     _css = page.asset("inspector.css")
     layer = traitlets.Int().tag(sync=True)
     head = traitlets.Int(-1).tag(sync=True)
@@ -93,111 +147,33 @@ class Inspector(anywidget.AnyWidget):
     meta = traitlets.Dict().tag(sync=True)
     payload = traitlets.Dict().tag(sync=True)
 
-    def __init__(
-        self,
-        model: adapter.Model,
-        batch: adapter.TokenBatch,
-        layers: Sequence[int] | None = None,
-        *,
-        steps: Steps | None = None,
-        **kwargs: Any,
-    ) -> None:
-        self._model = model
-        self._layers = adapter.check_layers(model, layers)
-        self._batch = batch
-        self._labels = [token_label(i, t) for i, t in enumerate(batch.str_tokens[0])]
-        if steps is not None:
-            steps.check_model(model, self._labels)
-        self._steps = steps
+    def __init__(self, subject: Subject, opening: Opening) -> None:
+        """The widget of ``subject`` opened on ``opening`` (both checked: build it with `inspect`)."""
+        self._subject = subject
         self._ready = False
         self._computed: dict[str, dict[int, dict[str, Any]]] = {}
-        self._n_heads = int(model.cfg.n_heads)
-        # For the memory estimate only: each payload names its own groups (read off hook_v).
-        self._n_kv_heads = int(getattr(model.cfg, "n_key_value_heads", None) or self._n_heads)
-        self._causal = adapter.is_causal_model(model)
-        check: dict[str, Callable[[Any], None]] = {
-            name: getattr(self, f"_check_{name}")
-            for name in ("layer", "head", "factor", "scope", "start", "tokens", "view", "step")
-        }
-        for name, value in kwargs.items():
-            if name in check:
-                check[name](value)
-        if steps is not None:
-            kwargs["steps"] = steps_payload(steps, self._labels)
-        super().__init__(**kwargs)
-        self._check_query(self.query, allow_unset=True)
+        sent = {} if subject.steps is None else {"steps": steps_payload(subject.steps, subject.labels)}
+        super().__init__(**vars(opening), **sent)
         self._ready = True
         self._refresh_window()
-        if self.step >= 0:
-            self._follow_step()
         self.on_msg(self._on_message)
 
-    def _refuse(self, message: str) -> InspectorError:
-        self.error = message
-        return InspectorError(message)
+    # --- checks: a refused value changes nothing and names the reason -------------------------------
 
-    def _check_layer(self, value: int) -> None:
-        if value not in self._layers:
-            raise self._refuse(f"layer {value} is not among the inspected layers {self._layers}")
+    def _check(self, name: str, value: Any) -> None:
+        # Only a query needs the window; while a new start is cross-validated the window may not exist.
+        message = self._subject.refusal(name, value, self.window if name == "query" else None)
+        if message:
+            self.error = message
+            raise InspectorError(message)
 
-    def _check_head(self, value: int) -> None:
-        if not -1 <= value < self._n_heads:
-            raise self._refuse(f"head {value} does not exist: -1 (all heads) or 0..{self._n_heads - 1}")
-
-    def _check_factor(self, value: str) -> None:
-        if value not in FACTORS:
-            raise self._refuse(f"unknown factor {value!r}; expected one of {FACTORS}")
-
-    def _check_scope(self, value: str) -> None:
-        if value not in SCOPES:
-            raise self._refuse(f"unknown scope {value!r}; expected one of {SCOPES}")
-
-    def _check_start(self, value: int) -> None:
-        n = len(self._labels)
-        if not 0 <= value < n:
-            raise self._refuse(f"start {value} is outside the text of {n} tokens (0..{n - 1})")
-
-    def _check_tokens(self, value: int) -> None:
-        if value < 1:
-            raise self._refuse(f"tokens must be at least 1, got {value}")
-
-    def _check_view(self, value: str) -> None:
-        if value not in VIEWS:
-            raise self._refuse(f"unknown view {value!r}; expected one of {VIEWS}")
-        if value == "prediction" and self._steps is None:
-            raise self._refuse(
-                "the prediction view needs explained predictions: inspect cl.explain_generation(...) "
-                "or cl.logit_attribution(...) instead of a text"
-            )
-
-    def _check_step(self, value: int) -> None:
-        if self._steps is None:
-            if value != -1:
-                raise self._refuse(
-                    f"step {value}: this inspector has no explained predictions (inspect cl.explain_generation(...))"
-                )
-        elif not 0 <= value < len(self._steps.results):
-            raise self._refuse(
-                f"step {value} does not exist: the inspector explains steps 0..{len(self._steps.results) - 1}"
-            )
-
-    def _check_query(self, value: int, allow_unset: bool = False) -> None:
-        if allow_unset and value == -1:
-            return
-        queries = self.window.queries
-        if value not in queries:
-            raise self._refuse(f"query {value} is not in the token window {queries[0]}..{queries[-1]}: set start first")
-
-    @traitlets.validate("layer", "head", "factor", "scope", "start", "tokens", "query", "view", "step")
+    @traitlets.validate(*CHECKED)
     def _valid(self, proposal: dict) -> Any:
-        name, value = proposal["trait"].name, proposal["value"]
         if self._ready:
-            getattr(self, f"_check_{name}")(value)
-        return value
+            self._check(proposal["trait"].name, proposal["value"])
+        return proposal["value"]
 
-    @traitlets.observe(
-        "layer", "head", "factor", "scope", "start", "tokens", "query", "hide_sink", "group_kv", "view", "step"
-    )
+    @traitlets.observe(*CHECKED, "hide_sink", "group_kv")
     def _accepted(self, change: dict) -> None:
         self.error = ""
 
@@ -214,12 +190,15 @@ class Inspector(anywidget.AnyWidget):
         queries = self.meta["queries"]
         return (
             f"Inspector(layer={self.layer}, head={head}, factor={self.factor}, scope={self.scope}, "
-            f"tokens {queries[0]}..{queries[-1]} of {len(self._labels)}); display it, or .write_html(path)"
+            f"tokens {queries[0]}..{queries[-1]} of {len(self._subject.labels)}); display it, or .write_html(path)"
         )
+
+    # --- what changes send: a window's meta, a layer's payload, a step's query -----------------------
 
     @property
     def window(self) -> Window:
-        return token_window(len(self._labels), start=self.start, tokens=self.tokens, causal=self._causal)
+        """The token window shown (`contribution_lens.views.inspector.windows.token_window`)."""
+        return self._subject.window(self.start, self.tokens)
 
     @traitlets.observe("start", "tokens")
     def _window_changed(self, change: dict) -> None:
@@ -238,11 +217,11 @@ class Inspector(anywidget.AnyWidget):
 
     def _follow_step(self) -> None:
         """The query moves to the step's position; the window too, where it does not hold it."""
-        assert self._steps is not None
-        position = self._steps.positions[self.step]
+        assert self._subject.steps is not None
+        position = self._subject.steps.positions[self.step]
         with self.hold_sync():
             if position not in self.window.queries:
-                self.start = window_start(len(self._labels), position, self.tokens)
+                self.start = window_start(len(self._subject.labels), position, self.tokens)
             self.query = position
 
     def show_step(self, step: int, *, layer: int | None = None, head: int | None = None) -> None:
@@ -251,11 +230,9 @@ class Inspector(anywidget.AnyWidget):
         What a click on a head of the prediction view does. Every value is checked before anything
         changes (`InspectorError`).
         """
-        self._check_step(step)
-        if layer is not None:
-            self._check_layer(layer)
-        if head is not None:
-            self._check_head(head)
+        for name, value in (("step", step), ("layer", layer), ("head", head)):
+            if value is not None:
+                self._check(name, value)
         with self.hold_sync():
             if self.step != step:
                 self.step = step
@@ -266,27 +243,34 @@ class Inspector(anywidget.AnyWidget):
                 self.head = -1 if head is None else head
                 self.view = "heatmap"
 
+    def _initial(self, *, head: int | str, query: int) -> dict[str, Any]:
+        """The view the front-end opens on (``meta.initial``)."""
+        shown = {
+            name: getattr(self, name) for name in ("layer", "factor", "scope", "hide_sink", "group_kv", "view", "step")
+        }
+        return {**shown, "head": head, "query": query}
+
     def _refresh_window(self) -> None:
         window = self.window
         if self.query not in window.queries:
             self.query = window.queries[-1]
         groups = self._layer_payload(window, self.layer)["kv_groups"]
-        initial = {"layer": self.layer, "head": "all", "factor": self.factor, "scope": self.scope,
-                   "query": self.query, "hide_sink": self.hide_sink, "group_kv": self.group_kv,
-                   "view": self.view, "step": self.step}  # fmt: skip
-        self.meta = meta(self._labels, window, self._layers, self._n_heads, initial, kv_groups=groups)
+        initial = self._initial(head="all", query=self.query)
+        subject = self._subject
+        self.meta = meta(subject.labels, window, subject.layers, subject.n_heads, initial, kv_groups=groups)
         self._compute()
 
     def _windows_to_precompute(self) -> list[Window]:
         """The shown window first, then the other half-overlapping windows of its size, nearest first, within budget."""
-        n, size, shown = len(self._labels), self.tokens, self.window
+        subject, shown = self._subject, self.window
+        first = shown.queries[0]
         starts = sorted(
-            sorted(set(window_starts(n, size)) - {shown.queries[0]}), key=lambda s: abs(s - shown.queries[0])
+            set(window_starts(len(subject.labels), self.tokens)) - {first}, key=lambda s: (abs(s - first), s)
         )
         chosen, budget = [shown], PRECOMPUTE_BYTES
         for start in starts:
-            window = token_window(n, start=start, tokens=size, causal=self._causal)
-            budget -= payload_bytes(window, self._n_heads, self._n_kv_heads) * len(self._layers)
+            window = subject.window(start, self.tokens)
+            budget -= payload_bytes(window, subject.n_heads, subject.n_kv_heads) * len(subject.layers)
             if budget < 0:
                 break
             chosen.append(window)
@@ -294,10 +278,10 @@ class Inspector(anywidget.AnyWidget):
 
     def _layer_payload(self, window: Window, layer: int) -> dict[str, Any]:
         if window.key not in self._computed:
-            windows = self._windows_to_precompute()
-            computed = compute_windows(self._model, self._batch, self._layers, windows, progress=True)
+            windows, subject = self._windows_to_precompute(), self._subject
+            computed = compute_windows(subject.model, subject.batch, subject.layers, windows, progress=True)
             # Windows of an earlier size are dropped: the memory goes to the size in use.
-            self._computed = {w.key: {layer: computed[layer][w.key] for layer in self._layers} for w in windows}
+            self._computed = {w.key: {layer: computed[layer][w.key] for layer in subject.layers} for w in windows}
         return self._computed[window.key][layer]
 
     def _compute(self) -> None:
@@ -318,38 +302,50 @@ class Inspector(anywidget.AnyWidget):
             except (InspectorError, KeyError, TypeError, ValueError) as refused:
                 self.error = str(refused)
 
+    # --- what is left when the widget cannot run: a figure, an image, a page -------------------------
+
     def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict, dict] | None:
         """The widget view and, as ``text/html`` beside it, a figure of the current view.
 
         Jupyter draws the widget; an exported notebook (nbconvert) or a static viewer, which
-        cannot run it, shows the figure (`contribution_lens.views.export.inspector_figure`).
+        cannot run it, shows the figure (`contribution_lens.views.inspector.figure.inspector_figure`).
         """
         bundle = super()._repr_mimebundle_(**kwargs)
         if bundle is None:
             return None
         data, metadata = bundle
         try:
-            figure = self._view_figure()
+            shown = self._view_figure()
         except Exception as error:  # the live widget must still show: the fallback is for exports
             warnings.warn(f"the inspector's static figure failed ({error}); an export will show its repr", stacklevel=2)
             return data, metadata
-        return {**data, "text/html": export.figure_html(figure)}, metadata
+        return {**data, "text/html": export.figure_html(shown)}, metadata
 
     def save_image(self, path: str | Path, *, scale: int | float = 2) -> Path:
         """Write the current view as an image, PNG, SVG or PDF by the suffix (`contribution_lens.plot.save_image`)."""
         return plot.save_image(self._view_figure(), path, scale=scale)
 
     def _view_figure(self) -> "go.Figure":
-        if self.view == "prediction" and self._steps is not None:
+        steps = self._subject.steps
+        if self.view == "prediction" and steps is not None:
             step = max(0, self.step)
-            figure = plot.logit_heads(self._steps.results[step])
-            return figure.update_layout(title=f"Inspector: prediction, step {step}. {figure.layout.title.text}")
+            drawn = plot.logit_heads(steps.results[step])
+            return drawn.update_layout(title=f"Inspector: prediction, step {step}. {drawn.layout.title.text}")
         # The payload of the layer shown is already here: the figure needs no forward pass.
-        return export.inspector_figure(
-            self._layer_payload(self.window, self.layer), self.window, self._labels,
+        return figure.inspector_figure(
+            self._layer_payload(self.window, self.layer), self.window, self._subject.labels,
             layer=self.layer, head=self.head, factor=self.factor, scope=self.scope, query=self.query,
             hide_sink=self.hide_sink, group_kv=self.group_kv,
         )  # fmt: skip
+
+    def _page_payloads(self, window: Window, layers: list[int], compact: bool) -> dict[int, dict[str, Any]]:
+        """Each layer's payload of ``window``: those computed already, else from one more pass."""
+        cached = None if compact else self._computed.get(window.key)
+        if cached is not None:
+            return {layer: cached[layer] for layer in layers}
+        subject = self._subject
+        computed = compute_windows(subject.model, subject.batch, layers, [window], progress=True, compact=compact)
+        return {layer: by_window[window.key] for layer, by_window in computed.items()}
 
     def render_html(
         self,
@@ -360,30 +356,21 @@ class Inspector(anywidget.AnyWidget):
         compact: bool | None = None,
     ) -> str:
         """The self-contained page of `write_html` as a string."""
-        wanted = self._layers if layers is None else adapter.check_layers(self._model, layers)
-        first = self.start if start is None else start
-        window = token_window(
-            len(self._labels), start=first, tokens=self.tokens if tokens is None else tokens, causal=self._causal
-        )
+        subject = self._subject
+        wanted = subject.layers if layers is None else adapter.check_layers(subject.model, layers)
+        window = subject.window(self.start if start is None else start, self.tokens if tokens is None else tokens)
         if compact is None:
-            fine = payload_bytes(window, self._n_heads, self._n_kv_heads) * len(wanted)
+            fine = payload_bytes(window, subject.n_heads, subject.n_kv_heads) * len(wanted)
             compact = fine > COMPACT_ABOVE_BYTES
-        cached = None if compact else self._computed.get(window.key)
-        if cached is not None:
-            payloads = {layer: cached[layer] for layer in wanted}
-        else:
-            computed = compute_windows(self._model, self._batch, wanted, [window], progress=True, compact=compact)
-            payloads = {layer: by_window[window.key] for layer, by_window in computed.items()}
-        shown = self.layer if self.layer in wanted else wanted[-1]
-        head: int | str = "all" if self.head < 0 else self.head
-        # The page opens on the window's last query, whatever the widget's query.
-        initial = {"layer": shown, "head": head, "factor": self.factor, "scope": self.scope,
-                   "query": window.queries[-1], "hide_sink": self.hide_sink, "group_kv": self.group_kv,
-                   "view": self.view, "step": self.step}  # fmt: skip
-        if self._steps is not None and self._steps.positions[max(0, self.step)] in window.queries:
-            initial["query"] = self._steps.positions[max(0, self.step)]  # the explained step's position
+        payloads = self._page_payloads(window, wanted, compact)
+        # The page opens on the window's last query, whatever the widget's query, or on the explained step's position.
+        query = window.queries[-1]
+        if subject.steps is not None and subject.steps.positions[max(0, self.step)] in window.queries:
+            query = subject.steps.positions[max(0, self.step)]
+        initial = self._initial(head="all" if self.head < 0 else self.head, query=query)
+        initial["layer"] = self.layer if self.layer in wanted else wanted[-1]
         groups = next(iter(payloads.values()))["kv_groups"]
-        about = meta(self._labels, window, wanted, self._n_heads, initial, kv_groups=groups, compact=compact)
+        about = meta(subject.labels, window, wanted, subject.n_heads, initial, kv_groups=groups, compact=compact)
         return page.render(about, payloads, steps=self.steps or None)
 
     def write_html(
@@ -402,9 +389,9 @@ class Inspector(anywidget.AnyWidget):
             layers: layers to embed (default: the inspector's).
             start: first query position of the token window (default: the widget's).
             tokens: queries in the window (default: the widget's, 128); keys add the sink.
-            compact: code each layer as `contribution_lens.views.inspector.payload.compact_payload`
+            compact: code each layer as `contribution_lens.views.inspector.compact.compact_payload`
                 (attention in one byte, ``|da| <= 0.5/255``; cosines from int8 unit vectors, within
-                `contribution_lens.views.inspector.payload.cosine_error_bound`, about 0.03 at most
+                `contribution_lens.views.inspector.compact.cosine_error_bound`, about 0.03 at most
                 for ``d_head = 64``) instead of the fine codecs (``|da|, |dcos| <= 1.5e-5``).
                 None (default): compact when the fine page would pass `COMPACT_ABOVE_BYTES`
                 (all 30 layers of SmolLM2 at 512 tokens: 290 MB fine, under 50 MB compact).

@@ -14,8 +14,7 @@ import torch
 import architectures
 import contribution_lens as cl
 from conftest import assert_close, tiny_bridge, tiny_encoder
-from contribution_lens import adapter
-from contribution_lens.methods import rollout
+from contribution_lens import adapter, mixing
 from helpers import tiny_batch
 
 IDS = torch.tensor([1, 5, 9, 3, 7, 2, 8, 11])
@@ -24,7 +23,7 @@ IDS = torch.tensor([1, 5, 9, 3, 7, 2, 8, 11])
 def _materialised(layer: adapter.LayerInputs, update: adapter.AttentionUpdate) -> dict[str, torch.Tensor]:
     """The former layer_mixing: weights, token mixing, residual term and value norms, nothing contracted early."""
     acc = torch.promote_types(layer.pattern.dtype, torch.float32)
-    valid = rollout.visible(layer)
+    valid = layer.valid
     alpha = torch.where(valid[:, None], layer.pattern.to(acc), 0)
     v = layer.v.to(acc).repeat_interleave(alpha.shape[1] // layer.v.shape[2], dim=2)
     W_O = layer.W_O.to(acc)
@@ -40,8 +39,8 @@ def _materialised(layer: adapter.LayerInputs, update: adapter.AttentionUpdate) -
     heads = torch.einsum("bqhd,hdm->bqm", z, W_O)
     vt = torch.einsum("bkhd,hdm->bkhm", v, W_O)
     if update.norm is not None:
-        heads = rollout._frozen_apply(update.norm, heads, scale)
-        vt = rollout._frozen_apply(update.norm, vt, None)
+        heads = update.norm.linear(heads, scale)
+        vt = update.norm.linear(vt, None)
     residual = (stream * (x + added - heads)).sum(-1) * inverse
     mixing = weights.sum(1)
     mixing.diagonal(dim1=-2, dim2=-1).add_(torch.where(valid.any(-1), residual, 1.0))
@@ -73,16 +72,16 @@ def test_layer_mixing_equals_the_materialised_formula(name, chunk, batch, tmp_pa
     tokens = BATCHES[batch](model)
     if chunk is not None:
         # `chunk` heads at a time (of 4: 3 then 1), and a causal square pattern in tiles of 2 or 3 queries.
-        monkeypatch.setattr(rollout, "_HEAD_CHUNK", chunk * tokens.tokens.numel() * tokens.tokens.shape[1])
-        monkeypatch.setattr(rollout, "_TILE", 3)
+        monkeypatch.setattr(mixing, "_HEAD_CHUNK", chunk * tokens.tokens.numel() * tokens.tokens.shape[1])
+        monkeypatch.setattr(mixing, "_TILE", 3)
     threshold = 0.02
     seen = []
 
     def per_layer(layer: adapter.LayerInputs) -> None:
         update = adapter.attention_update(model, layer)
-        got = rollout.layer_mixing(layer, update, factors=True, threshold=threshold)
+        got = mixing.layer_mixing(layer, update, factors=True, threshold=threshold)
         # Without hook_out (or with it in half precision) the heads' sum is rebuilt from alpha v.
-        bare = rollout.layer_mixing(dataclasses.replace(layer, z=None, hook_out=None), update)
+        bare = mixing.layer_mixing(dataclasses.replace(layer, z=None, hook_out=None), update)
         seen.append((got, bare, _materialised(layer, update)))
 
     cl.map_layers(model, tokens, per_layer, capture=adapter.flow_capture(model))

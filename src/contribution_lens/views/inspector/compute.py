@@ -1,0 +1,72 @@
+"""The inspector's one forward pass: every layer decomposed once, every window cut from it.
+
+`compute_windows` runs the per-layer engine (`contribution_lens.map_layers`) once over the whole
+text; each layer's numbers are coded once (`contribution_lens.views.inspector.payload.layer_arrays`)
+and each token window is a cut of them, in the fine codecs or, for large static pages, the
+compact one (`contribution_lens.views.inspector.compact.compact_payload`).
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from contribution_lens import adapter
+from contribution_lens.engine import map_layers
+from contribution_lens.views.inspector.compact import compact_payload, unit_factors
+from contribution_lens.views.inspector.payload import layer_arrays, window_payload
+from contribution_lens.views.inspector.windows import Window
+
+
+def compute_windows(
+    model: adapter.Model,
+    batch: adapter.TokenBatch,
+    layers: Sequence[int],
+    windows: Sequence[Window],
+    *,
+    progress: bool = False,
+    compact: bool = False,
+) -> dict[int, dict[str, dict[str, Any]]]:
+    """The payload of every layer for every window (by `Window.key`), all from one forward pass.
+
+    Each layer is decomposed once, over the whole text; each window is then a cut of it, in
+    the fine codecs (`contribution_lens.views.inspector.payload.window_payload`) or, with
+    ``compact``, those of `contribution_lens.views.inspector.compact.compact_payload`.
+
+    Example:
+        >>> import contribution_lens as cl
+        >>> from contribution_lens.views.inspector.windows import token_window
+        >>> model = cl.load_model()
+        >>> batch = cl.to_token_batch(model, "The cat sat.")
+        >>> payloads = compute_windows(model, batch, [0, 2], [token_window(batch.tokens.shape[1])])
+        >>> sorted(payloads), list(payloads[2])
+        ([0, 2], ['0-4'])
+    """
+    wanted = list(layers)
+    # leave=True: a closed bar shows its last frame, so a saved notebook does not keep its first one (0%).
+    bar = tqdm(total=len(wanted), desc="inspector: layers", unit="layer", disable=not progress, leave=True)
+
+    def per_layer(inputs: adapter.LayerInputs) -> dict[str, dict[str, Any]]:
+        arrays = layer_arrays(inputs.decompose("inter"), inputs.decompose("intra"), n_kv_heads=inputs.v.shape[2])
+        if compact:
+            factors = unit_factors(inputs)
+            out = {w.key: compact_payload(arrays, factors, w) for w in windows}
+        else:
+            out = {window.key: window_payload(arrays, window) for window in windows}
+        bar.update()
+        return out
+
+    try:
+        results = map_layers(model, batch, per_layer, layers=wanted)
+    finally:
+        bar.close()
+    return dict(results.items())
+
+
+def compute_payloads(
+    model: adapter.Model, batch: adapter.TokenBatch, layers: Sequence[int], window: Window
+) -> dict[int, dict[str, Any]]:
+    """`layer_payload` of each layer for one window, on the per-layer engine (the pass stops after the last)."""
+    return {
+        layer: by_window[window.key] for layer, by_window in compute_windows(model, batch, layers, [window]).items()
+    }

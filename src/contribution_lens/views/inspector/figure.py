@@ -1,0 +1,166 @@
+"""One view of the inspector, as the page draws it: its numbers (`view_factors`) and a figure (`inspector_figure`).
+
+The figure is what an exported notebook shows in place of the live widget and what
+``Inspector.save_image`` writes; it is drawn from the layer's payload the widget already holds
+(no forward pass), with the numbers ``inspector.js`` draws (``shownFactors``, pinned to
+`view_factors` by the golden test).
+"""
+
+from typing import Any
+
+import numpy as np
+import plotly.graph_objects as go
+
+from contribution_lens.views import plot
+from contribution_lens.views.inspector.codecs import decode
+from contribution_lens.views.inspector.windows import Window
+
+
+def _decoded(payload: dict[str, Any], name: str) -> np.ndarray:
+    return decode(payload[name], payload["codecs"][name])
+
+
+def group_of(kv_groups: list[list[int]], head: int) -> int:
+    """The KV group (the heads sharing one value head) that ``head`` belongs to.
+
+    Example:
+        >>> group_of([[0, 1], [2, 3]], 2)
+        1
+    """
+    return next(g for g, heads in enumerate(kv_groups) if head in heads)
+
+
+def _combined_cells(payload: dict[str, Any], head: int, scope: str) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """All heads (``head`` -1) or the KV group of ``head``: the library's combined cells and row totals."""
+    level, group = ("all", 0) if head < 0 else ("group", group_of(payload["kv_groups"], head))
+    n_groups = 1 if head < 0 else len(payload["kv_groups"])
+
+    def take(name: str) -> np.ndarray:
+        return _decoded(payload, f"{level}_{name}").reshape(n_groups, -1)[group]
+
+    cells = {"attention": take("attention")}
+    for factor in ("relative_norm", "cosine", "contribution"):
+        cells[factor] = take(f"{factor}_{scope}")
+    return cells, take(f"total_{scope}")
+
+
+def _head_cells(
+    payload: dict[str, Any], window: Window, head: int, scope: str
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    """One head's cells: ``r_ij = ||vt_j|| / ||o_i||`` (0 where ``||o_i|| = 0``), ``c_ij = a_ij r_ij cos_ij``."""
+    query_of, key_of = np.nonzero(window.mask)
+    n_heads = len(_decoded(payload, "value_norm")) // len(window.keys)
+
+    def per_head(name: str) -> np.ndarray:
+        return _decoded(payload, name).reshape(n_heads, -1)[head]
+
+    output = per_head("output_norm_intra") if scope == "intra" else _decoded(payload, "output_norm_inter")
+    value_norm, out = per_head("value_norm")[key_of], output[query_of]
+    cells = {"attention": per_head("attention"), "cosine": per_head(f"cosine_{scope}")}
+    cells["relative_norm"] = np.divide(value_norm, out, out=np.zeros_like(out), where=out > 0)
+    cells["contribution"] = cells["attention"] * cells["relative_norm"] * cells["cosine"]
+    return cells, per_head(f"total_{scope}")
+
+
+def _hide_sink_grid(grid: np.ndarray, totals: np.ndarray) -> np.ndarray:
+    hidden = plot.hide_sink(np.nan_to_num(grid), totals)
+    return np.where(np.isnan(grid), np.nan, hidden)
+
+
+def view_factors(
+    payload: dict[str, Any],
+    window: Window,
+    *,
+    head: int,
+    scope: str,
+    group_kv: bool = False,
+    hide_sink: bool = False,
+) -> dict[str, np.ndarray]:
+    """The four factors ``[query key]`` of one view of a `window_payload`, as the page draws them.
+
+    ``head`` -1 is all heads (the library's token-level numbers); with ``group_kv`` the head's
+    KV group (the library's group numbers; a group of one head is its first head). Per head,
+    relative norm and contribution are derived from the coded attention, cosines and exact norms:
+    ``r_ij = ||vt_j|| / ||o_i||``, ``c_ij = a_ij r_ij cos_ij``. ``hide_sink`` renormalises
+    attention and contribution without key 0 (`contribution_lens.views.plot.hide_sink`, the
+    row totals ``S_i`` sent with the payload). NaN marks cells the view does not draw (future
+    keys, the hidden sink).
+
+    Example:
+        >>> import torch
+        >>> from contribution_lens import decompose
+        >>> from contribution_lens.views.inspector.payload import layer_payload
+        >>> from contribution_lens.views.inspector.windows import token_window
+        >>> future = torch.ones(3, 3, dtype=torch.bool).triu(1)
+        >>> pattern = torch.softmax(torch.randn(1, 2, 3, 3).masked_fill(future, -torch.inf), -1)
+        >>> v, W_O = torch.randn(1, 3, 1, 4), torch.randn(2, 4, 8)
+        >>> both = [decompose(pattern, v, W_O, scope=s) for s in ("inter", "intra")]
+        >>> grid = view_factors(layer_payload(*both, token_window(3)), token_window(3), head=-1, scope="inter")
+        >>> bool(np.isnan(grid["attention"][0, 1])), round(float(np.nansum(grid["contribution"][2])), 2)
+        (True, 1.0)
+    """
+    groups = payload["kv_groups"]
+    if head < 0 or (group_kv and "group_attention" in payload):
+        cells, totals = _combined_cells(payload, head, scope)
+    else:
+        cells, totals = _head_cells(payload, window, groups[group_of(groups, head)][0] if group_kv else head, scope)
+    grids = {}
+    for factor, values in cells.items():
+        grid = np.full(window.mask.shape, np.nan)
+        grid[window.mask] = values
+        grids[factor] = grid
+    if hide_sink and window.keys[0] == 0:
+        # Attention rows total 1; contribution rows total the query's sum over every key (sent as totals).
+        grids["attention"] = _hide_sink_grid(grids["attention"], np.ones(len(window.queries)))
+        grids["contribution"] = _hide_sink_grid(grids["contribution"], totals)
+    return grids
+
+
+def view_caption(
+    payload: dict[str, Any], *, layer: int, head: int, group_kv: bool = False, hide_sink: bool = False
+) -> str:
+    """Where the view looks, as its title says it: ``L3, all heads``, ``L3H2`` or ``L3 KV group 1 (heads 2, 3)``.
+
+    Example:
+        >>> view_caption({"kv_groups": [[0, 1], [2, 3]], "group_attention": ""}, layer=3, head=2, group_kv=True)
+        'L3 KV group 1 (heads 2, 3)'
+    """
+    if head < 0:
+        where = f"L{layer}, all heads"
+    elif group_kv and "group_attention" in payload:
+        group = group_of(payload["kv_groups"], head)
+        where = f"L{layer} KV group {group} (heads {', '.join(map(str, payload['kv_groups'][group]))})"
+    else:
+        where = f"L{layer}H{head}"
+    return where + (", sink hidden" if hide_sink else "")
+
+
+def inspector_figure(
+    payload: dict[str, Any],
+    window: Window,
+    labels: list[str],
+    *,
+    layer: int,
+    head: int,
+    factor: str,
+    scope: str,
+    query: int,
+    hide_sink: bool = False,
+    group_kv: bool = False,
+) -> go.Figure:
+    """The inspector's view as a figure: the query x key heatmap of its window, the selected query outlined.
+
+    Drawn from the layer's payload the widget already holds (no forward pass), with the numbers
+    the page draws (`view_factors`: within the fine codecs' bounds of the library's) and all
+    four of them in the hover (`contribution_lens.views.plot.factor_grid`). ``head`` -1 is token
+    level (all heads); ``hide_sink`` and ``group_kv`` as in the widget.
+    """
+    grids = view_factors(payload, window, head=head, scope=scope, group_kv=group_kv, hide_sink=hide_sink)
+    queries, keys = [labels[i] for i in window.queries], [labels[j] for j in window.keys]
+    figure = plot.factor_grid(grids, factor=factor, queries=queries, keys=keys)
+    row = window.queries.index(query) if query in window.queries else len(queries) - 1
+    figure.add_shape(
+        type="rect", xref="paper", x0=0, x1=1, y0=row - 0.5, y1=row + 0.5, line={"color": "black", "width": 2}
+    )
+    where = view_caption(payload, layer=layer, head=head, group_kv=group_kv, hide_sink=hide_sink)
+    return figure.update_layout(title=f"Inspector: {factor} ({scope}), {where}, query {queries[row]}")

@@ -1,0 +1,96 @@
+// @ts-check
+// What the inspector writes: factor names, numbers to 4 digits, a view's title and a cell's hover text.
+
+import { viewLevel } from "./factors.js";
+
+/** @typedef {import("./types.js").Meta} Meta */
+/** @typedef {import("./types.js").State} State */
+/** @typedef {import("./types.js").BothScopes} BothScopes */
+
+/** Each factor as the inspector names it. */
+export const LABELS = /** @type {Record<string, string>} */ ({
+  attention: "attention",
+  relative_norm: "relative norm",
+  cosine: "cosine",
+  contribution: "contribution",
+});
+
+/**
+ * A number to 4 significant digits, without trailing zeros.
+ * @param {number} x
+ * @returns {string}
+ */
+export const fmt = (x) => Number(x.toPrecision(4)).toString();
+
+/**
+ * A head as the menus and titles name it.
+ * @param {Pick<Meta, "head_labels">} meta
+ * @param {number} h
+ * @returns {string}
+ */
+export function headLabel(meta, h) {
+  return meta.head_labels ? meta.head_labels[h] : "head " + h;
+}
+
+/**
+ * Where the view looks: "L3, all heads", "L3 head 2" or "L3 KV group 1 (heads 2, 3)", and whether the sink is hidden.
+ * @param {Meta} meta
+ * @param {State} state
+ * @returns {string}
+ */
+export function where(meta, state) {
+  const { kind, index } = viewLevel(meta, state);
+  const shown = kind === "all" ? ", all heads"
+    : kind === "group" ? " KV group " + index + " (heads " + meta.kv_groups[index].join(", ") + ")"
+    : " " + headLabel(meta, /** @type {number} */ (state.head));
+  return "L" + state.layer + shown + (state.hide_sink ? ", sink hidden" : "");
+}
+
+/**
+ * The heatmap's title: the factor, its scope (attention has none) and `where`.
+ * @param {Meta} meta
+ * @param {State} state
+ * @returns {string}
+ */
+export function title(meta, state) {
+  const scopeText = state.factor === "attention" ? "" : " (" + state.scope + ")";
+  return LABELS[state.factor] + scopeText + ", " + where(meta, state);
+}
+
+/**
+ * Query and key labels and all four numbers in both scopes (attention has no scope), of cell c.
+ * @param {number} c
+ * @param {BothScopes} both
+ * @param {string} qLabel
+ * @param {string} kLabel
+ * @returns {string}
+ */
+export function hoverCell(c, both, qLabel, kLabel) {
+  return (
+    "query " + qLabel + "<br>key " + kLabel +
+    "<br>attention " + fmt(both.inter.attention[c]) +
+    "<br>relative norm intra " + fmt(both.intra.relative_norm[c]) + ", inter " + fmt(both.inter.relative_norm[c]) +
+    "<br>cosine intra " + fmt(both.intra.cosine[c]) + ", inter " + fmt(both.inter.cosine[c]) +
+    "<br>contribution intra " + fmt(both.intra.contribution[c]) + ", inter " + fmt(both.inter.contribution[c])
+  );
+}
+
+/**
+ * The hover text of every cell, [query][key] ("" where the cell is not displayable).
+ * @param {Int32Array} index
+ * @param {BothScopes} both
+ * @param {string[]} qLabels
+ * @param {string[]} kLabels
+ * @returns {string[][]}
+ */
+export function hoverText(index, both, qLabels, kLabels) {
+  const nk = kLabels.length;
+  return qLabels.map((qLabel, qi) => {
+    const row = new Array(nk).fill("");
+    for (let ki = 0; ki < nk; ki++) {
+      const c = index[qi * nk + ki];
+      if (c >= 0) row[ki] = hoverCell(c, both, qLabel, kLabels[ki]);
+    }
+    return row;
+  });
+}

@@ -1,0 +1,133 @@
+// @ts-check
+// The static page's view, named in its URL fragment: #layer=L&head=H&factor=F&scope=S&query=Q
+// (and view, hide_sink, group_kv, step where they are not the default).
+
+import { viewsOf } from "./controls.js";
+
+/** @typedef {import("./types.js").Meta} Meta */
+/** @typedef {import("./types.js").State} State */
+/** @typedef {import("./types.js").StepsPayload} StepsPayload */
+
+const SETTINGS = ["layer", "head", "factor", "scope", "query", "view", "hide_sink", "group_kv", "step"];
+
+/**
+ * A decimal integer, or NaN.
+ * @param {string} text
+ * @returns {number}
+ */
+const integer = (text) => (/^-?[0-9]+$/.test(text) ? Number(text) : NaN);
+
+/**
+ * @typedef {object} Reading
+ * @property {Meta} meta
+ * @property {StepsPayload | null} steps
+ * @property {URLSearchParams} params
+ * @property {State} state the view so far (settings are read in order)
+ * @property {(name: string, value: string, why: string, shown: string) => void} refuse
+ */
+
+/**
+ * How each setting of a fragment is read: it sets `state` or says why it cannot (`refuse`).
+ * @type {Record<string, (reading: Reading, value: string) => void>}
+ */
+const READERS = {
+  layer({ meta, state, refuse }, value) {
+    if (meta.layers.includes(integer(value))) state.layer = integer(value);
+    else refuse("layer", value, "is not on this page (it holds layers " + meta.layers.join(", ") + ")", "layer " + state.layer);
+  },
+  head({ meta, state, refuse }, value) {
+    const h = integer(value);
+    if (value === "all") state.head = "all";
+    else if (h >= 0 && h < meta.n_heads) state.head = h;
+    else refuse("head", value, "does not exist (heads 0–" + (meta.n_heads - 1) + " or all)", state.head === "all" ? "all heads" : "head " + state.head);
+  },
+  factor: (reading, value) => oneOf(reading, "factor", value, reading.meta.factors),
+  scope: (reading, value) => oneOf(reading, "scope", value, reading.meta.scopes),
+  query({ meta, state, refuse }, value) {
+    const q = integer(value);
+    const [first, last] = [meta.queries[0], meta.queries[meta.queries.length - 1]];
+    if (meta.queries.includes(q)) state.query = q;
+    else refuse("query", value, "is outside this page's queries " + first + "–" + last, "query " + state.query);
+  },
+  view({ steps, state, refuse }, value) {
+    const views = viewsOf(steps);
+    if (views.some(([v]) => v === value)) state.view = value;
+    else refuse("view", value, "is not one of " + views.map(([v]) => v).join(", "), String(state.view));
+  },
+  step({ meta, steps, params, state, refuse }, value) {
+    const k = integer(value);
+    const nSteps = steps ? steps.steps.length : 0;
+    if (steps && k >= 0 && k < nSteps) {
+      state.step = k;
+      // The step's position is the query, where the page holds it (as choosing the step does).
+      if (!params.has("query") && meta.queries.includes(steps.steps[k].position)) state.query = steps.steps[k].position;
+    } else {
+      const why = nSteps ? "does not exist (steps 0–" + (nSteps - 1) + ")" : "names a step, and this page explains none";
+      refuse("step", value, why, nSteps ? "step " + state.step : "no step");
+    }
+  },
+  hide_sink: (reading, value) => flag(reading, "hide_sink", value),
+  group_kv: (reading, value) => flag(reading, "group_kv", value),
+};
+
+/**
+ * A setting whose value must be one of `allowed`.
+ * @param {Reading} reading
+ * @param {"factor" | "scope"} name
+ * @param {string} value
+ * @param {string[]} allowed
+ */
+function oneOf({ state, refuse }, name, value, allowed) {
+  if (allowed.includes(value)) state[name] = value;
+  else refuse(name, value, "is not one of " + allowed.join(", "), state[name]);
+}
+
+/**
+ * A setting that is on (1) or off (0).
+ * @param {Reading} reading
+ * @param {"hide_sink" | "group_kv"} name
+ * @param {string} value
+ */
+function flag({ state, refuse }, name, value) {
+  if (value === "1" || value === "0") state[name] = value === "1";
+  else refuse(name, value, "is not 1 or 0", state[name] ? "1" : "0");
+}
+
+/**
+ * The view a fragment names, and why each setting it names that the page cannot show was refused
+ * (the page then shows its own choice and says so: a link never changes meaning silently).
+ * @param {Meta} meta
+ * @param {string} hash
+ * @param {StepsPayload | null} [steps]
+ * @returns {{state: State, problems: string[]}}
+ */
+export function readFragment(meta, hash, steps = null) {
+  /** @type {State} */
+  const state = Object.assign({ view: "heatmap" }, meta.initial);
+  if (!steps && state.view === "prediction") state.view = "heatmap";
+  /** @type {string[]} */
+  const problems = [];
+  const params = new URLSearchParams(hash.replace(/^#/, ""));
+  /** @type {Reading} */
+  const reading = {
+    meta, steps, params, state,
+    refuse: (name, value, why, shown) => problems.push(name + "=" + value + " " + why + "; showing " + shown),
+  };
+  for (const [name, value] of params) {
+    if (name in READERS) READERS[name](reading, value);
+    else problems.push(name + "=" + value + " is not a view setting (" + SETTINGS.join(", ") + "); ignored");
+  }
+  return { state, problems };
+}
+
+/**
+ * The fragment naming a view (the defaults of view, hide_sink, group_kv and step left out).
+ * @param {State} state
+ * @returns {string}
+ */
+export function fragment(state) {
+  return "#layer=" + state.layer + "&head=" + state.head + "&factor=" + state.factor + "&scope=" + state.scope +
+    "&query=" + state.query + (state.view && state.view !== "heatmap" ? "&view=" + state.view : "") +
+    (state.hide_sink ? "&hide_sink=1" : "") + (state.group_kv ? "&group_kv=1" : "") +
+    (state.step !== undefined && state.step >= 0 ? "&step=" + state.step : "");
+}

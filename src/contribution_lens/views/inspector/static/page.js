@@ -1,0 +1,144 @@
+// @ts-check
+// The static page (write_html): every layer embedded, the view named in the URL fragment.
+
+import { element } from "./controls.js";
+import { inflate } from "./factors.js";
+import { fragment, readFragment } from "./fragment.js";
+import { mount } from "./view.js";
+
+/** @typedef {import("./types.js").Meta} Meta */
+/** @typedef {import("./types.js").State} State */
+/** @typedef {import("./types.js").Payload} Payload */
+/** @typedef {import("./types.js").StepsPayload} StepsPayload */
+
+/**
+ * What a page embeds (page.py, render): the meta, each layer's payload by layer, the explained steps.
+ * @typedef {{meta: Meta, layers: Record<string, Payload>, steps: StepsPayload | null}} PageData
+ */
+
+/**
+ * Rewrite the URL's fragment where the page may: JupyterLab's HTML viewer serves the page from a
+ * blob: URL, where history.replaceState throws.
+ * @param {State} state
+ */
+function showFragment(state) {
+  try {
+    history.replaceState(null, "", fragment(state));
+  } catch (error) {
+    // The view still changes; only the address does not name it.
+  }
+}
+
+/**
+ * The page's layers: a compact one is inflated on first view (asynchronously), then kept with the others.
+ * @param {PageData} data
+ */
+function pageLayers(data) {
+  /** @type {Map<number, Promise<Payload | null>>} */
+  const inflating = new Map();
+  /** @param {number} l */
+  const waiting = (l) => {
+    const payload = data.layers[String(l)];
+    return Boolean(payload && "packed" in payload && payload.packed && !payload.buffer);
+  };
+  /** @param {number} l */
+  const ready = (l) => {
+    const payload = data.layers[String(l)];
+    if (!waiting(l)) return Promise.resolve(payload || null);
+    if (!inflating.has(l)) {
+      inflating.set(l, inflate(payload).then((full) => (data.layers[String(l)] = full)));
+    }
+    return /** @type {Promise<Payload | null>} */ (inflating.get(l));
+  };
+  return {
+    waiting,
+    ready,
+    /** @param {number} l */
+    get: (l) => (waiting(l) ? null : data.layers[String(l)] || null),
+  };
+}
+
+/**
+ * Why a head clicked in the prediction view cannot be opened here ("" when it can): its layer or
+ * the step's position is not on the page.
+ * @param {Meta} meta
+ * @param {number} position
+ * @param {number} layer
+ * @returns {string}
+ */
+function unopenable(meta, position, layer) {
+  const [first, last] = [meta.queries[0], meta.queries[meta.queries.length - 1]];
+  if (!meta.layers.includes(layer)) return "layer " + layer + " is not on this page (it holds layers " + meta.layers.join(", ") + ")";
+  if (!meta.queries.includes(position)) return "position " + position + " is outside this page's queries " + first + "–" + last;
+  return "";
+}
+
+/**
+ * JupyterLab's HTML viewer shows the page from a blob: URL and drops a link's fragment: say so above the inspector.
+ * @param {HTMLElement} root
+ */
+function noteDroppedFragment(root) {
+  if (window.location.protocol !== "blob:") return;
+  const note = element("div", { className: "cl-note" });
+  note.textContent =
+    "Shown in JupyterLab's HTML viewer, which drops the #view of a link: choose the view in the menus, " +
+    "or open the link in a browser tab (middle-click it) to see the view it names.";
+  /** @type {ParentNode} */ (root.parentNode).insertBefore(note, root);
+}
+
+/**
+ * The static page's inspector in `root`, from the data the page embeds.
+ * @param {HTMLElement} root
+ * @param {PageData} data
+ * @returns {{refresh: () => Promise<unknown>}}
+ */
+export function page(root, data) {
+  const meta = data.meta;
+  const steps = data.steps && data.steps.steps && data.steps.steps.length ? data.steps : null;
+  let { state, problems } = readFragment(meta, window.location.hash, steps);
+  let refusal = ""; // why the last head clicked in the prediction view cannot be shown here
+  const layers = pageLayers(data);
+  // Drawn at once where the layer is ready (as before), after its inflation where not.
+  const draw = () => (layers.waiting(state.layer) ? (view.refresh(), layers.ready(state.layer).then(() => view.refresh())) : view.refresh());
+  const view = mount(root, {
+    meta: () => meta,
+    layer: layers.get,
+    state: () => state,
+    error: () => refusal || (problems.length ? "This link names a view the page cannot show: " + problems.join("; ") + "." : ""),
+    steps: () => steps,
+    set,
+    open,
+  });
+  /** @param {Partial<State>} partial */
+  function set(partial) {
+    state = Object.assign({}, state, partial);
+    // Choosing a step moves the query to its position, where the page's window holds it.
+    if (partial.step !== undefined && steps && meta.queries.includes(steps.steps[partial.step].position)) {
+      state.query = steps.steps[partial.step].position;
+    }
+    problems = [];
+    refusal = "";
+    showFragment(state);
+    draw();
+  }
+  // A head clicked in the prediction view: its per-layer view at the step's position, where the page holds both.
+  /** @type {(step: number, layer: number, head: number) => void} */
+  function open(step, layer, head) {
+    const position = /** @type {StepsPayload} */ (steps).steps[step].position;
+    const why = unopenable(meta, position, layer);
+    if (!why) return set({ step, layer, head, view: "heatmap", query: position });
+    refusal = "L" + layer + "H" + head + " at step " + step + " cannot be shown: " + why +
+      ". Write the page with write_html(layers=..., start=...) to hold it.";
+    draw();
+  }
+  window.addEventListener("hashchange", () => {
+    ({ state, problems } = readFragment(meta, window.location.hash, steps));
+    refusal = ""; // a new view: the last clicked head's refusal goes, as with set()
+    draw();
+  });
+  noteDroppedFragment(root);
+  showFragment(state);
+  root.dataset.ready = "false";
+  draw().then(() => (root.dataset.ready = "true"));
+  return view;
+}

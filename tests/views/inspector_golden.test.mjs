@@ -1,0 +1,130 @@
+// The inspector's front-end against the Python side: run by tests/views/test_inspector_front_end.py,
+// which writes CL_GOLDEN/golden.json (payloads and the values the Python side computes of them) and
+// CL_GOLDEN/inspector.mjs (the module exactly as the widget and the page load it). No browser.
+import assert from "node:assert/strict";
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
+import { test } from "node:test";
+import { pathToFileURL } from "node:url";
+
+const folder = process.env.CL_GOLDEN;
+if (!folder) throw new Error("run through pytest (tests/views/test_inspector_front_end.py): CL_GOLDEN names the golden files");
+const golden = JSON.parse(readFileSync(join(folder, "golden.json"), "utf8"));
+const js = await import(pathToFileURL(join(folder, "inspector.mjs")).href);
+
+// |got - want| <= atol + rtol |want| for each number; null (NaN in Python) wants NaN.
+function close(got, want, what, { atol = 0, rtol = 0 } = {}) {
+  assert.equal(got.length, want.length, what + ": length");
+  for (let i = 0; i < want.length; i++) {
+    if (want[i] === null) {
+      assert.ok(Number.isNaN(got[i]), `${what}[${i}]: ${got[i]}, want NaN`);
+    } else {
+      const error = Math.abs(got[i] - want[i]);
+      assert.ok(error <= atol + rtol * Math.abs(want[i]), `${what}[${i}]: ${got[i]}, want ${want[i]} (off by ${error})`);
+    }
+  }
+}
+
+const TIGHT = { atol: 1e-15, rtol: 1e-12 }; // float64 twins: the same operations, up to their order
+
+test("dequantise", () => {
+  for (const layer of golden.layers) {
+    for (const [name, codec] of Object.entries(layer.payload.codecs)) {
+      close(js.dequantise(layer.payload[name], layer.meta.codecs[codec]), layer.dequantised[name], `${layer.name} ${name}`);
+    }
+  }
+  close(js.dequantise(golden.half.sent, { kind: "float16", dtype: "float16" }), golden.half.expected, "float16 edge values");
+});
+
+test("cellIndex", () => {
+  for (const layer of golden.layers) {
+    const { index, cells } = js.cellIndex(layer.meta);
+    assert.equal(cells, layer.cells.count, layer.name);
+    assert.deepEqual(Array.from(index, (c) => c >= 0), layer.cells.mask, layer.name);
+    assert.deepEqual(Array.from(index).filter((c) => c >= 0), [...Array(cells).keys()], layer.name + ": row-major");
+  }
+});
+
+test("windowStarts", () => {
+  for (const { n, tokens, current, expected } of golden.windows) {
+    assert.deepEqual(js.windowStarts(n, tokens, current), expected, `n=${n} tokens=${tokens} current=${current}`);
+  }
+});
+
+test("escapeToken", () => {
+  for (const { token, label } of golden.labels) {
+    assert.equal(js.escapeToken(token), js.tokenText(label), JSON.stringify(token));
+    assert.equal(label.slice(0, label.indexOf(":") + 1) + js.escapeToken(token), label);
+  }
+});
+
+test("combine", () => {
+  for (const layer of golden.layers) {
+    const { arrays, groups, expected } = layer.combine;
+    const a = Object.fromEntries(Object.entries(arrays).map(([name, values]) => [name, Float64Array.from(values)]));
+    const { index, cells } = js.cellIndex(layer.meta);
+    js.combine(layer.meta, a, index, cells, [[...Array(layer.meta.n_heads).keys()]], "all_");
+    js.combine(layer.meta, a, index, cells, groups, "group_");
+    for (const [name, want] of Object.entries(expected)) close(a[name], want, `${layer.name} ${name}`, TIGHT);
+  }
+});
+
+test("decodeCompact", async () => {
+  for (const layer of golden.layers) {
+    const d = js.decode(layer.meta, await js.inflate(layer.compact));
+    for (const [name, want] of Object.entries(layer.decoded_compact)) close(d.arrays[name], want, `${layer.name} ${name}`, TIGHT);
+    // The combined heads a compact page draws: combine_cells of the decoded per-head numbers.
+    const groups = layer.combine.groups.some((heads) => heads.length > 1);
+    for (const [name, want] of Object.entries(layer.combine.expected)) {
+      if (name.startsWith("all_") || groups) close(d.arrays[name], want, `${layer.name} compact ${name}`, TIGHT);
+    }
+  }
+});
+
+test("hideSink", () => {
+  const { meta, values, totals, expected } = golden.hide_sink;
+  const d = js.cellIndex(meta);
+  const f = { attention: Float64Array.from(values, (v) => v ?? NaN), contribution: Float64Array.from(values, (v) => v ?? NaN) };
+  const hidden = js.hideSink(meta, d, f, totals);
+  close(hidden.attention, expected.attention, "attention (rows total 1)", TIGHT);
+  close(hidden.contribution, expected.contribution, "contribution (rows total S_i)", TIGHT);
+  assert.equal(hidden.relative_norm, f.relative_norm, "relative norm is not a share: kept");
+});
+
+// The four factors of every view of a fine payload, before and after the sink is hidden.
+function checkViews(name, factorsOf) {
+  for (const layer of golden.layers) {
+    const d = js.decode(layer.meta, layer.payload);
+    for (const { state, scope, factors } of layer.views) {
+      const got = factorsOf(layer.meta, d, state, scope);
+      if (got === null) continue;
+      for (const [factor, want] of Object.entries(factors)) {
+        close(got[factor], want, `${layer.name} ${JSON.stringify(state)} ${scope} ${factor}`, TIGHT);
+      }
+    }
+  }
+}
+
+test("viewFactors", () => {
+  checkViews("viewFactors", (meta, d, state, scope) => {
+    if (state.hide_sink) return null;
+    const { kind, index } = js.viewLevel(meta, state);
+    return js.viewFactors(meta, d, index, scope, kind === "group");
+  });
+});
+
+test("shownFactors", () => {
+  checkViews("shownFactors", (meta, d, state, scope) => js.shownFactors(meta, d, state, scope));
+});
+
+test("decodeSteps", () => {
+  const decoded = js.decodeSteps(golden.steps.sent);
+  assert.equal(decoded.length, golden.steps.expected.length);
+  decoded.forEach((step, k) => {
+    const want = golden.steps.expected[k];
+    close(step.heads, want.heads, `step ${k} heads`);
+    close(step.keys, want.keys, `step ${k} keys`);
+    if (want.rollout === null) assert.equal(step.rollout, null);
+    else close(step.rollout, want.rollout, `step ${k} rollout`);
+  });
+});
