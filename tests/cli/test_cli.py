@@ -47,13 +47,15 @@ def run_cli(capsys, *argv: str) -> tuple[int, str]:
 def test_help_shows_defaults_without_importing_torch() -> None:
     code = (
         "import sys\nfrom contribution_lens import cli\n"
-        "for argv in (['--help'], ['demo', '--help'], ['faithfulness', '--help'], ['sinks', '--help']):\n"
+        "for argv in (['--help'], ['demo', '--help'], ['faithfulness', '--help'], ['sinks', '--help'],\n"
+        "             ['replicate', '--help']):\n"
         "    try:\n        cli.main(argv)\n    except SystemExit as exit:\n        print('exit', exit.code)\n"
         "print('torch imported:', 'torch' in sys.modules)\n"
     )
     result = python(code)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("exit 0") == 4
+    assert result.stdout.count("exit 0") == 5
+    assert "--size SIZE" in result.stdout and "(default: quick)" in result.stdout
     assert "(default: 200)" in result.stdout and "(default: smollm2-135m)" in result.stdout
     assert "(default: comprehensiveness,sufficiency)" in result.stdout
     assert "torch imported: False" in result.stdout
@@ -152,11 +154,44 @@ FAITH = ["faithfulness", "--data", "{text}"]
         ([*FAITH, "--device", "gpu"], "--device: expected a torch device such as cpu, cuda or cuda:1, got 'gpu'"),
         (
             ["sinks", "--data", "{text}", "--model", "./no-such-checkpoint"],
-            "--model: expected 'smollm2-135m', 'minilm-l6', 'gemma3-270m', a checkpoint folder or a Hugging Face id, "
+            "--model: expected 'smollm2-135m', 'minilm-l6', 'gemma3-270m', 'qwen2.5-0.5b', a checkpoint folder or a "
+            "Hugging Face id, "
             "got './no-such-checkpoint' "
             "(no config.json)",
         ),
         (["demo", "--text", " "], "--text: expected some text, got ' '"),
+        (
+            ["replicate", "--data", "{text}", "--size", "huge"],
+            "argument --size: invalid choice: 'huge' (choose from 'quick', 'paper') (see contribution-lens replicate "
+            "--help)",
+        ),
+        (["replicate", "--data", "{text}", "--max-chunks", "0"], "--max-chunks: expected a positive integer, got 0"),
+        (["replicate", "--data", "{text}", "--chunk-length", "1"], "--chunk-length: expected an integer >= 2, got 1"),
+        (
+            ["replicate", "--data", "{text}", "--choice-ratios", "0,1"],
+            "--choice-ratios: expected comma-separated numbers in [0, 1), got '0,1'",
+        ),
+        (
+            ["replicate", "--data", "boolq=missing.jsonl"],
+            "--data: expected NAME=PATH with an existing file or folder, got 'boolq=missing.jsonl' "
+            "(missing.jsonl does not exist)",
+        ),
+        (
+            ["replicate", "--data", "{text}", "--chunk-length", "9000"],
+            "--chunk-length: expected at most smollm2-135m's context of 8192 tokens, got 9000",
+        ),
+        (
+            ["replicate", "--data", "{text}", "--device", "cuda"],
+            "--device: expected a device that is available, got 'cuda' (torch finds no cuda device)",
+        ),
+        (["replicate", "--data", "{text}", "--bootstrap", "0"], "--bootstrap: expected a positive integer, got 0"),
+        (["replicate", "--data", "{text}", "--batch-size", "0"], "--batch-size: expected a positive integer, got 0"),
+        (
+            ["replicate", "--data", "{text}", "--model", "./no-such-checkpoint", "--dry-run"],
+            "--model: expected 'smollm2-135m', 'minilm-l6', 'gemma3-270m', 'qwen2.5-0.5b', a checkpoint folder or a "
+            "Hugging Face id, got './no-such-checkpoint' (no config.json)",
+        ),
+        (["replicate"], "the following arguments are required: --data (see contribution-lens replicate --help)"),
         (
             [*FAITH, "--max-chunks", "x"],
             "argument --max-chunks: invalid int value: 'x' (see contribution-lens faithfulness --help)",

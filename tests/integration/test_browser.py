@@ -66,6 +66,29 @@ def test_faithfulness_report_renders(browser, bundled_model, shared_data, tmp_pa
     open_and_check(browser, page, "faithfulness_report.png", min_plots=2)
 
 
+def test_replication_report_renders_every_claim(browser, tiny_replication) -> None:
+    """The page lists each claim of claims.json with its verdict, and draws the opening case and the head grids."""
+    page = tiny_replication / "report.html"
+    assert_self_contained(page.read_text())
+    open_and_check(browser, page, "replication_report.png", min_plots=3)
+    saved = json.loads((tiny_replication / "claims.json").read_text())
+    rows = browser.execute_script(
+        "const table = [...document.querySelectorAll('h2')].find(h => h.textContent === 'The claims')"
+        ".nextElementSibling; return [...table.querySelectorAll('tbody tr')].map("
+        "tr => [...tr.querySelectorAll('td')].map(td => td.textContent));"
+    )
+    assert [row[0] for row in rows] == [claim["id"] for claim in saved["claims"]]
+    shown = [row[2] for row in rows]
+    expected = [claim["verdict"] + (f": {claim['reason']}" if claim["reason"] else "") for claim in saved["claims"]]
+    assert shown == expected
+    titles = browser.execute_script(
+        "return [...document.querySelectorAll('.js-plotly-plot')].map(p => p.layout.title ? p.layout.title.text : '')"
+    )
+    assert titles[0] == "first token, mean over texts"
+    traces = browser.execute_script("return document.querySelectorAll('.js-plotly-plot')[0].data.map(t => t.y.length)")
+    assert traces == [2, 2], "attention and contribution, one point a layer"
+
+
 TEXT = "When Mary and John went to the store, John gave a drink to"
 LAYERS = [2, 9]
 # Documented quantisation steps (inspector.py): attention via sqrt on 16 bits, cosine on 16 bits.

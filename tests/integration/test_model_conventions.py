@@ -144,3 +144,24 @@ def test_chunks_and_items_follow_the_model(qwen, tmp_path) -> None:
         == DataSettings(data=("gsm8k",), prepend_bos=None).to_dict().keys()
     )
     assert DataSettings(data=("gsm8k",), prepend_bos=False).to_dict()["prepend_bos"] is False
+
+
+def test_text_chunks_and_the_faithfulness_run_cut_by_the_models_convention_unless_told(qwen, tmp_path) -> None:
+    from contribution_lens.faithfulness import DataSettings
+    from contribution_lens.faithfulness import data as text_data
+    from contribution_lens.faithfulness.runner import build_units
+
+    file = tmp_path / "story.txt"
+    file.write_text(" ".join([TEXT] * 20), encoding="utf-8")
+    spec, bos = f"text={file}", qwen.tokenizer.bos_token_id
+    # The chunks the sink study and the opening case read: no BOS for Qwen2, unless prepend_bos says so.
+    plain = text_data.text_chunks(qwen, [spec], length=16, max_chunks=3)
+    forced = text_data.text_chunks(qwen, [spec], length=16, max_chunks=3, prepend_bos=True)
+    assert plain.shape == forced.shape == (3, 16)
+    assert not (plain[:, 0] == bos).any() and (forced[:, 0] == bos).all()
+    assert torch.equal(forced[0, 1:], plain[0, :15])  # the same text after the BOS
+    # The faithfulness run cuts the very same chunks (its --prepend-bos included): the parts of a replication agree.
+    for prepend_bos, expected in ((None, plain), (True, forced)):
+        settings = DataSettings(data=(spec,), chunk_length=16, max_chunks=3, batch_size=3, prepend_bos=prepend_bos)
+        (unit,) = build_units(qwen, settings)
+        assert torch.equal(torch.stack(unit.tokens), expected), prepend_bos

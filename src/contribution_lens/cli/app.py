@@ -1,4 +1,4 @@
-"""Command line: ``contribution-lens demo | faithfulness | sinks``.
+"""Command line: ``contribution-lens demo | faithfulness | sinks | replicate``.
 
 Every argument, and the output folder, is checked before a model is loaded; a mistake prints one
 line ``contribution-lens: error: ...`` and exits with status 2. A run holds a lock on its output
@@ -16,18 +16,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from contribution_lens.cli import common, demo, faithfulness, options, outdir, sinks
+from contribution_lens.cli import common, demo, faithfulness, options, outdir, replicate, sinks
 
 PROG = "contribution-lens"
 DESCRIPTION = (
     "Which tokens really feed an attention head's output. Every argument is checked before the model "
-    "is loaded; one run at a time per output folder; an interrupted faithfulness run resumes when the "
-    "same command is run again."
+    "is loaded; one run at a time per output folder; an interrupted faithfulness or replicate run resumes "
+    "when the same command is run again."
 )
 COMMANDS = {
     "demo": (demo, "per-layer table and an HTML figure for one text", "demo_out"),
     "faithfulness": (faithfulness, "causal masking of projected values: ΔPPL and accuracy", None),
     "sinks": (sinks, "attention-sink analysis and the sink-norm intervention", None),
+    "replicate": (replicate, "every claim of the paper on one model: claims.json, claims.md, report.html", None),
 }
 """name -> (module, help, default output folder or None for a required --out)."""
 

@@ -22,8 +22,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-BUNDLED = "smollm2-135m"  # loading.BUNDLED, ENCODER and GEMMA, repeated so that --help imports nothing heavy
-BUNDLED_NAMES = (BUNDLED, "minilm-l6", "gemma3-270m")
+BUNDLED = "smollm2-135m"  # loading.BUNDLED, ENCODER, GEMMA and QWEN, repeated so that --help imports nothing heavy
+BUNDLED_NAMES = (BUNDLED, "minilm-l6", "gemma3-270m", "qwen2.5-0.5b")
 NAMES = ", ".join(map(repr, BUNDLED_NAMES))
 
 
@@ -164,9 +164,8 @@ def _bundled_config(name: str) -> dict[str, Any]:
     if name == loading.ENCODER:
         return json.loads((loading.bundled_encoder_dir() / "config.json").read_text(encoding="utf-8"))
     if name != BUNDLED:
-        # A chunked GGUF has no readable header until joined: dequantise once (load_model would).
-        checkpoint = loading._dequantised_checkpoint(name) / "config.json"
-        return json.loads(checkpoint.read_text(encoding="utf-8"))
+        # A chunked GGUF has no readable header until joined: its cached checkpoint's, else the joined header.
+        return loading.bundled_config(name)
     gguf = loading.bundled_gguf()
     checkpoint = loading._checkpoint_for(gguf) / "config.json"
     if checkpoint.is_file():

@@ -1,6 +1,7 @@
 """What every command takes: the model, the output folder, the device and the dtype."""
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +29,29 @@ def check(args: argparse.Namespace) -> None:
     args.device = checks.device("--device", args.device)
 
 
+def rank_device(device: str | None) -> str | None:
+    """The device of this process: under ``torchrun`` a bare ``cuda`` is the rank's own GPU, ``cuda:LOCAL_RANK``.
+
+    Example:
+        >>> os.environ["LOCAL_RANK"] = "3"
+        >>> rank_device("cuda"), rank_device("cuda:0"), rank_device("cpu")
+        ('cuda:3', 'cuda:0', 'cpu')
+        >>> del os.environ["LOCAL_RANK"]
+    """
+    local = os.environ.get("LOCAL_RANK")
+    return f"cuda:{int(local)}" if device == "cuda" and local is not None else device
+
+
 def load(args: argparse.Namespace) -> Any:
 
     from contribution_lens import loading
 
-    return loading.load_model(args.model, device=args.device, dtype=loading.check_dtype(args.dtype))
+    device = rank_device(args.device)
+    if device is not None and device.startswith("cuda:"):
+        import torch
+
+        torch.cuda.set_device(device)  # NCCL's collectives (the ranks' barriers) run on the current device
+    return loading.load_model(args.model, device=device, dtype=loading.check_dtype(args.dtype))
 
 
 def written(out: Path, names: tuple[str, ...]) -> str:

@@ -64,7 +64,9 @@ def add_options(
             if meta.required or f.name in required:
                 kwargs.update(required=True, default=None)
         flag = meta.flag or "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, metavar=None if "action" in kwargs else flag[2:].upper().replace("-", "_"), **kwargs)
+        if kwargs.get("action") != "store_true":  # a switch takes no value to name
+            kwargs["metavar"] = None if "action" in kwargs else flag[2:].upper().replace("-", "_")
+        parser.add_argument(flag, **kwargs)
 
 
 def build(cls: Any, args: argparse.Namespace, **extra: Any) -> Any:

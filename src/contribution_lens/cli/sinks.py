@@ -64,24 +64,15 @@ def check(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import pandas as pd
-    import torch
 
     from contribution_lens.analyses import sink_study
     from contribution_lens.faithfulness import data
 
     model = common.load(args)
-    from contribution_lens import adapter
-
     settings = args.settings
-    bos = adapter.bos_to_prepend(model, settings.prepend_bos)
-    chunks = torch.cat(
-        [
-            data.chunk_tokens(
-                model.tokenizer, data.load_texts(spec), length=settings.chunk_length, bos_token_id=bos,
-                max_chunks=settings.max_chunks,
-            )
-            for spec in settings.data
-        ]
+    chunks = data.text_chunks(
+        model, settings.data, length=settings.chunk_length, max_chunks=settings.max_chunks,
+        prepend_bos=settings.prepend_bos,
     )  # fmt: skip
     study = sink_study(model, chunks, k=settings.k, batch_size=settings.batch_size, model_name=args.model)
     study.save(args.out)

@@ -28,9 +28,19 @@ import torch
 from jaxtyping import Int
 from torch import Tensor
 
+from contribution_lens import adapter
 from contribution_lens.faithfulness.settings import CHOICE_TASKS, LM_TASKS
 
-__all__ = ["CHOICE_TASKS", "LM_TASKS", "Choice", "DataFormatError", "chunk_tokens", "load_choices", "load_texts"]
+__all__ = [
+    "CHOICE_TASKS",
+    "LM_TASKS",
+    "Choice",
+    "DataFormatError",
+    "chunk_tokens",
+    "load_choices",
+    "load_texts",
+    "text_chunks",
+]
 
 
 class DataFormatError(ValueError):
@@ -184,6 +194,26 @@ def chunk_tokens(
     if bos_token_id is None:
         return pieces
     return torch.cat([torch.full((n_chunks, 1), bos_token_id, dtype=torch.long), pieces], dim=1)
+
+
+def text_chunks(
+    model: Any, specs: Iterable[str], *, length: int, max_chunks: int | None, prepend_bos: bool | None = None
+) -> Int[Tensor, "chunk pos"]:
+    """The chunks of every text set in ``specs``, in order, cut for ``model`` as its faithfulness run cuts them.
+
+    Each set gives at most ``max_chunks`` chunks of `chunk_tokens` (its first ones: a faithfulness
+    run with the same length and ``prepend_bos`` cuts the same chunks first); ``contribution-lens
+    sinks`` studies these. ``prepend_bos``: start each chunk with the tokenizer's BOS (None: the
+    model's own choice, `contribution_lens.adapter.bos_to_prepend`).
+    """
+    bos = adapter.bos_to_prepend(model, prepend_bos)
+    pieces = [
+        chunk_tokens(model.tokenizer, load_texts(spec), length=length, bos_token_id=bos, max_chunks=max_chunks)
+        for spec in specs
+    ]
+    if not pieces:
+        raise ValueError("no text set: give at least one NAME=PATH of text")
+    return torch.cat(pieces)
 
 
 MMLU_LETTERS = ("A", "B", "C", "D")

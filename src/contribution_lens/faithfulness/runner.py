@@ -101,9 +101,8 @@ def build_units(model: adapter.Model, config: DataSettings) -> list[Unit]:
     for spec in config.lm:
         task = task_name(spec)
         adapter.check_length(model, config.chunk_length, "the chunk length")
-        texts = data.load_texts(spec)
-        chunks = data.chunk_tokens(
-            tokenizer, texts, length=config.chunk_length, bos_token_id=bos, max_chunks=config.max_chunks
+        chunks = data.text_chunks(
+            model, [spec], length=config.chunk_length, max_chunks=config.max_chunks, prepend_bos=config.prepend_bos
         )
         for start in range(0, chunks.shape[0], config.batch_size):
             rows = list(range(start, min(start + config.batch_size, chunks.shape[0])))
@@ -170,6 +169,11 @@ def _key(record: dict[str, Any]) -> Key:
     return (protocol, record["task"], record["seq"], record["method"], record["mode"], float(record["ratio"]))
 
 
+def finished(out: Path) -> set[Key]:
+    """The conditions whose records the part files in ``out`` hold (empty where there is no folder)."""
+    return {_key(r) for r in read_records(out)} if out.is_dir() else set()
+
+
 def _append(stream: Any, records: list[dict[str, Any]]) -> None:
     stream.write(records_text(records))
     stream.flush()
@@ -220,11 +224,13 @@ def run(
     options: RunOptions | None = None,
     model_name: str = "",
     progress: bool = True,
+    label: str = "faithfulness",
 ) -> FaithfulnessRun | None:
     """Run (or resume) a faithfulness run on every data set; its result on rank 0 (None on others).
 
     Every record is appended to ``out`` as its pass finishes: an interrupted run resumes where it
-    stopped when called again with the same settings. ``options.rows_per_pass`` bounds how many
+    stopped when called again with the same settings (``label`` names it on the progress bar).
+    ``options.rows_per_pass`` bounds how many
     rows (conditions x sequences of one unit) share one forward pass (None: 64 on a GPU, no
     stacking on a CPU; see `contribution_lens.faithfulness.removal.masked_forward`), and
     ``options.resamples`` bootstrap replicates give the intervals.
@@ -243,7 +249,7 @@ def run(
         dist.barrier()
     part = out_dir / f"part-{rank}.jsonl"
     _repair_tail(part)
-    done = {_key(r) for r in read_records(out_dir)}
+    done = finished(out_dir)
     plan = plan_units(model, units[rank::world], data, settings, done, layers=plan_layers)
     if plan and rank == 0:
         # The folder's saved run (if any) is out of date until this one is saved: `FaithfulnessRun.load`
@@ -251,7 +257,7 @@ def run(
         (out_dir / STATE).unlink(missing_ok=True)
     bar = tqdm(
         total=sum(work.passes for work in plan),
-        desc=f"faithfulness passes (rank {rank})",
+        desc=f"{label} passes (rank {rank})",
         unit="pass",
         disable=not progress or rank != 0,
     )  # tqdm's "<remaining" field is the ETA
@@ -444,7 +450,7 @@ def plan_run(
     both by each unit's number of tokens: ``sum_u (t_score + (passes_u - 1) t_forward) T_u / T_0``.
     """
     units = build_units(model, data)
-    done = {_key(r) for r in read_records(Path(out))} if out is not None and Path(out).is_dir() else set()
+    done = finished(Path(out)) if out is not None else set()
     plan = plan_units(model, units, data, settings, done)
     passes = sum(work.passes for work in plan)
     if not plan or not time_passes:

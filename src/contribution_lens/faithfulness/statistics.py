@@ -249,3 +249,66 @@ def _choice_table(group: pd.DataFrame, *, resamples: int, seed: int, level: floa
             "above_chance": bool(clean_low > chance),
         }
     )
+
+
+def accuracy_verdicts(
+    records: pd.DataFrame, *, resamples: int = 1000, seed: int = 0, level: float = 0.95
+) -> pd.DataFrame:
+    """The claimed ordering judged on multiple-choice accuracy, pair by pair (`claimed_pairs`).
+
+    For item ``s`` and condition ``(method, ratio)`` the accuracy drop is ``clean_s - correct_s``;
+    a method's area is its mean drop over the nonzero ratios, ``D = (1/|R|) sum_{r>0} mean_s
+    (clean_s - correct_s)``, the accuracy counterpart of AOPC. ``D(a) - D(b)`` gets a paired
+    bootstrap interval over items (the same draws for every method) and a verdict by `judge`: in
+    comprehensiveness a faithful measure's removal hurts more (larger ``D`` is better), in
+    sufficiency less.
+
+    Args:
+        records: multiple-choice records (``kind="choice"``) with ``protocol, task, seq, method,
+            mode, ratio, correct, clean``.
+
+    Returns:
+        protocol, task, mode, better, worse, difference, ci_low, ci_high, verdict.
+
+    Example:
+        >>> rows = [
+        ...     {"protocol": "every_layer", "task": "t", "kind": "choice", "seq": str(s), "method": m,
+        ...      "mode": "comprehensiveness", "ratio": r, "clean": True,
+        ...      "correct": r == 0 or (m == "attention" and s % 2 == 0)}
+        ...     for s in range(8) for m in ("attention", "contribution") for r in (0.0, 0.5)
+        ... ]
+        >>> accuracy_verdicts(pd.DataFrame(rows), resamples=200)[["better", "difference", "verdict"]].values.tolist()
+        [['contribution', 0.5, 'better']]
+    """
+    columns = ["protocol", "task", "mode", "better", "worse", "difference", "ci_low", "ci_high", "verdict"]
+    frame = records[records["kind"] == "choice"] if "kind" in records else records
+    if "protocol" not in frame:
+        frame = frame.assign(protocol="every_layer")
+    rows = []
+    for (protocol, task, mode), group in frame.groupby(["protocol", "task", "mode"], sort=True):
+        drop = group["clean"].astype(float) - group["correct"].astype(float)
+        table = _complete(group.assign(drop=drop), "drop")
+        nonzero = [column for column in table.columns if float(column[2]) > 0]
+        if not nonzero or table.empty:
+            continue
+        counts = resample_counts(len(table), resamples=resamples, seed=seed) / len(table)
+        areas = {}
+        for method in sorted({column[1] for column in nonzero}):
+            values = table[[c for c in nonzero if c[1] == method]].to_numpy(float).mean(1)
+            areas[method] = (float(values.mean()), counts @ values)
+        for better, worse in claimed_pairs(list(areas)):
+            low, high = percentile_interval(areas[better][1] - areas[worse][1], level)
+            rows.append(
+                {
+                    "protocol": protocol,
+                    "task": task,
+                    "mode": mode,
+                    "better": better,
+                    "worse": worse,
+                    "difference": areas[better][0] - areas[worse][0],
+                    "ci_low": float(low),
+                    "ci_high": float(high),
+                    "verdict": judge(float(low), float(high), str(mode)),
+                }
+            )
+    return pd.DataFrame(rows, columns=columns)
