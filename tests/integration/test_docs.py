@@ -10,6 +10,7 @@ function's signature and docstring, and nothing is requested from anywhere but t
 Screenshots go to ``test-artifacts/docs/``.
 """
 
+import ast
 import functools
 import http.server
 import importlib
@@ -90,6 +91,130 @@ def test_the_readmes_links_lead_to_files_that_exist() -> None:
     assert len(relative) >= 15, relative  # the page table, the picture, CONTRIBUTING.md
     broken = [link for link in relative if not (ROOT / link).exists()]
     assert not broken, f"the README links to files that do not exist: {broken}"
+
+
+TROUBLESHOOTING = ROOT / "docs" / "troubleshooting.md"
+SPEAKER = re.compile(r"^(contribution-lens: error: |[A-Z]\w*Error: )")
+"""What precedes a message on screen: the command's prefix, an exception's class."""
+VALUES = re.compile(r"'[^']*'|\"[^\"]*\"|\[[^\]]*\]")
+WORDS = re.compile(r"(?<![\w/.:=-])[A-Za-z]{3,}(?![\w/.=-])")
+
+
+def prose(text: str) -> bool:
+    """Whether ``text`` holds words of its own (three or more, quoted values and shapes aside)."""
+    return len(WORDS.findall(VALUES.sub(" ", text))) >= 3
+
+
+class CodeMessages:
+    """Every message the package can write, read from its source: each string a pattern.
+
+    An f-string's fields, and a ``{name}`` of a string formatted later, match any text; docstrings
+    are left out (they quote messages, and may quote an old one). A field may hold prose only where
+    that prose is itself in the code (a hint kept in a constant, another message passed on) or is a
+    library's own error (``SafetensorError: ...``); what a field holds beyond that is not checked.
+    """
+
+    def __init__(self) -> None:
+        self.patterns: list[re.Pattern[str]] = []
+        self.long: list[re.Pattern[str]] = []  # at least 10 characters of their own
+        self.tails: list[tuple[str, re.Pattern[str]]] = []  # f"{what}, got ..." of a helper that adds to a message
+        pieces: set[str] = set()
+        for path in sorted((ROOT / "src" / "contribution_lens").rglob("*.py")):
+            for parts in self._strings(ast.parse(path.read_text(encoding="utf-8"))):
+                literal = sum(len(part) for part in parts if part)
+                pieces.update(part for part in parts if part and len(part.strip()) >= 8)
+                if parts[0] is None and len(parts) > 1 and parts[1] and len(parts[1].strip()) >= 3:
+                    self.tails.append((parts[1], self._pattern(parts[1:])))
+                if literal >= 10:
+                    self.long.append(self._pattern(parts))
+                if literal >= 10 or None not in parts:
+                    self.patterns.append(self._pattern(parts))
+        self.pieces = sorted(
+            pieces, key=len, reverse=True
+        )  # the longest first: a piece inside another is not taken alone
+
+    @staticmethod
+    def _strings(tree: ast.AST) -> Iterator[list[str | None]]:
+        """Each string of the code as its literal parts, None for a field."""
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+            and isinstance(node.body[0].value, ast.Constant)
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, ast.JoinedStr):
+                values: list[str | None] = [str(v.value) if isinstance(v, ast.Constant) else None for v in node.values]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                values = [node.value]
+            else:
+                continue
+            parts: list[str | None] = []
+            for value in values:  # "{chunk_length}" in a string formatted later is a field too
+                for index, text in enumerate(re.split(r"\{\w*\}", value) if value is not None else [None]):
+                    parts += ([None] if index else []) + ([text] if text != "" else [])
+            yield parts or [""]
+
+    @staticmethod
+    def _pattern(parts: list[str | None]) -> re.Pattern[str]:
+        return re.compile("".join(re.escape(part) if part is not None else "(.+?)" for part in parts), re.S)
+
+    def _field_fits(self, text: str, depth: int) -> bool:
+        if not prose(text) or SPEAKER.match(text):
+            return True
+        rest = text
+        for piece in self.pieces:
+            rest = rest.replace(piece, "\0")
+        return not any(prose(gap) for gap in rest.split("\0")) or (depth > 0 and self.wrote(text, depth - 1))
+
+    def _fits(self, pattern: re.Pattern[str], text: str, depth: int) -> bool:
+        match = pattern.fullmatch(text)
+        return match is not None and all(self._field_fits(field, depth) for field in match.groups())
+
+    def wrote(self, message: str, depth: int = 1) -> bool:
+        """Whether the code can write ``message``: one of its strings, or one passed through a helper's."""
+        message = SPEAKER.sub("", message)
+        if any(self._fits(pattern, message, depth) for pattern in self.patterns):
+            return True
+        return any(
+            start
+            and self._fits(tail, message[start:], depth)
+            and any(self._fits(pattern, message[:start], depth) for pattern in self.long)
+            for literal, tail in self.tails
+            for start in (found.start() for found in re.finditer(re.escape(literal), message))
+        )
+
+
+def troubleshooting_messages() -> list[str]:
+    """The messages of the troubleshooting tables: the code spans of each row's last cell that are prose."""
+    messages = []
+    for line in TROUBLESHOOTING.read_text(encoding="utf-8").splitlines():
+        if line.startswith("| ") and not line.startswith(("| mistake", "|---")):
+            said = line.rstrip(" |").split(" | ")[-1]
+            messages += [span for span in re.findall(r"`([^`]+)`", said) if " " in span and prose(span)]
+    return messages
+
+
+def test_every_troubleshooting_message_is_one_the_code_writes() -> None:
+    code = CodeMessages()
+    messages = troubleshooting_messages()
+    assert len(messages) >= 50, messages  # both tables, their rows and their second messages
+    stale = [message for message in messages if not code.wrote(message)]
+    assert not stale, "docs/troubleshooting.md quotes messages the code no longer writes:\n" + "\n".join(stale)
+    # The check reads words, not only shapes: each of these differs from a message the code writes.
+    for reworded in (
+        "tokens must be at least 1, got -5",  # what the inspector said before its integer helper
+        "pattern is in the meta device: it has a shape but no values (materialise it on a real device first)",
+        "heads must be integer values, got float 1.0",
+        "contribution-lens: error: --layer: expected a layer between -30 and 29 (smollm2-135m has 30 layers), got 99",
+        "pattern must be 4-D [batch head query key] (hook_pattern), got shape (2, 4, 4) (please add a batch axis)",
+    ):
+        assert not code.wrote(reworded), reworded
+    assert code.wrote(
+        "contribution-lens: error: --layer: expected a layer from -30 to 29 (smollm2-135m has 30 layers), got 99"
+    )
 
 
 def resolve(identifier: str) -> Any:
