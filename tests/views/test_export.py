@@ -156,3 +156,15 @@ def test_a_text_progress_bar_keeps_its_last_frame_only() -> None:
     stream = nbformat.v4.new_output("stream", name="stderr", text=frames)
     html = export.render_notebook(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("bar", outputs=[stream])]))
     assert re.findall(r"work: +\d+%", html) == ["work: 100%"]
+
+
+def test_static_notebook_shows_the_inspectors_still_in_place_of_its_widget() -> None:
+    still = nbformat.v4.new_output(
+        "display_data", data={"image/png": "iVBORw0KGgo=", "text/plain": "The inspector's last view"},
+        metadata={"contribution_lens": {"still": {"layer": 1}}},
+    )  # fmt: skip
+    widget = widget_output("w", "Inspector(layer=1, ...); display it, or .write_html(path)")
+    other = widget_output("o", "IntSlider(value=3)")
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("inspector", outputs=[still, widget, other])])
+    kept = export.static_notebook(notebook).cells[0].outputs
+    assert [dict(out.data) for out in kept] == [dict(still.data), {"text/plain": "IntSlider(value=3)"}]

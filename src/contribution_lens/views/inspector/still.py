@@ -110,11 +110,17 @@ class Still:
         self._hooked = False
 
     def display(self) -> None:
-        """Write the still as a new output, drawn by kaleido (the line alone without it)."""
+        """Write the still as a new output, drawn by kaleido (the line alone without it).
+
+        The outputs written before it are replaced too: every output of one inspector shows its
+        one live widget, so a notebook shows the same view in each (two views need two inspectors).
+        """
         from IPython.display import display
 
         state = self._state()
         png, width = self._kernel_drawing() or (None, None)
+        if self.shown is not None and state != self.shown:
+            self.update(png, width, state)  # earlier outputs show the same live widget, so the same view
         data, metadata = bundle(png, width, state)
         display(data, raw=True, metadata=metadata, display_id=self.display_id)
         self.shown = state
