@@ -6,6 +6,7 @@ cell, switch the view, add a cell that explains an answer of the bundled model a
 its prediction, open the shared page from the notebook's link and trust it.
 """
 
+import base64
 import json
 import os
 import secrets
@@ -318,12 +319,15 @@ def test_shared_page_opens_from_the_notebook_link_in_jupyterlab(page, lab) -> No
 # --- the notebook's whole life: stills, exports, a restarted kernel, a reopened notebook --------------
 # Last in this file: it restarts the kernel and reloads the page.
 
+PANEL = "[...window.jupyterapp.shell.widgets('main')].find((w) => w.content && w.sessionContext)"
+"""JavaScript for the notebook's panel, whichever tab is in front."""
 SECOND = "second = cl.inspect(model, ids, layer=2, tokens=16)\nsecond"
 STILLS = """() => {
   const panel = [...window.jupyterapp.shell.widgets('main')].find((w) => w.content && w.sessionContext);
   const cells = panel.context.model.toJSON().cells;
   return cells.flatMap((cell, index) => (cell.outputs || []).filter((o) => o.metadata && o.metadata.contribution_lens)
-    .map((o) => ({cell: index, state: o.metadata.contribution_lens.still, png: (o.data['image/png'] || '').length,
+    .map((o) => ({cell: index, state: o.metadata.contribution_lens.still, by: o.metadata.contribution_lens.drawn_by,
+                 png: (o.data['image/png'] || '').length,
                  width: o.metadata['image/png'] && o.metadata['image/png'].width})));
 }"""
 """The stills in JupyterLab's notebook model: the cell, the view recorded, the PNG's length and CSS width."""
@@ -378,32 +382,39 @@ def test_stills_exports_a_restarted_kernel_and_a_reopened_notebook_in_jupyterlab
         "[...document.querySelectorAll('.cl-inspector .cl-heatmap')].filter((gd) => gd.data).length >= 2",
         timeout=120_000,
     )
-    # Live: each widget hides its still and keeps it current with what it drew.
-    page.select_option(".cl-inspector select[data-control='layer'] >> nth=0", "2")
+    # Live: each widget hides its still and keeps it current with what it drew (not kaleido: the browser).
+    page.select_option(".cl-inspector select[data-control='view'] >> nth=0", "heatmap")
+    page.select_option(".cl-inspector select[data-control='layer'] >> nth=0", "0")
     page.wait_for_function(
-        f"({STILLS})().some((s) => s.cell === 0 && s.state.layer === 2 && s.png > 1000)", timeout=60_000
+        f"({STILLS})().some((s) => s.cell === 0 && s.state.layer === 0 && s.state.view === 'heatmap' && s.png > 1000"
+        " && s.by === 'browser')",
+        timeout=60_000,
     )
     assert all(not still["shown"] for still in page.evaluate(SHOWN)), "a live widget left its still shown"
     stills = page.evaluate(STILLS)
     assert len(stills) >= 2 and all(s["png"] > 1000 and s["width"] > 300 for s in stills), stills
     assert kernel(page, "print(inspector._still.shown == inspector._view_state())").strip() == "True"
     # Saved: one PNG per inspector, no plotly.js (the widgets get theirs from the kernel).
-    page.evaluate("window.jupyterapp.commands.execute('docmanager:save')")
-    page.wait_for_function("!window.jupyterapp.shell.currentWidget.context.model.dirty", timeout=30_000)
+    page.evaluate(
+        f"async () => {{ const panel = {PANEL}; window.jupyterapp.shell.activateById(panel.id);"
+        " await panel.context.save(); }"
+    )
     saved = (lab["folder"] / "inspect.ipynb").read_text()
     assert saved.count("plotly.js v") <= 1, "plotly.js is embedded more than once"
+    outputs = [out for cell in json.loads(saved)["cells"] for out in cell.get("outputs", [])]
+    by = [out for out in outputs if out.get("metadata", {}).get("contribution_lens", {}).get("drawn_by") == "browser"]
+    drawing = by[0]["data"]["image/png"]
+    (ARTIFACTS / "jupyterlab_still.png").write_bytes(base64.b64decode(drawing))  # the widget's own drawing
     for sanitize in (True, False):
         shown = exported(page, lab, sanitize)
         assert len(shown["images"]) >= 2 and min(shown["images"]) > 300, shown["images"]
         assert "plotly.js v" not in shown["text"] and "function(" not in shown["text"], "script source shown as text"
         assert shown["height"] < 40_000, f"the exported page is {shown['height']} px tall"
     # Restarted: a change the kernel cannot answer says so within seconds; nothing hangs on "computing".
-    page.evaluate("window.jupyterapp.shell.currentWidget.sessionContext.session.kernel.restart()")
-    page.wait_for_function(
-        "window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status === 'idle'", timeout=120_000
-    )
+    page.evaluate(f"({PANEL}).sessionContext.session.kernel.restart()")
+    page.wait_for_function(f"({PANEL}).sessionContext.session?.kernel?.status === 'idle'", timeout=120_000)
     first = page.locator(".cl-inspector").first
-    first.locator("select[data-control='layer']").select_option("0")
+    first.locator("select[data-control='layer']").select_option("1")
     first.locator(".cl-kernel", has_text="No answer from the kernel").wait_for(timeout=15_000)
     assert "computing" not in first.locator(".cl-status").text_content()
     page.screenshot(path=str(ARTIFACTS / "jupyterlab_restarted.png"), full_page=True)

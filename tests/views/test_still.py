@@ -103,6 +103,7 @@ def test_the_front_ends_drawing_replaces_the_still_when_it_shows_the_kernels_vie
     kind, data, metadata, display_id = shown[-1]
     assert kind == "update" and display_id == inspector._still.display_id
     assert base64.b64decode(data["image/png"]) == drawing and metadata["image/png"] == {"width": 2}
+    assert metadata["contribution_lens"]["drawn_by"] == "browser"
     inspector._on_message(inspector, {**message, "png": base64.b64encode(b"<script>").decode()}, [])
     assert "image/png" not in shown[-1][1], "what is not a PNG is not shown as one"
 

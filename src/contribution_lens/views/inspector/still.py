@@ -48,15 +48,18 @@ def caption(state: dict[str, Any]) -> str:
     return f"{shown}L{state['layer']}, {head}, {state['factor']} ({state['scope']}), query {state['query']}"
 
 
-def bundle(png: bytes | None, width: int | None, state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+def bundle(
+    png: bytes | None, width: int | None, state: dict[str, Any], drawn_by: str = "kaleido"
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """The still's MIME bundle and metadata: ``image/png`` (when there is one) and the line as ``text/plain``.
 
     ``width`` is the image's width in CSS pixels (a front-end drawing is sent at the screen's
-    pixel density); the metadata records the view (`STATE`) under ``contribution_lens``.
+    pixel density); the metadata records under ``contribution_lens`` the view (``still``: `STATE`)
+    and who drew it (``drawn_by``: ``"browser"``, the widget itself, or ``"kaleido"``, in the kernel).
     """
     line = f"{RUN_AGAIN} ({caption(state)}: its numbers come from the Python kernel.)"
     data: dict[str, Any] = {"text/plain": line}
-    metadata: dict[str, Any] = {"contribution_lens": {"still": dict(state)}}
+    metadata: dict[str, Any] = {"contribution_lens": {"still": dict(state), "drawn_by": drawn_by if png else None}}
     if png is not None:
         data["image/png"] = base64.b64encode(png).decode("ascii")
         if width:
@@ -126,11 +129,11 @@ class Still:
         self.shown = state
         self._hook()
 
-    def update(self, png: bytes | None, width: int | None, state: dict[str, Any]) -> None:
-        """Replace every output of this still with ``png`` of ``state``."""
+    def update(self, png: bytes | None, width: int | None, state: dict[str, Any], drawn_by: str = "kaleido") -> None:
+        """Replace every output of this still with ``png`` of ``state`` (drawn by ``drawn_by``, see `bundle`)."""
         from IPython.display import update_display
 
-        data, metadata = bundle(png, width, state)
+        data, metadata = bundle(png, width, state, drawn_by)
         update_display(data, raw=True, metadata=metadata, display_id=self.display_id)
         self.shown = dict(state)
 

@@ -327,7 +327,7 @@ class Inspector(anywidget.AnyWidget):
         if png is None:
             self._still.redraw()
         else:
-            self._still.update(*png, state)
+            self._still.update(*png, state, drawn_by="browser")
 
     def _ipython_display_(self, **kwargs: Any) -> None:
         """Two outputs: the still (a PNG of the view, under a display id) and the live widget.
