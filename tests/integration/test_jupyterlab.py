@@ -6,6 +6,7 @@ cell, switch the view, add a cell that explains an answer of the bundled model a
 its prediction, open the shared page from the notebook's link and trust it.
 """
 
+import base64
 import json
 import os
 import secrets
@@ -313,3 +314,114 @@ def test_shared_page_opens_from_the_notebook_link_in_jupyterlab(page, lab) -> No
     assert tab.locator(".cl-error").is_hidden() and tab.locator(".cl-note").count() == 0
     context.close()
     assert not page.errors, page.errors
+
+
+# --- the notebook's whole life: stills, exports, a restarted kernel, a reopened notebook --------------
+# Last in this file: it restarts the kernel and reloads the page.
+
+PANEL = "[...window.jupyterapp.shell.widgets('main')].find((w) => w.content && w.sessionContext)"
+"""JavaScript for the notebook's panel, whichever tab is in front."""
+SECOND = "second = cl.inspect(model, ids, layer=2, tokens=16)\nsecond"
+STILLS = """() => {
+  const panel = [...window.jupyterapp.shell.widgets('main')].find((w) => w.content && w.sessionContext);
+  const cells = panel.context.model.toJSON().cells;
+  return cells.flatMap((cell, index) => (cell.outputs || []).filter((o) => o.metadata && o.metadata.contribution_lens)
+    .map((o) => ({cell: index, state: o.metadata.contribution_lens.still, by: o.metadata.contribution_lens.drawn_by,
+                 png: (o.data['image/png'] || '').length,
+                 width: o.metadata['image/png'] && o.metadata['image/png'].width})));
+}"""
+"""The stills in JupyterLab's notebook model: the cell, the view recorded, the PNG's length and CSS width."""
+SHOWN = """() => [...document.querySelectorAll('.jp-OutputArea-child')]
+  .filter((child) => child.querySelector('.jp-RenderedImage img') && child.nextElementSibling
+                     && child.nextElementSibling.querySelector('.jp-OutputArea-output'))
+  .map((child) => ({shown: child.offsetHeight > 0, next: child.nextElementSibling.textContent.slice(0, 80)}))"""
+"""Each image output followed by another output (a still and its widget): whether it is shown, what follows."""
+
+
+def exported(tab, lab, sanitize: bool) -> dict:
+    """JupyterLab's File > Save and Export Notebook As > HTML, sanitized or not, as Chromium draws the page."""
+    url = tab.evaluate(
+        """async (sanitize) => {
+          let opened = null;
+          window.open = (url) => { opened = url; return null; };
+          const done = window.jupyterapp.commands.execute('notebook:export-to-format', {format: 'html', label: 'HTML'});
+          // JupyterLab asks whether to sanitize where its notebook version needs it; the server's flag is what counts.
+          await new Promise((resolve) => setTimeout(resolve, 1500));
+          const box = document.querySelector('.jp-Dialog input[type=checkbox]');
+          if (box) { box.checked = sanitize; document.querySelector('.jp-Dialog .jp-mod-accept').click(); }
+          await done;
+          for (let i = 0; i < 100 && !opened; i++) await new Promise((resolve) => setTimeout(resolve, 100));
+          return opened;
+        }""",
+        sanitize,
+    )
+    assert url and "/nbconvert/html/" in url, url
+    address = url.replace("download=true", "").rstrip("?&")
+    address += ("&" if "?" in address else "?") + ("sanitize_html=true&" if sanitize else "") + f"token={lab['token']}"
+    if not sanitize:
+        address = address.replace("sanitize_html=true&", "")
+    context = tab.context.browser.new_context()
+    view = context.new_page()
+    view.goto(address if address.startswith("http") else lab["url"] + address)
+    view.wait_for_load_state("load")
+    page_ = view.evaluate(
+        """() => ({height: document.documentElement.scrollHeight,
+                   images: [...document.querySelectorAll('img[src^="data:image/png"]')].map((i) => i.naturalWidth),
+                   text: document.body.innerText})"""
+    )
+    view.screenshot(path=str(ARTIFACTS / f"jupyterlab_export_{'sanitized' if sanitize else 'unsanitized'}.png"))
+    context.close()
+    return page_
+
+
+def test_stills_exports_a_restarted_kernel_and_a_reopened_notebook_in_jupyterlab(page, lab) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    drawn(page, "d.y && d.status === ''")
+    add_cell(page, SECOND)
+    page.wait_for_function(
+        "[...document.querySelectorAll('.cl-inspector .cl-heatmap')].filter((gd) => gd.data).length >= 2",
+        timeout=120_000,
+    )
+    # Live: each widget hides its still and keeps it current with what it drew (not kaleido: the browser).
+    page.select_option(".cl-inspector select[data-control='view'] >> nth=0", "heatmap")
+    page.select_option(".cl-inspector select[data-control='layer'] >> nth=0", "0")
+    page.wait_for_function(
+        f"({STILLS})().some((s) => s.cell === 0 && s.state.layer === 0 && s.state.view === 'heatmap' && s.png > 1000"
+        " && s.by === 'browser')",
+        timeout=60_000,
+    )
+    assert all(not still["shown"] for still in page.evaluate(SHOWN)), "a live widget left its still shown"
+    stills = page.evaluate(STILLS)
+    assert len(stills) >= 2 and all(s["png"] > 1000 and s["width"] > 300 for s in stills), stills
+    assert kernel(page, "print(inspector._still.shown == inspector._view_state())").strip() == "True"
+    # Saved: one PNG per inspector, no plotly.js (the widgets get theirs from the kernel).
+    page.evaluate(
+        f"async () => {{ const panel = {PANEL}; window.jupyterapp.shell.activateById(panel.id);"
+        " await panel.context.save(); }"
+    )
+    saved = (lab["folder"] / "inspect.ipynb").read_text()
+    assert saved.count("plotly.js v") <= 1, "plotly.js is embedded more than once"
+    outputs = [out for cell in json.loads(saved)["cells"] for out in cell.get("outputs", [])]
+    by = [out for out in outputs if out.get("metadata", {}).get("contribution_lens", {}).get("drawn_by") == "browser"]
+    drawing = by[0]["data"]["image/png"]
+    (ARTIFACTS / "jupyterlab_still.png").write_bytes(base64.b64decode(drawing))  # the widget's own drawing
+    for sanitize in (True, False):
+        shown = exported(page, lab, sanitize)
+        assert len(shown["images"]) >= 2 and min(shown["images"]) > 300, shown["images"]
+        assert "plotly.js v" not in shown["text"] and "function(" not in shown["text"], "script source shown as text"
+        assert shown["height"] < 40_000, f"the exported page is {shown['height']} px tall"
+    # Restarted: a change the kernel cannot answer says so within seconds; nothing hangs on "computing".
+    page.evaluate(f"({PANEL}).sessionContext.session.kernel.restart()")
+    page.wait_for_function(f"({PANEL}).sessionContext.session?.kernel?.status === 'idle'", timeout=120_000)
+    first = page.locator(".cl-inspector").first
+    first.locator("select[data-control='layer']").select_option("1")
+    first.locator(".cl-kernel", has_text="No answer from the kernel").wait_for(timeout=15_000)
+    assert "computing" not in first.locator(".cl-status").text_content()
+    page.screenshot(path=str(ARTIFACTS / "jupyterlab_restarted.png"), full_page=True)
+    # Reopened from disk with JupyterLab's defaults (no widget state saved): each still is shown.
+    page.reload()
+    page.wait_for_selector(".jp-Notebook .jp-OutputArea-output", timeout=120_000)
+    page.wait_for_function(f"({SHOWN})().length >= 2", timeout=60_000)
+    stills = page.evaluate(SHOWN)
+    assert all(still["shown"] for still in stills), stills
+    page.screenshot(path=str(ARTIFACTS / "jupyterlab_reopened.png"), full_page=True)

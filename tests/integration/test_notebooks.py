@@ -113,8 +113,77 @@ def is_figure(output: nbformat.NotebookNode) -> bool:
 
 
 def is_widget(output: nbformat.NotebookNode) -> bool:
-    """A widget (the inspector); its figure is the static fallback an export shows."""
+    """A widget (the inspector, a progress bar)."""
     return WIDGET_VIEW in output.get("data", {})
+
+
+def still_of(output: nbformat.NotebookNode) -> dict | None:
+    """The view an inspector's still records (what a reopened notebook and an export show), or None."""
+    return output.get("metadata", {}).get("contribution_lens", {}).get("still")
+
+
+INSPECTOR_VIEWS = {
+    "06_inspecting_heads": {
+        "06-06": ({"view": "heatmap", "layer": 16, "head": 0, "factor": "attention", "scope": "inter"},
+                  ["layer 16, head 0", "*attention*"]),
+    },
+    "09_explaining_a_prediction": {
+        "9e1a65d5": ({"view": "prediction", "step": 0}, ["` Paris`'s heads heatmap"]),
+        "7c33e6f2": ({"view": "heatmap", "layer": 23, "head": 4, "factor": "contribution", "scope": "inter", "step": 0},
+                     ["L23H4", "*inter*"]),
+    },
+}  # fmt: skip
+"""For each lesson that displays an inspector: per cell, the view its prose describes and the words saying so."""
+
+
+def inspector_problems(name: str, notebook: nbformat.NotebookNode) -> list[str]:
+    """Where an executed lesson's inspector shows (in its still: what an export shows) another view than its prose."""
+    expected = INSPECTOR_VIEWS.get(name, {})
+    problems = []
+    for i, cell in enumerate(notebook.cells):
+        stills = [still_of(out) for out in cell.get("outputs", []) if still_of(out) is not None]
+        if not stills:
+            continue
+        if cell.id not in expected:
+            problems.append(f"cell {cell.id} shows an inspector that INSPECTOR_VIEWS does not describe")
+            continue
+        view, words = expected[cell.id]
+        for still in stills:
+            wrong = {key: (value, still.get(key)) for key, value in view.items() if still.get(key) != value}
+            if wrong:
+                problems.append(f"cell {cell.id}: the inspector shows {wrong} (described, shown)")
+        notice = notebook.cells[i + 1].source if i + 1 < len(notebook.cells) else ""
+        problems += [f"the prose after cell {cell.id} does not say {w!r}" for w in words if w not in notice]
+    shown = {cell.id for cell in notebook.cells if any(still_of(out) for out in cell.get("outputs", []))}
+    problems += [f"cell {cell_id} shows no inspector" for cell_id in sorted(set(expected) - shown)]
+    return problems
+
+
+def test_inspector_problems_names_a_view_the_prose_does_not_describe() -> None:
+    still = {"view": "heatmap", "layer": 27, "head": 7, "factor": "contribution", "scope": "inter", "step": 1}
+    shown = nbformat.v4.new_output(
+        "display_data", data={"text/plain": ""}, metadata={"contribution_lens": {"still": still}}
+    )
+    cells = [
+        nbformat.v4.new_code_cell("inspector", id="9e1a65d5", outputs=[shown]),
+        nbformat.v4.new_markdown_cell("**What to notice.** ` Paris`'s heads heatmap", id="note"),
+        nbformat.v4.new_code_cell("other", id="other", outputs=[shown]),
+    ]
+    problems = inspector_problems("09_explaining_a_prediction", nbformat.v4.new_notebook(cells=cells))
+    assert problems == [
+        "cell 9e1a65d5: the inspector shows {'view': ('prediction', 'heatmap'), 'step': (0, 1)} (described, shown)",
+        "cell other shows an inspector that INSPECTOR_VIEWS does not describe",
+        "cell 7c33e6f2 shows no inspector",
+    ]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
+def test_every_lesson_that_displays_an_inspector_says_which_view(path: Path) -> None:
+    code = [c.source for c in read(path).cells if c.cell_type == "code" and not is_solution(c)]
+    displays = any("cl.inspect(" in source for source in code)
+    assert displays == (path.stem in INSPECTOR_VIEWS), (
+        f"{path.name}: add the views of its inspectors to INSPECTOR_VIEWS"
+    )
 
 
 def figure_cells(notebook: nbformat.NotebookNode) -> list[int]:
@@ -229,7 +298,7 @@ return {
     plots: plots.length,
     drawn: plots.filter(gd => gd.querySelector('.main-svg') && gd.data && gd.data.length).length,
     inspectors: [...document.querySelectorAll('.jp-CodeCell')].filter(cell =>
-        [...cell.querySelectorAll('.js-plotly-plot')].some(gd => (gd.layout.title.text || '').startsWith('Inspector:'))
+        [...cell.querySelectorAll('img[src^="data:image/png"]')].some(img => img.complete && img.naturalWidth > 300)
     ).map(cell => cell.id),
 };
 """
@@ -263,8 +332,11 @@ def reader_problems(seen: dict, *, figures: int, inspectors: list[str]) -> list[
 
 
 def inspector_cells(notebook: nbformat.NotebookNode) -> list[str]:
+    """Cells showing an inspector's still drawn as an image."""
     return [
-        cell.id for cell in notebook.cells if any(is_widget(out) and is_figure(out) for out in cell.get("outputs", []))
+        cell.id
+        for cell in notebook.cells
+        if any(still_of(out) and "image/png" in out.get("data", {}) for out in cell.get("outputs", []))
     ]
 
 
@@ -300,19 +372,16 @@ def test_an_exported_notebook_shows_formulas_finished_bars_and_the_inspectors_vi
     page, html = export(notebook, "export_check")
     assert "mathjax/MathJax.js" in html and not re.search(r"<script[^>]+src=[\"']https?://", html)
     seen = seen_in_browser(browser, page)
-    assert not reader_problems(seen, figures=2, inspectors=["inspector", "changed"]), reader_problems(
-        seen, figures=2, inspectors=["inspector", "changed"]
+    assert not reader_problems(seen, figures=0, inspectors=["inspector", "changed"]), reader_problems(
+        seen, figures=0, inspectors=["inspector", "changed"]
     )
     assert seen["formulas"] == seen["tex"] == 2
     assert re.search(r"work: 100% 3/3", seen["outputs"]), "the bar's last frame is not in the page"
     assert "Loading weights" not in seen["outputs"]
-    titles = browser.execute_script(
-        "return [...document.querySelectorAll('.js-plotly-plot')].map(gd => gd.layout.title.text)"
-    )
-    assert titles == [
-        "Inspector: contribution (inter), L3H2, query 7:.",
-        "Inspector: attention (inter), L3H2, query 7:.",
-    ]
+    # Both cells show the one widget: the still of each is its last view (attention), one PNG per output.
+    stills = [still_of(out) for cell in notebook.cells for out in cell.get("outputs", []) if still_of(out)]
+    assert [(s["factor"], s["layer"], s["head"]) for s in stills] == [("attention", 3, 2)] * 2
+    assert len(re.findall(r'<img[^>]+src="data:image/png;base64,', html)) == 2 and "plotly.js v" not in html
 
 
 @pytest.mark.slow
@@ -321,6 +390,7 @@ def test_notebook_runs_and_exports_with_every_figure(path: Path, request) -> Non
     notebook, seconds = execute(path)
     page, html = export(notebook, path.stem)
     assert not export_problems(notebook, html), f"{path.name}: {export_problems(notebook, html)}"
+    assert not inspector_problems(path.stem, notebook), f"{path.name}: {inspector_problems(path.stem, notebook)}"
     if CHROMIUM is not None and CHROMEDRIVER is not None:
         figures = sum(is_figure(out) for cell in notebook.cells for out in cell.get("outputs", []))
         seen = seen_in_browser(request.getfixturevalue("browser"), page)

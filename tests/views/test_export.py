@@ -10,7 +10,6 @@ import torch
 import contribution_lens as cl
 from conftest import assert_close, tiny_bridge
 from contribution_lens.views import export
-from contribution_lens.views.inspector import figure
 
 WIDGET = export.WIDGET_VIEW
 IDS = torch.tensor([[3, 7, 7, 7, 2, 9, 7, 1, 4, 5]])
@@ -72,17 +71,14 @@ def test_progress_text_says_where_an_interrupted_bar_stopped() -> None:
     assert export.progress_text(state, state["left"]) is None
 
 
-def test_the_inspectors_bundle_holds_a_figure_of_the_view_it_shows(model) -> None:
+def test_the_inspectors_figure_names_the_view_it_shows(model) -> None:
+    # The still of a notebook run without a browser is this figure (test_still.py).
     inspector = cl.inspect(model, IDS, layer=1, head=2, factor="attention", start=4, tokens=4)
-    data, _ = inspector._repr_mimebundle_()
-    assert WIDGET in data and data["text/plain"].startswith("Inspector(layer=1, head=2")
-    assert (
-        'class="plotly-graph-div"' in data["text/html"]
-        and "Inspector: attention (inter), L1H2, query 7:" in (data["text/html"])
-    )
+    assert inspector._view_figure().layout.title.text.startswith("Inspector: attention (inter), L1H2, query 7:")
     inspector.head, inspector.factor, inspector.scope, inspector.query = -1, "contribution", "intra", 5
-    data, _ = inspector._repr_mimebundle_()
-    assert "Inspector: contribution (intra), L1, all heads, query 5:" in data["text/html"]
+    assert inspector._view_figure().layout.title.text.startswith(
+        "Inspector: contribution (intra), L1, all heads, query 5:"
+    )
 
 
 def test_the_inspectors_figure_is_its_window_of_the_librarys_numbers(model) -> None:
@@ -107,9 +103,8 @@ def test_the_inspectors_figure_needs_no_pass_and_shows_the_hidden_sink_and_kv_gr
     inspector = cl.inspect(model, IDS, layer=1, head=3, factor="contribution", scope="inter")
     monkeypatch.setattr("contribution_lens.adapter.forward", lambda *a, **k: pytest.fail("a forward pass ran"))
     inspector.hide_sink, inspector.group_kv = True, True
-    data, _ = inspector._repr_mimebundle_()
-    assert "KV group 1 (heads 2, 3), sink hidden" in data["text/html"]
     figure = inspector._view_figure()
+    assert "KV group 1 (heads 2, 3), sink hidden" in figure.layout.title.text
     z = np.asarray(figure.data[0].z, dtype=float)
     assert np.isnan(z[:, 0]).all(), "the sink is drawn"
     monkeypatch.undo()
@@ -163,13 +158,13 @@ def test_a_text_progress_bar_keeps_its_last_frame_only() -> None:
     assert re.findall(r"work: +\d+%", html) == ["work: 100%"]
 
 
-def test_the_inspector_still_shows_when_its_figure_fails(model, monkeypatch) -> None:
-    inspector = cl.inspect(model, IDS, layer=0)
-
-    def fail(*args, **kwargs):
-        raise RuntimeError("no memory")
-
-    monkeypatch.setattr(figure, "inspector_figure", fail)
-    with pytest.warns(UserWarning, match=r"static figure failed \(no memory\)"):
-        data, _ = inspector._repr_mimebundle_()
-    assert WIDGET in data and "text/html" not in data
+def test_static_notebook_shows_the_inspectors_still_in_place_of_its_widget() -> None:
+    still = nbformat.v4.new_output(
+        "display_data", data={"image/png": "iVBORw0KGgo=", "text/plain": "The inspector's last view"},
+        metadata={"contribution_lens": {"still": {"layer": 1}}},
+    )  # fmt: skip
+    widget = widget_output("w", "Inspector(layer=1, ...); display it, or .write_html(path)")
+    other = widget_output("o", "IntSlider(value=3)")
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("inspector", outputs=[still, widget, other])])
+    kept = export.static_notebook(notebook).cells[0].outputs
+    assert [dict(out.data) for out in kept] == [dict(still.data), {"text/plain": "IntSlider(value=3)"}]

@@ -245,7 +245,7 @@ def test_compact_page_is_within_its_stated_bounds_and_opens_on_the_last_query(va
 
 
 def test_widget_answers_the_front_ends_ping(monkeypatch) -> None:
-    # The front-end says "no kernel" when a ping goes unanswered for 10 s; a live kernel answers at once.
+    # The front-end says "no kernel" when a ping goes unanswered for 4 s; a live kernel answers at once.
     inspector = cl.inspect(tiny_bridge("mha"), torch.arange(6))
     sent = []
     monkeypatch.setattr(inspector, "send", sent.append)

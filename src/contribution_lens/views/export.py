@@ -5,9 +5,9 @@ CDN (formulas stay raw TeX), widgets need a widget manager from a CDN (the inspe
 text repr, a progress bar its first frame, "0%"), and plotly's default MIME bundle draws nothing.
 No script of the page comes from the network.
 `export_notebook` writes the page with a local MathJax beside it (from the PyPI package
-``jupyter-server-mathjax``), a widget's static fallback instead of the widget (the inspector puts
-a figure of its current view in its MIME bundle), each progress bar's last frame, and figures as
-`contribution_lens.plot.use_in_notebook` makes them.
+``jupyter-server-mathjax``), a widget's static fallback instead of the widget (the inspector's is
+its still, a PNG of its last view written before it), each progress bar's last frame, and
+figures as `contribution_lens.plot.use_in_notebook` makes them.
 
 Example:
     >>> import nbformat, tempfile
@@ -116,7 +116,8 @@ _PLOTLY_MATHJAX = re.compile(r'<script src="https://cdnjs\.cloudflare\.com/ajax/
 def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode":
     """A copy of ``notebook`` whose outputs need neither a kernel nor a widget manager.
 
-    A widget that carries a static fallback (``text/html``, an image) shows it; a progress bar
+    A widget that carries a static fallback (``text/html``, an image) shows it; the inspector's
+    widget goes, its still (the image written before it) showing its last view; a progress bar
     (tqdm's widget) becomes the text of its last frame, read from the saved widget state, or
     goes when no state was saved; the widget state goes (without its JavaScript, which comes
     from a CDN, it draws nothing offline).
@@ -128,13 +129,17 @@ def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode
         if cell.cell_type != "code":
             continue
         kept = []
+        previous = None
         for output in cell.get("outputs", []):
+            after_still, previous = previous is not None and _is_still(previous), output
             data = output.get("data", {})
             if isinstance(data.get("text/html"), str):
                 data["text/html"] = _PLOTLY_MATHJAX.sub("", data["text/html"])
             if WIDGET_VIEW not in data:
                 kept.append(output)
                 continue
+            if after_still:
+                continue  # the inspector's widget: its still, just before it, shows its last view
             model = state.get(data[WIDGET_VIEW].get("model_id"), {})
             bar = progress_text(state, model) if model.get("model_name") == "HBoxModel" else None
             if set(data) - {WIDGET_VIEW, "text/plain"}:
@@ -149,6 +154,11 @@ def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode
                 kept.append(output)
         cell.outputs = kept
     return static
+
+
+def _is_still(output: "nbformat.NotebookNode") -> bool:
+    """An inspector's still (`contribution_lens.views.inspector.still`): the output written before its widget."""
+    return "still" in output.get("metadata", {}).get("contribution_lens", {})
 
 
 def progress_text(state: dict[str, Any], box: dict[str, Any]) -> str | None:

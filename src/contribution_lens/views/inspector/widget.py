@@ -5,10 +5,11 @@ the layers) and the payloads computed so far; `contribution_lens.views.inspector
 the static page. Its front-end is the ES module of ``static/`` (shared with the page, assembled
 by `contribution_lens.views.inspector.page.module`), which loads plotly.js once per notebook
 page: the first widget that finds no ``globalThis.Plotly`` asks the kernel for it in one custom
-message.
+message. Displaying it writes a still of the view before the widget
+(`contribution_lens.views.inspector.still`): what a notebook shows once the kernel is gone, and
+what an HTML export shows.
 """
 
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,8 +21,8 @@ from torch import Tensor
 
 from contribution_lens import adapter
 from contribution_lens.choices import as_count
-from contribution_lens.views import export, plot
-from contribution_lens.views.inspector import figure, page
+from contribution_lens.views import plot
+from contribution_lens.views.inspector import figure, page, still
 from contribution_lens.views.inspector.compute import compute_windows
 from contribution_lens.views.inspector.payload import meta, payload_bytes
 from contribution_lens.views.inspector.steps import steps_payload
@@ -154,6 +155,7 @@ class Inspector(anywidget.AnyWidget):
         self._computed: dict[str, dict[int, dict[str, Any]]] = {}
         sent = {} if subject.steps is None else {"steps": steps_payload(subject.steps, subject.labels)}
         super().__init__(**vars(opening), **sent)
+        self._still = still.Still(self._view_state, self._view_figure)
         self._ready = True
         self._refresh_window()
         self.on_msg(self._on_message)
@@ -290,36 +292,55 @@ class Inspector(anywidget.AnyWidget):
         self.payload = {**payload, "layer": self.layer, "key": f"{window.key}/{self.layer}"}
 
     def _on_message(self, widget: Any, content: dict, buffers: list) -> None:
-        if content.get("type") == "need_plotly":
+        kind = content.get("type")
+        if kind == "need_plotly":
             # Hide module/define so the UMD bundle sets globalThis.Plotly whatever loader the page has.
             source = "(function (module, exports, define) {\n" + plotly.offline.get_plotlyjs() + "\n})();"
             self.send({"type": "plotly", "source": source})
-        elif content.get("type") == "ping":  # the front-end asks whether a kernel is there
+        elif kind == "ping":  # the front-end asks whether a kernel is there
             self.send({"type": "pong"})
-        elif content.get("type") == "open":  # a head clicked in the prediction view
+        elif kind == "open":  # a head clicked in the prediction view
             try:
                 self.show_step(int(content["step"]), layer=int(content["layer"]), head=int(content["head"]))
             except (InspectorError, KeyError, TypeError, ValueError) as refused:
                 self.error = str(refused)
+        elif kind == "snapshot":  # the view the front-end settled on, as it drew it
+            self._snapshot(content)
 
-    # --- what is left when the widget cannot run: a figure, an image, a page -------------------------
+    # --- what is left when the widget cannot run: a still, a figure, an image, a page ---------------
 
-    def _repr_mimebundle_(self, **kwargs: Any) -> tuple[dict, dict] | None:
-        """The widget view and, as ``text/html`` beside it, a figure of the current view.
+    def _view_state(self) -> dict[str, Any]:
+        """The traits that make the view shown (`contribution_lens.views.inspector.still.STATE`)."""
+        return {name: getattr(self, name) for name in still.STATE}
 
-        Jupyter draws the widget; an exported notebook (nbconvert) or a static viewer, which
-        cannot run it, shows the figure (`contribution_lens.views.inspector.figure.inspector_figure`).
+    def _snapshot(self, content: dict) -> None:
+        """The still replaced by the front-end's drawing, if it shows the view the kernel holds.
+
+        A drawing of an older view (a change is on its way) is dropped; a view the front-end
+        does not draw as a figure (the text view) comes without an image and is drawn here.
         """
-        bundle = super()._repr_mimebundle_(**kwargs)
-        if bundle is None:
-            return None
-        data, metadata = bundle
-        try:
-            shown = self._view_figure()
-        except Exception as error:  # the live widget must still show: the fallback is for exports
-            warnings.warn(f"the inspector's static figure failed ({error}); an export will show its repr", stacklevel=2)
-            return data, metadata
-        return {**data, "text/html": export.figure_html(shown)}, metadata
+        state = self._view_state()
+        drawn = content.get("state")
+        if not isinstance(drawn, dict) or any(state.get(name) != value for name, value in drawn.items()):
+            return
+        png = still.front_end_png(content)
+        if png is None:
+            self._still.redraw()
+        else:
+            self._still.update(*png, state, drawn_by="browser")
+
+    def _ipython_display_(self, **kwargs: Any) -> None:
+        """Two outputs: the still (a PNG of the view, under a display id) and the live widget.
+
+        The still is what a reopened notebook or an HTML export shows; the live widget hides it
+        (`contribution_lens.views.inspector.still`).
+        """
+        from IPython.display import display
+
+        self._still.display()
+        bundle = self._repr_mimebundle_(**kwargs)
+        if bundle is not None:
+            display(bundle[0], raw=True, metadata=bundle[1])
 
     def save_image(self, path: str | Path, *, scale: int | float = 2) -> Path:
         """Write the current view as an image, PNG, SVG or PDF by the suffix (`contribution_lens.plot.save_image`)."""

@@ -19,10 +19,16 @@ import { windowStarts } from "./windows.js";
 /** @typedef {import("./types.js").Host} Host */
 /** @typedef {import("./types.js").State} State */
 
+/** A request the kernel has not answered within this long is reported (a busy kernel answers later). */
+const KERNEL_WAIT_S = 4;
+const KERNEL_WAIT_MS = KERNEL_WAIT_S * 1000;
 const NO_KERNEL =
-  "No kernel answered: this inspector's numbers come from the Python kernel, and a notebook reopened " +
-  "from disk keeps only the last view drawn. Run the cell again to use it (the page of write_html needs no kernel).";
-const KERNEL_WAIT_MS = 10000;
+  "No answer from the kernel for " + KERNEL_WAIT_S + " s: it is busy, or gone (restarted, shut down, or this notebook " +
+  "was reopened). This view is the last one drawn; run the cell again to explore it (the page of write_html needs no kernel).";
+/** The still's line (still.py's RUN_AGAIN), drawn above the view sent to the kernel. */
+const RUN_AGAIN = "The inspector's last view: run the cell again to explore it.";
+/** How long a view must stay unchanged before it is sent to the kernel as the still. */
+const SETTLE_MS = 1000;
 
 /**
  * plotly.js, loaded once per notebook page: the first widget that finds no globalThis.Plotly asks
@@ -48,42 +54,49 @@ function ensurePlotly(model) {
 }
 
 const TRAITS = ["layer", "head", "factor", "scope", "query", "start", "hide_sink", "group_kv", "view", "step"];
+/** The traits that make a view (still.py's STATE), as the kernel holds them (head -1 for all heads). */
+const STILL_STATE = [...TRAITS, "tokens"];
 
 /**
- * Whether the kernel is there: a ping it answers with a pong (widget.py); none within
- * KERNEL_WAIT_MS means a widget restored from the notebook file without its kernel.
+ * Whether the kernel is there: every request is followed by a ping (widget.py answers with a pong);
+ * none within KERNEL_WAIT_MS marks the kernel missing (restarted, shut down, or a notebook reopened
+ * without it) until a later pong. A kernel that answered once may be gone now: each request asks again.
  * @param {WidgetModel} model
- * @param {() => void} onChange called when the kernel goes missing or comes back
- * @returns {{readonly missing: boolean, check: () => void}}
+ * @param {() => void} onChange called when the kernel goes missing, answers, or comes back
+ * @returns {{readonly missing: boolean, readonly answered: boolean, check: () => void}}
  */
-function kernelWatch(model, onChange) {
+export function kernelWatch(model, onChange) {
   let answered = false;
   let missing = false;
   /** @type {ReturnType<typeof setTimeout> | null} */
   let timer = null;
   model.on("msg:custom", (message) => {
-    if (message.type !== "pong") return;
-    answered = true;
+    if (!message || message.type !== "pong") return;
     if (timer) clearTimeout(timer);
     timer = null;
-    if (missing) {
-      missing = false;
-      onChange();
-    }
+    const changed = missing || !answered;
+    answered = true;
+    missing = false;
+    if (changed) onChange();
   });
   return {
     get missing() {
       return missing;
     },
+    get answered() {
+      return answered;
+    },
     check() {
-      if (answered || timer) return;
-      model.send({ type: "ping" });
+      if (timer) return; // a ping is on its way: its answer (or silence) settles this request too
+      try {
+        model.send({ type: "ping" });
+      } catch (error) {
+        // A closed comm (the kernel is gone) throws: the timer below reports it.
+      }
       timer = setTimeout(() => {
         timer = null;
-        if (!answered) {
-          missing = true;
-          onChange();
-        }
+        missing = true;
+        onChange();
       }, KERNEL_WAIT_MS);
     },
   };
@@ -114,7 +127,7 @@ function widgetHost(model, kernel) {
     open: (step, layer, head) => model.send({ type: "open", step, layer, head }),
     pending: (state) => {
       kernel.check();
-      if (kernel.missing) return NO_KERNEL;
+      if (kernel.missing) return "not drawn: no kernel answered";
       return state ? "computing layer " + state.layer + "…" : "waiting for the kernel…";
     },
     // Windows of the widget's size, half-overlapping, over the whole text.
@@ -122,27 +135,124 @@ function widgetHost(model, kernel) {
     set(partial) {
       for (const [name, value] of Object.entries(partial)) model.set(name, name === "head" && value === "all" ? -1 : value);
       model.save_changes();
+      kernel.check(); // every change asks whether the kernel is still there to answer it
     },
   };
 }
 
 /**
- * anywidget's entry point: the inspector in `el`, redrawn whenever a trait changes.
+ * The output just before this widget's, where it is the inspector's still (widget.py writes the
+ * still, then the widget, in one cell): JupyterLab's output area, or null elsewhere.
+ * @param {HTMLElement} el
+ * @returns {HTMLElement | null}
+ */
+function stillOutput(el) {
+  const child = el.closest(".jp-OutputArea-child");
+  const before = child ? /** @type {HTMLElement | null} */ (child.previousElementSibling) : null;
+  if (!before) return null;
+  const text = before.textContent || "";
+  return before.querySelector(".jp-RenderedImage img") || text.includes(RUN_AGAIN) ? before : null;
+}
+
+/**
+ * What the view draws now as one PNG (its visible figures where they sit, under the still's line),
+ * or null when it draws no figure (the text view).
+ * @param {HTMLElement} root
+ * @returns {Promise<{png: string, width: number} | null>}
+ */
+export async function drawnImage(root) {
+  const Plotly = /** @type {any} */ (globalThis).Plotly;
+  const shown = /** @type {HTMLElement[]} */ ([...root.querySelectorAll(".js-plotly-plot")]).filter(
+    (gd) => gd.offsetWidth > 0 && gd.offsetHeight > 0,
+  );
+  if (!Plotly || !shown.length) return null;
+  const line = 22;
+  const origin = root.getBoundingClientRect();
+  const boxes = shown.map((gd) => gd.getBoundingClientRect());
+  const width = Math.ceil(Math.max(...boxes.map((box) => box.right - origin.left)));
+  const height = Math.ceil(line + Math.max(...boxes.map((box) => box.bottom - origin.top)) - Math.min(...boxes.map((box) => box.top - origin.top)));
+  const top = Math.min(...boxes.map((box) => box.top));
+  const scale = Math.min(2, Math.max(1, globalThis.devicePixelRatio || 1));
+  const canvas = document.createElement("canvas");
+  canvas.width = Math.round(width * scale);
+  canvas.height = Math.round(height * scale);
+  const context = /** @type {CanvasRenderingContext2D} */ (canvas.getContext("2d"));
+  context.scale(scale, scale);
+  context.fillStyle = "#ffffff";
+  context.fillRect(0, 0, width, height);
+  context.fillStyle = "#444444";
+  context.font = "italic 13px sans-serif";
+  context.fillText(RUN_AGAIN, 6, 15);
+  for (const [i, gd] of shown.entries()) {
+    const box = boxes[i];
+    const url = await Plotly.toImage(gd, { format: "png", width: gd.offsetWidth, height: gd.offsetHeight, scale });
+    const image = new Image();
+    await new Promise((resolve, reject) => {
+      image.onload = resolve;
+      image.onerror = reject;
+      image.src = url;
+    });
+    context.drawImage(image, box.left - origin.left, line + box.top - top, box.width, box.height);
+  }
+  return { png: canvas.toDataURL("image/png").split(",")[1], width };
+}
+
+/**
+ * The still kept current: the view the widget settles on is sent to the kernel (which replaces the
+ * still through its display id) once it has stayed drawn SETTLE_MS, while the kernel answers.
+ * @param {WidgetModel} model
+ * @param {HTMLElement} root
+ * @param {ReturnType<typeof kernelWatch>} kernel
+ * @returns {() => void} call after every drawing
+ */
+function stillKeeper(model, root, kernel) {
+  /** @type {ReturnType<typeof setTimeout> | null} */
+  let timer = null;
+  let sent = "";
+  const send = async () => {
+    timer = null;
+    const status = root.querySelector(".cl-status");
+    if (kernel.missing || (status && status.textContent)) return; // not drawn yet, or nobody to keep it
+    const state = Object.fromEntries(STILL_STATE.map((name) => [name, model.get(name)]));
+    const key = JSON.stringify([state, model.get("meta").key, root.getBoundingClientRect().width]);
+    if (key === sent) return;
+    const drawn = state.view === "text" ? null : await drawnImage(root).catch(() => null);
+    sent = key;
+    model.send({ type: "snapshot", state, png: drawn ? drawn.png : null, width: drawn ? drawn.width : null });
+  };
+  return () => {
+    if (timer) clearTimeout(timer);
+    timer = setTimeout(send, SETTLE_MS);
+  };
+}
+
+/**
+ * anywidget's entry point: the inspector in `el`, redrawn whenever a trait changes. While the
+ * kernel answers, the still before it is hidden and kept current; when it stops answering, a line
+ * above the view says so.
  * @param {{model: WidgetModel, el: HTMLElement}} widget
  * @returns {Promise<() => void>} what undoes it
  */
 async function render({ model, el }) {
+  const line = element("div", { className: "cl-kernel" }, el);
+  /** @type {{refresh: () => Promise<unknown>} | null} */
+  let view = null;
+  const kernel = kernelWatch(model, () => {
+    line.textContent = kernel.missing ? NO_KERNEL : "";
+    const still = stillOutput(el);
+    if (still && kernel.answered) still.style.display = "none"; // the live widget shows the view
+    if (view) view.refresh();
+  });
+  kernel.check();
   const waiting = element("div", { className: "cl-status", textContent: "waiting for the kernel…" }, el);
-  const slow = setTimeout(() => (waiting.textContent = NO_KERNEL), KERNEL_WAIT_MS);
   await ensurePlotly(model);
-  clearTimeout(slow);
   waiting.remove();
-  const kernel = kernelWatch(model, () => view.refresh());
-  const view = mount(el, widgetHost(model, kernel));
-  const redraw = () => view.refresh();
+  view = mount(el, widgetHost(model, kernel));
+  const settled = stillKeeper(model, el, kernel);
+  const redraw = () => /** @type {{refresh: () => Promise<unknown>}} */ (view).refresh().then(settled);
   const names = [...TRAITS, "payload", "meta", "error", "steps"];
   for (const name of names) model.on("change:" + name, redraw);
-  await view.refresh();
+  await redraw();
   return () => {
     for (const name of names) model.off("change:" + name, redraw);
   };
