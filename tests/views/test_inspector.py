@@ -43,6 +43,32 @@ def assert_payload(inspector, model, ids, layer: int) -> None:
         assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1, name
 
 
+def test_a_larger_window_late_in_the_text_is_drawn_whole_and_sends_the_rest_of_each_row() -> None:
+    # Failed before: tokens=16 at start 10 of 20 tokens kept the clipped window 10..19 (nothing redrawn).
+    model = tiny_bridge("gqa", biases=True, n_layers=3)
+    ids = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(0))
+    inspector = cl.inspect(model, ids, layer=1, tokens=8, start=10)
+    assert inspector.meta["outside"] == [[1, 9]]
+    sent = {
+        name: codecs.decode(inspector.payload[name], "exact").reshape(4, -1)
+        for name in ("outside_attention", "outside_inter")
+    }
+    d = cl.attention_geometry(model, ids, layers=[1], scope="inter")[1]
+    outside = list(range(1, 10))
+    for head in range(4):
+        for row, query in enumerate(inspector.window.queries):
+            want_a = float(d.attention[0, head, query, outside].sum())
+            want_c = float(d.contribution[0, head, query, outside].sum())
+            assert sent["outside_attention"][head, row] == pytest.approx(want_a, abs=1e-6)
+            assert sent["outside_inter"][head, row] == pytest.approx(want_c, abs=1e-6)
+    inspector.tokens = 16
+    assert inspector.start == 4 and inspector.window.queries == list(range(4, 20))
+    assert inspector.meta["queries"] == list(range(4, 20)) and inspector.meta["outside"] == [[1, 3]]
+    inspector.tokens = 20
+    assert inspector.start == 0 and inspector.meta["outside"] == []
+    assert not codecs.decode(inspector.payload["outside_attention"], "exact").any()
+
+
 def test_widget_traits_select_what_is_sent() -> None:
     model = tiny_bridge("gqa", biases=True, n_layers=3)
     ids = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(0))

@@ -67,6 +67,20 @@ def _hide_sink_grid(grid: np.ndarray, totals: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(grid), np.nan, hidden)
 
 
+def _level(payload: dict[str, Any], window: Window, head: int, scope: str, group_kv: bool) -> tuple[
+    dict[str, np.ndarray], np.ndarray, list[int]
+]:  # fmt: skip
+    """The view's cells ``[cell]`` per factor, its row totals ``S_i`` and the heads it combines."""
+    groups = payload["kv_groups"]
+    n_heads = sum(len(heads) for heads in groups)
+    if head < 0:
+        return (*_combined_cells(payload, head, scope), list(range(n_heads)))
+    if group_kv and "group_attention" in payload:
+        return (*_combined_cells(payload, head, scope), groups[group_of(groups, head)])
+    shown = groups[group_of(groups, head)][0] if group_kv else head
+    return (*_head_cells(payload, window, shown, scope), [shown])
+
+
 def view_factors(
     payload: dict[str, Any],
     window: Window,
@@ -99,11 +113,7 @@ def view_factors(
         >>> bool(np.isnan(grid["attention"][0, 1])), round(float(np.nansum(grid["contribution"][2])), 2)
         (True, 1.0)
     """
-    groups = payload["kv_groups"]
-    if head < 0 or (group_kv and "group_attention" in payload):
-        cells, totals = _combined_cells(payload, head, scope)
-    else:
-        cells, totals = _head_cells(payload, window, groups[group_of(groups, head)][0] if group_kv else head, scope)
+    cells, totals, _ = _level(payload, window, head, scope, group_kv)
     grids = {}
     for factor, values in cells.items():
         grid = np.full(window.mask.shape, np.nan)
@@ -114,6 +124,52 @@ def view_factors(
         grids["attention"] = _hide_sink_grid(grids["attention"], np.ones(len(window.queries)))
         grids["contribution"] = _hide_sink_grid(grids["contribution"], totals)
     return grids
+
+
+def outside_view(
+    payload: dict[str, Any],
+    window: Window,
+    *,
+    head: int,
+    scope: str,
+    group_kv: bool = False,
+    hide_sink: bool = False,
+) -> dict[str, np.ndarray]:
+    """Per query ``[query]``, the view's attention and contribution on keys outside the window, as the page draws them.
+
+    For the view's heads ``H`` (one head, its KV group, or all ``m`` heads) and the payload's
+    per-head shares ``A_i^h``, ``C_i^h`` (`contribution_lens.views.inspector.payload.outside_shares`):
+    attention ``sum_{h in H} A_i^h / |H|`` (the mean, as the view's attention is) and contribution
+    ``sum_{h in H} C_i^h``. With ``hide_sink`` both are renormalised as the window's cells are:
+    ``x' = x S_i / (S_i - x_i0)`` (``S_i`` 1 for attention, the row total for contribution, ``x_i0``
+    the sink's cell), NaN where nothing but the sink is left.
+
+    Example:
+        >>> import torch
+        >>> from contribution_lens import decompose
+        >>> from contribution_lens.views.inspector.payload import layer_payload
+        >>> from contribution_lens.views.inspector.windows import token_window
+        >>> future = torch.ones(5, 5, dtype=torch.bool).triu(1)
+        >>> pattern = torch.softmax(torch.zeros(1, 1, 5, 5).masked_fill(future, -torch.inf), -1)
+        >>> v, W_O = torch.randn(1, 5, 1, 4), torch.randn(1, 4, 8)
+        >>> window = token_window(5, start=3, tokens=2)
+        >>> sent = layer_payload(*[decompose(pattern, v, W_O, scope=s) for s in ("inter", "intra")], window)
+        >>> outside_view(sent, window, head=0, scope="inter")["attention"].round(4).tolist()
+        [0.5, 0.4]
+    """
+    cells, totals, heads = _level(payload, window, head, scope, group_kv)
+    n_heads = sum(len(group) for group in payload["kv_groups"])
+    attention = _decoded(payload, "outside_attention").reshape(n_heads, -1)[heads].mean(0)
+    contribution = _decoded(payload, f"outside_{scope}").reshape(n_heads, -1)[heads].sum(0)
+    out = {"attention": attention, "contribution": contribution}
+    if hide_sink and window.keys[0] == 0:
+        rows = np.nonzero(window.mask)[0]
+        sink = np.flatnonzero(np.r_[True, np.diff(rows) > 0])  # each row's first cell is key 0
+        for name, total in (("attention", np.ones_like(totals)), ("contribution", totals)):
+            rest = total - cells[name][sink]
+            empty = np.abs(rest) <= 1e-6 * np.maximum(1.0, np.abs(total))
+            out[name] = np.where(empty, np.nan, out[name] * total / np.where(empty, 1.0, rest))
+    return out
 
 
 def view_caption(

@@ -202,8 +202,16 @@ class Inspector(anywidget.AnyWidget):
 
     @traitlets.observe("start", "tokens")
     def _window_changed(self, change: dict) -> None:
-        if self._ready:
-            self._refresh_window()
+        if not self._ready:
+            return
+        if change["name"] == "tokens":
+            # A larger window late in the text would be clipped at its end (the same window, nothing
+            # redrawn): it starts earlier instead, so that it holds ``tokens`` queries where the text has them.
+            fitted = min(self.start, max(0, len(self._subject.labels) - self.tokens))
+            if fitted != self.start:
+                self.start = fitted  # observed: the window is laid out once, for the new start
+                return
+        self._refresh_window()
 
     @traitlets.observe("layer")
     def _layer_changed(self, change: dict) -> None:
