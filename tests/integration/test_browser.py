@@ -79,7 +79,7 @@ HOVER = re.compile(
 DRAWN = """
 const root = document.querySelectorAll('.cl-inspector')[arguments[0] || 0];
 const gd = root.querySelector('.cl-heatmap');
-const visible = (gd.data || []).filter(t => t.type === 'heatmap' && t.visible !== false);
+const visible = (gd.data || []).filter(t => t.type === 'heatmap' && t.visible !== false && t.name !== 'outside');
 const t = visible[0] || {};
 return {visible: visible.length, z: t.z, text: t.text, x: t.x, y: t.y, hash: location.hash,
         ready: root.dataset.ready};
