@@ -306,6 +306,22 @@ def test_inspector_page_is_self_contained(browser, page) -> None:
         "return performance.getEntriesByType('resource').map(e => e.name).filter(n => !n.startsWith('file:'))"
     )
     assert remote == []
+    # Scripts ran: no hint to trust the page, no Chart Studio ("Share chart") button in any figure.
+    assert browser.execute_script("return document.querySelectorAll('.cl-trust').length") == 0
+    buttons = browser.execute_script("return [...document.querySelectorAll('.modebar-btn')].map(b => b.dataset.title)")
+    assert buttons and not [b for b in buttons if b.startswith("Share chart")], buttons
+
+
+def test_inspector_page_without_scripts_says_to_trust_it(browser, page) -> None:
+    # Failed before: JupyterLab's viewer opens the page untrusted (no scripts): a heading and blank space.
+    browser.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": True})
+    try:
+        browser.get("about:blank")
+        browser.get(page.resolve().as_uri())
+        hint = browser.find_element("css selector", ".cl-trust")
+        assert hint.is_displayed() and "press Trust HTML at the top of the viewer" in hint.text, hint.text
+    finally:
+        browser.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": False})
 
 
 WIDGET_HOST = """<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>ROOTS
