@@ -189,7 +189,16 @@ export function decode(meta, payload) {
     arrays = decodeCompact(meta, compact, index, cells);
   } else {
     const fine = /** @type {import("./types.js").FinePayload} */ (payload);
-    for (const [name, codec] of Object.entries(fine.codecs)) arrays[name] = dequantise(fine[name], meta.codecs[codec]);
+    // Each array is decoded when a view first reads it: a view of all heads never decodes the per-head cosines.
+    for (const [name, codec] of Object.entries(fine.codecs)) {
+      /** @type {import("./types.js").Numbers | null} */
+      let value = null;
+      Object.defineProperty(arrays, name, {
+        enumerable: true,
+        get: () => value || (value = dequantise(fine[name], meta.codecs[codec])),
+        set: (/** @type {import("./types.js").Numbers} */ v) => (value = v),
+      });
+    }
   }
   return { index, cells, H: meta.n_heads, arrays };
 }
