@@ -329,16 +329,28 @@ class Inspector(anywidget.AnyWidget):
             return data, metadata
         return {**data, "text/html": export.figure_html(shown)}, metadata
 
-    def save_image(self, path: str | Path, *, scale: int | float = 2) -> Path:
-        """Write the current view as an image, PNG, SVG or PDF by the suffix (`contribution_lens.plot.save_image`)."""
+    def save_image(self, path: str | Path, *, scale: int | float = 2, include: str = "view") -> Path:
+        """Write what the widget draws as an image, PNG, SVG or PDF by the suffix (`contribution_lens.plot.save_image`).
+
+        ``include="view"``: the current view (the heatmap with its query outlined, or the prediction
+        view's heads, layer 0 at the top); ``include="bars"``: the selected query's bars, with
+        their caption. Both in the widget's orientation, labels and plain white template.
+        """
+        if include not in ("view", "bars"):
+            raise ValueError(f"include must be 'view' or 'bars', got {include!r}")
+        if include == "bars":
+            shown = figure.bars_figure(
+                self._layer_payload(self.window, self.layer), self.window, self._subject.labels, layer=self.layer,
+                head=self.head, scope=self.scope, query=self.query, hide_sink=self.hide_sink, group_kv=self.group_kv,
+            )  # fmt: skip
+            return plot.save_image(shown, path, scale=scale)
         return plot.save_image(self._view_figure(), path, scale=scale)
 
     def _view_figure(self) -> "go.Figure":
         steps = self._subject.steps
         if self.view == "prediction" and steps is not None:
             step = max(0, self.step)
-            drawn = plot.logit_heads(steps.results[step])
-            return drawn.update_layout(title=f"Inspector: prediction, step {step}. {drawn.layout.title.text}")
+            return figure.prediction_figure(steps.results[step], step)
         # The payload of the layer shown is already here: the figure needs no forward pass.
         return figure.inspector_figure(
             self._layer_payload(self.window, self.layer), self.window, self._subject.labels,
