@@ -690,7 +690,7 @@ def test_page_refuses_a_bad_fragment_and_says_why(browser, bundled_model, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("width", [1000, 1440])
+@pytest.mark.parametrize("width", [800, 1000, 1440])
 def test_long_window_heatmap_fits_the_width_with_its_colour_bar(browser, bundled_model, tmp_path, width) -> None:
     # Failed before: at 128 tokens and more the heatmap was ~1,900 px wide, its colour bar cut off.
     text = " ".join(["the quick brown fox jumps over the lazy dog"] * 30)
@@ -709,6 +709,11 @@ def test_long_window_heatmap_fits_the_width_with_its_colour_bar(browser, bundled
         )
         assert box["bar"] <= box["page"] and box["right"] <= box["page"], box
         assert box["scroll"] <= box["page"], f"the page scrolls sideways: {box}"
+        # Every title line inside the page: the heatmap's, and the bars' caption (all heads: three lines).
+        titles = browser.execute_script(
+            "return [...document.querySelectorAll('.cl-inspector .gtitle')].map(t => t.getBoundingClientRect().right)"
+        )
+        assert len(titles) == 2 and max(titles) <= box["page"], (titles, box)
         assert box["cells"] > 0.5 * box["page"], box
         # Zoom: a smaller key range labels more of its tokens than the whole window does.
         browser.execute_script(
@@ -1235,7 +1240,7 @@ def test_each_caption_states_what_is_drawn(browser, page, library) -> None:
     np.testing.assert_allclose(product, bars["contribution"], rtol=1e-9, atol=1e-12)
     open_view(browser, page, fragment(9, None, "contribution", "inter") + "&query=12")
     title, bars = bars_drawn(browser)
-    assert "attention: mean over the 9 heads; relative norm, cosine: their attention-weighted means; " in title, title
+    assert "attention: mean over the 9 heads; relative norm, cosine: their attention-weighted means;" in title, title
     assert "contribution: sum over the heads (not the product of the three)" in title, title
     product = bars["attention"] * bars["relative norm"] * bars["cosine"]
     assert np.abs(product - bars["contribution"]).max() > 1e-3, "the caption says the product does not hold"
@@ -1248,7 +1253,7 @@ def test_each_caption_states_what_is_drawn(browser, page, library) -> None:
     open_view(browser, page, fragment(9, None, "contribution", "intra"))
     heatmap = browser.execute_script("return document.querySelector('.cl-heatmap .gtitle').textContent")
     assert "the sum over 9 heads of each head's share of its own output" in heatmap, heatmap
-    assert "so a row sums to 9" in heatmap, heatmap
+    assert "(each head's row sums to 1, so a row sums to 9)" in heatmap, heatmap
     np.testing.assert_allclose(np.nansum(drawn_z(wait_ready(browser)), 1), 9, rtol=2e-3)
 
 

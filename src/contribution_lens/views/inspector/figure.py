@@ -205,7 +205,7 @@ def bars_caption(payload: dict[str, Any], *, layer: int, head: int, scope: str, 
 
     Example:
         >>> bars_caption({"kv_groups": [[0], [1]]}, layer=2, head=-1, scope="inter", query_label="5:cat")
-        'query 5:cat: per-key factors (inter, L2, all heads)<br>attention: mean over the 2 heads; relative norm, cosine: their attention-weighted means; contribution: sum over the heads (not the product of the three)'
+        'query 5:cat: per-key factors (inter, L2, all heads)<br>attention: mean over the 2 heads; relative norm, cosine: their attention-weighted means;<br>contribution: sum over the heads (not the product of the three)'
     """  # noqa: E501
     groups = payload["kv_groups"]
     group_kv = view.get("group_kv", False) and "group_attention" in payload
@@ -215,8 +215,8 @@ def bars_caption(payload: dict[str, Any], *, layer: int, head: int, scope: str, 
     if m == 1:
         return top + ": attention × relative norm × cosine = contribution"
     return (
-        f"{top}<br>attention: mean over the {m} heads; relative norm, cosine: their attention-weighted means; "
-        "contribution: sum over the heads (not the product of the three)"
+        f"{top}<br>attention: mean over the {m} heads; relative norm, cosine: their attention-weighted means;"
+        "<br>contribution: sum over the heads (not the product of the three)"
     )
 
 

@@ -68,7 +68,7 @@ export function heatmapTitle(meta, state) {
   const m = kind === "all" ? meta.n_heads : kind === "group" ? meta.kv_groups[index].length : 1;
   if (m === 1 || state.factor !== "contribution" || state.scope !== "intra") return title(meta, state);
   return title(meta, state) + "<br><span style='font-size: 11px'>the sum over " + m + " heads of each head's share " +
-    "of its own output (each head's row sums to 1, so a row sums to " + m + "): not a share of the layer's output</span>";
+    "of its own output<br>(each head's row sums to 1, so a row sums to " + m + "): not a share of the layer's output</span>";
 }
 
 /**
@@ -85,8 +85,9 @@ export function barsTitle(meta, state, qLabel) {
   const head = "query " + qLabel + ": per-key factors (" + state.scope + ", " + where(meta, state) + ")";
   const m = kind === "all" ? meta.n_heads : kind === "group" ? meta.kv_groups[index].length : 1;
   if (m === 1) return head + ": attention × relative norm × cosine = contribution";
+  // Two short lines, not one long one: a title does not wrap, and an 800 px output would cut it off.
   return head + "<br><span style='font-size: 11px'>attention: mean over the " + m + " heads; relative norm, cosine: " +
-    "their attention-weighted means; contribution: sum over the heads (not the product of the three)</span>";
+    "their attention-weighted means;<br>contribution: sum over the heads (not the product of the three)</span>";
 }
 
 /**

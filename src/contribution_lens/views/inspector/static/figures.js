@@ -77,7 +77,7 @@ function axis(name, names, cell) {
     { title: { text: name }, type: "category", tickfont: { size: every ? Math.min(12, Math.max(7, cell - 3)) : 10 }, automargin: true },
     every
       ? { tickmode: "array", tickvals: names, ticktext: names }
-      : { tickmode: "auto", nticks: Math.max(4, Math.floor((cell * names.length) / 24)) },
+      : { tickmode: "auto", nticks: Math.max(4, Math.floor((cell * names.length) / 20)) },
   );
 }
 
@@ -94,11 +94,13 @@ function heatmapAxes(meta, width) {
   const nk = meta.keys.length;
   const column = meta.outside && meta.outside.length ? 36 : 0;
   const cell = Math.max(1, Math.min(18, Math.floor((width - 240 - column) / nk)));
+  // Labels in a subset: as many as the axis's pixels hold (one per 20 px), whatever the rounding of `cell`.
+  const keyPx = Math.max(cell, (width - 240 - column) / nk);
   const row = Math.max(cell, ROW_PX);
   const share = column / Math.max(1, width - 240);
   return {
     hint: cell >= 7 && row >= 7 ? "" : "drag a box to zoom, double-click to reset",
-    xaxis: Object.assign(axis("key", meta.key_labels, cell), { tickangle: -60, domain: [0, 1 - share] }),
+    xaxis: Object.assign(axis("key", meta.key_labels, cell >= 7 ? cell : keyPx), { tickangle: -60, domain: [0, 1 - share] }),
     xaxis2: { domain: [1 - share + 8 / Math.max(1, width - 240), 1], type: "category", tickangle: -60, automargin: true, fixedrange: true },
     yaxis: Object.assign(axis("query", meta.query_labels, row), { autorange: "reversed" }),
     height: Math.max(420, row * nq + 200),
@@ -344,7 +346,7 @@ export function drawBars(view, meta, entry, values, state) {
     yaxis: { autorange: "reversed", type: "category", tickfont: { size: keys.length > 129 ? 7 : 10 }, automargin: true },
     height: Math.max(300, (keys.length > 129 ? 8 : 13) * keys.length + 140),
     width: Math.min(1000, view.drawnWidth),
-    margin: { t: 60 },
+    margin: { t: 90 },
   };
   const n = meta.factors.length;
   meta.factors.forEach((f, i) => {
