@@ -8,7 +8,7 @@ build time, the fine codec's size for comparison) and its error against the libr
 numbers beside the stated bounds, and the memory headless Chromium needs to show it (Debian's
 ``chromium`` and ``chromedriver``; skipped where they are missing). In the browser: the time a
 layer switch takes to draw (decode, factors, heatmap, bars) in windows of 128, 512 and 800 tokens
-(fine codecs, as the widget sends them), and the JS heap after it. Run:
+(fine codecs, as the widget sends them; all heads, and one head at 800), and the JS heap after it. Run:
 ``python benchmarks/bench_inspector.py`` (``... browser`` for the browser's table only).
 """
 
@@ -37,14 +37,16 @@ TEXT = (
 N_TOKENS = 512
 LONG_TOKENS = 800
 SWITCH = """
-const [layer, done] = arguments;
+const done = arguments[arguments.length - 1];
+const [layer, head] = arguments;
 const gd = document.querySelector('.cl-inspector .cl-heatmap');
 const began = performance.now();
-location.hash = '#layer=' + layer + '&head=all&factor=contribution&scope=inter';
+location.hash = '#layer=' + layer + '&head=' + head + '&factor=contribution&scope=inter';
+const drawnTitle = 'L' + layer + (head === 'all' ? ',' : ' head ' + head);
 (function check() {
   const title = (gd.layout && gd.layout.title && gd.layout.title.text) || '';
   const drawn = () => done(performance.now() - began);
-  if (title.includes('L' + layer + ',')) requestAnimationFrame(() => requestAnimationFrame(drawn));
+  if (title.includes(drawnTitle)) requestAnimationFrame(() => requestAnimationFrame(drawn));
   else setTimeout(check, 2);
 })();
 """
@@ -163,7 +165,7 @@ def _chromium():
     return webdriver.Chrome(service=service, options=options)
 
 
-def browser_layer_switch(model, ids, tokens: int) -> None:
+def browser_layer_switch(model, ids, tokens: int, head: str = "all") -> None:
     """Headless Chromium: the worst of three layer switches drawn (two new layers, one kept), and the JS heap after."""
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -177,15 +179,15 @@ def browser_layer_switch(model, ids, tokens: int) -> None:
             WebDriverWait(driver, 300).until(
                 lambda d: d.execute_script("return document.querySelector('.cl-page-root').dataset.ready") == "true"
             )
-            times = [driver.execute_async_script(SWITCH, layer) / 1000 for layer in (28, 27, 28)]
+            times = [driver.execute_async_script(SWITCH, layer, head) / 1000 for layer in (28, 27, 28)]
             driver.execute_cdp_cmd("HeapProfiler.collectGarbage", {})
             driver.execute_cdp_cmd("Performance.enable", {})
             metrics = {m["name"]: m["value"] for m in driver.execute_cdp_cmd("Performance.getMetrics", {})["metrics"]}
         finally:
             driver.quit()
-    cells = inspector.window.cells
+    cells, shown = inspector.window.cells, f"{tokens}" if head == "all" else f"{tokens}, head {head}"
     print(
-        f"| {tokens} | {cells} | {max(times[:2]):.2f} (new layers: {times[0]:.2f}, {times[1]:.2f}) "
+        f"| {shown} | {cells} | {max(times[:2]):.2f} (new layers: {times[0]:.2f}, {times[1]:.2f}) "
         f"| {times[2]:.2f} | {metrics['JSHeapUsedSize'] / 2**20:.0f} |"
     )
 
@@ -202,6 +204,7 @@ def main() -> None:
         print("|---|---|---|---|---|")
         for tokens in (128, 512, LONG_TOKENS):
             browser_layer_switch(model, long_ids, tokens)
+        browser_layer_switch(model, long_ids, LONG_TOKENS, head="2")  # one head: its own arrays decoded
     if sys.argv[1:] == ["browser"]:  # the browser's table only
         return
     print(f"bundled SmolLM2-135M, CPU, one torch thread; a {N_TOKENS}-token text; the widget opens on layer 29")
