@@ -1284,3 +1284,14 @@ def test_an_800_token_window_rows_hit_hover_and_mark_the_click(browser, bundled_
     browser.execute_cdp_cmd("Performance.enable", {})
     metrics = {m["name"]: m["value"] for m in browser.execute_cdp_cmd("Performance.getMetrics", {})["metrics"]}
     assert metrics["JSHeapUsedSize"] < 400 * 2**20, f"JS heap {metrics['JSHeapUsedSize'] / 2**20:.0f} MB"
+
+
+@pytest.mark.slow
+def test_the_step_caption_escapes_a_line_break_once(browser, bundled_model, tmp_path) -> None:
+    # Failed before: the caption read the token "\\n" where the step menu and the labels write "\n".
+    explanation = cl.explain_generation(bundled_model, "Name a colour.\n", max_new_tokens=1)
+    assert "\n" in explanation[0].attribution.str_tokens[explanation[0].position]
+    page = cl.inspect(bundled_model, explanation, layers=[2]).write_html(tmp_path / "newline.html")
+    open_view(browser, page, "#view=prediction&step=0")
+    caption = browser.execute_script("return document.querySelector('.cl-prediction .cl-text-caption').textContent")
+    assert '\\n")' in caption and "\\\\n" not in caption, caption
