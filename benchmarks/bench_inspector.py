@@ -6,13 +6,17 @@ after it (they only send what is ready), for the default 128-token windows and f
 512-token window; the static page of all 30 layers at 512 tokens in the compact codec (size,
 build time, the fine codec's size for comparison) and its error against the library's float32
 numbers beside the stated bounds, and the memory headless Chromium needs to show it (Debian's
-``chromium`` and ``chromedriver``; skipped where they are missing). Run:
-``python benchmarks/bench_inspector.py``.
+``chromium`` and ``chromedriver``; skipped where they are missing). In the browser: the time a
+layer switch takes to draw (decode, factors, heatmap, bars) in windows of 128, 512 and 800 tokens
+(fine codecs, as the widget sends them; all heads, and one head at 800), and the JS heap after it. Run:
+``python benchmarks/bench_inspector.py`` (``... browser`` for the browser's table only).
 """
 
 import json
+import os
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -26,11 +30,26 @@ from contribution_lens.views.inspector import codecs, compact, payload, windows
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "fineweb_edu" / "sample-10BT_first150.jsonl"
 TEXT = (
-    json.loads(SHARED.read_text().splitlines()[0])["text"]
+    " ".join(json.loads(line)["text"] for line in SHARED.read_text().splitlines()[:4])
     if SHARED.is_file()
-    else " ".join(["The quick brown fox jumps over the lazy dog."] * 80)
+    else " ".join(["The quick brown fox jumps over the lazy dog."] * 120)
 )
 N_TOKENS = 512
+LONG_TOKENS = 800
+SWITCH = """
+const done = arguments[arguments.length - 1];
+const [layer, head] = arguments;
+const gd = document.querySelector('.cl-inspector .cl-heatmap');
+const began = performance.now();
+location.hash = '#layer=' + layer + '&head=' + head + '&factor=contribution&scope=inter';
+const drawnTitle = 'L' + layer + (head === 'all' ? ',' : ' head ' + head);
+(function check() {
+  const title = (gd.layout && gd.layout.title && gd.layout.title.text) || '';
+  const drawn = () => done(performance.now() - began);
+  if (title.includes(drawnTitle)) requestAnimationFrame(() => requestAnimationFrame(drawn));
+  else setTimeout(check, 2);
+})();
+"""
 
 
 def timed(action) -> float:
@@ -133,10 +152,61 @@ def browser_memory(page: Path) -> tuple[float, float, float] | None:
     return blank / 1024, drawn / 1024, metrics["JSHeapUsedSize"] / 2**20
 
 
+def _chromium():
+    from selenium import webdriver
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = shutil.which("chromium")
+    flags = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
+             "--disable-component-update", "--disable-sync", "--disable-quic", "--window-size=1400,1000")  # fmt: skip
+    for flag in flags:
+        options.add_argument(flag)
+    service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
+    return webdriver.Chrome(service=service, options=options)
+
+
+def browser_layer_switch(model, ids, tokens: int, head: str = "all") -> None:
+    """Headless Chromium: the worst of three layer switches drawn (two new layers, one kept), and the JS heap after."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    inspector = cl.inspect(model, ids[:, :tokens], layers=[27, 28, 29], layer=29, tokens=tokens)
+    with tempfile.TemporaryDirectory() as folder:
+        path = inspector.write_html(Path(folder) / "switch.html", compact=False)
+        driver = _chromium()
+        try:
+            driver.set_script_timeout(120)
+            driver.get(path.resolve().as_uri())
+            WebDriverWait(driver, 300).until(
+                lambda d: d.execute_script("return document.querySelector('.cl-page-root').dataset.ready") == "true"
+            )
+            times = [driver.execute_async_script(SWITCH, layer, head) / 1000 for layer in (28, 27, 28)]
+            driver.execute_cdp_cmd("HeapProfiler.collectGarbage", {})
+            driver.execute_cdp_cmd("Performance.enable", {})
+            metrics = {m["name"]: m["value"] for m in driver.execute_cdp_cmd("Performance.getMetrics", {})["metrics"]}
+        finally:
+            driver.quit()
+    cells, shown = inspector.window.cells, f"{tokens}" if head == "all" else f"{tokens}, head {head}"
+    print(
+        f"| {shown} | {cells} | {max(times[:2]):.2f} (new layers: {times[0]:.2f}, {times[1]:.2f}) "
+        f"| {times[2]:.2f} | {metrics['JSHeapUsedSize'] / 2**20:.0f} |"
+    )
+
+
 def main() -> None:
     torch.set_num_threads(1)
     model = cl.load_model()
-    ids = cl.to_token_batch(model, TEXT).tokens[:, :N_TOKENS]
+    long_ids = cl.to_token_batch(model, TEXT).tokens[:, :LONG_TOKENS]
+    ids = long_ids[:, :N_TOKENS]
+    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if shutil.which("chromium") and shutil.which("chromedriver"):
+        print("headless Chromium, a layer switch drawn (the page's layers in fine codecs, as the widget sends them):")
+        print("| window tokens | cells | layer switch s, new layer (worst of 2) | switch s, kept layer | JS heap MB |")
+        print("|---|---|---|---|---|")
+        for tokens in (128, 512, LONG_TOKENS):
+            browser_layer_switch(model, long_ids, tokens)
+        browser_layer_switch(model, long_ids, LONG_TOKENS, head="2")  # one head: its own arrays decoded
+    if sys.argv[1:] == ["browser"]:  # the browser's table only
+        return
     print(f"bundled SmolLM2-135M, CPU, one torch thread; a {N_TOKENS}-token text; the widget opens on layer 29")
     print("| window tokens | first view s | layer switch s, worst of 30 | window switch | worst switch / first view |")
     print("|---|---|---|---|---|")

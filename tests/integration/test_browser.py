@@ -102,7 +102,7 @@ HOVER = re.compile(
 DRAWN = """
 const root = document.querySelectorAll('.cl-inspector')[arguments[0] || 0];
 const gd = root.querySelector('.cl-heatmap');
-const visible = (gd.data || []).filter(t => t.type === 'heatmap' && t.visible !== false);
+const visible = (gd.data || []).filter(t => t.type === 'heatmap' && t.visible !== false && t.name !== 'outside');
 const t = visible[0] || {};
 return {visible: visible.length, z: t.z, text: t.text, x: t.x, y: t.y, hash: location.hash,
         ready: root.dataset.ready};
@@ -329,6 +329,22 @@ def test_inspector_page_is_self_contained(browser, page) -> None:
         "return performance.getEntriesByType('resource').map(e => e.name).filter(n => !n.startsWith('file:'))"
     )
     assert remote == []
+    # Scripts ran: no hint to trust the page, no Chart Studio ("Share chart") button in any figure.
+    assert browser.execute_script("return document.querySelectorAll('.cl-trust').length") == 0
+    buttons = browser.execute_script("return [...document.querySelectorAll('.modebar-btn')].map(b => b.dataset.title)")
+    assert buttons and not [b for b in buttons if b.startswith("Share chart")], buttons
+
+
+def test_inspector_page_without_scripts_says_to_trust_it(browser, page) -> None:
+    # Failed before: JupyterLab's viewer opens the page untrusted (no scripts): a heading and blank space.
+    browser.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": True})
+    try:
+        browser.get("about:blank")
+        browser.get(page.resolve().as_uri())
+        hint = browser.find_element("css selector", ".cl-trust")
+        assert hint.is_displayed() and "press Trust HTML at the top of the viewer" in hint.text, hint.text
+    finally:
+        browser.execute_cdp_cmd("Emulation.setScriptExecutionDisabled", {"value": False})
 
 
 WIDGET_HOST = """<!DOCTYPE html><html><head><meta charset='utf-8'></head><body>ROOTS
@@ -697,7 +713,7 @@ def test_page_refuses_a_bad_fragment_and_says_why(browser, bundled_model, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("width", [1000, 1440])
+@pytest.mark.parametrize("width", [800, 1000, 1440])
 def test_long_window_heatmap_fits_the_width_with_its_colour_bar(browser, bundled_model, tmp_path, width) -> None:
     # Failed before: at 128 tokens and more the heatmap was ~1,900 px wide, its colour bar cut off.
     text = " ".join(["the quick brown fox jumps over the lazy dog"] * 30)
@@ -716,6 +732,11 @@ def test_long_window_heatmap_fits_the_width_with_its_colour_bar(browser, bundled
         )
         assert box["bar"] <= box["page"] and box["right"] <= box["page"], box
         assert box["scroll"] <= box["page"], f"the page scrolls sideways: {box}"
+        # Every title line inside the page: the heatmap's, and the bars' caption (all heads: three lines).
+        titles = browser.execute_script(
+            "return [...document.querySelectorAll('.cl-inspector .gtitle')].map(t => t.getBoundingClientRect().right)"
+        )
+        assert len(titles) == 2 and max(titles) <= box["page"], (titles, box)
         assert box["cells"] > 0.5 * box["page"], box
         # Zoom: a smaller key range labels more of its tokens than the whole window does.
         browser.execute_script(
@@ -1130,3 +1151,170 @@ def test_page_refuses_a_step_it_does_not_explain_and_says_why(
     # The message goes with the first change of view.
     Select(control(browser, "step")).select_by_value("1")
     assert prediction(browser)["error"][1] == 0
+
+
+# --- long texts: a window late in 800 tokens, and an 800-token window -------------------------------------------
+
+LONG = 800
+OUTSIDE = """
+const gd = document.querySelector('.cl-inspector .cl-heatmap');
+const t = gd.data.find(d => d.name === 'outside');
+const shapes = (gd.layout.shapes || []).map(s => ({name: s.name, x0: s.x0, y0: s.y0}));
+const bars = document.querySelector('.cl-inspector .cl-bars');
+return {z: t && t.z.map(r => r[0]), text: t && t.text.map(r => r[0]), x: t && t.x, shapes,
+        title: bars.layout.title.text, bars: bars.data.map(b => [b.name, b.y, b.x]),
+        barsTop: bars.getBoundingClientRect().top, barsBottom: bars.getBoundingClientRect().bottom,
+        viewport: window.innerHeight};
+"""
+OUTSIDE_HOVER = re.compile(
+    rf"query (.+)<br>keys (.+) \(outside the window\)<br>attention {NUMBER}"
+    rf"<br>contribution intra {NUMBER}, inter {NUMBER}$"
+)
+
+
+@pytest.fixture(scope="module")
+def long_ids(bundled_model) -> torch.Tensor:
+    """800 tokens of real text (FineWeb-Edu's first documents, or a repeated sentence without the data)."""
+    from conftest import SHARED_DATA
+
+    sample = SHARED_DATA / "fineweb_edu" / "sample-10BT_first150.jsonl"
+    lines = sample.read_text().splitlines()[:4] if sample.is_file() else []
+    text = " ".join(json.loads(line)["text"] for line in lines) or " ".join(["The fox jumps over the dog."] * 200)
+    ids = cl.to_token_batch(bundled_model, text).tokens[:, :LONG]
+    assert ids.shape[1] == LONG
+    return ids
+
+
+def point_at(browser, row: int, column: int, click: bool = True) -> None:
+    """A real mouse move (and click) on cell (row, column), the page scrolled so the cell is in view."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    gd = browser.find_element("css selector", ".cl-inspector .cl-heatmap")
+    x, y = browser.execute_script(
+        "const gd = arguments[0], fl = gd._fullLayout;"
+        "const r = () => gd.getBoundingClientRect();"
+        "const y = fl.yaxis.l2p(arguments[1]) + fl.yaxis._offset;"
+        "window.scrollTo(0, window.scrollY + r().top + y - window.innerHeight / 2);"
+        "return [r().left + fl.xaxis.l2p(arguments[2]) + fl.xaxis._offset, r().top + y];",
+        gd,
+        row,
+        column,
+    )
+    actions = ActionChains(browser)
+    actions.w3c_actions.pointer_action.move_to_location(round(x), round(y))
+    if click:
+        actions.w3c_actions.pointer_action.click()
+    actions.perform()
+
+
+@pytest.mark.slow
+def test_a_window_late_in_a_long_text_shows_the_rest_of_each_row(browser, bundled_model, long_ids, tmp_path) -> None:
+    # Failed before: a 128-token window late in 800 tokens drew rows that summed to 0.854 at L10H2, query 754,
+    # with nothing showing the 0.146 the library puts on keys before the window.
+    inspector = cl.inspect(bundled_model, long_ids, layers=[10], tokens=128, start=672)
+    page = inspector.write_html(tmp_path / "late.html")
+    library = geometries(bundled_model, long_ids, [10])
+    window = inspector.window
+    assert window.queries[0] == 672 and window.keys[:2] == [0, 672]
+    outside = list(range(1, 672))
+    for head, factor in ((2, "attention"), (2, "contribution"), (None, "attention"), (None, "contribution")):
+        open_view(browser, page, fragment(10, head, factor, "inter") + "&query=754")
+        drawn = browser.execute_script(OUTSIDE)
+        assert drawn["x"] == ["outside 1–671"], drawn["x"]
+        want = {s: token_factors(library[s][10], head, 0, LONG) for s in cl.SCOPES}
+        rest = {s: {f: want[s][f][:, outside].sum(-1).double().numpy() for f in ("attention", "contribution")}
+                for s in cl.SCOPES}  # fmt: skip
+        # The column: the factor's share outside the window, for every query, as the library sums it.
+        z = np.array(drawn["z"], dtype=float)
+        np.testing.assert_allclose(z, rest["inter"][factor][window.queries], atol=2e-6, rtol=1e-5)
+        row = window.queries.index(754)
+        if head == 2 and factor == "attention":
+            # The window's row and the column make the whole row.
+            assert abs(z[row] + np.nansum(drawn_z(wait_ready(browser))[row]) - 1) < 1e-3
+        match = OUTSIDE_HOVER.match(drawn["text"][row])
+        assert match and match[1] == inspector.meta["query_labels"][row] and match[2] == "1–671", drawn["text"][row]
+        stated = (
+            rest["inter"]["attention"][754],
+            rest["intra"]["contribution"][754],
+            rest["inter"]["contribution"][754],
+        )
+        for got, want_value in zip(map(float, match.groups()[2:]), stated, strict=True):
+            assert abs(got - want_value) <= 6e-4 * abs(want_value) + 1e-6, (got, want_value)
+    # The hidden sink renormalises the column as the window's cells: attention's row then totals 1 again.
+    open_view(browser, page, fragment(10, 2, "attention", "inter") + "&query=754&hide_sink=1")
+    hidden = drawn_z(wait_ready(browser))
+    column = np.array(browser.execute_script(OUTSIDE)["z"], dtype=float)
+    np.testing.assert_allclose(np.nansum(hidden, 1) + column, 1, atol=2e-3)
+
+
+def bars_drawn(browser) -> tuple[str, dict[str, np.ndarray]]:
+    drawn = browser.execute_script(OUTSIDE)
+    return drawn["title"], {name: np.array(x, dtype=float) for name, _, x in drawn["bars"]}
+
+
+@pytest.mark.slow
+def test_each_caption_states_what_is_drawn(browser, page, library) -> None:
+    # Failed before: with all heads the bars said "their product is the contribution" (0.3851 x 0.2375 x 0.0672 =
+    # 0.0061 against 0.0597); the intra all-heads heatmap said nothing of its scale up to the number of heads.
+    open_view(browser, page, fragment(9, 3, "contribution", "inter") + "&query=12")
+    title, bars = bars_drawn(browser)
+    assert title.endswith("(inter, L9 head 3): attention × relative norm × cosine = contribution"), title
+    product = bars["attention"] * bars["relative norm"] * bars["cosine"]
+    np.testing.assert_allclose(product, bars["contribution"], rtol=1e-9, atol=1e-12)
+    open_view(browser, page, fragment(9, None, "contribution", "inter") + "&query=12")
+    title, bars = bars_drawn(browser)
+    assert "attention: mean over the 9 heads; relative norm, cosine: their attention-weighted means;" in title, title
+    assert "contribution: sum over the heads (not the product of the three)" in title, title
+    product = bars["attention"] * bars["relative norm"] * bars["cosine"]
+    assert np.abs(product - bars["contribution"]).max() > 1e-3, "the caption says the product does not hold"
+    want = token_factors(library["inter"][9], None, 0, library["inter"][9].attention.shape[-1])
+    per_head = library["inter"][9].attention[0, :, 12, :13].double().numpy()
+    np.testing.assert_allclose(bars["attention"], per_head.mean(0), atol=2e-5)
+    np.testing.assert_allclose(
+        bars["contribution"], want["contribution"][12, :13].double().numpy(), rtol=2e-3, atol=1e-6
+    )
+    open_view(browser, page, fragment(9, None, "contribution", "intra"))
+    heatmap = browser.execute_script("return document.querySelector('.cl-heatmap .gtitle').textContent")
+    assert "the sum over 9 heads of each head's share of its own output" in heatmap, heatmap
+    assert "(each head's row sums to 1, so a row sums to 9)" in heatmap, heatmap
+    np.testing.assert_allclose(np.nansum(drawn_z(wait_ready(browser)), 1), 9, rtol=2e-3)
+
+
+@pytest.mark.slow
+def test_an_800_token_window_rows_hit_hover_and_mark_the_click(browser, bundled_model, long_ids, tmp_path) -> None:
+    # Failed before: rows under 1 px (a click on row 700 selected 699), every hover text built beforehand.
+    inspector = cl.inspect(bundled_model, long_ids, layers=[10], tokens=LONG)
+    page = inspector.write_html(tmp_path / "long.html")
+    drawn = open_view(browser, page, fragment(10, 2, "attention", "inter"))
+    assert drawn["text"] is None, "an 800-token window builds each hover text on demand"
+    point_at(browser, 700, 650)
+    browser.execute_script("return new Promise(r => setTimeout(r, 500))")
+    wait_ready(browser)
+    state = browser.execute_script(OUTSIDE)
+    assert "&query=700" in browser.execute_script("return location.hash")
+    assert {"name": "query", "x0": -0.5, "y0": 699.5} in state["shapes"], state["shapes"]
+    assert {"name": "key", "x0": 649.5, "y0": 699.5} in state["shapes"], state["shapes"]
+    assert state["title"].startswith("query " + inspector.meta["query_labels"][700]), state["title"]
+    assert state["barsTop"] < state["viewport"] - 100 and state["barsBottom"] > 100, f"bars not in view: {state}"
+    point_at(browser, 760, 300, click=False)
+    box = browser.find_element("css selector", ".cl-inspector .cl-hover")
+    match = HOVER.match(box.text.replace("\n", "<br>"))
+    assert box.is_displayed() and match, box.text
+    assert (match[1], match[2]) == (inspector.meta["query_labels"][760], inspector.meta["key_labels"][300])
+    d = cl.attention_geometry(bundled_model, long_ids, layers=[10], scope="inter")[10]
+    assert abs(float(match[3]) - float(d.attention[0, 2, 760, 300])) <= 6e-4 * float(d.attention[0, 2, 760, 300]) + 2e-5
+    browser.execute_cdp_cmd("HeapProfiler.collectGarbage", {})
+    browser.execute_cdp_cmd("Performance.enable", {})
+    metrics = {m["name"]: m["value"] for m in browser.execute_cdp_cmd("Performance.getMetrics", {})["metrics"]}
+    assert metrics["JSHeapUsedSize"] < 400 * 2**20, f"JS heap {metrics['JSHeapUsedSize'] / 2**20:.0f} MB"
+
+
+@pytest.mark.slow
+def test_the_step_caption_escapes_a_line_break_once(browser, bundled_model, tmp_path) -> None:
+    # Failed before: the caption read the token "\\n" where the step menu and the labels write "\n".
+    explanation = cl.explain_generation(bundled_model, "Name a colour.\n", max_new_tokens=1)
+    assert "\n" in explanation[0].attribution.str_tokens[explanation[0].position]
+    page = cl.inspect(bundled_model, explanation, layers=[2]).write_html(tmp_path / "newline.html")
+    open_view(browser, page, "#view=prediction&step=0")
+    caption = browser.execute_script("return document.querySelector('.cl-prediction .cl-text-caption').textContent")
+    assert '\\n")' in caption and "\\\\n" not in caption, caption

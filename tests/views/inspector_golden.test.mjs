@@ -117,6 +117,23 @@ test("shownFactors", () => {
   checkViews("shownFactors", (meta, d, state, scope) => js.shownFactors(meta, d, state, scope));
 });
 
+test("outsideShares", async () => {
+  let late = 0;
+  for (const layer of golden.layers) {
+    for (const payload of [layer.payload, await js.inflate(layer.compact)]) {
+      const d = js.decode(layer.meta, payload);
+      for (const { state, scope, outside } of layer.views) {
+        // A compact page sends the same float32 shares, but its sink cell (which hide_sink divides by) coarser.
+        if (payload !== layer.payload && state.hide_sink) continue;
+        const got = js.outsideShares(layer.meta, d, state, scope);
+        for (const [name, want] of Object.entries(outside)) close(got[name], want, `${layer.name} ${JSON.stringify(state)} ${scope} outside ${name}`, TIGHT);
+        late += outside.attention.some((x) => x !== null && x > 0) ? 1 : 0;
+      }
+    }
+  }
+  assert.ok(late > 0, "a golden window late in the text has attention outside it");
+});
+
 test("decodeSteps", () => {
   const decoded = js.decodeSteps(golden.steps.sent);
   assert.equal(decoded.length, golden.steps.expected.length);

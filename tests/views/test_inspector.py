@@ -43,6 +43,32 @@ def assert_payload(inspector, model, ids, layer: int) -> None:
         assert np.abs(got.astype(int) - expected.astype(int)).max() <= 1, name
 
 
+def test_a_larger_window_late_in_the_text_is_drawn_whole_and_sends_the_rest_of_each_row() -> None:
+    # Failed before: tokens=16 at start 10 of 20 tokens kept the clipped window 10..19 (nothing redrawn).
+    model = tiny_bridge("gqa", biases=True, n_layers=3)
+    ids = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(0))
+    inspector = cl.inspect(model, ids, layer=1, tokens=8, start=10)
+    assert inspector.meta["outside"] == [[1, 9]]
+    sent = {
+        name: codecs.decode(inspector.payload[name], "exact").reshape(4, -1)
+        for name in ("outside_attention", "outside_inter")
+    }
+    d = cl.attention_geometry(model, ids, layers=[1], scope="inter")[1]
+    outside = list(range(1, 10))
+    for head in range(4):
+        for row, query in enumerate(inspector.window.queries):
+            want_a = float(d.attention[0, head, query, outside].sum())
+            want_c = float(d.contribution[0, head, query, outside].sum())
+            assert sent["outside_attention"][head, row] == pytest.approx(want_a, abs=1e-6)
+            assert sent["outside_inter"][head, row] == pytest.approx(want_c, abs=1e-6)
+    inspector.tokens = 16
+    assert inspector.start == 4 and inspector.window.queries == list(range(4, 20))
+    assert inspector.meta["queries"] == list(range(4, 20)) and inspector.meta["outside"] == [[1, 3]]
+    inspector.tokens = 20
+    assert inspector.start == 0 and inspector.meta["outside"] == []
+    assert not codecs.decode(inspector.payload["outside_attention"], "exact").any()
+
+
 def test_widget_traits_select_what_is_sent() -> None:
     model = tiny_bridge("gqa", biases=True, n_layers=3)
     ids = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(0))
@@ -337,6 +363,39 @@ def test_the_export_figure_of_the_prediction_view_is_the_steps_heads(explained) 
     assert title.startswith("Inspector: prediction, step 1.") and f"position {answer[1].position}" in title
     inspector.view = "heatmap"
     assert figure.layout.title.text != inspector._view_figure().layout.title.text
+
+
+def test_save_image_draws_what_the_widget_draws(explained, tmp_path) -> None:
+    # Failed before: the prediction heads were flipped (layer 0 at the bottom) on plotly's grey template, and
+    # the bars could not be saved at all.
+    from views.test_plot import needs_image_writer, png_pixels
+
+    model, answer = explained
+    inspector = cl.inspect(model, answer, step=1)
+    heads = inspector._view_figure()
+    assert list(heads.data[0].y) == [f"L{layer}" for layer in range(3)] and heads.layout.yaxis.autorange == "reversed"
+    assert list(heads.data[0].x) == [f"H{h}" for h in range(4)]
+    inspector.view, inspector.head, inspector.query = "heatmap", 2, answer[0].position
+    with pytest.raises(ValueError, match="include must be 'view' or 'bars', got 'both'"):
+        inspector.save_image(tmp_path / "x.png", include="both")
+    needs_image_writer()
+    pixels = {
+        name: png_pixels(inspector.save_image(tmp_path / f"{name}.png", scale=1, include=name).read_bytes())
+        for name in ("view", "bars")
+    }
+    for name, image in pixels.items():
+        # The widget's white page, not plotly.py's grey plot area (229, 236, 246).
+        grey = np.all(image == np.array([229, 236, 246]), axis=-1).mean()
+        assert grey < 0.01, f"{name}: {grey:.1%} of the image is plotly's grey"
+    bars = ins.figure.bars_figure(
+        inspector._layer_payload(inspector.window, inspector.layer), inspector.window, inspector._subject.labels,
+        layer=inspector.layer, head=2, scope="inter", query=inspector.query,
+    )  # fmt: skip
+    assert [t.name for t in bars.data] == ["attention", "relative norm", "cosine", "contribution"]
+    assert bars.layout.title.text.endswith(": attention × relative norm × cosine = contribution")
+    a, r, c, contribution = (np.asarray(t.x, float) for t in bars.data)
+    np.testing.assert_allclose(a * r * c, contribution, rtol=1e-6, atol=1e-9)
+    assert pixels["bars"].shape[1] == 1000
 
 
 def test_a_page_of_an_explanation_holds_its_steps_and_opens_on_the_step(explained) -> None:

@@ -24,7 +24,7 @@ from conftest import tiny_bridge, tiny_encoder
 from contribution_lens.views import plot
 from contribution_lens.views.inspector import codecs, compact, page, payload, steps, windows
 from contribution_lens.views.inspector.compute import compute_windows
-from contribution_lens.views.inspector.figure import view_factors
+from contribution_lens.views.inspector.figure import outside_view, view_factors
 
 NODE = shutil.which("node")
 NO_NODE = "needs Node.js for node --test (Debian: apt-get install nodejs)"
@@ -48,9 +48,13 @@ def view_cases(sent: dict, window: windows.Window, n_heads: int) -> list[dict]:
         for group_kv in (False, True) if head >= 0 else (False,):
             for hide_sink in (False, True):
                 for scope in cl.SCOPES:
-                    grids = view_factors(sent, window, head=head, scope=scope, group_kv=group_kv, hide_sink=hide_sink)
+                    chosen = {"head": head, "scope": scope, "group_kv": group_kv, "hide_sink": hide_sink}
+                    grids = view_factors(sent, window, **chosen)
+                    outside = outside_view(sent, window, **chosen)
                     state = {"head": "all" if head < 0 else head, "group_kv": group_kv, "hide_sink": hide_sink}
-                    out.append({"state": state, "scope": scope, "factors": {f: cells(grids[f], window) for f in grids}})
+                    out.append({"state": state, "scope": scope, "factors": {f: cells(grids[f], window) for f in grids},
+                                "outside": {f: [None if np.isnan(x) else float(x) for x in v]
+                                            for f, v in outside.items()}})  # fmt: skip
     return out
 
 
@@ -213,7 +217,7 @@ def node_test(folder: Path) -> tuple[int, set[str], set[str], str]:
 
 
 CHECKS = {"dequantise", "cellIndex", "windowStarts", "escapeToken", "combine", "decodeCompact", "hideSink",
-          "viewFactors", "shownFactors", "decodeSteps"}  # fmt: skip
+          "viewFactors", "shownFactors", "outsideShares", "decodeSteps"}  # fmt: skip
 
 
 @pytest.mark.skipif(NODE is None, reason=NO_NODE)
@@ -237,6 +241,8 @@ MUTATIONS = [
     ("viewFactors", "out.attention[c] * rn * out.cosine[c];", "rn * out.cosine[c];"),
     ("shownFactors", 'return a["all_total_" + scope];', 'return a["all_total_inter"];'),
     ("shownFactors", "index: groupOf(meta, state.head) };", "index: /** @type {number} */ (state.head) };"),
+    ("outsideShares", "out.attention[qi] /= heads.length;", ""),
+    ("outsideShares", "(out[name][qi] * S) / left;", "out[name][qi];"),
     ("decodeSteps", "keys: dequantise(step.keys, exact)", "keys: dequantise(step.heads, exact)"),
 ]
 """For each golden check, a break of its function (the text replaced, once, in the module) that it must catch."""

@@ -26,7 +26,9 @@ def render_html(title: str, sections: Sequence[Section]) -> str:
     for heading, content in sections:
         parts.append(f"<h2>{html.escape(heading)}</h2>")
         if isinstance(content, go.Figure):
-            parts.append(content.to_html(full_html=False, include_plotlyjs=not embedded))
+            # No "Share chart" button: Chart Studio needs the network and an account a report never has.
+            config = {"displaylogo": False, "showSendToCloud": False}
+            parts.append(content.to_html(full_html=False, include_plotlyjs=not embedded, config=config))
             embedded = True
         elif isinstance(content, pd.DataFrame):
             parts.append(content.to_html(float_format=lambda x: f"{x:.4f}"))

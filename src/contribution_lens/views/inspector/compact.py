@@ -18,7 +18,7 @@ from torch import Tensor
 
 from contribution_lens import adapter
 from contribution_lens.choices import SCOPES
-from contribution_lens.views.inspector.payload import LayerArrays, window_cells
+from contribution_lens.views.inspector.payload import LayerArrays, outside_shares, window_cells
 from contribution_lens.views.inspector.windows import Window
 
 
@@ -88,7 +88,7 @@ def compact_payload(arrays: LayerArrays, factors: dict[str, np.ndarray], window:
     """A layer of a compact page: one zlib stream (base64) of attention in one byte, cosines as unit vectors.
 
     Holds, for the window: ``attention`` (``round(a * 255)``, ``|a_hat - a| <= 0.5/255``),
-    the norms and contribution totals exact (float32), and per head and position the unit
+    the norms, contribution totals and shares outside the window exact (float32), and per head and position the unit
     vectors of `unit_factors` in int8 with a float32 scale each (their cosines within
     `cosine_error_bound`). The page derives each cell's cosines, then every factor and the
     all-heads and KV-group numbers as `contribution_lens.views.inspector.payload.combine_cells`
@@ -102,6 +102,8 @@ def compact_payload(arrays: LayerArrays, factors: dict[str, np.ndarray], window:
     }
     for name in ("output_norm_intra", "output_norm_inter", "total_inter", "total_intra"):
         parts[name] = (np.asarray(arrays.codes[name][..., queries], dtype=np.float32), "exact")
+    for name, values in outside_shares(arrays, window).items():
+        parts[name] = (values, "exact")
     for name, positions in (("key", keys), ("query_intra", queries), ("query_inter", queries)):
         codes, scale = vectors8(factors[name][:, positions])
         parts[f"{name}_vectors"], parts[f"{name}_scales"] = (codes, "vector8"), (scale, "exact")

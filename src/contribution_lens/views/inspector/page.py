@@ -61,6 +61,13 @@ def module() -> str:
     return "\n".join(parts)
 
 
+TRUST_HINT = (
+    "This page draws the inspector with JavaScript, which has not run. In JupyterLab's HTML viewer, press "
+    "<b>Trust HTML</b> at the top of the viewer; elsewhere, open the file in a browser with scripts allowed."
+)
+"""What a page shows where its scripts do not run (JupyterLab's viewer opens it untrusted); its script removes it."""
+
+
 def render(meta: dict[str, Any], payloads: dict[int, dict[str, Any]], steps: dict[str, Any] | None = None) -> str:
     """The page for `contribution_lens.views.inspector.payload.meta`, those layers' payloads and explained steps.
 
@@ -80,10 +87,12 @@ def render(meta: dict[str, Any], payloads: dict[int, dict[str, Any]], steps: dic
             "<!DOCTYPE html><html><head><meta charset='utf-8'>",
             f"<title>{html.escape(title)}</title><style>{asset('inspector.css')}</style>",
             f"<script type='text/javascript'>{plotly.offline.get_plotlyjs()}</script>",
-            f"</head><body><h1>{html.escape(title)}</h1><div class='cl-page-root'></div>",
+            f"</head><body><h1>{html.escape(title)}</h1>",
+            f"<div class='cl-note cl-trust'>{TRUST_HINT}</div><div class='cl-page-root'></div>",
             f"<script type='application/json' class='cl-data'>{blob}</script>",
             "<script type='module'>",
             module(),
+            "document.querySelector('.cl-trust').remove();  // scripts run: the hint is not needed",
             "const root = document.querySelector('.cl-page-root');",
             "page(root, JSON.parse(document.querySelector('.cl-data').textContent));",
             "</script>",

@@ -58,6 +58,8 @@ ARRAYS: dict[str, str] = {
     **{f"{level}_{factor}_{scope}": "cosine" if factor == "cosine" else "half"
        for level in ("all", "group") for scope in SCOPES for factor in COMBINED},
     **{f"{level}total_{scope}": "exact" for level in ("", "all_", "group_") for scope in SCOPES},
+    "outside_attention": "exact",
+    **{f"outside_{scope}": "exact" for scope in SCOPES},
 }  # fmt: skip
 """Each array of a layer's payload and the codec it is written in (where its values fit).
 
@@ -65,7 +67,11 @@ ARRAYS: dict[str, str] = {
 heads of one KV group as ``all_*`` combine every head. ``total_{scope}`` ``[head query]``,
 ``all_total_{scope}`` ``[query]`` and ``group_total_{scope}`` ``[kv_head query]`` are each
 query's contribution summed over all its keys (inside the window or not): hiding the sink needs them.
+``outside_attention`` and ``outside_{scope}`` ``[head query]`` are each query's attention and
+contribution on the keys the window does not show (`outside_shares`): the rest of its row.
 """
+OUTSIDE = ("outside_attention", *(f"outside_{scope}" for scope in SCOPES))
+"""The arrays of `outside_shares`: cut per window, not per layer (`window_payload`)."""
 PER_QUERY = {"output_norm_intra", "output_norm_inter"} | {f"{level}total_{scope}" for level in ("", "all_", "group_")
                                                           for scope in SCOPES}  # fmt: skip
 """Arrays indexed by query only (``[*head query]``); ``value_norm`` is by key, every other array by cell."""
@@ -132,7 +138,8 @@ class LayerArrays:
     ``codes`` holds each array of `ARRAYS` in its codec (``codecs``): by cell ``[*head cell]``
     (the displayable (query, key) pairs of the text, row-major), by query ``[*head query]``
     (`PER_QUERY`) or by key (``value_norm [head key]``); ``cell [query key]`` numbers the cells
-    (-1 where not displayable); ``attention [head cell]`` is kept in float32 for the compact codec.
+    (-1 where not displayable); ``attention [head cell]`` is kept in float32 for the compact codec
+    and, with ``contribution`` (``{scope: [head cell]}``, float32), for `outside_shares`.
     """
 
     codes: dict[str, np.ndarray]
@@ -140,6 +147,7 @@ class LayerArrays:
     cell: np.ndarray
     attention: np.ndarray
     kv_groups: list[list[int]]
+    contribution: dict[str, np.ndarray]
 
 
 def _numpy(tensor: Tensor) -> np.ndarray:
@@ -169,6 +177,7 @@ def _scope_arrays(
     row_starts = np.concatenate([[0], np.cumsum(valid.sum(1))[:-1]])
     total = np.add.reduceat(products["contribution"], row_starts, axis=1)
     arrays = {
+        f"contribution_{scope}": products["contribution"],
         f"cosine_{scope}": cosine,
         f"output_norm_{scope}": output_norm if scope == "intra" else output_norm[0],
         f"total_{scope}": total,
@@ -207,9 +216,55 @@ def layer_arrays(
     arrays = {"attention": attention, "value_norm": value_norm}
     for d in (inter, intra):
         arrays |= _scope_arrays(d, cells, attention, value_norm, groups, index)
+    contribution = {scope: arrays.pop(f"contribution_{scope}") for scope in SCOPES}
     codecs = {name: codec_for(name, values) for name, values in arrays.items()}
     codes = {name: quantise(values, codecs[name]) for name, values in arrays.items()}
-    return LayerArrays(codes, codecs, cell, attention, groups)
+    return LayerArrays(codes, codecs, cell, attention, groups, contribution)
+
+
+def outside_keys(window: Window, n: int) -> list[int]:
+    """The positions of a text of ``n`` tokens that are not keys of the window (before it, or after it for an encoder).
+
+    Example:
+        >>> from contribution_lens.views.inspector.windows import token_window
+        >>> outside_keys(token_window(10, start=6, tokens=3), 10)
+        [1, 2, 3, 4, 5]
+    """
+    shown = set(window.keys)
+    last = window.queries[-1] if window.causal else n - 1
+    return [j for j in range(last + 1) if j not in shown]
+
+
+def outside_shares(arrays: LayerArrays, window: Window) -> dict[str, np.ndarray]:
+    """Per head and query of the window, attention and contribution on the keys it does not show, ``[head query]``.
+
+    ``A_i^h = sum_{j not shown} alpha_ij^h`` and ``C_i^h = sum_{j not shown} c_ij^h`` in each scope
+    (``j`` over the query's keys outside the window, `outside_keys`): with the window's own cells
+    they make the whole row (``sum_j alpha_ij^h = 1``). Summed in float64 from the float32 numbers.
+
+    Example:
+        >>> import torch
+        >>> from contribution_lens import decompose
+        >>> from contribution_lens.views.inspector.windows import token_window
+        >>> future = torch.ones(5, 5, dtype=torch.bool).triu(1)
+        >>> pattern = torch.softmax(torch.zeros(1, 1, 5, 5).masked_fill(future, -torch.inf), -1)
+        >>> v, W_O = torch.randn(1, 5, 1, 4), torch.randn(1, 4, 8)
+        >>> arrays = layer_arrays(*[decompose(pattern, v, W_O, scope=s) for s in ("inter", "intra")])
+        >>> shares = outside_shares(arrays, token_window(5, start=3, tokens=2))  # keys 1, 2 are outside
+        >>> [round(float(x), 4) for x in shares["outside_attention"][0]]  # queries 3 and 4 attend evenly
+        [0.5, 0.4]
+    """
+    n_heads = arrays.attention.shape[0]
+    keys = outside_keys(window, arrays.cell.shape[1])
+    ids = arrays.cell[np.ix_(window.queries, keys)]  # [query key], -1 where the key is after the query
+    named = {"outside_attention": arrays.attention} | {f"outside_{s}": arrays.contribution[s] for s in SCOPES}
+    if not keys:
+        return {name: np.zeros((n_heads, len(window.queries)), dtype=np.float32) for name in named}
+    shown = ids >= 0
+    return {
+        name: np.where(shown, values[:, np.where(shown, ids, 0)], 0.0).sum(-1, dtype=np.float64).astype(np.float32)
+        for name, values in named.items()
+    }
 
 
 def window_cells(arrays: LayerArrays, window: Window) -> np.ndarray:
@@ -224,7 +279,9 @@ def window_payload(arrays: LayerArrays, window: Window) -> dict[str, Any]:
     for name, codes in arrays.codes.items():
         cut = codes[:, keys] if name == "value_norm" else codes[..., queries] if name in PER_QUERY else codes[..., ids]
         out[name] = to_base64(cut, arrays.codecs[name])
-    return {**out, "codecs": dict(arrays.codecs), "kv_groups": arrays.kv_groups}
+    out |= {name: to_base64(values, "exact") for name, values in outside_shares(arrays, window).items()}
+    codecs = {**arrays.codecs, **dict.fromkeys(OUTSIDE, "exact")}
+    return {**out, "codecs": codecs, "kv_groups": arrays.kv_groups}
 
 
 def layer_payload(
@@ -253,6 +310,22 @@ def payload_bytes(window: Window, n_heads: int, n_kv_heads: int) -> int:
     return window.cells * levels * 2 * 4 // 3
 
 
+def key_ranges(positions: list[int]) -> list[list[int]]:
+    """Sorted positions as runs ``[first, last]`` (how the page names the keys outside a window).
+
+    Example:
+        >>> key_ranges([1, 2, 3, 7, 9, 10])
+        [[1, 3], [7, 7], [9, 10]]
+    """
+    runs: list[list[int]] = []
+    for j in positions:
+        if runs and runs[-1][1] == j - 1:
+            runs[-1][1] = j
+        else:
+            runs.append([j, j])
+    return runs
+
+
 def meta(
     labels: list[str],
     window: Window,
@@ -269,6 +342,7 @@ def meta(
         "keys": window.keys,
         "query_labels": [labels[i] for i in window.queries],
         "key_labels": [labels[j] for j in window.keys],
+        "outside": key_ranges(outside_keys(window, len(labels))),
         "causal": window.causal,
         "n_heads": n_heads,
         "kv_groups": kv_groups or [[h] for h in range(n_heads)],

@@ -204,8 +204,16 @@ class Inspector(anywidget.AnyWidget):
 
     @traitlets.observe("start", "tokens")
     def _window_changed(self, change: dict) -> None:
-        if self._ready:
-            self._refresh_window()
+        if not self._ready:
+            return
+        if change["name"] == "tokens":
+            # A larger window late in the text would be clipped at its end (the same window, nothing
+            # redrawn): it starts earlier instead, so that it holds ``tokens`` queries where the text has them.
+            fitted = min(self.start, max(0, len(self._subject.labels) - self.tokens))
+            if fitted != self.start:
+                self.start = fitted  # observed: the window is laid out once, for the new start
+                return
+        self._refresh_window()
 
     @traitlets.observe("layer")
     def _layer_changed(self, change: dict) -> None:
@@ -342,16 +350,28 @@ class Inspector(anywidget.AnyWidget):
         if bundle is not None:
             display(bundle[0], raw=True, metadata=bundle[1])
 
-    def save_image(self, path: str | Path, *, scale: int | float = 2) -> Path:
-        """Write the current view as an image, PNG, SVG or PDF by the suffix (`contribution_lens.plot.save_image`)."""
+    def save_image(self, path: str | Path, *, scale: int | float = 2, include: str = "view") -> Path:
+        """Write what the widget draws as an image, PNG, SVG or PDF by the suffix (`contribution_lens.plot.save_image`).
+
+        ``include="view"``: the current view (the heatmap with its query outlined, or the prediction
+        view's heads, layer 0 at the top); ``include="bars"``: the selected query's bars, with
+        their caption. Both in the widget's orientation, labels and plain white template.
+        """
+        if include not in ("view", "bars"):
+            raise ValueError(f"include must be 'view' or 'bars', got {include!r}")
+        if include == "bars":
+            shown = figure.bars_figure(
+                self._layer_payload(self.window, self.layer), self.window, self._subject.labels, layer=self.layer,
+                head=self.head, scope=self.scope, query=self.query, hide_sink=self.hide_sink, group_kv=self.group_kv,
+            )  # fmt: skip
+            return plot.save_image(shown, path, scale=scale)
         return plot.save_image(self._view_figure(), path, scale=scale)
 
     def _view_figure(self) -> "go.Figure":
         steps = self._subject.steps
         if self.view == "prediction" and steps is not None:
             step = max(0, self.step)
-            drawn = plot.logit_heads(steps.results[step])
-            return drawn.update_layout(title=f"Inspector: prediction, step {step}. {drawn.layout.title.text}")
+            return figure.prediction_figure(steps.results[step], step)
         # The payload of the layer shown is already here: the figure needs no forward pass.
         return figure.inspector_figure(
             self._layer_payload(self.window, self.layer), self.window, self._subject.labels,

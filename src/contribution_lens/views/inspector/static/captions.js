@@ -58,6 +58,55 @@ export function title(meta, state) {
 }
 
 /**
+ * The heatmap's title: `title`, and for the summed intra contribution of several heads what its numbers are.
+ * @param {Meta} meta
+ * @param {State} state
+ * @returns {string}
+ */
+export function heatmapTitle(meta, state) {
+  const { kind, index } = viewLevel(meta, state);
+  const m = kind === "all" ? meta.n_heads : kind === "group" ? meta.kv_groups[index].length : 1;
+  if (m === 1 || state.factor !== "contribution" || state.scope !== "intra") return title(meta, state);
+  return title(meta, state) + "<br><span style='font-size: 11px'>the sum over " + m + " heads of each head's share " +
+    "of its own output<br>(each head's row sums to 1, so a row sums to " + m + "): not a share of the layer's output</span>";
+}
+
+/**
+ * What the bars of one query show, true for the view's level: per head the product of the three
+ * factors is the contribution; for several heads, how each factor is aggregated, and that their
+ * product is not the contribution.
+ * @param {Meta} meta
+ * @param {State} state
+ * @param {string} qLabel
+ * @returns {string}
+ */
+export function barsTitle(meta, state, qLabel) {
+  const { kind, index } = viewLevel(meta, state);
+  const head = "query " + qLabel + ": per-key factors (" + state.scope + ", " + where(meta, state) + ")";
+  const m = kind === "all" ? meta.n_heads : kind === "group" ? meta.kv_groups[index].length : 1;
+  if (m === 1) return head + ": attention × relative norm × cosine = contribution";
+  // Two short lines, not one long one: a title does not wrap, and an 800 px output would cut it off.
+  return head + "<br><span style='font-size: 11px'>attention: mean over the " + m + " heads; relative norm, cosine: " +
+    "their attention-weighted means;<br>contribution: sum over the heads (not the product of the three)</span>";
+}
+
+/**
+ * The outside column's hover: query, the keys outside the window and the row's share on them.
+ * @param {{intra: import("./types.js").Outside, inter: import("./types.js").Outside}} outside
+ * @param {number} qi
+ * @param {string} qLabel
+ * @param {string} label the keys, "outside 1–671"
+ * @returns {string}
+ */
+export function hoverOutside(outside, qi, qLabel, label) {
+  return (
+    "query " + qLabel + "<br>keys " + label.replace(/^outside /, "") + " (outside the window)" +
+    "<br>attention " + fmt(outside.inter.attention[qi]) +
+    "<br>contribution intra " + fmt(outside.intra.contribution[qi]) + ", inter " + fmt(outside.inter.contribution[qi])
+  );
+}
+
+/**
  * Query and key labels and all four numbers in both scopes (attention has no scope), of cell c.
  * @param {number} c
  * @param {BothScopes} both

@@ -9,7 +9,8 @@
 //   contribution  = attention * relative_norm * cosine
 // Each function here has a Python twin, and the golden test (tests/views/inspector_golden.test.mjs)
 // holds the two together: combine = payload.combine_cells, decodeCompact = compact.decode_compact,
-// hideSink = plot.hide_sink, viewFactors and shownFactors = figure.view_factors.
+// hideSink = plot.hide_sink, viewFactors and shownFactors = figure.view_factors, outsideShares =
+// figure.outside_view.
 
 import { bytes, dequantise } from "./codecs.js";
 import { cellIndex } from "./windows.js";
@@ -22,6 +23,9 @@ import { cellIndex } from "./windows.js";
 /** @typedef {import("./types.js").State} State */
 /** @typedef {import("./types.js").CompactPayload} CompactPayload */
 /** @typedef {import("./types.js").Payload} Payload */
+
+/** The per-head arrays [head query] of each query's attention and contribution outside the window (payload.py, OUTSIDE). */
+const OUTSIDE = ["outside_attention", "outside_inter", "outside_intra"];
 
 /**
  * A compact page's layer (compact.py, compact_payload) is one zlib stream: inflated once, before decode.
@@ -160,7 +164,8 @@ export function decodeCompact(meta, payload, index, cells) {
   }
   /** @type {Arrays} */
   const a = {};
-  for (const name of ["attention", "value_norm", "output_norm_intra", "output_norm_inter", "total_inter", "total_intra"]) a[name] = raw[name];
+  const kept = ["attention", "value_norm", "output_norm_intra", "output_norm_inter", "total_inter", "total_intra"];
+  for (const name of kept.concat(OUTSIDE)) a[name] = raw[name];
   for (const scope of meta.scopes) a["cosine_" + scope] = compactCosines(meta, raw, scope, { index, cells, d_head: payload.d_head });
   combine(meta, a, index, cells, [[...Array(meta.n_heads).keys()]], "all_");
   const groups = payload.kv_groups || meta.kv_groups;
@@ -184,7 +189,16 @@ export function decode(meta, payload) {
     arrays = decodeCompact(meta, compact, index, cells);
   } else {
     const fine = /** @type {import("./types.js").FinePayload} */ (payload);
-    for (const [name, codec] of Object.entries(fine.codecs)) arrays[name] = dequantise(fine[name], meta.codecs[codec]);
+    // Each array is decoded when a view first reads it: a view of all heads never decodes the per-head cosines.
+    for (const [name, codec] of Object.entries(fine.codecs)) {
+      /** @type {import("./types.js").Numbers | null} */
+      let value = null;
+      Object.defineProperty(arrays, name, {
+        enumerable: true,
+        get: () => value || (value = dequantise(fine[name], meta.codecs[codec])),
+        set: (/** @type {import("./types.js").Numbers} */ v) => (value = v),
+      });
+    }
   }
   return { index, cells, H: meta.n_heads, arrays };
 }
@@ -317,4 +331,46 @@ export function shownFactors(meta, d, state, scope) {
   const level = viewLevel(meta, state);
   const f = viewFactors(meta, d, level.index, scope, level.kind === "group");
   return state.hide_sink ? hideSink(meta, d, f, rowTotals(meta, d, level, scope)) : f;
+}
+
+/**
+ * Each query's attention and contribution on the keys outside the window, for the view's heads H
+ * (figure.py, outside_view): attention sum_{h in H} A_i^h / |H|, contribution sum_{h in H} C_i^h, from
+ * the payload's per-head outside_attention and outside_{scope} [head query]; with the sink hidden,
+ * x' = x S_i / (S_i - x_i0) as `hideSink` does (S_i 1 for attention, the row total for contribution,
+ * x_i0 the sink's cell of the view), NaN where nothing but the sink is left.
+ * @param {Meta} meta
+ * @param {Decoded} d
+ * @param {Pick<State, "head" | "group_kv" | "hide_sink">} state
+ * @param {string} scope
+ * @returns {{attention: Float64Array, contribution: Float64Array}}
+ */
+export function outsideShares(meta, d, state, scope) {
+  const a = d.arrays;
+  const nq = meta.queries.length;
+  const nk = meta.keys.length;
+  const level = viewLevel(meta, state);
+  const heads = level.kind === "all" ? [...Array(meta.n_heads).keys()]
+    : level.kind === "group" && a.group_attention ? meta.kv_groups[level.index]
+    : [level.kind === "group" ? meta.kv_groups[level.index][0] : level.index];
+  const out = { attention: new Float64Array(nq), contribution: new Float64Array(nq) };
+  for (let qi = 0; qi < nq; qi++) {
+    for (const h of heads) {
+      out.attention[qi] += a.outside_attention[h * nq + qi];
+      out.contribution[qi] += a["outside_" + scope][h * nq + qi];
+    }
+    out.attention[qi] /= heads.length;
+  }
+  if (!state.hide_sink || meta.keys[0] !== 0) return out;
+  const f = viewFactors(meta, d, level.index, scope, level.kind === "group");
+  const totals = rowTotals(meta, d, level, scope);
+  for (const [name, total] of /** @type {Array<["attention" | "contribution", (qi: number) => number]>} */ (
+    [["attention", () => 1], ["contribution", (qi) => totals[qi]]])) {
+    for (let qi = 0; qi < nq; qi++) {
+      const S = total(qi);
+      const left = S - f[name][d.index[qi * nk]];
+      out[name][qi] = Math.abs(left) <= 1e-6 * Math.max(Math.abs(S), 1) ? NaN : (out[name][qi] * S) / left;
+    }
+  }
+  return out;
 }

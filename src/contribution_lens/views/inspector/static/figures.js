@@ -2,7 +2,7 @@
 // The per-layer views: the query x key heatmap, the text coloured by one query's row, and that
 // row's factors as bars. Each draws what `shownFactors` computed; a click makes a query the host's.
 
-import { LABELS, fmt, hoverCell, hoverText, title, where } from "./captions.js";
+import { LABELS, barsTitle, fmt, heatmapTitle, hoverCell, hoverOutside, hoverText, title } from "./captions.js";
 import { colourAt, gradient, paint } from "./colours.js";
 import { element } from "./controls.js";
 import { shownToken, tokenText } from "./windows.js";
@@ -13,6 +13,9 @@ import { shownToken, tokenText } from "./windows.js";
 /** @typedef {import("./types.js").Entry} Entry */
 /** @typedef {import("./types.js").Factors} Factors */
 /** @typedef {import("./types.js").BothScopes} BothScopes */
+
+/** Plotly's settings for every inspector figure: no logo, and no "Share chart" (Chart Studio needs the network). */
+export const CONFIG = { displaylogo: false, responsive: false, showSendToCloud: false };
 
 /**
  * A clickable figure: drawn with its click handler the first time, redrawn in place after (the
@@ -26,7 +29,7 @@ import { shownToken, tokenText } from "./windows.js";
 export function plot(node, traces, layout, onClick) {
   const Plotly = /** @type {any} */ (globalThis).Plotly;
   const gd = /** @type {any} */ (node);
-  const config = { displaylogo: false, responsive: false };
+  const config = CONFIG;
   if (gd.data) return Plotly.react(node, traces, layout, config);
   const drawn = Plotly.newPlot(node, traces, layout, config);
   gd.on("plotly_click", onClick);
@@ -56,80 +59,184 @@ function grid(meta, index, shown) {
   return z;
 }
 
+/** The smallest row a click can hit, px: a long window's heatmap grows taller (the page scrolls) rather than thinner. */
+const ROW_PX = 4;
+/** Windows with more cells than this build each hover text when the pointer is on the cell, not all beforehand. */
+export const LAZY_HOVER_CELLS = 40000;
+
+/**
+ * One axis of the heatmap: every token labelled where a label fits its `cell` px (7 and more),
+ * else a readable subset that a dragged box zooms in on.
+ * @param {string} name
+ * @param {string[]} names
+ * @param {number} cell
+ */
+function axis(name, names, cell) {
+  const every = cell >= 7;
+  return Object.assign(
+    { title: { text: name }, type: "category", tickfont: { size: every ? Math.min(12, Math.max(7, cell - 3)) : 10 }, automargin: true },
+    every
+      ? { tickmode: "array", tickvals: names, ticktext: names }
+      : { tickmode: "auto", nticks: Math.max(4, Math.floor((cell * names.length) / 20)) },
+  );
+}
+
 /**
  * The heatmap's size and axes for `width` px: the query labels and the colour bar take about 240
- * px, the cells share the rest. Where a label fits its cell (7 px and more) every token is
- * labelled; below, plotly labels a readable subset and a dragged box zooms in until each cell is
- * labelled (double-click goes back).
+ * px, the outside column (where keys are outside the window) 36 more, the cells share the rest.
+ * Rows are at least ROW_PX tall, so a click hits the row it is on; a dragged box zooms in until
+ * each cell is labelled (double-click goes back).
  * @param {Meta} meta
  * @param {number} width
  */
 function heatmapAxes(meta, width) {
   const nq = meta.queries.length;
   const nk = meta.keys.length;
-  const cell = Math.max(1, Math.min(18, Math.floor((width - 240) / nk)));
-  const every = cell >= 7;
-  const font = every ? Math.min(12, Math.max(7, cell - 3)) : 10;
-  const axis = (/** @type {string} */ name, /** @type {string[]} */ names, /** @type {number} */ length) =>
-    Object.assign(
-      { title: { text: name }, type: "category", tickfont: { size: font }, automargin: true },
-      every
-        ? { tickmode: "array", tickvals: names, ticktext: names }
-        : { tickmode: "auto", nticks: Math.max(4, Math.floor((cell * length) / 24)) },
-    );
+  const column = meta.outside && meta.outside.length ? 36 : 0;
+  const cell = Math.max(1, Math.min(18, Math.floor((width - 240 - column) / nk)));
+  // Labels in a subset: as many as the axis's pixels hold (one per 20 px), whatever the rounding of `cell`.
+  const keyPx = Math.max(cell, (width - 240 - column) / nk);
+  const row = Math.max(cell, ROW_PX);
+  const share = column / Math.max(1, width - 240);
   return {
-    hint: every ? "" : " · drag a box to zoom, double-click to reset",
-    xaxis: Object.assign(axis("key", meta.key_labels, nk), { tickangle: -60 }),
-    yaxis: Object.assign(axis("query", meta.query_labels, nq), { autorange: "reversed" }),
-    height: Math.max(420, cell * nq + 200),
+    hint: cell >= 7 && row >= 7 ? "" : "drag a box to zoom, double-click to reset",
+    xaxis: Object.assign(axis("key", meta.key_labels, cell >= 7 ? cell : keyPx), { tickangle: -60, domain: [0, 1 - share] }),
+    xaxis2: { domain: [1 - share + 8 / Math.max(1, width - 240), 1], type: "category", tickangle: -60, automargin: true, fixedrange: true },
+    yaxis: Object.assign(axis("query", meta.query_labels, row), { autorange: "reversed" }),
+    height: Math.max(420, row * nq + 200),
   };
 }
 
 /**
- * The query x key heatmap of the state's factor and scope; hovering a cell shows all four numbers
- * in both scopes, a click makes its row the query.
+ * The keys outside the window as one label: "outside 1–671" (runs of meta.outside).
+ * @param {Pick<Meta, "outside">} meta
+ * @returns {string}
+ */
+export function outsideLabel(meta) {
+  return "outside " + meta.outside.map(([a, b]) => (a === b ? String(a) : a + "–" + b)).join(", ");
+}
+
+/**
+ * The outside column: per query, the share of the row on keys outside the window, on the heatmap's
+ * colour scale where the factor is a share (attention, contribution), else attention's in grey.
+ * @param {Meta} meta
+ * @param {{intra: import("./types.js").Outside, inter: import("./types.js").Outside}} outside
+ * @param {State} state
+ */
+function outsideTrace(meta, outside, state) {
+  const shares = state.factor === "contribution" || state.factor === "attention";
+  const drawn = state.factor === "contribution" ? outside[/** @type {"intra" | "inter"} */ (state.scope)].contribution : outside.inter.attention;
+  const label = outsideLabel(meta);
+  const z = meta.query_labels.map((_, qi) => [Number.isNaN(drawn[qi]) ? null : drawn[qi]]);
+  const text = meta.query_labels.map((q, qi) => [hoverOutside(outside, qi, q, label)]);
+  return Object.assign(
+    { type: "heatmap", name: "outside", x: [label], y: meta.query_labels, z, text, xaxis: "x2", yaxis: "y",
+      hovertemplate: "%{text}<extra></extra>", hoverongaps: false },
+    shares ? { coloraxis: "coloraxis" } : { colorscale: [[0, "#f4f4f4"], [1, "#555"]], zmin: 0, zmax: 1, showscale: false },
+  );
+}
+
+/**
+ * The marks of what was clicked: the query's row outlined across the window, the clicked key's cell
+ * inside it (while that query is the selected one).
+ * @param {View} view
+ * @param {Meta} meta
+ * @param {State} state
+ */
+function marks(view, meta, state) {
+  const row = meta.queries.indexOf(state.query);
+  const nk = meta.keys.length;
+  const shapes = [{ type: "rect", name: "query", xref: "x", yref: "y", x0: -0.5, x1: nk - 0.5, y0: row - 0.5, y1: row + 0.5,
+                    line: { color: "black", width: 2 }, fillcolor: "rgba(0,0,0,0)" }];
+  const key = view.selected && view.selected.query === state.query ? meta.keys.indexOf(view.selected.key) : -1;
+  if (key >= 0) {
+    shapes.push({ type: "rect", name: "key", xref: "x", yref: "y", x0: key - 0.5, x1: key + 0.5, y0: row - 0.5, y1: row + 0.5,
+                  line: { color: "#d62728", width: 2 }, fillcolor: "rgba(0,0,0,0)" });
+  }
+  return shapes;
+}
+
+/**
+ * The query x key heatmap of the state's factor and scope, with the outside column where the window
+ * leaves keys out; hovering a cell shows all four numbers in both scopes, a click makes its row the
+ * query and marks the cell.
  * @param {View} view
  * @param {Meta} meta
  * @param {Entry} entry
  * @param {BothScopes} both
  * @param {State} state
- * @param {string} textKey the hover text's cache key (it depends on the head only)
+ * @param {{textKey: string, outside: {intra: import("./types.js").Outside, inter: import("./types.js").Outside}}} extra
+ *   the hover text's cache key (it depends on the head only), and the outside shares in both scopes
  */
-export function drawHeatmap(view, meta, entry, both, state, textKey) {
+export function drawHeatmap(view, meta, entry, both, state, extra) {
   const qLabels = meta.query_labels;
   const kLabels = meta.key_labels;
-  // The hover text depends on the head only: built once per (layer, head), reused by every factor and scope.
-  if (!entry.views.has(textKey)) entry.views.set(textKey, hoverText(entry.d.index, both, qLabels, kLabels));
+  const lazy = entry.d.cells > LAZY_HOVER_CELLS;
+  // Small windows: the hover text is built once per (layer, head) and reused by every factor and scope.
+  if (!lazy && !entry.views.has(extra.textKey)) entry.views.set(extra.textKey, hoverText(entry.d.index, both, qLabels, kLabels));
+  view.hoverAt = (qi, ki) => {
+    const c = entry.d.index[qi * kLabels.length + ki];
+    return c >= 0 ? hoverCell(c, both, qLabels[qi], kLabels[ki]) : "";
+  };
   const signed = meta.signed.includes(state.factor);
   // The figure fits the output's width whatever the length, colour bar included.
-  const { hint, xaxis, yaxis, height } = heatmapAxes(meta, view.drawnWidth);
-  const trace = {
-    type: "heatmap",
-    x: kLabels,
-    y: qLabels,
-    z: grid(meta, entry.d.index, both[/** @type {"intra" | "inter"} */ (state.scope)][/** @type {keyof Factors} */ (state.factor)]),
-    text: entry.views.get(textKey),
-    hovertemplate: "%{text}<extra></extra>",
-    colorscale: signed ? meta.colorscales.diverging : meta.colorscales.sequential,
-    zmid: signed ? 0 : undefined,
-    colorbar: { title: { text: LABELS[state.factor] }, thickness: 14 },
-    hoverongaps: false,
-  };
+  const { hint, xaxis, xaxis2, yaxis, height } = heatmapAxes(meta, view.drawnWidth);
+  const trace = Object.assign(
+    { type: "heatmap", x: kLabels, y: qLabels, coloraxis: "coloraxis", hoverongaps: false,
+      z: grid(meta, entry.d.index, both[/** @type {"intra" | "inter"} */ (state.scope)][/** @type {keyof Factors} */ (state.factor)]) },
+    lazy ? { hoverinfo: "none" } : { text: entry.views.get(extra.textKey), hovertemplate: "%{text}<extra></extra>" },
+  );
+  const traces = meta.outside && meta.outside.length ? [trace, outsideTrace(meta, extra.outside, state)] : [trace];
   const layout = {
-    title: { text: title(meta, state) + hint, x: 0.02, xanchor: "left" },
-    xaxis,
-    yaxis,
-    width: view.drawnWidth,
-    height,
-    margin: { t: 50, r: 20 },
+    title: { text: heatmapTitle(meta, state) + (hint ? "<br><span style='font-size: 11px'>" + hint + "</span>" : ""), x: 0.02, xanchor: "left" },
+    xaxis, xaxis2, yaxis, width: view.drawnWidth, height, margin: { t: 70, r: 20 },
+    coloraxis: { colorscale: signed ? meta.colorscales.diverging : meta.colorscales.sequential, cmid: signed ? 0 : undefined,
+                 colorbar: { title: { text: LABELS[state.factor] }, thickness: 14 } },
+    shapes: marks(view, meta, state),
   };
-  return plot(view.parts.heatmap, [trace], layout, (event) => {
-    const current = /** @type {NonNullable<View["current"]>} */ (view.current);
+  const drawn = plot(view.parts.heatmap, traces, layout, (event) => clicked(view, event));
+  return drawn.then(() => lazyHover(view));
+}
+
+/**
+ * A click on the heatmap: its row becomes the query, its key is marked, and the bars come into view.
+ * @param {View} view
+ * @param {any} event
+ */
+function clicked(view, event) {
+  const current = /** @type {NonNullable<View["current"]>} */ (view.current);
+  const point = event.points[0];
+  let row = current.qLabels.indexOf(point.y);
+  if (row < 0 && Array.isArray(point.pointNumber)) row = point.pointNumber[0];
+  if (row < 0 || row >= current.queries.length) return;
+  const keys = current.keys || [];
+  const column = point.curveNumber === 0 && current.kLabels ? current.kLabels.indexOf(point.x) : -1;
+  view.selected = { query: current.queries[row], key: column >= 0 ? keys[column] : -1 };
+  view.reveal = true;
+  view.host.set({ query: current.queries[row] });
+}
+
+/**
+ * The hover box of a window too large to hold every cell's text: built for the cell under the pointer.
+ * @param {View} view
+ */
+function lazyHover(view) {
+  const gd = /** @type {any} */ (view.parts.heatmap);
+  if (gd.dataset.lazyHover) return;
+  gd.dataset.lazyHover = "true";
+  const box = element("div", { className: "cl-hover" }, view.root);
+  box.style.display = "none";
+  gd.on("plotly_hover", (/** @type {any} */ event) => {
     const point = event.points[0];
-    let row = current.qLabels.indexOf(point.y);
-    if (row < 0 && Array.isArray(point.pointNumber)) row = point.pointNumber[0];
-    if (row >= 0 && row < current.queries.length) view.host.set({ query: current.queries[row] });
+    const text = point.curveNumber === 0 && point.data.hoverinfo === "none" && view.hoverAt
+      ? view.hoverAt(point.pointNumber[0], point.pointNumber[1]) : "";
+    box.style.display = text ? "" : "none";
+    if (!text) return;
+    box.textContent = text.replaceAll("<br>", "\n"); // text, not HTML: token labels are the user's text
+    box.style.left = event.event.clientX + 14 + "px";
+    box.style.top = event.event.clientY + 14 + "px";
   });
+  gd.on("plotly_unhover", () => (box.style.display = "none"));
 }
 
 /**
@@ -231,8 +338,7 @@ export function drawBars(view, meta, entry, values, state) {
   /** @type {Record<string, any>} */
   const layout = {
     title: {
-      text: "query " + meta.query_labels[qi] + ": per-key factors (" + state.scope + ", " + where(meta, state) +
-        "), their product is the contribution",
+      text: barsTitle(meta, state, meta.query_labels[qi]),
       x: 0.02,
       xanchor: "left",
     },
@@ -240,11 +346,11 @@ export function drawBars(view, meta, entry, values, state) {
     yaxis: { autorange: "reversed", type: "category", tickfont: { size: keys.length > 129 ? 7 : 10 }, automargin: true },
     height: Math.max(300, (keys.length > 129 ? 8 : 13) * keys.length + 140),
     width: Math.min(1000, view.drawnWidth),
-    margin: { t: 60 },
+    margin: { t: 90 },
   };
   const n = meta.factors.length;
   meta.factors.forEach((f, i) => {
     layout[i ? "xaxis" + (i + 1) : "xaxis"] = { title: { text: LABELS[f] }, domain: [i / n + 0.02, (i + 1) / n - 0.02], anchor: "y", zeroline: true };
   });
-  return /** @type {any} */ (globalThis).Plotly.react(view.parts.bars, traces, layout, { displaylogo: false });
+  return /** @type {any} */ (globalThis).Plotly.react(view.parts.bars, traces, layout, CONFIG);
 }

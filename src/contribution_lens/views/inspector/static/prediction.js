@@ -25,7 +25,8 @@ import { escapeToken, shownToken, tokenText } from "./windows.js";
 function stepCaption(step, k, labels) {
   const p = step.parts;
   return "step " + k + ": " + JSON.stringify(step.token) + ", predicted at position " + step.position + " (the token " +
-    JSON.stringify(tokenText(labels[step.position])) + "). " +
+    // The label's token is already escaped ("\n" as backslash-n): quoted as it is, not escaped twice.
+    '"' + tokenText(labels[step.position]) + '"). ' +
     step.quantity + " = " + fmt(step.logit) + " = attention " + fmt(p.attention) + " + MLPs " + fmt(p.mlp) +
     " + embedding " + fmt(p.embedding) + " + biases " + fmt(p.biases) + " (direct terms; norms' scales frozen). " +
     "Click a head to open its per-layer view at query " + step.position + ".";

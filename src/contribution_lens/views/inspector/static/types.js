@@ -36,6 +36,7 @@
  * @property {number[]} keys positions of its keys (the queries, and the sink 0 when the window starts later)
  * @property {string[]} query_labels "position:token"
  * @property {string[]} key_labels
+ * @property {number[][]} outside the keys outside the window, as runs [first, last] (empty when none)
  * @property {boolean} causal a causal model's query sees keys up to itself only
  * @property {number} n_heads
  * @property {number[][]} kv_groups the query heads of each value head
@@ -90,6 +91,8 @@
  */
 
 /** @typedef {{intra: Factors, inter: Factors}} BothScopes */
+
+/** @typedef {{attention: Float64Array, contribution: Float64Array}} Outside per query, the view's share on keys outside the window */
 
 /**
  * One explained step as sent (steps.py, steps_payload).
@@ -173,9 +176,12 @@
  * @property {Host} host
  * @property {Map<string, Entry>} cache the last few layers decoded, by window and layer
  * @property {[StepsPayload, Step[]] | null} decodedSteps the steps payload and its decoding, decoded once
- * @property {{queries: number[], qLabels: string[]} | null} current what the last drawing showed: the click
- *   handlers read it, never a stale window
+ * @property {{queries: number[], qLabels: string[], keys?: number[], kLabels?: string[]} | null} current what
+ *   the last drawing showed: the click handlers read it, never a stale window
  * @property {number} drawnWidth the width the figures were drawn for
+ * @property {((qi: number, ki: number) => string) | null} [hoverAt] the hover text of a cell of the drawn heatmap
+ * @property {{query: number, key: number} | null} [selected] the cell last clicked (marked while its query is shown)
+ * @property {boolean} [reveal] the bars come into view once drawn (after a click)
  */
 
 export {};

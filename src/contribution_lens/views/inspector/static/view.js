@@ -9,7 +9,7 @@
 
 import { decodeSteps } from "./codecs.js";
 import { buildParts, showControls } from "./controls.js";
-import { decode, shownFactors, viewLevel } from "./factors.js";
+import { decode, outsideShares, shownFactors, viewLevel } from "./factors.js";
 import { drawBars, drawHeatmap, drawText } from "./figures.js";
 import { drawPrediction } from "./prediction.js";
 
@@ -69,6 +69,21 @@ function factors(meta, entry, state, scope) {
 }
 
 /**
+ * Each query's share on keys outside the window in both scopes (`outsideShares`), once per layer and view.
+ * @param {Meta} meta
+ * @param {Entry} entry
+ * @param {State} state
+ * @returns {{intra: import("./types.js").Outside, inter: import("./types.js").Outside}}
+ */
+function outside(meta, entry, state) {
+  const key = viewKey(meta, state) + "/outside";
+  if (!entry.views.has(key)) {
+    entry.views.set(key, { intra: outsideShares(meta, entry.d, state, "intra"), inter: outsideShares(meta, entry.d, state, "inter") });
+  }
+  return entry.views.get(key);
+}
+
+/**
  * The width the figures may take: the output's (JupyterLab's output area, the page's body).
  * @param {HTMLElement} root
  * @returns {number}
@@ -123,12 +138,18 @@ function drawLayer(view, meta, state, shown) {
   parts.status.textContent = "";
   const entry = decoded(view, meta, payload);
   const both = { intra: factors(meta, entry, state, "intra"), inter: factors(meta, entry, state, "inter") };
-  view.current = { queries: meta.queries, qLabels: meta.query_labels };
+  view.current = { queries: meta.queries, qLabels: meta.query_labels, keys: meta.keys, kLabels: meta.key_labels };
   parts.flow.style.display = shown === "text" ? "" : "none";
   parts.heatmap.style.display = shown === "text" ? "none" : "";
   view.drawnWidth = available(view.root);
-  const drawn = shown === "text" ? drawText(view, meta, entry, both, state) : drawHeatmap(view, meta, entry, both, state, "text/" + viewKey(meta, state));
-  return Promise.all([drawn, drawBars(view, meta, entry, both[/** @type {"intra" | "inter"} */ (state.scope)], state)]);
+  const extra = { textKey: "text/" + viewKey(meta, state), outside: outside(meta, entry, state) };
+  const drawn = shown === "text" ? drawText(view, meta, entry, both, state) : drawHeatmap(view, meta, entry, both, state, extra);
+  const bars = drawBars(view, meta, entry, both[/** @type {"intra" | "inter"} */ (state.scope)], state);
+  return Promise.all([drawn, bars]).then(() => {
+    // A click's effect: the bars of the clicked query come into view (below the heatmap, or beside it where wide).
+    if (view.reveal) parts.bars.scrollIntoView({ block: "nearest" });
+    view.reveal = false;
+  });
 }
 
 /**
