@@ -177,6 +177,11 @@ def test_logit_attribution_is_exact_against_the_float_readout(any_dtype, tmp_pat
     ulp = torch.finfo(dtype).eps * max(abs(float(own[result.target])), abs(float(own[result.foil])))
     assert abs(result.model_value - float(own[result.target] - own[result.foil])) <= ulp
     assert result.str_tokens[int(result.by_key().idxmax())] == " Mary"
+    bars = {bar.name: bar for bar in result.figures()["layers"].data}
+    if result.attention_rounding is not None:  # the layers figure draws the rounding term
+        np.testing.assert_allclose(bars["attention's rounding"].y, result.attention_rounding.double().numpy())
+    else:
+        assert "attention's rounding" not in bars
     loaded = cl.LogitAttribution.load(result.save(tmp_path / "r.safetensors"))
     assert (loaded.logit, loaded.model_value, loaded.rounding_gap) == (
         result.logit,
