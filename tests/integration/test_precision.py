@@ -84,8 +84,8 @@ def test_sink_parts_add_up(half) -> None:
     assert_close(torch.tensor(parts.to_numpy()), torch.ones(len(parts), dtype=torch.float64), rtol=0, atol=1e-5)
 
 
-def test_flow_rows_sum_to_one(half) -> None:
-    f = cl.flow(half, TEXT)
+def test_flow_rows_sum_to_one(any_dtype) -> None:
+    f = cl.flow(any_dtype, TEXT)
     for layer in (0, 15, 29):
         rows = f.mixing[layer].sum(-1)
         assert_close(rows, torch.ones_like(rows), rtol=0, atol=1e-5)
