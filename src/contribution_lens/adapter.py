@@ -1291,6 +1291,69 @@ class Readout:
             x = self.final_norm.apply(x, final_scale.to(dtype))
         return (x * direction.to(x.device)).sum(-1) + bias.to(x.device)
 
+    def rounding_bound(
+        self,
+        resid: Float[Tensor, "row d_model"],
+        final_scale: Float[Tensor, " row"] | None,
+        targets: Sequence[int],
+        foils: Sequence[int | None] | None = None,
+        *,
+        dtype: torch.dtype,
+    ) -> Float[Tensor, " row"]:
+        """How far a model computing in ``dtype`` may put its logit from `logit`'s, from the same stream.
+
+        ``B = (u + u_n) (|z_t| + |z_f|) + 2 lambda u_n ||n * d||_2 + sqrt(d_model) u_acc S`` per row,
+        with ``u`` the unit roundoff of ``dtype`` (half its ``eps``: ``2**-8`` in bfloat16,
+        ``2**-11`` in float16, ``2**-24`` in float32), ``u_n = max(u, 2**-24)`` the final norm's
+        (Hugging Face's norms compute in float32, even in a float64 model), ``u_acc`` that of the
+        products' accumulation (float32, or float64 for a float64 model), ``n = N(x)`` the normed
+        stream, ``d = W_U[:, t] - W_U[:, f]`` (no foil: ``W_U[:, t]``), ``z_t`` and ``z_f`` the
+        target's and foil's logits (no foil: 0), ``S = sum_k |n_k| (|W_U[k, t]| + |W_U[k, f]|)``
+        and ``lambda = 6``.
+
+        Derivation: both values read the same residual stream ``x`` (the model's depth is in it,
+        so no depth factor), and differ only by the rounding of the last two steps. (1) The model
+        rounds each logit once to ``dtype``, at most ``u |z|``; the norm's scale is one rounded
+        number shared by every ``n_k``, which moves each logit by at most ``u_n |z|``. (2) The
+        norm rounds each ``n_k`` twice more (by the scale, by the gain): ``n_k (1 + e_k)`` with
+        ``|e_k| <= 2 u_n``, moving ``<n, d>`` by ``sum_k e_k n_k d_k``; for independent roundings,
+        Hoeffding's inequality puts that sum beyond ``lambda * 2 u_n ||n * d||_2`` with
+        probability below ``2 exp(-lambda**2 / 2)`` (``3e-8``). (3) The unembedding accumulates
+        ``d_model`` products: about ``sqrt(d_model) u_acc S`` (Higham and Mary's probabilistic
+        bound). In float32 and float64 ``B`` is float rounding (about ``5e-6`` of the logit).
+
+        Example:
+            >>> import torch
+            >>> r = Readout(None, (), torch.eye(2), None, None, (), ())
+            >>> r.rounding_bound(torch.tensor([[3.0, 1.0]]), None, [0], [1], dtype=torch.bfloat16)
+            tensor([0.1795], dtype=torch.float64)
+        """
+        W_U, b_U = self.unembedding()
+        acc = torch.promote_types(dtype, torch.float32)
+        u, u_acc = torch.finfo(dtype).eps / 2, torch.finfo(acc).eps / 2
+        u_n = max(u, torch.finfo(torch.float32).eps / 2)
+        x = resid.to(torch.float64)
+        if self.final_norm is not None:
+            if final_scale is None:
+                raise ValueError("final_scale is needed: this model's final norm scales each position")
+            x = self.final_norm.apply(x, final_scale.to(torch.float64))
+        given = list(foils) if foils is not None else [None] * len(targets)
+        has_foil = torch.tensor([f is not None for f in given], dtype=x.dtype, device=x.device)
+        target = W_U[:, list(targets)].T.to(x)
+        foil = W_U[:, [t if f is None else f for t, f in zip(targets, given, strict=True)]].T.to(x)
+        foil = foil * has_foil[:, None]
+        z_t, z_f = (x * target).sum(-1), (x * foil).sum(-1)
+        if b_U is not None:
+            z_t = z_t + b_U[list(targets)].to(x)
+            z_f = z_f + b_U[[t if f is None else f for t, f in zip(targets, given, strict=True)]].to(x) * has_foil
+        spread = (x.abs() * (target.abs() + foil.abs())).sum(-1)
+        lam = 6.0
+        return (
+            (u + u_n) * (z_t.abs() + z_f.abs())
+            + 2 * lam * u_n * (x * (target - foil)).norm(dim=-1)
+            + x.shape[-1] ** 0.5 * u_acc * spread
+        )
+
 
 def readout(model: Model) -> Readout:
     """The model's `Readout`: its final norm, post-attention norms, unembedding, soft-cap and the hooks to read them.

@@ -1,6 +1,10 @@
-"""Logit attribution: the terms add up to the model's logit, each key's term is alpha <vt, u>, known answers hold."""
+"""Logit attribution: the terms add up to the float readout of the logit, each key's term is alpha <vt, u>."""
 
+import dataclasses
 import json
+import tempfile
+import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +13,8 @@ import architectures
 import contribution_lens as cl
 from conftest import VARIANTS, assert_close, tiny_bridge, tiny_encoder
 from contribution_lens import adapter
-from contribution_lens.analyses.logit_attribution import LogitAttribution
+from contribution_lens.analyses import logit_attribution as logit_attribution_module
+from contribution_lens.analyses.logit_attribution import LogitAttribution, attribute_positions
 
 ARCHS = [pytest.param(v, b, id=f"{v}-{'bias' if b else 'nobias'}") for v in VARIANTS for b in (False, True)]
 IOI = "When Mary and John went to the store, John gave a drink to"
@@ -319,3 +324,85 @@ def test_an_explaining_pass_reads_the_model_once_through_its_readout(monkeypatch
     cl.flow(model, IDS)
     cl.explain_generation(model, IDS[:4], answer=[5, 6])
     assert len(built) == 3
+
+
+def final_stream(model, result: LogitAttribution) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the final norm reads at the explained position, and its scale, from a plain pass with two hooks."""
+    kept = {}
+    at = result.position
+    hooks = [
+        ("ln_final.hook_in", lambda x, hook: kept.update(x=x[0, at : at + 1].clone())),
+        ("ln_final.hook_scale", lambda s, hook: kept.update(s=s[0, at : at + 1, 0].clone())),
+    ]
+    adapter.forward(model, adapter.to_token_batch(model, result.tokens), hooks)
+    return kept["x"], kept["s"]
+
+
+def test_the_terms_add_up_to_the_float_readout_and_the_gap_is_the_models_own() -> None:
+    model = tiny_bridge("gqa", biases=True)
+    result = cl.logit_attribution(model, IDS, target=4, foil=9)
+    x, scale = final_stream(model, result)
+    readout = adapter.readout(model).logit(x, scale, [4], [9], dtype=torch.float32)
+    assert result.logit == pytest.approx(float(readout), rel=1e-6)
+    own = model_logits(model, IDS)[-1]
+    assert result.model_value == pytest.approx(float(own[4] - own[9]), rel=1e-6)
+    assert result.rounding_gap == result.model_value - result.logit
+    assert result.attention_rounding is None  # float32: the heads' sum is the attention output
+    loaded = LogitAttribution.load(result.save(Path(tempfile.mkdtemp()) / "r.safetensors"))
+    assert (loaded.model_value, loaded.rounding_gap) == (result.model_value, result.rounding_gap)
+
+
+def test_in_bfloat16_the_terms_stay_exact_and_the_attention_rounding_is_a_term() -> None:
+    model = tiny_bridge("gqa", biases=True).to(torch.bfloat16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # within its bound: no warning
+        result = cl.logit_attribution(model, IDS, target=4, foil=9)
+    x, scale = final_stream(model, result)
+    readout = adapter.readout(model)
+    assert result.logit == pytest.approx(float(readout.logit(x, scale, [4], [9], dtype=torch.float32)), rel=1e-6)
+    assert_adds_up(result, rtol=1e-5)
+    own = model_logits(model, IDS)[-1].double()
+    assert result.model_value == float(own[4] - own[9])  # as the model rounded it
+    bound = float(readout.rounding_bound(x, scale, [4], [9], dtype=torch.bfloat16)[0])
+    assert 0 < abs(result.rounding_gap) <= bound
+    assert result.attention_rounding is not None and bool(result.attention_rounding.abs().sum() > 0)
+    rows = result.to_dataframe().query("component == 'rounding'")
+    assert rows["layer"].tolist() == [0, 1] and set(rows["term"]) == {"attention output"}
+    assert list(result.by_layer().columns) == ["attention", "attention_bias", "mlp", "attention_rounding"]
+
+
+def test_a_model_value_beyond_its_rounding_bound_warns_naming_both_numbers() -> None:
+    model = tiny_bridge("mha")
+    readout = adapter.readout(model)
+    # A readout that believes in an unembedding bias the model does not have: terms and readout agree, the model not.
+    bias = torch.zeros(model.cfg.d_vocab)
+    bias[4] = 0.5
+    wrong = dataclasses.replace(readout, b_U=bias)
+    batch = adapter.to_token_batch(model, IDS)
+    with pytest.warns(RuntimeWarning) as caught:
+        (result,) = attribute_positions(model, batch, [7], [4], [None], readout=wrong)
+    message = str(caught[0].message)
+    assert f"the model computed {result.model_value:.6g}" in message
+    assert f"the float readout of its residual stream gives {result.logit:.6g}" in message
+    assert "final norm or unembedding may not be read the way the model computes it" in message
+    assert result.rounding_gap == pytest.approx(-0.5, abs=1e-5)
+
+
+def test_terms_that_miss_the_float_readout_are_a_wiring_error(monkeypatch) -> None:
+    def off(*args):
+        terms = layer_terms(*args)
+        return {**terms, "mlp": terms["mlp"] + 1.0}  # a block write the adapter would misread
+
+    layer_terms = logit_attribution_module._layer_terms
+    monkeypatch.setattr(logit_attribution_module, "_layer_terms", off)
+    with pytest.raises(RuntimeError, match=r"add up to .* but the float readout of the model's residual stream is"):
+        cl.logit_attribution(tiny_bridge("mha"), IDS, target=4)
+
+
+def test_a_pass_that_overflows_is_named_not_taken_for_a_wiring_error() -> None:
+    model = tiny_bridge("mha").to(torch.float16)
+    with torch.no_grad():
+        for weights in (model.ln_final.original_component.weight, model.unembed.original_component.weight):
+            weights.mul_(3e4)  # finite weights, logits past float16's 65504
+    with pytest.raises(FloatingPointError, match=r"the pass overflowed \(torch.float16 holds at most 65504\)"):
+        cl.logit_attribution(model, IDS, target=4)

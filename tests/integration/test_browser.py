@@ -1318,3 +1318,28 @@ def test_the_step_caption_escapes_a_line_break_once(browser, bundled_model, tmp_
     open_view(browser, page, "#view=prediction&step=0")
     caption = browser.execute_script("return document.querySelector('.cl-prediction .cl-text-caption').textContent")
     assert '\\n")' in caption and "\\\\n" not in caption, caption
+
+
+CAPTION = re.compile(
+    rf"= {NUMBER} = attention {NUMBER} \+ MLPs {NUMBER} \+ embedding {NUMBER} \+ biases {NUMBER} "
+    rf"\+ attention's rounding {NUMBER} \(direct terms; norms' scales frozen\); the model computed {NUMBER} "
+    rf"in its own precision \(rounding gap {NUMBER}\)\."
+)
+
+
+@pytest.mark.slow
+def test_a_bfloat16_prediction_caption_adds_up_and_names_the_models_own_value(browser, tmp_path) -> None:
+    model = cl.load_model(dtype=torch.bfloat16)
+    answer = cl.explain_generation(model, PROMPT, max_new_tokens=2)
+    page = cl.inspect(model, answer, layers=[29]).write_html(tmp_path / "half.html")
+    for k, step in enumerate(answer):
+        open_view(browser, page, f"#view=prediction&step={k}")
+        caption = browser.execute_script("return document.querySelector('.cl-prediction .cl-text-caption').textContent")
+        match = CAPTION.search(caption)
+        assert match, caption
+        logit, *parts, own, gap = (float(value) for value in match.groups())
+        result = step.attribution
+        assert four_digits(logit, result.logit) and four_digits(own, result.model_value), (caption, result)
+        assert four_digits(gap, result.rounding_gap) and four_digits(parts[-1], float(result.attention_rounding.sum()))
+        # Each part is shown to four digits: their sum is the logit to that precision.
+        assert abs(sum(parts) - logit) <= 6e-4 * sum(abs(p) for p in parts) + 6e-4 * abs(logit), caption

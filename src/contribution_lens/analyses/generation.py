@@ -18,6 +18,7 @@ Then prompt and answer run once more, together: step ``k`` explains the logit of
     ' Paris'
 """
 
+import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -63,6 +64,16 @@ class GenerationStep:
     attribution: LogitAttribution
     flow: Flow | None = None
 
+    @property
+    def model_value(self) -> float | None:
+        """The explained logit as the model computed it, in its own dtype (`LogitAttribution.model_value`)."""
+        return self.attribution.model_value
+
+    @property
+    def rounding_gap(self) -> float | None:
+        """``model_value - attribution.logit``: the model's own rounding (`LogitAttribution.rounding_gap`)."""
+        return self.attribution.rounding_gap
+
     def __repr__(self) -> str:
         key = int(self.attribution.by_key().idxmax())
         return (
@@ -105,7 +116,11 @@ class GenerationExplanation(Saves, Sequence[GenerationStep]):
         return iter(self.steps)
 
     def to_dataframe(self) -> pd.DataFrame:
-        """One row per answer token: its logit, the key with the largest attention terms and theirs, the MLPs' sum."""
+        """One row per answer token: its logit, the key with the largest attention terms and theirs, the MLPs' sum.
+
+        ``logit`` is what the terms add up to (the float readout), ``model_value`` the model's own value
+        in its dtype and ``rounding_gap`` their difference (NaN for a result saved without them).
+        """
         rows = []
         for index, step in enumerate(self.steps):
             keys = step.attribution.by_key()
@@ -116,6 +131,8 @@ class GenerationExplanation(Saves, Sequence[GenerationStep]):
                     "position": step.position,
                     "token": step.token,
                     "logit": step.attribution.logit,
+                    "model_value": math.nan if step.model_value is None else step.model_value,
+                    "rounding_gap": math.nan if step.rounding_gap is None else step.rounding_gap,
                     "top_key": top,
                     "top_key_token": self.str_tokens[top],
                     "top_key_value": float(keys[top]),

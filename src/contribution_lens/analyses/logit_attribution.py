@@ -16,10 +16,19 @@ at ``i`` too (its bias then adds a term). Each key's term is computed as
 effect: what that component writes into the residual stream, read by the unembedding. What it
 causes through later layers is counted in those layers' terms, not in its own.
 
-Exact: the terms add up to the model's own logit (the unembedding's output; where a model
-soft-caps its logits, Gemma 2's ``c * tanh(z / c)``, the ``z`` before the cap), checked on every
-call. Frozen: the final norm's scale (and the post-attention norms' scales): a term says what the
-logit would lose if that component's output were removed *and the scales stayed as they are*.
+Exact: the terms add up to the logit the model's weights give its own residual stream, evaluated
+in float32 (float64 for a float64 model) by `contribution_lens.adapter.Readout.logit` from the
+stream ``x_i`` and final-norm scale the pass captured (where a model soft-caps its logits, Gemma
+2's ``c * tanh(z / c)``, the ``z`` before the cap), to 1e-4 relative, checked on every call and
+whatever the model's dtype. That value is ``logit``; the model's own, as it computed it in its
+dtype, is ``model_value``, and ``rounding_gap = model_value - logit`` is its rounding of the final
+norm and unembedding (0 to about 1e-6 in float32, a few hundredths in bfloat16). A gap larger than
+`contribution_lens.adapter.Readout.rounding_bound` warns. In half precision a model also rounds
+each layer's attention output: ``attention_rounding[l]`` is that rounding's term, so the rebuilt
+head terms stay exact products of the model's own pattern, values and ``W_O``.
+
+Frozen: the final norm's scale (and the post-attention norms' scales): a term says what the logit
+would lose if that component's output were removed *and the scales stayed as they are*.
 
     >>> import contribution_lens as cl
     >>> model = cl.load_model()
@@ -31,7 +40,9 @@ logit would lose if that component's output were removed *and the scales stayed 
     ' Mary'
 """
 
+import math
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,8 +62,8 @@ from contribution_lens.files import Saves
 if TYPE_CHECKING:
     import plotly.graph_objects as go
 
-TOLERANCE = 1e-3
-"""Relative gap between the sum of the terms and the model's logit above which a call fails."""
+TOLERANCE = 1e-4
+"""Relative gap between the sum of the terms and the float readout of the logit above which a call fails."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -60,10 +71,29 @@ class LogitAttribution(Saves):
     """Signed terms that add up to one next-token logit (or logit difference) of a decoder.
 
     ``attention[l, h, j]`` is key ``j``'s term through head ``h`` of layer ``l``; the others are
-    one number per layer (``mlp``, ``attention_bias`` = ``b_O``, ``post_norm_bias``) or per model
-    (``embed``, ``final_norm_bias``, ``unembed_bias``). ``logit`` is the model's own value, and
-    ``total()`` the terms' sum. Biases a model does not have are 0 and get no table row.
-    ``save(path)`` / ``LogitAttribution.load(path)`` keep it in one file.
+    one number per layer (``mlp``, ``attention_bias`` = ``b_O``, ``post_norm_bias``, and in half
+    precision ``attention_rounding``) or per model (``embed``, ``final_norm_bias``, ``unembed_bias``).
+    Biases a model does not have are 0 and get no table row.
+
+    Three values of the explained quantity ``z``:
+
+    - ``logit``: ``z`` evaluated in float32 (float64 for a float64 model) by the model's readout
+      from the residual stream the pass captured (`contribution_lens.adapter.Readout.logit`): what
+      the terms add up to, checked to 1e-4 relative on every call;
+    - ``total()``: the terms' sum, equal to ``logit`` up to float32 rounding;
+    - ``model_value``: ``z`` as the model computed it, in its own dtype; ``rounding_gap`` is
+      ``model_value - logit``, the model's rounding of its final norm and unembedding (about 1e-6
+      in float32, up to a few hundredths in bfloat16), bounded by
+      `contribution_lens.adapter.Readout.rounding_bound`.
+
+    ``save(path)`` / ``LogitAttribution.load(path)`` keep it in one file, ``model_value`` included.
+
+    Example:
+        >>> import contribution_lens as cl, torch
+        >>> half = cl.load_model(dtype=torch.bfloat16)
+        >>> r = cl.logit_attribution(half, "The capital of France is")
+        >>> bool(abs(r.total() - r.logit) < 1e-4 * abs(r.logit)), bool(r.rounding_gap == r.model_value - r.logit)
+        (True, True)
     """
 
     tokens: Int[Tensor, " pos"]
@@ -86,10 +116,17 @@ class LogitAttribution(Saves):
     softcap: float | None = None
     """Where the model soft-caps its logits (Gemma 2: ``c * tanh(z / c)``), ``c``: `logit` is then ``z``,
     the unembedding's output before the cap, which is what the terms add up to."""
+    model_value: float | None = None
+    """The explained quantity as the model computed it, in its own dtype (None: not recorded)."""
+    attention_rounding: Float[Tensor, " layer"] | None = None
+    """Per layer, ``<attn_out_l - rebuilt_l, u_l>``: the model's attention output less the sum of
+    its rebuilt head terms and biases, i.e. its own rounding of that output. Kept where the model
+    computes in half precision (None in float32 and float64, where it is float rounding)."""
 
     def __post_init__(self) -> None:
         n_layers = self.attention.shape[0]
-        for name in ("attention_bias", "post_norm_bias", "mlp"):
+        names = ("attention_bias", "post_norm_bias", "mlp")
+        for name in names if self.attention_rounding is None else (*names, "attention_rounding"):
             if getattr(self, name).shape != (n_layers,):
                 raise ValueError(f"{name} has shape {tuple(getattr(self, name).shape)}, expected ({n_layers},)")
         if self.attention.shape[-1] != len(self.str_tokens) or self.tokens.shape != (len(self.str_tokens),):
@@ -111,9 +148,16 @@ class LogitAttribution(Saves):
             return f"logit({self.target_token!r})"
         return f"logit({self.target_token!r}) - logit({self.foil_token!r})"
 
+    @property
+    def rounding_gap(self) -> float | None:
+        """``model_value - logit``: how far the model's own rounding put its value (None where not recorded)."""
+        return None if self.model_value is None else self.model_value - self.logit
+
     def total(self) -> float:
         """The sum of every term: equals `logit` up to float rounding."""
         parts = [self.attention.sum(), self.attention_bias.sum(), self.post_norm_bias.sum(), self.mlp.sum()]
+        if self.attention_rounding is not None:
+            parts.append(self.attention_rounding.sum())
         return float(sum(float(p) for p in parts) + self.embed + self.final_norm_bias + self.unembed_bias)
 
     def by_key(self) -> pd.Series:
@@ -128,15 +172,18 @@ class LogitAttribution(Saves):
         return table
 
     def by_layer(self) -> pd.DataFrame:
-        """Per layer: the attention terms (heads and keys summed, ``b_O`` and post-norm bias apart) and the MLP's."""
-        return pd.DataFrame(
-            {
-                "attention": self.attention.sum((1, 2)).double().numpy(),
-                "attention_bias": (self.attention_bias + self.post_norm_bias).double().numpy(),
-                "mlp": self.mlp.double().numpy(),
-            },
-            index=pd.RangeIndex(self.n_layers, name="layer"),
-        )
+        """Per layer: the attention terms (heads and keys summed, ``b_O`` and post-norm bias apart) and the MLP's.
+
+        A half-precision model's results add an ``attention_rounding`` column (`attention_rounding`).
+        """
+        columns = {
+            "attention": self.attention.sum((1, 2)).double().numpy(),
+            "attention_bias": (self.attention_bias + self.post_norm_bias).double().numpy(),
+            "mlp": self.mlp.double().numpy(),
+        }
+        if self.attention_rounding is not None:
+            columns["attention_rounding"] = self.attention_rounding.double().numpy()
+        return pd.DataFrame(columns, index=pd.RangeIndex(self.n_layers, name="layer"))
 
     @property
     def visible(self) -> int:
@@ -147,8 +194,10 @@ class LogitAttribution(Saves):
         """One row per term: ``component, term, layer, head, key, key_token, value``; ``value`` sums to `logit`.
 
         ``component`` is ``"embed"``, ``"attention"`` (one row per layer, head and visible key),
-        ``"mlp"`` (one per layer) or ``"bias"`` (``term`` says which: ``b_O``, ``post_norm``,
-        ``final_norm``, ``unembed``); ``layer``/``head``/``key`` are missing where they do not apply.
+        ``"mlp"`` (one per layer), ``"bias"`` (``term`` says which: ``b_O``, ``post_norm``,
+        ``final_norm``, ``unembed``) or, for a half-precision model, ``"rounding"`` (one per layer,
+        term ``attention output``: `attention_rounding`); ``layer``/``head``/``key`` are missing where
+        they do not apply.
         """
         n_heads, keys = self.attention.shape[1], self.visible
         grid = torch.cartesian_prod(torch.arange(self.n_layers), torch.arange(n_heads), torch.arange(keys))
@@ -167,6 +216,8 @@ class LogitAttribution(Saves):
             )
         )
         rows.append(_rows("mlp", "mlp", self.mlp.tolist(), layers=True))
+        if self.attention_rounding is not None:
+            rows.append(_rows("rounding", "attention output", self.attention_rounding.tolist(), layers=True))
         per_layer = {"b_O": self.attention_bias, "post_norm": self.post_norm_bias}
         for name, values in per_layer.items():
             if name in self.has_biases:
@@ -205,12 +256,19 @@ class LogitAttribution(Saves):
         sections: list[html.Section] = [
             ("Text", "".join(self.str_tokens)),
             ("What is explained", f"{self.quantity} = {self.logit:.4f} at position {self.position}; "
-             f"the terms add up to {self.total():.4f}"),
+             f"the terms add up to {self.total():.4f}" + self._as_computed()),
             *self.figures().items(),
             ("The 20 largest terms", self.top(20)),
             ("Per layer", self.by_layer()),
         ]  # fmt: skip
         return html.write_html(path, f"LogitAttribution of {self.quantity}", sections)
+
+    def _as_computed(self) -> str:
+        if self.model_value is None:
+            return ""
+        return (
+            f"; the model computed {self.model_value:.4f} in its own precision (rounding gap {self.rounding_gap:.2g})"
+        )
 
 
 def _rows(component: str, term: str, values: list[float], *, layers: bool = False) -> pd.DataFrame:
@@ -242,10 +300,12 @@ class _LayerRecord:
     resid_pre: Float[Tensor, "pos d_model"] | None
     """``hook_resid_pre`` of layer 0 (the embedding); None at the other layers."""
     update: Float[Tensor, "pos d_model"]
-    """``resid_post - resid_pre``: the whole block's write into the residual stream."""
+    """``resid_post - resid_pre`` in float32 (or float64): the whole block's write into the residual stream."""
     attn_out: Float[Tensor, "pos d_model"]
     """``hook_attn_out``: attention's share of ``update`` (after the post-attention norm where there is one)."""
     post_scale: Float[Tensor, " pos"] | None
+    resid_post: Float[Tensor, "pos d_model"] | None = None
+    """``hook_resid_post`` of the last layer (what the final norm reads); None at the others."""
 
 
 def check_decoder(model: adapter.Model) -> adapter.Readout:
@@ -307,20 +367,26 @@ def one_text(model: adapter.Model, text: str | Tensor, prepend_bos: bool | None)
 
 
 def _recorder(readout: adapter.Readout, positions: Tensor) -> Any:
+    last = len(readout.post_norms) - 1
+
     def record(layer: adapter.LayerInputs) -> _LayerRecord:
         pre = layer.captured[adapter.RESID_PRE][0]
         post = layer.captured[adapter.RESID_POST][0]
         scale = readout.post_scale(layer)
         rows = positions.to(pre.device)
+        # The difference of two half-precision numbers is exact in float32 (rounded in their own
+        # dtype it is not): the blocks' writes then add back up to the last stream exactly.
+        wide = torch.promote_types(post.dtype, torch.float32)
         return _LayerRecord(
             alpha=layer.pattern[0][:, rows, :],
             v=layer.v[0],
             W_O=layer.W_O,
             b_O=layer.b_O,
             resid_pre=pre[rows] if layer.layer == 0 else None,
-            update=post[rows] - pre[rows],
+            update=post[rows].to(wide) - pre[rows].to(wide),
             attn_out=layer.captured[adapter.ATTN_OUT][0][rows],
             post_scale=None if scale is None else scale[0, rows],
+            resid_post=post[rows] if layer.layer == last else None,
         )
 
     return record
@@ -345,22 +411,47 @@ def _layer_terms(
     values = record.v.to(dtype).repeat_interleave(n_heads // n_kv, dim=1)
     per_key = einops.einsum(values, read, "key head d_head, pos head d_head -> pos head key")
     alpha = einops.rearrange(record.alpha.to(dtype), "head pos key -> pos head key")
-    return {
+    terms = {
         "attention": alpha * per_key,
         "attention_bias": _dot(record.b_O, u_layer),
         "post_norm_bias": _dot(None if norm is None else norm.bias, u),
-        "mlp": ((record.update - record.attn_out).to(dtype) * u).sum(-1),
+        "mlp": ((record.update.to(dtype) - record.attn_out.to(dtype)) * u).sum(-1),
     }
+    # What the model added is its attention output as it rounded it, not the float sum of its heads:
+    # the difference (up to 1e-3 of the logit in bfloat16 over 30 layers) is a term of its own.
+    written = (record.attn_out.to(dtype) * u).sum(-1)
+    terms["attention_rounding"] = written - terms["attention"].sum((-2, -1)) - terms["attention_bias"]
+    terms["attention_rounding"] -= terms["post_norm_bias"]
+    return terms
 
 
-def _check_total(readout: adapter.Readout, result: LogitAttribution) -> None:
+def _check_total(readout: adapter.Readout, result: LogitAttribution, bound: float, dtype: torch.dtype) -> None:
+    """Raise unless the terms add up to the float readout; warn where the model's value is further than ``bound``."""
+    values = (result.logit, result.model_value if result.model_value is not None else 0.0)
+    if not all(math.isfinite(value) for value in values):
+        largest = torch.finfo(dtype).max
+        raise FloatingPointError(
+            f"{result.quantity} at position {result.position} is {result.model_value} in the model's {dtype} pass "
+            f"(the float readout of its residual stream: {result.logit}): the pass overflowed ({dtype} holds at most "
+            f"{largest:.6g}); load the model in torch.bfloat16 or torch.float32"
+        )
     total = result.total()
     gap = abs(total - result.logit) / max(1.0, abs(result.logit))
     if not gap <= TOLERANCE:
         raise RuntimeError(
-            f"the terms of {result.quantity} at position {result.position} add up to {total:.6g} but the model's "
-            f"value is {result.logit:.6g} (relative gap {gap:.2g}): {readout.model_name}'s residual stream or "
-            "norms are not wired the way the adapter reads them"
+            f"the terms of {result.quantity} at position {result.position} add up to {total:.6g} but the float "
+            f"readout of the model's residual stream is {result.logit:.6g} (relative gap {gap:.2g}): "
+            f"{readout.model_name}'s residual stream or norms are not wired the way the adapter reads them"
+        )
+    rounding = result.rounding_gap
+    if rounding is not None and not abs(rounding) <= bound:
+        warnings.warn(
+            f"{result.quantity} at position {result.position}: the model computed {result.model_value:.6g}, the float "
+            f"readout of its residual stream gives {result.logit:.6g}; the gap {rounding:.3g} is more than the "
+            f"{bound:.3g} that {dtype} rounding of the final norm and unembedding explains: {readout.model_name}'s "
+            "final norm or unembedding may not be read the way the model computes it (the terms add up to the readout)",
+            RuntimeWarning,
+            stacklevel=2,
         )
 
 
@@ -426,8 +517,9 @@ def _assemble(
     store: dict[str, Tensor],
     dtype: torch.dtype,
 ) -> list[LogitAttribution]:
-    """The terms of every explained position from what the pass kept, each checked against the model's value."""
-    logits = store["logits"].to(dtype)
+    """The terms of every explained position from what the pass kept, each checked against the float readout."""
+    own = store["logits"]
+    logits = own.to(dtype)
     chosen = [int(logits[k].argmax()) if t is None else int(t) for k, t in enumerate(targets)]
     for position, target, foil in zip(positions, chosen, foils, strict=True):
         if foil is not None and foil == target:
@@ -441,11 +533,20 @@ def _assemble(
     embed = (first.to(dtype) * u).sum(-1)
     per_layer = [_layer_terms(readout, layer, record, u) for layer, record in records.items()]
     stacked = {name: torch.stack([terms[name] for terms in per_layer], dim=1).cpu() for name in per_layer[0]}
+    resid = records[max(records)].resid_post
+    assert resid is not None  # the last layer keeps the stream the final norm reads
+    scale = store["final_scale"].reshape(-1) if "final_scale" in store else None
+    wide = torch.promote_types(dtype, resid.dtype)
+    float_value = readout.logit(resid, scale, chosen, list(foils), dtype=wide).cpu()
+    bounds = readout.rounding_bound(resid, scale, chosen, list(foils), dtype=own.dtype).cpu()
+    if own.dtype.itemsize >= 4:
+        del stacked["attention_rounding"]  # float rounding of the heads' sum: noise, not a term
     has_b_O = any(record.b_O is not None for record in records.values())
     has = ("b_O", *readout.biases) if has_b_O else readout.biases
     results = []
     for k, (position, target, foil) in enumerate(zip(positions, chosen, foils, strict=True)):
-        value = logits[k, target] - (0.0 if foil is None else logits[k, foil])
+        # The model's own logits are exact in float64: their difference is the model's, unrounded.
+        value = own[k, target].double() - (0.0 if foil is None else own[k, foil].double())
         result = LogitAttribution(
             tokens=batch.tokens[0].cpu(),
             str_tokens=batch.str_tokens[0],
@@ -454,15 +555,16 @@ def _assemble(
             target_token=adapter.token_labels(model, [target])[0],
             foil=foil,
             foil_token=None if foil is None else adapter.token_labels(model, [foil])[0],
-            logit=float(value),
+            logit=float(float_value[k]),
             **{name: tensor[k] for name, tensor in stacked.items()},
             embed=float(embed[k]),
             final_norm_bias=float(final_bias[k]),
             unembed_bias=float(unembed_bias[k]),
             has_biases=has,
             softcap=readout.softcap,
+            model_value=float(value),
         )
-        _check_total(readout, result)
+        _check_total(readout, result, float(bounds[k]), own.dtype)
         results.append(result)
     return results
 

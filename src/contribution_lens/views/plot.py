@@ -702,11 +702,24 @@ def logit_keys(result: "LogitAttribution") -> go.Figure:
     return figure
 
 
+def _own_value(model_value: float | None, logit: float) -> str:
+    """``; the model computed 5.094`` where the model's own value differs from ``logit`` at 3 decimals."""
+    if model_value is None or f"{model_value:.3f}" == f"{logit:.3f}":
+        return ""
+    return f"; the model computed {model_value:.3f} in its own precision"
+
+
 def logit_layers(result: "LogitAttribution") -> go.Figure:
-    """Per layer, the attention terms, attention's biases and the MLP's term side by side."""
+    """Per layer, the attention terms, attention's biases and the MLP's term side by side.
+
+    A half-precision model's results add a fourth bar, its rounding of each attention output
+    (`LogitAttribution.attention_rounding`); the title names the model's own value where it differs.
+    """
     table = result.by_layer()
     figure = go.Figure()
     names = {"attention": "attention (heads x keys)", "attention_bias": "attention biases", "mlp": "MLP"}
+    if "attention_rounding" in table:
+        names["attention_rounding"] = "attention's rounding"
     for column, name in names.items():
         figure.add_bar(
             name=name,
@@ -716,7 +729,9 @@ def logit_layers(result: "LogitAttribution") -> go.Figure:
         )
     figure.update_layout(
         barmode="group",
-        title=f"Direct terms of {result.quantity} per layer (embedding {result.embed:.3f}, total {result.logit:.3f})",
+        title=f"Direct terms of {result.quantity} per layer (embedding {result.embed:.3f}, total {result.logit:.3f}"
+        + _own_value(result.model_value, result.logit)
+        + ")",
         xaxis={"title": "layer", "dtick": 1},
         yaxis={"title": "logit"},
     )

@@ -80,7 +80,9 @@ def steps_payload(steps: Steps, labels: list[str]) -> dict[str, Any]:
     (`LogitAttribution.by_head`), ``keys [position + 1]``, summed over layers and heads
     (`LogitAttribution.by_key`), ``rollout`` (the flow's last-layer shares, when there is one),
     the explained quantity and how the logit splits: ``parts`` (attention, MLPs, embedding,
-    biases) add up to ``logit`` up to float rounding.
+    biases, and ``rounding``: a half-precision model's rounding of its attention outputs, else 0)
+    add up to ``logit`` (the float readout) up to float rounding; ``model_value`` is the value the
+    model computed in its own dtype (None where not recorded).
 
     Example:
         >>> import base64, torch
@@ -101,6 +103,7 @@ def steps_payload(steps: Steps, labels: list[str]) -> dict[str, Any]:
             "mlp": float(result.mlp.double().sum()),
             "embedding": result.embed,
             "biases": float(biases) + result.final_norm_bias + result.unembed_bias,
+            "rounding": 0.0 if result.attention_rounding is None else float(result.attention_rounding.double().sum()),
         }
         sent.append(
             {
@@ -108,6 +111,7 @@ def steps_payload(steps: Steps, labels: list[str]) -> dict[str, Any]:
                 "token": result.target_token,
                 "quantity": result.quantity,
                 "logit": result.logit,
+                "model_value": result.model_value,
                 "parts": parts,
                 "heads": encode(result.by_head().to_numpy(), "exact"),
                 "keys": encode(result.by_key().to_numpy(), "exact"),

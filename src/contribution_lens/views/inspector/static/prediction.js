@@ -28,8 +28,20 @@ function stepCaption(step, k, labels) {
     // The label's token is already escaped ("\n" as backslash-n): quoted as it is, not escaped twice.
     '"' + tokenText(labels[step.position]) + '"). ' +
     step.quantity + " = " + fmt(step.logit) + " = attention " + fmt(p.attention) + " + MLPs " + fmt(p.mlp) +
-    " + embedding " + fmt(p.embedding) + " + biases " + fmt(p.biases) + " (direct terms; norms' scales frozen). " +
-    "Click a head to open its per-layer view at query " + step.position + ".";
+    " + embedding " + fmt(p.embedding) + " + biases " + fmt(p.biases) +
+    (p.rounding ? " + attention's rounding " + fmt(p.rounding) : "") + " (direct terms; norms' scales frozen)" +
+    ownValue(step) + ". Click a head to open its per-layer view at query " + step.position + ".";
+}
+
+/**
+ * Where the model's own value differs from the float readout the terms add up to, what it computed.
+ * @param {Step} step
+ * @returns {string}
+ */
+function ownValue(step) {
+  const own = step.model_value;
+  if (own === null || own === undefined || fmt(own) === fmt(step.logit)) return "";
+  return "; the model computed " + fmt(own) + " in its own precision (rounding gap " + fmt(own - step.logit) + ")";
 }
 
 /**

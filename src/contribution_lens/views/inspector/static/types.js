@@ -100,8 +100,10 @@
  * @property {number} position
  * @property {string} token
  * @property {string} quantity e.g. "logit(' Paris')"
- * @property {number} logit
- * @property {{attention: number, mlp: number, embedding: number, biases: number}} parts
+ * @property {number} logit what the parts add up to: the float readout of the model's residual stream
+ * @property {number | null} model_value the value the model computed in its own dtype (null: not recorded)
+ * @property {{attention: number, mlp: number, embedding: number, biases: number, rounding: number}} parts
+ *   rounding: a half-precision model's rounding of its attention outputs (0 in float32)
  * @property {string} heads base64 float32 [layer * n_heads + head]
  * @property {string} keys base64 float32 [key]
  * @property {string | null} rollout base64 float32 [key], the flow's last-layer shares
