@@ -426,7 +426,8 @@ def test_widget_front_end_draws_the_library_numbers(browser, bundled_model, libr
     inspector = cl.inspect(bundled_model, TEXT, layers=LAYERS, layer=2)
     browser.get(widget_page(inspector, tmp_path, monkeypatch).resolve().as_uri())
     check_drawn(wait_ready(browser, hash_too=False), library, 2, None, "contribution", "inter")
-    assert browser.execute_script("return window.host.sent") == ["need_plotly"]
+    # The page asks the kernel once for plotly.js (and pings it, to report a kernel that does not answer).
+    assert [m for m in browser.execute_script("return window.host.sent") if m != "ping"] == ["need_plotly"]
     # 15 tokens fit the 128-token window: no window menu.
     assert control(browser, "window").find_element("xpath", "..").value_of_css_property("display") == "none"
     from selenium.webdriver.support.ui import Select
