@@ -219,3 +219,10 @@ def test_names_moved_in_the_layering_warn_with_their_new_place(tmp_path) -> None
 
     seen = cl.map_layers(tiny_bridge(), torch.tensor([[1, 2, 3]]), lambda layer: (visible(layer), layer.valid))[0]
     assert torch.equal(*seen)
+
+
+def test_no_two_test_files_share_a_name() -> None:
+    """pytest imports test files by their base name (no ``__init__.py`` in tests/): a second
+    ``test_runner.py`` in another folder stops the whole run at collection."""
+    names = [path.name for path in (Path(__file__).parent).rglob("test_*.py")]
+    assert sorted({n for n in names if names.count(n) > 1}) == []
