@@ -16,7 +16,7 @@ import architectures
 import contribution_lens as cl
 from conftest import assert_close
 from contribution_lens import faithfulness, loading
-from contribution_lens.views.inspector import payload
+from contribution_lens.views.inspector import codecs, windows
 from reference import reference_contributions
 
 pytestmark = pytest.mark.slow
@@ -93,12 +93,12 @@ def test_flow_rows_sum_to_one(half) -> None:
 def test_the_inspectors_payload_is_the_librarys(half) -> None:
     inspector = cl.inspect(half, TEXT, layer=3)
     sent = inspector.payload
-    totals = payload.dequantise(np.frombuffer(base64.b64decode(sent["all_total_inter"]), dtype="<f4"), "exact")
+    totals = codecs.dequantise(np.frombuffer(base64.b64decode(sent["all_total_inter"]), dtype="<f4"), "exact")
     np.testing.assert_allclose(totals, 1, atol=1e-5)
     d = cl.attention_geometry(half, TEXT, layers=[3])[3]
     window = inspector.window
     drawn = np.frombuffer(base64.b64decode(sent["attention"]), dtype="<u2")
-    library = payload.quantise_attention(payload._cut(d.attention[0], window)).ravel()
+    library = codecs.quantise_attention(windows.cut(d.attention[0], window)).ravel()
     assert drawn.shape == library.shape
     assert np.abs(drawn.astype(int) - library.astype(int)).max() <= 1  # one code of slack, as in float32
 

@@ -472,10 +472,11 @@ def masked_quantiles(
     # tensor costs a first touch of its memory, as much as the arithmetic.
     difference = values - low
     span = float((difference if keep is None else torch.where(keep, difference, 0)).max())
-    floor = torch.tensor(span * 2.0**-24, dtype=values.dtype)
+    floor_here = torch.tensor(span * 2.0**-24, dtype=values.dtype)  # on the CPU, for the Python numbers below
+    floor = floor_here.to(values.device)
     binned = difference.clamp_min_(floor).view(integer)
     binned -= floor.view(integer)
-    widest = float(torch.tensor(span, dtype=values.dtype).view(integer) - floor.view(integer))
+    widest = float(torch.tensor(span, dtype=values.dtype).view(integer) - floor_here.view(integer))
     binned >>= max(0, math.frexp(widest + 1)[1] - bin_bits)
     binned += torch.arange(n_rows, device=values.device, dtype=integer)[:, None] * bins
     if keep is not None:
