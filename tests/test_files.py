@@ -37,6 +37,16 @@ def _faithfulness_run() -> faithfulness.FaithfulnessRun:
     )
 
 
+def _replication() -> Any:
+    from contribution_lens.replication import Replication, runner
+
+    commands = {part: f"contribution-lens {part}" for part in ("text", "choice-clean", "choice", "sinks", "replicate")}
+    claims = runner.judge(None, None, None, None, None, commands)  # every claim, each "no verdict: no data"
+    opening = pd.DataFrame({"layer": [0, 1], "sink_attention": [0.5, 0.25], "sink_contribution": [0.125, 0.0625]})
+    return Replication(claims, "tiny", "quick", {"lm": ["text"], "choice_ratios": None}, commands,
+                       {"opening": opening}, "cpu", "float32")  # fmt: skip
+
+
 # name: (how to make it, saved as a folder, what its page's title says)
 RESULTS: dict[str, tuple[Callable[[], Any], bool, str]] = {
     "Geometry": (lambda: cl.attention_geometry(tiny_bridge("gqa", biases=True), IDS, scope="intra"), False, "Geometry"),
@@ -68,6 +78,7 @@ RESULTS: dict[str, tuple[Callable[[], Any], bool, str]] = {
         "QKAttribution of layer 1",
     ),
     "FaithfulnessRun": (_faithfulness_run, True, "Faithfulness of importance measures: tiny"),
+    "Replication": (_replication, True, "claims on tiny"),
 }
 
 

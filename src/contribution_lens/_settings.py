@@ -210,8 +210,10 @@ def _shown(value: Any) -> Any:
 def flags(settings: Any) -> list[str]:
     """The command line that gives ``settings``: ``--flag value`` for every option that differs from its default.
 
-    Sequences are comma-joined (``many`` options repeat their flag), ``True`` switches are the flag
-    alone; a value the command line cannot write (None over a default) is left out.
+    Sequences are comma-joined (``many`` options repeat their flag), ``True`` switches (options whose
+    default is a bool) are the flag alone; a bool of an option that takes a value (``--prepend-bos``,
+    default None) is written ``yes``/``no``; a value the command line cannot write (None over a
+    default) is left out.
 
     Example:
         >>> @dataclasses.dataclass(frozen=True)
@@ -221,6 +223,11 @@ def flags(settings: Any) -> list[str]:
         ...     seed: int = option(0, "seed")
         >>> flags(Run(ratios=(0.0, 0.1), data=("a", "b")))
         ['--ratios', '0.0,0.1', '--data', 'a', '--data', 'b']
+        >>> @dataclasses.dataclass(frozen=True)
+        ... class Bos:
+        ...     prepend_bos: bool | None = option(None, "BOS", parse=parse_prepend_bos)
+        >>> flags(Bos(prepend_bos=False)), flags(Bos(prepend_bos=True)), flags(Bos())
+        (['--prepend-bos', 'no'], ['--prepend-bos', 'yes'], [])
     """
     words: list[str] = []
     for f, meta in options_of(settings):
@@ -228,8 +235,10 @@ def flags(settings: Any) -> list[str]:
         if not meta.cli or value == f.default or value is None:
             continue
         flag = meta.flag or "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
+        if isinstance(value, bool) and isinstance(f.default, bool):
             words += [flag] if value else []
+        elif isinstance(value, bool):
+            words += [flag, "yes" if value else "no"]
         elif meta.many:
             for item in value:
                 words += [flag, str(item)]

@@ -35,6 +35,7 @@ FACES = (
     "contribution_lens.cli",
     "contribution_lens.faithfulness",
     "contribution_lens.methods",
+    "contribution_lens.replication",
     "contribution_lens.views",
     "contribution_lens.views.inspector",
 )

@@ -123,3 +123,7 @@ def test_a_replication_round_trips_through_its_files(tmp_path) -> None:
     assert row + "+0.27 [+0.19, +0.36] | no verdict: the model is at chance |" in markdown
     with pytest.raises(KeyError, match="no claim 'x'"):
         back["x"]
+    # A folder saved before replication.safetensors existed is read from its claims.json.
+    (tmp_path / "replication.safetensors").unlink()
+    from_json = Replication.load(tmp_path)
+    assert from_json.claims == found and from_json.tables["aopc"].equals(result.tables["aopc"])

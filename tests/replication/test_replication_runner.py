@@ -217,3 +217,20 @@ def test_the_cuda_path_is_taken_when_a_device_is_given(tiny_decoder, replicate_d
     assert torch.cuda.max_memory_allocated() > 0
     assert all(claim["verdict"] in replication.VERDICTS for claim in saved["claims"])
     assert "--device cuda --dtype bfloat16" in saved["commands"]["text"]
+
+
+def test_a_given_prepend_bos_reaches_every_parts_command(tmp_path: Path) -> None:
+    """``--prepend-bos no`` given to replicate is in the command of every part, so each reproduces the same chunks."""
+    from contribution_lens.faithfulness import RunOptions
+
+    (tmp_path / "t.txt").write_text("one two three")
+    (tmp_path / "w.jsonl").write_text("{}")
+    specs = (f"text={tmp_path / 't.txt'}", f"winogrande={tmp_path / 'w.jsonl'}")
+    data = DataSettings(data=specs, chunk_length=16, max_chunks=4, prepend_bos=False)
+    commands = runner.part_commands(runner.Parts(data, replication.SIZES["quick"]), tmp_path, [], RunOptions())
+    parser = cli.app.build_parser()
+    for part in ("text", "choice-clean", "choice", "sinks", "replicate"):
+        assert "--prepend-bos no" in commands[part], part
+        args = parser.parse_args(shlex.split(commands[part].replace("NEW_FOLDER", str(tmp_path / "new")))[1:])
+        given = args.prepend_bos if part == "sinks" else options.build(DataSettings, args).prepend_bos
+        assert given in ("no", False), (part, given)

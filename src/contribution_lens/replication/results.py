@@ -1,9 +1,10 @@
 """A replication's result: every claim judged, with the tables behind them; saved as JSON, Markdown and HTML.
 
-`Replication` owns its lifecycle like the package's other results: `Replication.save` writes
-``claims.json`` (every claim, its number, interval, verdict, line, command and cells, plus the
-tables), ``claims.md`` (the same for a reader) and ``report.html`` (`Replication.report`: the claims
-first, then the figures and tables); `Replication.load` reads ``claims.json`` back.
+`Replication` has the package's one result lifecycle: `Replication.save` writes
+``replication.safetensors`` through `contribution_lens.files.save_result` (what `Replication.load`
+reads back), and beside it what people and scripts read: ``claims.json`` (every claim, its number,
+interval, verdict, line, command and cells, plus the tables), ``claims.md`` (the same for a reader)
+and ``report.html`` (`Replication.report`: the claims first, then the figures and tables).
 """
 
 import json
@@ -15,11 +16,11 @@ from typing import Any
 import pandas as pd
 import plotly.graph_objects as go
 
-from contribution_lens.files import reading, write_text
+from contribution_lens.files import file_name, load_result, reading, save_result, write_text
 from contribution_lens.replication.claims import VERDICTS, Cell, Claim
 
 FORMAT = "contribution_lens.Replication/1"
-FILES = ("claims.json", "claims.md", "report.html")
+FILES = ("claims.json", "claims.md", "report.html", "replication.safetensors")
 
 
 def _interval(claim: Claim) -> str:
@@ -153,7 +154,10 @@ class Replication:
     def save(self, folder: str | os.PathLike) -> Path:
         """Write `FILES` into ``folder`` (each atomically); returns the folder."""
         out = Path(folder)
+        if out.is_file():
+            raise ValueError(f"{out} is a file: a replication is saved as a folder ({'/'.join(FILES)})")
         out.mkdir(parents=True, exist_ok=True)
+        save_result(out / file_name(type(self)), self, example=file_name(type(self)))
         write_text(out / "claims.json", json.dumps(self.to_dict(), indent=2, allow_nan=False))
         write_text(out / "claims.md", self.markdown())
         self.report(out / "report.html")
@@ -161,7 +165,11 @@ class Replication:
 
     @classmethod
     def load(cls, folder: str | os.PathLike) -> "Replication":
-        """A replication written by `save` (its ``claims.json``)."""
+        """A replication written by `save` (its ``replication.safetensors``; else, from a run saved
+        before that file was written, its ``claims.json``)."""
+        stored = Path(folder) / file_name(cls)
+        if stored.is_file():
+            return load_result(stored, cls)
         path = Path(folder) / "claims.json"
         if not path.is_file():
             raise FileNotFoundError(f"{folder} holds no replication (no claims.json)")
