@@ -243,3 +243,19 @@ def test_dry_run_counts_the_passes_and_writes_nothing(bundled_model, shared_data
     assert f"{plan.passes} forward passes" in plan.describe()
     assert not (tmp_path / "new").exists()
     assert faithfulness.plan_run(bundled_model, FULL, config, out=full_run).passes == 0, "a finished run has no work"
+
+
+def test_a_multiple_choice_pass_holds_at_most_batch_size_sequences(bundled_model, tmp_path) -> None:
+    # Failed before: --batch-size counted items, so 8 four-option MMLU items made a 32-sequence pass (Gemma 3's
+    # logits alone over 8 GB; the 24 GB machine killed the run).
+    from conftest import winogrande_file
+    from contribution_lens.faithfulness.runner import build_units
+
+    wino = winogrande_file(tmp_path / "wino.jsonl")
+    for batch_size in (1, 3, 4):
+        config = faithfulness.DataSettings(data=(f"winogrande={wino}",), batch_size=batch_size, max_items=12)
+        units = build_units(bundled_model, config)
+        assert all(len(unit.tokens) <= max(batch_size, 2) for unit in units), [len(u.tokens) for u in units]
+        items = [item for unit in units for item in unit.items]
+        assert len(items) == 12 and all(len(rows) == 2 for _, _, rows in items)  # every item whole, in one pass
+        assert sum(len(unit.tokens) for unit in units) == 24

@@ -126,15 +126,29 @@ def build_units(model: adapter.Model, config: DataSettings) -> list[Unit]:
                 break
         if not kept:
             raise ValueError(f"{task}: no item fits in {config.max_item_tokens} tokens")
-        for start in range(0, len(kept), config.batch_size):
-            unit = Unit(task, "choice", [], [], [], [])
-            for item, seqs, spans in kept[start : start + config.batch_size]:
-                rows = list(range(len(unit.tokens), len(unit.tokens) + len(seqs)))
-                unit.ids += [f"{item.item_id}#{k}" for k in range(len(seqs))]
-                unit.tokens += seqs
-                unit.spans += spans
-                unit.items.append((item.item_id, item.label, rows))
-            units.append(unit)
+        units += _choice_units(task, kept, config.batch_size)
+    return units
+
+
+def _choice_units(
+    task: str, kept: list[tuple[data.Choice, list[torch.Tensor], list[tuple[int, int]]]], batch_size: int
+) -> list[Unit]:
+    """Whole items packed into units of at most ``batch_size`` sequences (one option is one sequence).
+
+    An item's options stay in one pass (an item with more options than ``batch_size`` gets a unit of
+    its own). Counting items instead let 8 MMLU items make 32 sequences a pass, whose logits over
+    Gemma 3's 262,144-token vocabulary alone took over 8 GB.
+    """
+    units: list[Unit] = []
+    for item, seqs, spans in kept:
+        if not units or (units[-1].tokens and len(units[-1].tokens) + len(seqs) > batch_size):
+            units.append(Unit(task, "choice", [], [], [], []))
+        unit = units[-1]
+        rows = list(range(len(unit.tokens), len(unit.tokens) + len(seqs)))
+        unit.ids += [f"{item.item_id}#{k}" for k in range(len(seqs))]
+        unit.tokens += seqs
+        unit.spans += spans
+        unit.items.append((item.item_id, item.label, rows))
     return units
 
 
