@@ -236,9 +236,10 @@ def test_every_protocol_writes_intervals_aopc_and_verdicts(full_run: Path) -> No
 def test_dry_run_counts_the_passes_and_writes_nothing(bundled_model, shared_data, full_run: Path, tmp_path) -> None:
     config = full_config(shared_data)
     plan = faithfulness.plan_run(bundled_model, FULL, config, out=tmp_path / "new")
-    # 2 units (1 of chunks, 1 of items); per unit 1 clean + 1 at ratio 0 + 5 ranked methods x 2 modes
-    # x 2 ratios for every_layer and input_deletion, and twice that for one_layer (2 layers).
-    assert plan.passes == 2 * (2 + 20 + 20 + 40)
+    # 3 units (1 of chunks; the items' options, at most batch_size sequences a pass, make 2); per unit 1 clean
+    # + 1 at ratio 0 + 5 ranked methods x 2 modes x 2 ratios for every_layer and input_deletion, and twice that
+    # for one_layer (2 layers).
+    assert plan.passes == 3 * (2 + 20 + 20 + 40)
     assert plan.seconds > plan.forward_seconds > 0
     assert f"{plan.passes} forward passes" in plan.describe()
     assert not (tmp_path / "new").exists()

@@ -144,7 +144,8 @@ def test_a_dry_run_loads_no_weights_and_prints_the_passes(
                      "--dry-run"]) == 0  # fmt: skip
     printed = capsys.readouterr().out.splitlines()
     assert printed[0].startswith("text faithfulness: 58 forward passes, about ")
-    assert printed[1].startswith("multiple-choice clean accuracy: 6 forward passes")
+    # 12 two-option items in passes of at most 4 sequences: 6 units, each a clean pass and one at ratio 0.
+    assert printed[1].startswith("multiple-choice clean accuracy: 12 forward passes")
     assert printed[-1].startswith("in all ") and " passes, estimated " in printed[-1]
     assert not out.exists(), "a dry run writes nothing"
 
