@@ -1,5 +1,7 @@
 """Sink geometry: closed forms against brute force, and the intervention's mechanics."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -66,6 +68,19 @@ def test_beta_star_is_the_grid_minimum() -> None:
     for b, h, i in q.nonzero()[::7].tolist():
         at_ratio = s.curve(s.sink_ratio[b, h, i][None])[0, b, h, i]
         assert at_ratio.item() == pytest.approx(s.output_norm[b, h, i].item(), rel=1e-4, abs=1e-5)
+
+
+def test_the_curve_takes_a_grid_built_on_another_device() -> None:
+    """A plot builds its grid of beta on the CPU while a GPU run's terms stay on the GPU.
+
+    The meta device stands in for the GPU: mixing it with a CPU tensor raises as CUDA does.
+    """
+    s = sink_layer(*random_layer())
+    elsewhere = dataclasses.replace(
+        s, **{name: getattr(s, name).to("meta") for name in ("sink_sq", "cross", "tail_sq")}
+    )
+    curve = elsewhere.curve(torch.linspace(0, 1, 5))
+    assert curve.device.type == "meta" and curve.shape == (5, *s.sink_sq.shape)
 
 
 def test_sink_parts_add_up_on_the_bundled_model(bundled_model) -> None:

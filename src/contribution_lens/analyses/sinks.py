@@ -79,7 +79,8 @@ class SinkLayer:
 
     def curve(self, betas: Tensor) -> Float[Tensor, "beta batch head query"]:
         """``||o(beta)||`` on a grid of ``beta``."""
-        b = einops.rearrange(betas.to(self.sink_sq.dtype), "beta -> beta 1 1 1")
+        # The grid comes from the caller (a plot builds it on the CPU); the terms may sit on a GPU.
+        b = einops.rearrange(betas.to(self.sink_sq), "beta -> beta 1 1 1")
         sq = b**2 * self.sink_sq + 2 * b * (1 - b) * self.cross + (1 - b) ** 2 * self.tail_sq
         return sq.clamp_min(0).sqrt()
 
