@@ -5,6 +5,7 @@ import torch
 
 import contribution_lens as cl
 from conftest import assert_close, raises_bad_input
+from contribution_lens.decomposition import decompose_layer, head_outputs
 from helpers import PATTERN, SCORES, SHAPES, W_O, V, random_layer
 from reference import reference_contributions
 
@@ -104,6 +105,22 @@ def test_half_precision_inputs_accumulate_in_float32() -> None:
     assert bool(torch.isfinite(d16.contribution).all())
     ref = reference_contributions(pattern.bfloat16(), v.bfloat16(), W_O.bfloat16(), "inter")["contribution"]
     assert_close(d16.contribution, ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("scope", ["intra", "inter"])
+def test_a_half_precision_hook_z_is_rebuilt_and_a_precise_one_is_taken(scope: str) -> None:
+    """One rule in `head_outputs` and `decompose_layer`: a z rounded to bfloat16 is rebuilt, a float32 z is used."""
+    pattern, v, W_O = (t.bfloat16() for t in random_layer("gqa", seed=3))
+    rebuilt = decompose_layer(pattern, v, W_O, scope=cl.Scope(scope), causal=True)
+    rounded = head_outputs(pattern, v).bfloat16()  # what a bfloat16 model's hook_z holds
+    assert_close(head_outputs(pattern, v, z=rounded), head_outputs(pattern, v), rtol=0, atol=0)
+    given = decompose_layer(pattern, v, W_O, scope=cl.Scope(scope), causal=True, z=rounded)
+    assert_close(given.contribution, rebuilt.contribution, rtol=0, atol=0)
+    # A float32 z is the model's own and is taken as it is: a changed one changes the weights.
+    changed = head_outputs(pattern, v) * 1.5
+    assert_close(head_outputs(pattern, v, z=changed), changed, rtol=0, atol=0)
+    taken = decompose_layer(pattern, v, W_O, scope=cl.Scope(scope), causal=True, z=changed)
+    assert not torch.allclose(taken.contribution, rebuilt.contribution)
 
 
 def test_bad_input_messages() -> None:

@@ -519,10 +519,7 @@ def decompose_layer(
     """
     batch, n_heads, n_query, n_key = pattern.shape
     acc = _accumulation_dtype(dtype, pattern, v, W_O)
-    if z is not None and z.dtype.itemsize < torch.tensor([], dtype=acc).element_size():
-        # A half-precision hook_z is pattern @ v rounded once more: the weights, made of the pattern
-        # and v in ``acc``, would then add up to 1 only to that rounding (2e-3 in bfloat16).
-        z = None
+    z = _precise_z(z, acc)  # before z is scaled and cast below, which would hide its precision
     valid = valid_positions(
         n_query, n_key, attention_mask=attention_mask, batch=batch, causal=causal, device=pattern.device
     )
@@ -606,6 +603,17 @@ def _real_query_rows(attention_mask: Tensor | None, n_query: int, device: torch.
     return attention_mask.to(device=device, dtype=torch.bool)[:, attention_mask.shape[1] - n_query :]
 
 
+def _precise_z(z: Tensor | None, acc: torch.dtype) -> Tensor | None:
+    """``z`` where the model computed it at least as precisely as ``acc``; None where it must be rebuilt.
+
+    A half-precision ``hook_z`` is ``pattern @ v`` rounded once more: rows built from it would sum to 1
+    only to that rounding (2e-3 in bfloat16), so ``z`` is rebuilt from the pattern and v in ``acc``.
+    """
+    if z is None or z.dtype.itemsize < torch.tensor([], dtype=acc).element_size():
+        return None
+    return z
+
+
 def head_outputs(
     pattern: Float[Tensor, "batch head query key"],
     v: Float[Tensor, "batch key kv_head d_head"],
@@ -636,10 +644,7 @@ def head_outputs(
         [4.0, 7.0]
     """
     acc = _accumulation_dtype(dtype, pattern, v)
-    if z is not None and z.dtype.itemsize < torch.tensor([], dtype=acc).element_size():
-        # A half-precision hook_z is pattern @ v rounded once more: rows built from it would sum to 1
-        # only to that rounding (2e-3 in bfloat16), so z is rebuilt from the pattern and v in ``acc``.
-        z = None
+    z = _precise_z(z, acc)
     if z is not None:
         z = z.to(device=pattern.device, dtype=acc)
         if valid is None:
