@@ -6,7 +6,7 @@ model: the verdict, then the claim's number and its 95 % interval (a claim judge
 settings shows its weakest, as ``claims.md`` does), or the reason where there is no verdict. The
 last column says what the families say together, mechanically: ``supported on all 3``, ``no
 verdict on any``, or each verdict with the models that gave it, and ``holds on A, fails on B``
-where a claim is supported (or partly) on one model and not supported on another. Under the table
+where a claim is supported on one model and not supported on another ("partly" is not "holds"). Under the table
 it lists each run's model, size, data and dtype, so a reader sees what the numbers rest on.
 
 It reads JSON only (no model, no torch): the numbers are those the runs wrote.
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HOLDS = ("supported", "partly")
+HOLDS = ("supported",)
 
 
 def read(paths: Sequence[str | Path]) -> list[dict[str, Any]]:

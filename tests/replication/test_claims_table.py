@@ -67,8 +67,9 @@ def test_a_file_that_is_not_a_replication_is_refused_by_name(tmp_path: Path) -> 
         ({"a": "partly"}, "partly (one model only)"),
         (
             {"a": "supported", "b": "not supported", "c": "partly"},
-            "supported on a; not supported on b; partly on c (holds on a, c, fails on b)",
+            "supported on a; not supported on b; partly on c (holds on a, fails on b)",
         ),
+        ({"a": "partly", "b": "not supported"}, "partly on a; not supported on b"),
     ],
 )
 def test_what_the_families_say_together(verdicts: dict[str, str], expected: str) -> None:
