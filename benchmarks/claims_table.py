@@ -1,13 +1,14 @@
 """The claims x families table: the ``claims.json`` of several ``contribution-lens replicate`` runs side by side.
 
-Run: ``python benchmarks/claims_table.py runs/*/claims.json`` (one file per model, in the order
-given). It prints a Markdown table, one row a claim (in the order of the first file), one column a
-model: the verdict, then the claim's number and its 95 % interval (a claim judged in several
-settings shows its weakest, as ``claims.md`` does), or the reason where there is no verdict. The
-last column says what the families say together, mechanically: ``supported on all 3``, ``no
-verdict on any``, or each verdict with the models that gave it, and ``holds on A, fails on B``
-where a claim is supported on one model and not supported on another ("partly" is not "holds"). Under the table
-it lists each run's model, size, data and dtype, so a reader sees what the numbers rest on.
+Run: ``python benchmarks/claims_table.py runs/*/claims.json`` (one file per model, in the order given;
+``--short`` names each claim by its id, as the README's table does). It prints a Markdown table, one row
+a claim (in the order of the first file), one column a model: the verdict, then the claim's number and
+its 95 % interval (a claim judged in several settings shows its weakest, as ``claims.md`` does), or the
+reason where there is no verdict. The last column says what the families say together, mechanically:
+``supported on all 3``, ``no verdict on any``, or each verdict with the models that gave it, and ``holds
+on A, fails on B`` where a claim is supported on one model and not supported on another ("partly" is not
+"holds"). Under the table it lists each run's model, size, data and dtype, so a reader sees what the
+numbers rest on.
 
 It reads JSON only (no model, no torch): the numbers are those the runs wrote.
 """
@@ -62,8 +63,11 @@ def together(verdicts: dict[str, str]) -> str:
     return words
 
 
-def table(runs: Sequence[dict[str, Any]]) -> str:
-    """The Markdown table of ``runs`` (claims.json contents), then what each run rests on."""
+def table(runs: Sequence[dict[str, Any]], *, short: bool = False) -> str:
+    """The Markdown table of ``runs`` (claims.json contents), then what each run rests on.
+
+    ``short`` names each claim by its id (``opening_case``) instead of its statement, for the README.
+    """
     # A checkpoint folder is named by its last part; a bundled name or a hub id as given.
     models = [Path(run["model"]).name if run["model"].startswith("/") else run["model"] or f"run {i + 1}"
               for i, run in enumerate(runs)]  # fmt: skip
@@ -75,7 +79,7 @@ def table(runs: Sequence[dict[str, Any]]) -> str:
     for claim in runs[0]["claims"]:
         each = [claims.get(claim["id"]) for claims in found]
         verdicts = {m: c["verdict"] for m, c in zip(models, each, strict=True) if c is not None}
-        row = [claim["statement"], *map(cell, each), together(verdicts)]
+        row = [f"`{claim['id']}`" if short else claim["statement"], *map(cell, each), together(verdicts)]
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     for model, run in zip(models, runs, strict=True):
@@ -92,8 +96,9 @@ def table(runs: Sequence[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("claims", nargs="+", help="claims.json files written by contribution-lens replicate")
+    parser.add_argument("--short", action="store_true", help="name each claim by its id (the README's table)")
     args = parser.parse_args(argv)
-    print(table(read(args.claims)), end="")
+    print(table(read(args.claims), short=args.short), end="")
     return 0
 
 

@@ -45,10 +45,18 @@ def test_each_family_shows_its_own_number_interval_and_verdict(tiny_replication:
     cells = row(table, measured["statement"])
     assert cells[1].startswith(first_verdict) and cells[2].startswith(measured["verdict"])
     name = Path(saved["model"]).name  # the tiny decoder's checkpoint folder, by its last part
-    holds, fails = (name, "other-model") if first_verdict != "not supported" else ("other-model", None)
-    if fails is not None:
-        assert f"(holds on {holds}, fails on {fails})" in cells[3], cells[3]
+    if first_verdict == "supported":
+        assert f"(holds on {name}, fails on other-model)" in cells[3], cells[3]
+    elif first_verdict == "not supported":
+        assert f"(holds on other-model, fails on {name})" in cells[3], cells[3]
+    else:  # partly against not supported: neither holds
+        assert "holds on" not in cells[3], cells[3]
     assert f"- `{name}`: size {saved['size']}" in table
+    short = subprocess.run([sys.executable, str(SCRIPT), "--short", str(tiny_replication / "claims.json")],
+                           capture_output=True, text=True, check=True).stdout  # fmt: skip
+    assert [row(short, f"`{claim['id']}`")[1] for claim in saved["claims"]] == [
+        row(table, claim["statement"])[1] for claim in saved["claims"]
+    ]
 
 
 def test_a_file_that_is_not_a_replication_is_refused_by_name(tmp_path: Path) -> None:
