@@ -324,6 +324,59 @@ def test_shared_page_opens_from_the_notebook_link_in_jupyterlab(page, lab) -> No
     assert not page.errors, page.errors
 
 
+# --- a window late in a long text, and a caption that is true -------------------------------------------
+
+LATE = """\
+import json
+from conftest import SHARED_DATA
+from contribution_lens.views.plot import token_factors
+
+smol = cl.load_model()
+sample = SHARED_DATA / "fineweb_edu" / "sample-10BT_first150.jsonl"
+lines = sample.read_text().splitlines()[:4] if sample.is_file() else []
+long_text = " ".join(json.loads(line)["text"] for line in lines) or " ".join(["The fox jumps over the dog."] * 200)
+long_ids = cl.to_token_batch(smol, long_text).tokens[:, :800]
+late = cl.inspect(smol, long_ids, layers=[10], head=2, tokens=128, start=672)
+late"""
+"""800 tokens of real text (as test_browser.py's), the last inspector a 128-token window late in it."""
+LATE_DRAWN = """() => {
+  const root = [...document.querySelectorAll('.cl-inspector')].at(-1);
+  const gd = root && root.querySelector('.cl-heatmap');
+  const t = gd && gd.data && gd.data.find((d) => d.name === 'outside');
+  if (!t) return null;
+  const bars = root.querySelector('.cl-bars');
+  return {x: t.x, z: t.z.map((r) => r[0]), head: root.querySelector("select[data-control='head']").value,
+          y: gd.data[0].y, bars: bars.layout && bars.layout.title.text,
+          status: root.querySelector('.cl-status').textContent};
+}"""
+"""The last inspector's outside column (its label and each query's share), head menu and bars' caption."""
+
+
+def test_a_late_window_shows_the_rest_of_each_row_and_all_heads_say_how_in_jupyterlab(page) -> None:
+    # As test_browser.py's Selenium checks, in JupyterLab's output area: the column of the share that falls on keys
+    # before the window equals the library's (failed before: rows summed to 0.854 with nothing showing the rest),
+    # and the all-heads caption says how each factor is combined (it said "their product is the contribution").
+    add_cell(page, LATE)
+    per_head = drawn(page, "d.head === '2' && d.y.length === 128 && d.status === ''", LATE_DRAWN, timeout=300_000)
+    assert per_head["x"] == ["outside 1–671"] and per_head["y"][0].startswith("672:"), (per_head["x"], per_head["y"][0])
+    library = json.loads(
+        kernel(
+            page, "d = cl.attention_geometry(smol, long_ids, layers=[10], scope='inter')[10]; print(json.dumps("
+            "{str(h): token_factors(d, h, 0, 800)['contribution'][672:, 1:672].sum(-1).tolist() for h in (2, None)}))",
+        )
+    )  # fmt: skip
+    np.testing.assert_allclose(np.array(per_head["z"], dtype=float), library["2"], atol=2e-6, rtol=1e-5)
+    assert max(library["2"]) > 0.01, "the window's rows leave a share outside (else the column shows nothing)"
+    page.locator(".cl-inspector").last.locator("select[data-control='head']").select_option("all")
+    every = drawn(page, "d.head === 'all' && d.status === '' && d.bars.includes('heads')", LATE_DRAWN)
+    assert "attention: mean over the 9 heads; relative norm, cosine: their attention-weighted means;" in every["bars"]
+    assert "contribution: sum over the heads (not the product of the three)" in every["bars"], every["bars"]
+    np.testing.assert_allclose(np.array(every["z"], dtype=float), library["None"], atol=2e-6, rtol=1e-5)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "jupyterlab_late_window.png"), full_page=True)
+    assert not page.errors, page.errors
+
+
 # --- the notebook's whole life: stills, exports, a restarted kernel, a reopened notebook --------------
 # Last in this file: it restarts the kernel and reloads the page.
 
