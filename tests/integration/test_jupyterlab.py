@@ -486,3 +486,72 @@ def test_stills_exports_a_restarted_kernel_and_a_reopened_notebook_in_jupyterlab
     stills = page.evaluate(SHOWN)
     assert all(still["shown"] for still in stills), stills
     page.screenshot(path=str(ARTIFACTS / "jupyterlab_reopened.png"), full_page=True)
+
+
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+FIRST = """() => {
+  const root = document.querySelector('.cl-inspector');
+  const gd = root && root.querySelector('.cl-heatmap');
+  if (!gd || !gd.data) return null;
+  return {shown: gd.offsetHeight > 0, z: gd.data[0].z, layer: root.querySelector("select[data-control='layer']").value,
+          kernel: root.querySelector('.cl-kernel').textContent, status: root.querySelector('.cl-status').textContent};
+}"""
+"""The first inspector of the notebook: whether its heatmap is shown, what it draws, its kernel line and status."""
+
+
+def save_widget_state(lab, on: bool) -> None:
+    """Settings > Save Widget State Automatically, as JupyterLab's settings editor writes it (read at the next load)."""
+    request = urllib.request.Request(
+        f"{lab['url']}/lab/api/settings/@jupyter-widgets/jupyterlab-manager:plugin?token={lab['token']}",
+        data=json.dumps({"raw": json.dumps({"saveState": on})}).encode(),
+        method="PUT",
+        headers={"Content-Type": "application/json"},
+    )
+    urllib.request.urlopen(request, timeout=30)
+
+
+def test_a_shut_down_kernel_and_saved_widget_state_in_jupyterlab(page, lab) -> None:
+    # The docs' two other cases, driven: Kernel > Shut Down Kernel then a click (reported within seconds, the view
+    # kept, no "computing..."), and the notebook reopened with Save Widget State Automatically on (the still shown,
+    # the restored widget says no kernel answers).
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    save_widget_state(lab, True)
+    page.reload()
+    page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=120_000)
+    page.wait_for_function(
+        f"({PANEL})?.sessionContext.session?.kernel?.connectionStatus === 'connected'", timeout=120_000
+    )
+    page.evaluate(
+        f"async () => {{ const panel = {PANEL}; window.jupyterapp.shell.activateById(panel.id);"
+        " panel.content.activeCellIndex = 0; await window.jupyterapp.commands.execute('notebook:run-cell'); }"
+    )  # the first cell alone: the others load the bundled model
+    live = drawn(page, "d.shown && d.status === '' && d.kernel === ''", FIRST, timeout=120_000)
+    page.wait_for_function(f"({STILLS})().some((s) => s.cell === 0 && s.by === 'browser')", timeout=60_000)
+    page.evaluate(f"async () => await ({PANEL}).context.save()")
+    saved = json.loads((lab["folder"] / "inspect.ipynb").read_text())
+    assert WIDGET_STATE in saved["metadata"].get("widgets", {}), "the widget state was not saved with the notebook"
+    # Kernel > Shut Down Kernel (its menu's command; a confirmation, where asked, accepted), then a click.
+    page.evaluate("window.jupyterapp.commands.execute('kernelmenu:shutdown')")
+    page.wait_for_timeout(1000)
+    if page.locator(".jp-Dialog .jp-mod-accept").count():
+        page.click(".jp-Dialog .jp-mod-accept")
+    page.wait_for_function(f"!({PANEL}).sessionContext.session?.kernel", timeout=60_000)
+    clicked = time.monotonic()
+    page.locator(".cl-inspector").first.locator("select[data-control='layer']").select_option("0")
+    gone = drawn(page, "d.kernel.includes('No answer from the kernel')", FIRST, timeout=15_000)
+    said = time.monotonic() - clicked
+    assert said < 10, f"the missing kernel was reported after {said:.1f} s"
+    assert "computing" not in gone["status"] and gone["shown"] and gone["z"] == live["z"], gone["status"]
+    page.screenshot(path=str(ARTIFACTS / "jupyterlab_shut_down.png"), full_page=True)
+    # Reopened with the widget state saved: the still, and the restored widget's line (not an endless wait).
+    page.reload()
+    page.wait_for_selector(".jp-Notebook .jp-OutputArea-output", timeout=120_000)
+    page.wait_for_function(f"({SHOWN})().length >= 1", timeout=60_000)
+    # The restored widget has no kernel to draw it: its line (above "waiting for the kernel..."), under the still.
+    page.locator(".jp-OutputArea-output .cl-kernel", has_text="No answer from the kernel").first.wait_for(
+        timeout=30_000
+    )
+    shown = page.evaluate(SHOWN)
+    assert shown[0]["shown"] and shown[0]["next"].startswith("No answer from the kernel for 4 s"), shown
+    page.screenshot(path=str(ARTIFACTS / "jupyterlab_reopened_saved_state.png"), full_page=True)
+    save_widget_state(lab, False)
