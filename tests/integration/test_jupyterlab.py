@@ -438,11 +438,12 @@ def exported(tab, lab, sanitize: bool) -> dict:
 def test_stills_exports_a_restarted_kernel_and_a_reopened_notebook_in_jupyterlab(page, lab) -> None:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     drawn(page, "d.y && d.status === ''")
+    # The second inspector drawn, its kernel answered: counted from the inspectors already here (other tests add some).
+    count = "[...document.querySelectorAll('.cl-inspector .cl-heatmap')].filter((gd) => gd.data).length"
+    before = page.evaluate(f"() => {count}")
     add_cell(page, SECOND)
-    page.wait_for_function(
-        "[...document.querySelectorAll('.cl-inspector .cl-heatmap')].filter((gd) => gd.data).length >= 2",
-        timeout=120_000,
-    )
+    page.wait_for_function(f"{count} > {before}", timeout=120_000)
+    page.wait_for_function(f"({SHOWN})().every((still) => !still.shown)", timeout=30_000)
     # Live: each widget hides its still and keeps it current with what it drew (not kaleido: the browser).
     page.select_option(".cl-inspector select[data-control='view'] >> nth=0", "heatmap")
     page.select_option(".cl-inspector select[data-control='layer'] >> nth=0", "0")
@@ -451,7 +452,8 @@ def test_stills_exports_a_restarted_kernel_and_a_reopened_notebook_in_jupyterlab
         " && s.by === 'browser')",
         timeout=60_000,
     )
-    assert all(not still["shown"] for still in page.evaluate(SHOWN)), "a live widget left its still shown"
+    shown = page.evaluate(SHOWN)
+    assert all(not still["shown"] for still in shown), f"a live widget left its still shown: {shown}"
     stills = page.evaluate(STILLS)
     assert len(stills) >= 2 and all(s["png"] > 1000 and s["width"] > 300 for s in stills), stills
     assert kernel(page, "print(inspector._still.shown == inspector._view_state())").strip() == "True"
