@@ -756,6 +756,36 @@ def test_long_window_heatmap_fits_the_width_with_its_colour_bar(browser, bundled
         browser.set_window_size(1400, 1000)
 
 
+FIGURE_BOXES = """
+const box = (name) => document.querySelector('.cl-inspector .' + name).getBoundingClientRect();
+const [heatmap, bars] = [box('cl-heatmap'), box('cl-bars')];
+const titles = [...document.querySelectorAll('.cl-inspector .gtitle')].map((t) => t.getBoundingClientRect().right);
+return {heatmap: [heatmap.left, heatmap.top, heatmap.right, heatmap.bottom], bars: [bars.left, bars.top, bars.right,
+        bars.bottom], page: document.documentElement.clientWidth, scroll: document.documentElement.scrollWidth, titles};
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("width", [800, 1400])
+def test_the_bars_sit_beside_the_heatmap_where_the_width_allows(browser, page, width) -> None:
+    # Failed before: the bars were always under the heatmap, so a click's effect was below the fold even at 1400 px.
+    browser.set_window_size(width, 1000)
+    try:
+        open_view(browser, page, fragment(9, None, "contribution", "inter") + "&query=12")
+        box = browser.execute_script(FIGURE_BOXES)
+        (_, h_top, h_right, h_bottom), (b_left, b_top, b_right, b_bottom) = box["heatmap"], box["bars"]
+        if width == 1400:
+            assert b_left >= h_right - 1 and b_top < h_bottom and b_bottom > h_top, f"the bars are not beside: {box}"
+        else:
+            assert b_top >= h_bottom - 1 and b_left < h_right, f"the bars are not under the heatmap: {box}"
+        # Either way everything fits: no sideways scroll, every title (the all-heads caption's lines) inside the page.
+        assert max(h_right, b_right, *box["titles"]) <= box["page"] and box["scroll"] <= box["page"], box
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        assert browser.save_screenshot(str(ARTIFACTS / f"inspector_bars_{width}px.png"))
+    finally:
+        browser.set_window_size(1400, 1000)
+
+
 @pytest.mark.slow
 def test_text_view_reads_at_a_thousand_tokens(browser, bundled_model, library, tmp_path) -> None:
     text = " ".join(["Alice gave Bob the book, and then Bob read it to Carol."] * 75)

@@ -210,6 +210,11 @@ NOT_THE_PACKAGES_PYTHON = {
         "src/contribution_lens/views/inspector/static/inspector.js:"
         's: it is busy, or gone (restarted, shut down, or this notebook "'
     ),
+    "This viewer dropped the view named in its address (#layer=2&head=1): choose it in the menus, or open the page "
+    "in a browser tab to see the view a link names.": (
+        "src/contribution_lens/views/inspector/static/page.js:"
+        '"or open the page in a browser tab to see the view a link names."'
+    ),
     "This page draws the inspector with JavaScript, which has not run. In JupyterLab's HTML viewer, press Trust "
     "HTML at the top of the viewer; elsewhere, open the file in a browser with scripts allowed.": (
         "src/contribution_lens/views/inspector/page.py:This page draws the inspector with JavaScript, which has"

@@ -145,3 +145,13 @@ test("decodeSteps", () => {
     else close(step.rollout, want.rollout, `step ${k} rollout`);
   });
 });
+
+test("droppedFragment", () => {
+  // JupyterLab's viewer opened at /lab/tree/page.html#layer=2&head=1: the view is in the outer address only.
+  assert.equal(js.droppedFragment("", "#layer=2&head=1"), "layer=2&head=1");
+  // Opened plainly, from a notebook's link (which leaves no trace), or in a tab that kept its fragment: no note.
+  assert.equal(js.droppedFragment("", ""), "");
+  assert.equal(js.droppedFragment("#layer=2&head=1", "#layer=2&head=1"), "");
+  assert.equal(js.droppedFragment("", "#Section-heading"), "");
+  assert.equal(js.droppedFragment("", "#view=prediction&step=3"), "view=prediction&step=3");
+});

@@ -168,3 +168,49 @@ def test_static_notebook_shows_the_inspectors_still_in_place_of_its_widget() -> 
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("inspector", outputs=[still, widget, other])])
     kept = export.static_notebook(notebook).cells[0].outputs
     assert [dict(out.data) for out in kept] == [dict(still.data), {"text/plain": "IntSlider(value=3)"}]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("images", [False, True], ids=["html", "images"])
+def test_a_sanitized_export_shows_use_in_notebook_figures_as_images(tmp_path, monkeypatch, images) -> None:
+    # What JupyterLab's File > Save and Export Notebook As > HTML does with "Sanitize HTML" ticked: nbconvert's
+    # sanitizer escapes a text/html output's scripts into text. The HTML figures (the default) are printed as script
+    # source; images=True puts plotly's own bundle (no HTML) and a PNG in each output, and the page shows the image.
+    pytest.importorskip("kaleido", reason="drawing the figures' images needs kaleido (a dev extra)")
+    import subprocess
+    import sys
+
+    import plotly.graph_objects as go
+    import plotly.io as pio
+
+    monkeypatch.setattr(pio.renderers, "default", pio.renderers.default)  # restored after the test
+    cl.plot.use_in_notebook(images=images)
+    figure = go.Figure(go.Heatmap(z=[[1.0, 2.0], [3.0, 4.0]]), layout={"width": 400, "height": 300})
+    bundle = pio.renderers._build_mime_bundle(figure.to_dict())  # what figure.show() displays in a kernel
+    notebook = nbformat.v4.new_notebook(
+        cells=[nbformat.v4.new_code_cell("figure", outputs=[nbformat.v4.new_output("display_data", data=bundle)])]
+    )
+    nbformat.write(notebook, tmp_path / "figures.ipynb")
+    subprocess.run(
+        [sys.executable, "-m", "jupyter", "nbconvert", "--to", "html", "--HTMLExporter.sanitize_html=True",
+         str(tmp_path / "figures.ipynb")],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    page = (tmp_path / "figures.html").read_text(encoding="utf-8")
+    if not images:
+        assert "Plotly.newPlot" in page and "&lt;script" in page, "the limitation images=True lifts is gone"
+        return
+    assert "Plotly.newPlot" not in page and "plotly.js" not in page and "&lt;script" not in page
+    found = re.findall(r'<img[^>]+src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
+    assert len(found) == 1 and found[0] == bundle["image/png"], "the page's image is not the figure's PNG"
+    assert found[0].startswith("iVBORw0KGgo") and len(found[0]) > 2000  # a PNG, and not an empty one
+
+
+@pytest.mark.usefixtures("as_a_user")
+def test_use_in_notebook_refuses_an_images_that_is_not_a_bool(monkeypatch) -> None:
+    import plotly.io as pio
+
+    monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")
+    with pytest.raises(TypeError, match=r"^images must be True or False, got str 'yes'$"):
+        cl.plot.use_in_notebook(images="yes")
+    assert pio.renderers.default == "plotly_mimetype"  # refused before anything changed

@@ -217,7 +217,7 @@ def node_test(folder: Path) -> tuple[int, set[str], set[str], str]:
 
 
 CHECKS = {"dequantise", "cellIndex", "windowStarts", "escapeToken", "combine", "decodeCompact", "hideSink",
-          "viewFactors", "shownFactors", "outsideShares", "decodeSteps"}  # fmt: skip
+          "viewFactors", "shownFactors", "outsideShares", "decodeSteps", "droppedFragment"}  # fmt: skip
 
 
 @pytest.mark.skipif(NODE is None, reason=NO_NODE)
@@ -244,6 +244,8 @@ MUTATIONS = [
     ("outsideShares", "out.attention[qi] /= heads.length;", ""),
     ("outsideShares", "(out[name][qi] * S) / left;", "out[name][qi];"),
     ("decodeSteps", "keys: dequantise(step.keys, exact)", "keys: dequantise(step.heads, exact)"),
+    ("droppedFragment", "return !names(own) && names(outer)", "return names(outer)"),
+    ("droppedFragment", "(name) => SETTINGS.includes(name)", "() => true"),
 ]
 """For each golden check, a break of its function (the text replaced, once, in the module) that it must catch."""
 

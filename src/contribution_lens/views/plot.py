@@ -8,6 +8,7 @@ are named for type checkers only) and knows no registry, so every result's ``fig
 with these functions without an import circle.
 """
 
+import base64
 import os
 import shutil
 import warnings
@@ -19,6 +20,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import torch
+from plotly.io.base_renderers import MimetypeRenderer, PlotlyRenderer
 from plotly.subplots import make_subplots
 from torch import Tensor
 
@@ -396,18 +398,67 @@ DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "cross", "star")
 
 
-def use_in_notebook() -> None:
-    """Show figures as HTML in notebooks, plotly.js embedded once per notebook, offline.
+def use_in_notebook(images: bool = False) -> None:
+    """Show figures in notebooks so that exported notebooks show them too, offline.
 
     Plotly's default Jupyter renderer writes a MIME bundle that only a live Jupyter front end
     draws: exported notebooks (``jupyter nbconvert --to html``) and static viewers show nothing.
-    The ``"notebook"`` renderer writes plain HTML, with plotly.js in the first figure's output.
-    For formulas, widgets and progress bars offline too, export with
-    `contribution_lens.views.export_notebook`.
+    By default the ``"notebook"`` renderer writes plain HTML, with plotly.js in the first figure's
+    output: an export draws each figure live, but a *sanitized* export (JupyterLab's *Save and
+    Export Notebook As › HTML* with "Sanitize HTML" ticked) prints its scripts as text. With
+    ``images=True`` each output holds plotly's own bundle (``application/vnd.plotly.v1+json``,
+    which JupyterLab's plotly extension draws live, offline) and a PNG of the figure drawn by
+    kaleido (a few tenths of a second a figure), which every export, sanitized or not, shows;
+    the notebook then holds no plotly.js. For formulas, widgets and progress bars offline too,
+    export with `contribution_lens.views.export_notebook`.
+
+    Args:
+        images: add a PNG to each figure's output, plotly's bundle in place of HTML (needs kaleido
+            and a Chromium, checked here).
+
+    Raises:
+        TypeError: ``images`` is not True or False.
+        RuntimeError: ``images=True`` and kaleido or a Chromium is missing, saying what to install.
+
+    Example:
+        >>> import plotly.io as pio
+        >>> before = pio.renderers.default
+        >>> use_in_notebook()
+        >>> pio.renderers.default
+        'notebook'
+        >>> pio.renderers.default = before
     """
     import plotly.io as pio
 
-    pio.renderers.default = "notebook"
+    if not isinstance(images, bool):
+        raise TypeError(f"images must be True or False, got {type(images).__name__} {images!r}")
+    if images:
+        _start_image_writer()
+        pio.renderers[_IMAGE_RENDERER] = _FigureAndImage()
+    pio.renderers.default = _IMAGE_RENDERER if images else "notebook"
+
+
+_IMAGE_RENDERER = "contribution_lens_images"
+"""The name `use_in_notebook` gives `_FigureAndImage` among plotly's renderers (``images=True``)."""
+
+
+class _FigureAndImage(MimetypeRenderer):
+    """Plotly's MIME bundle of a figure and a PNG of it: live front ends draw the first, exports show the second.
+
+    A sanitizer keeps ``image/png`` and drops the plotly bundle; nbconvert, which has no plotly
+    renderer, shows the PNG. The PNG is kaleido's (`save_image`'s writer, started beforehand).
+    """
+
+    def to_mimebundle(self, fig_dict: dict) -> dict:
+        import plotly.io as pio
+
+        bundle = PlotlyRenderer().to_mimebundle(fig_dict)
+        with warnings.catch_warnings():
+            # plotly passes its defaults to each call; the running server already has them.
+            warnings.filterwarnings("ignore", message="The kopts argument is ignored")
+            png = pio.to_image(fig_dict, format="png")
+        bundle["image/png"] = base64.b64encode(png).decode("ascii")
+        return bundle
 
 
 IMAGE_FORMATS = {".png": "png", ".svg": "svg", ".pdf": "pdf", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}

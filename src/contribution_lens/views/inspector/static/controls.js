@@ -125,8 +125,10 @@ export function buildParts(root, host) {
   const problem = element("div", { className: "cl-error" }, root);
   problem.setAttribute("role", "alert");
   const flow = element("div", { className: "cl-text" }, root);
-  const heatmap = element("div", { className: "cl-heatmap" }, root);
-  const bars = element("div", { className: "cl-bars" }, root);
+  // The heatmap and the bars in one wrapping row: the bars sit beside the heatmap where both fit (view.js sizes them).
+  const figures = element("div", { className: "cl-figures" }, root);
+  const heatmap = element("div", { className: "cl-heatmap" }, figures);
+  const bars = element("div", { className: "cl-bars" }, figures);
   const prediction = element("div", { className: "cl-prediction" }, root);
   const predictionCaption = element("div", { className: "cl-text-caption" }, prediction);
   const heads = element("div", { className: "cl-heads" }, prediction);

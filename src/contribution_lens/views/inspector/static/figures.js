@@ -82,6 +82,18 @@ function axis(name, names, cell) {
 }
 
 /**
+ * The width of a key's cell in a heatmap `width` px wide (1 to 18 px): what the query labels, the
+ * colour bar (about 240 px) and the outside column (36 px, where keys are outside the window) leave.
+ * @param {Meta} meta
+ * @param {number} width
+ * @returns {number}
+ */
+export function cellPx(meta, width) {
+  const column = meta.outside && meta.outside.length ? 36 : 0;
+  return Math.max(1, Math.min(18, Math.floor((width - 240 - column) / meta.keys.length)));
+}
+
+/**
  * The heatmap's size and axes for `width` px: the query labels and the colour bar take about 240
  * px, the outside column (where keys are outside the window) 36 more, the cells share the rest.
  * Rows are at least ROW_PX tall, so a click hits the row it is on; a dragged box zooms in until
@@ -93,7 +105,7 @@ function heatmapAxes(meta, width) {
   const nq = meta.queries.length;
   const nk = meta.keys.length;
   const column = meta.outside && meta.outside.length ? 36 : 0;
-  const cell = Math.max(1, Math.min(18, Math.floor((width - 240 - column) / nk)));
+  const cell = cellPx(meta, width);
   // Labels in a subset: as many as the axis's pixels hold (one per 20 px), whatever the rounding of `cell`.
   const keyPx = Math.max(cell, (width - 240 - column) / nk);
   const row = Math.max(cell, ROW_PX);
@@ -180,7 +192,7 @@ export function drawHeatmap(view, meta, entry, both, state, extra) {
   };
   const signed = meta.signed.includes(state.factor);
   // The figure fits the output's width whatever the length, colour bar included.
-  const { hint, xaxis, xaxis2, yaxis, height } = heatmapAxes(meta, view.drawnWidth);
+  const { hint, xaxis, xaxis2, yaxis, height } = heatmapAxes(meta, view.heatmapWidth || view.drawnWidth);
   const trace = Object.assign(
     { type: "heatmap", x: kLabels, y: qLabels, coloraxis: "coloraxis", hoverongaps: false,
       z: grid(meta, entry.d.index, both[/** @type {"intra" | "inter"} */ (state.scope)][/** @type {keyof Factors} */ (state.factor)]) },
@@ -189,7 +201,7 @@ export function drawHeatmap(view, meta, entry, both, state, extra) {
   const traces = meta.outside && meta.outside.length ? [trace, outsideTrace(meta, extra.outside, state)] : [trace];
   const layout = {
     title: { text: heatmapTitle(meta, state) + (hint ? "<br><span style='font-size: 11px'>" + hint + "</span>" : ""), x: 0.02, xanchor: "left" },
-    xaxis, xaxis2, yaxis, width: view.drawnWidth, height, margin: { t: 70, r: 20 },
+    xaxis, xaxis2, yaxis, width: view.heatmapWidth || view.drawnWidth, height, margin: { t: 70, r: 20 },
     coloraxis: { colorscale: signed ? meta.colorscales.diverging : meta.colorscales.sequential, cmid: signed ? 0 : undefined,
                  colorbar: { title: { text: LABELS[state.factor] }, thickness: 14 } },
     shapes: marks(view, meta, state),
@@ -345,7 +357,7 @@ export function drawBars(view, meta, entry, values, state) {
     showlegend: false,
     yaxis: { autorange: "reversed", type: "category", tickfont: { size: keys.length > 129 ? 7 : 10 }, automargin: true },
     height: Math.max(300, (keys.length > 129 ? 8 : 13) * keys.length + 140),
-    width: Math.min(1000, view.drawnWidth),
+    width: view.barsWidth || Math.min(1000, view.drawnWidth),
     margin: { t: 90 },
   };
   const n = meta.factors.length;

@@ -121,6 +121,23 @@ export function readFragment(meta, hash, steps = null) {
 }
 
 /**
+ * The view settings a page was meant to open on but did not receive ("" when none was dropped): `outer`
+ * (the address of the window around the page, where it can be read) names a view with its settings
+ * (`layer=`, `head=`, ...) and the page's own fragment `own` names none. JupyterLab's HTML viewer
+ * shows a page from a blob: URL, without the fragment of the address it was opened from
+ * (`/lab/tree/page.html#layer=2`); a link clicked in a notebook leaves no trace at all, so nothing
+ * is reported for it.
+ * @param {string} own the page's own `location.hash`
+ * @param {string} outer the enclosing window's `location.hash` ("" when there is none or it cannot be read)
+ * @returns {string}
+ */
+export function droppedFragment(own, outer) {
+  /** @param {string} hash */
+  const names = (hash) => [...new URLSearchParams(hash.replace(/^#/, "")).keys()].some((name) => SETTINGS.includes(name));
+  return !names(own) && names(outer) ? outer.replace(/^#/, "") : "";
+}
+
+/**
  * The fragment naming a view (the defaults of view, hide_sink, group_kv and step left out).
  * @param {State} state
  * @returns {string}

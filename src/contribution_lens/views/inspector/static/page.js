@@ -3,7 +3,7 @@
 
 import { element } from "./controls.js";
 import { inflate } from "./factors.js";
-import { fragment, readFragment } from "./fragment.js";
+import { droppedFragment, fragment, readFragment } from "./fragment.js";
 import { mount } from "./view.js";
 
 /** @typedef {import("./types.js").Meta} Meta */
@@ -74,15 +74,30 @@ function unopenable(meta, position, layer) {
 }
 
 /**
- * JupyterLab's HTML viewer shows the page from a blob: URL and drops a link's fragment: say so above the inspector.
+ * The address of the window around the page ("" where there is none, or it is another site's): JupyterLab's
+ * HTML viewer, trusted, shows the page in a frame of JupyterLab's own origin, whose address it can read.
+ * @returns {string}
+ */
+function outerHash() {
+  try {
+    return window.parent !== window ? window.parent.location.hash : "";
+  } catch (error) {
+    return ""; // another origin, or a sandbox without allow-same-origin: nothing to read
+  }
+}
+
+/**
+ * A view named in the address the page was opened from that the page did not receive: say so above the
+ * inspector (shown only then; a page opened plainly, or from a link whose fragment left no trace, has no note).
  * @param {HTMLElement} root
  */
 function noteDroppedFragment(root) {
-  if (window.location.protocol !== "blob:") return;
+  const dropped = droppedFragment(window.location.hash, outerHash());
+  if (!dropped) return;
   const note = element("div", { className: "cl-note" });
   note.textContent =
-    "Shown in JupyterLab's HTML viewer, which drops the #view of a link: choose the view in the menus, " +
-    "or open the link in a browser tab (middle-click it) to see the view it names.";
+    "This viewer dropped the view named in its address (#" + dropped + "): choose it in the menus, " +
+    "or open the page in a browser tab to see the view a link names.";
   /** @type {ParentNode} */ (root.parentNode).insertBefore(note, root);
 }
 

@@ -181,6 +181,8 @@
  * @property {{queries: number[], qLabels: string[], keys?: number[], kLabels?: string[]} | null} current what
  *   the last drawing showed: the click handlers read it, never a stale window
  * @property {number} drawnWidth the width the figures were drawn for
+ * @property {number} [heatmapWidth] the heatmap's width in it (all of it, or what the bars beside it leave)
+ * @property {number} [barsWidth] the bars' width (beside the heatmap, or under it)
  * @property {((qi: number, ki: number) => string) | null} [hoverAt] the hover text of a cell of the drawn heatmap
  * @property {{query: number, key: number} | null} [selected] the cell last clicked (marked while its query is shown)
  * @property {boolean} [reveal] the bars come into view once drawn (after a click)

@@ -10,7 +10,7 @@
 import { decodeSteps } from "./codecs.js";
 import { buildParts, showControls } from "./controls.js";
 import { decode, outsideShares, shownFactors, viewLevel } from "./factors.js";
-import { drawBars, drawHeatmap, drawText } from "./figures.js";
+import { cellPx, drawBars, drawHeatmap, drawText } from "./figures.js";
 import { drawPrediction } from "./prediction.js";
 
 /** @typedef {import("./types.js").Host} Host */
@@ -93,6 +93,30 @@ function available(root) {
   return Math.max(360, Math.floor(width) - 8);
 }
 
+/** The narrowest output with the bars beside the heatmap (narrower, the heatmap keeps the width). */
+const BESIDE_FROM = 1200;
+/** The bars' width beside the heatmap: their longest caption line (all heads, 11 px) fits. */
+const BARS_BESIDE = 600;
+/** The gap between the heatmap and the bars beside it (inspector.css, .cl-figures). */
+const FIGURE_GAP = 16;
+
+/**
+ * The widths of the heatmap and the bars in an output `width` px wide: the bars beside the heatmap from
+ * BESIDE_FROM px where the heatmap, narrowed for them, still labels every key (cells of 7 px or more),
+ * else under it (a long window keeps the whole width for its cells).
+ * @param {View} view
+ * @param {Meta} meta
+ * @param {number} width
+ * @param {boolean} heatmap whether the heatmap is drawn (the text view: the bars under the text)
+ */
+function layOut(view, meta, width, heatmap) {
+  const narrowed = width - BARS_BESIDE - FIGURE_GAP;
+  const beside = heatmap && width >= BESIDE_FROM && cellPx(meta, narrowed) >= 7;
+  view.drawnWidth = width;
+  view.heatmapWidth = beside ? narrowed : width;
+  view.barsWidth = beside ? BARS_BESIDE : Math.min(1000, width);
+}
+
 /**
  * The host's explained steps, decoded once per steps payload (null without steps).
  * @param {View} view
@@ -141,7 +165,7 @@ function drawLayer(view, meta, state, shown) {
   view.current = { queries: meta.queries, qLabels: meta.query_labels, keys: meta.keys, kLabels: meta.key_labels };
   parts.flow.style.display = shown === "text" ? "" : "none";
   parts.heatmap.style.display = shown === "text" ? "none" : "";
-  view.drawnWidth = available(view.root);
+  layOut(view, meta, available(view.root), shown !== "text");
   const extra = { textKey: "text/" + viewKey(meta, state), outside: outside(meta, entry, state) };
   const drawn = shown === "text" ? drawText(view, meta, entry, both, state) : drawHeatmap(view, meta, entry, both, state, extra);
   const bars = drawBars(view, meta, entry, both[/** @type {"intra" | "inter"} */ (state.scope)], state);
