@@ -97,7 +97,8 @@ function whyTraces(row, n) {
       text: names.map((name, k) => name + ": " + fmt(values[k]) + " (" + SIDE_NAMES[side] + ")"),
       textposition: "none",
       hovertemplate: "%{text}<extra></extra>",
-      marker: { color: values.map((v) => (v >= 0 ? "#2166ac" : "#b2182b")) },
+      // The heatmaps' diverging scale (RdBu_r): red raises the score, blue lowers it.
+      marker: { color: values.map((v) => (v >= 0 ? "#b2182b" : "#2166ac")) },
       xaxis: i ? "x2" : "x",
       yaxis: i ? "y2" : "y",
     };
@@ -135,8 +136,8 @@ export function drawWhy(view, meta, state) {
     width: Math.min(1000, view.drawnWidth),
     height: 110 + 22 * (got.top + 1),
     margin: { t: 30, l: 10 },
-    xaxis: axis("key side: A of the key's components", [0, 0.44], "y"),
-    xaxis2: axis("query side: A of the query's components", [0.56, 1], "y2"),
+    xaxis: axis("key side: A of the key's components (sum " + fmt(got.key_side[n].total) + ")", [0, 0.44], "y"),
+    xaxis2: axis("query side: A of the query's components (sum " + fmt(got.query_side[n].total) + ")", [0.56, 1], "y2"),
     yaxis: { autorange: "reversed", type: "category", automargin: true, anchor: "x" },
     yaxis2: { autorange: "reversed", type: "category", automargin: true, anchor: "x2" },
   };
