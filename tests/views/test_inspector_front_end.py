@@ -21,8 +21,8 @@ import torch
 
 import contribution_lens as cl
 from conftest import tiny_bridge, tiny_encoder
-from contribution_lens.views import plot
 from contribution_lens import qk
+from contribution_lens.views import plot
 from contribution_lens.views.inspector import codecs, compact, page, payload, steps, why, windows
 from contribution_lens.views.inspector.compute import compute_windows
 from contribution_lens.views.inspector.figure import outside_view, view_factors
