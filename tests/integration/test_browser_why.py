@@ -179,14 +179,17 @@ def test_widget_why_panel_asks_the_kernel_once_per_cell_and_draws_its_answer(
     wait_ready(browser, hash_too=False)
     query = inspector.query
     split = splits[LAYER]
+    # Before a click the kernel is asked nothing (a head chosen in the menu costs no pass): the panel says to click.
+    assert not drawn_why(browser, "click a cell of the heatmap")["shown"]
+    assert "why" not in browser.execute_script("return window.host.sent")
+    click_heatmap_cell(browser, query, 5)
     assert "computing" in drawn_why(browser, f"computing L{LAYER}H{HEAD} at query {query}")["caption"]
     asked = answer_why(browser, inspector, sent)
     assert {k: asked[k] for k in ("layer", "head", "query")} == {"layer": LAYER, "head": HEAD, "query": query}
-    most = int(split.pattern[HEAD, query, : query + 1].argmax())
-    check_bars(drawn_why(browser, "Why L"), split, HEAD, query, most)
-    # Another key of the same query: drawn from the row already here, nothing asked.
-    click_heatmap_cell(browser, query, 5)
     check_bars(drawn_why(browser, "to key 5:"), split, HEAD, query, 5)
+    # Another key of the same query: drawn from the row already here, nothing asked.
+    click_heatmap_cell(browser, query, 2)
+    check_bars(drawn_why(browser, "to key 2:"), split, HEAD, query, 2)
     # Another query: asked once, drawn when the kernel answers; different numbers.
     click_heatmap_cell(browser, 8, 5)
     drawn_why(browser, "computing")

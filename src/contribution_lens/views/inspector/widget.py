@@ -128,6 +128,10 @@ class Inspector(anywidget.AnyWidget):
     beyond the shown window): a later layer or window switch only sends what is ready. A new
     ``tokens`` (or a start off those windows) runs one more pass.
 
+    With one head shown, a click on a cell asks the kernel for the *why* panel of that query: the
+    head's score at each key split over the upstream components (`why`, computed on demand from
+    `contribution_lens.qk_attribution` and kept).
+
     A bad value (``start``, ``tokens``, ``layer``, ``head``, ``query``, ``factor``, ``scope``,
     ``view``, ``step``) is refused before anything changes: Python gets an `InspectorError` (a
     ``TraitError`` and a ``ValueError``), the front-end the reason in the ``error`` trait (""

@@ -27,6 +27,8 @@ const NO_KERNEL =
   "was reopened). This view is the last one drawn; run the cell again to explore it (the page of write_html needs no kernel).";
 /** The still's line (still.py's RUN_AGAIN), drawn above the view sent to the kernel. */
 const RUN_AGAIN = "The inspector's last view: run the cell again to explore it.";
+/** The why panel before a click: the kernel splits a head's score only for a clicked cell (a pass up to its layer). */
+const CLICK_A_CELL = "click a cell of the heatmap: the kernel splits this head's score there (its first cell takes one pass)";
 /** How long a view must stay unchanged before it is sent to the kernel as the still. */
 const SETTLE_MS = 1000;
 
@@ -103,12 +105,13 @@ export function kernelWatch(model, onChange) {
 }
 
 /**
- * The why panel's rows, asked of the kernel once per window, layer, head and query, kept as they
- * arrive (a repeated click asks nothing); `onAnswer` is called when one arrives.
+ * The why panel's rows, asked of the kernel once per window, layer, head and query, and only for a
+ * clicked cell (`ask`: a head chosen in the menu costs the kernel nothing), kept as they arrive (a
+ * repeated click asks nothing); `onAnswer` is called when one arrives.
  * @param {WidgetModel} model
  * @param {ReturnType<typeof kernelWatch>} kernel
  * @param {() => void} onAnswer
- * @returns {(layer: number, head: number, query: number) => import("./types.js").WhyRow | string | null}
+ * @returns {(layer: number, head: number, query: number, ask: boolean) => import("./types.js").WhyRow | string | null}
  */
 export function whyRows(model, kernel, onAnswer) {
   /** @type {Map<string, {row?: import("./types.js").WhyRow, error?: string}>} */
@@ -119,10 +122,11 @@ export function whyRows(model, kernel, onAnswer) {
     answers.set(message.key, message);
     onAnswer();
   });
-  return (layer, head, query) => {
+  return (layer, head, query, ask) => {
     const key = model.get("meta").key + "|" + layer + "/" + head + "/" + query;
     const answer = answers.get(key);
     if (answer) return answer.row || "the kernel could not split this score: " + answer.error;
+    if (!asked.has(key) && !ask) return CLICK_A_CELL;
     if (!asked.has(key)) {
       asked.add(key);
       model.send({ type: "why", key, layer, head, query });

@@ -137,8 +137,9 @@
  * @property {(state: State | null) => string} [pending] what to say while a layer is not here
  * @property {() => StepsPayload | null} [steps]
  * @property {(step: number, layer: number, head: number) => void} [open] a head clicked in the prediction view
- * @property {(layer: number, head: number, query: number) => WhyRow | string | null} [why] the why panel's row of
- *   one head and query, a string saying why there is none, or null while it is on its way (the kernel computes it)
+ * @property {(layer: number, head: number, query: number, ask: boolean) => WhyRow | string | null} [why] the why
+ *   panel's row of one head and query, a string saying why there is none, or null while it is on its way (the
+ *   kernel computes it, where `ask`: a cell of that query was clicked)
  */
 
 /**

@@ -117,13 +117,14 @@ export function drawWhy(view, meta, state) {
   const { why, whyCaption: caption, whyBars: figure } = view.parts;
   why.style.display = view.host.why ? "" : "none";
   if (!view.host.why) return Promise.resolve();
-  const got = state.head === "all" || state.group_kv ? PICK_ONE_HEAD : view.host.why(state.layer, Number(state.head), state.query);
+  const clicked = view.selected && view.selected.query === state.query ? view.selected.key : -1;
+  const got = state.head === "all" || state.group_kv ? PICK_ONE_HEAD
+    : view.host.why(state.layer, Number(state.head), state.query, Boolean(view.selected && view.selected.query === state.query));
   figure.style.display = got && typeof got !== "string" ? "" : "none";
   if (!got || typeof got === "string") {
     caption.textContent = "Why: " + (got || "computing L" + state.layer + "H" + state.head + " at query " + state.query + "…");
     return Promise.resolve();
   }
-  const clicked = view.selected && view.selected.query === state.query ? view.selected.key : -1;
   const n = whyKey(got, clicked);
   const qLabel = meta.query_labels[meta.queries.indexOf(state.query)];
   const kLabel = meta.key_labels[meta.keys.indexOf(got.keys[n])];
