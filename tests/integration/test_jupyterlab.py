@@ -348,6 +348,8 @@ def check_why(shown: dict, library: dict, key: int) -> None:
 
 
 def test_why_panel_draws_the_library_split_and_opens_a_head_in_jupyterlab(page) -> None:
+    # The notebook in front (an earlier test leaves the shared page's viewer there).
+    page.evaluate(f"window.jupyterapp.shell.activateById(({PANEL}).id)")
     kernel(page, "inspector.start = 16; inspector.view = 'heatmap'; inspector.layer = 2; inspector.head = 1")
     drawn(page, "d.y[0].startsWith('16:') && d.status === ''")
     # A click on (query 20, key 17): the kernel splits head 1 of layer 2 and the panel draws its answer.
