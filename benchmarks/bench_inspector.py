@@ -8,8 +8,13 @@ build time, the fine codec's size for comparison) and its error against the libr
 numbers beside the stated bounds, and the memory headless Chromium needs to show it (Debian's
 ``chromium`` and ``chromedriver``; skipped where they are missing). In the browser: the time a
 layer switch takes to draw (decode, factors, heatmap, bars) in windows of 128, 512 and 800 tokens
-(fine codecs, as the widget sends them; all heads, and one head at 800), and the JS heap after it. Run:
-``python benchmarks/bench_inspector.py`` (``... browser`` for the browser's table only).
+(fine codecs, as the widget sends them; all heads, and one head at 800), and the JS heap after it. The
+*why* panel after the first view (``why``: one head's score split at the clicked cell, layer 29, the
+costliest): the first click on a head (one `cl.qk_attribution` pass up to the layer for the window's
+queries), a click on another query of that head, a repeated click, another head, an early layer, each
+against a plain forward pass of the text measured in the same run. Run:
+``python benchmarks/bench_inspector.py`` (``... browser`` for the browser's table only, ``... why`` for
+the why panel's only).
 """
 
 import json
@@ -192,12 +197,41 @@ def browser_layer_switch(model, ids, tokens: int, head: str = "all") -> None:
     )
 
 
+def load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def why_panel(model, ids) -> None:
+    """The why panel's cost after the widget's first view, each click against a plain forward pass of ``ids``."""
+    n = ids.shape[1]
+    inspector = cl.inspect(model, ids, layer=29, head=0, tokens=128, start=n - 128)
+    with torch.inference_mode():
+        plain = min(timed(lambda: model(ids)) for _ in range(2))
+    clicks = [
+        ("first click on L29H0 (a split for the window's 128 queries)", lambda: inspector.why(n - 1)),
+        ("another query of L29H0", lambda: inspector.why(n - 2)),
+        ("the same cell again", lambda: inspector.why(n - 1)),
+        ("first click on L29H4 (another head: another split)", lambda: inspector.why(n - 1, head=4)),
+        ("first click on L3H0 (an early layer: a short pass)", lambda: inspector.why(n - 1, layer=3, head=0)),
+    ]
+    print(f"why panel, {n} tokens, {torch.get_num_threads()} torch threads; plain forward {plain:.3f} s; load {load()}")
+    print("| click | s | / plain forward |")
+    print("|---|---|---|")
+    for name, click in clicks:
+        took = timed(click)
+        print(f"| {name} | {took:.3f} | {took / plain:.2f}x |")
+    print(f"load average after: {load()}")
+
+
 def main() -> None:
-    torch.set_num_threads(1)
     model = cl.load_model()
     long_ids = cl.to_token_batch(model, TEXT).tokens[:, :LONG_TOKENS]
     ids = long_ids[:, :N_TOKENS]
-    print(f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    print(f"load average {load()}")
+    if sys.argv[1:] == ["why"]:  # the why panel's table only, at the machine's thread count (as a notebook runs)
+        why_panel(model, ids)
+        return
+    torch.set_num_threads(1)
     if shutil.which("chromium") and shutil.which("chromedriver"):
         print("headless Chromium, a layer switch drawn (the page's layers in fine codecs, as the widget sends them):")
         print("| window tokens | cells | layer switch s, new layer (worst of 2) | switch s, kept layer | JS heap MB |")

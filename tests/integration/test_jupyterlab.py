@@ -9,6 +9,7 @@ its prediction, open the shared page from the notebook's link and trust it.
 import base64
 import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -374,6 +375,71 @@ def test_a_late_window_shows_the_rest_of_each_row_and_all_heads_say_how_in_jupyt
     np.testing.assert_allclose(np.array(every["z"], dtype=float), library["None"], atol=2e-6, rtol=1e-5)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / "jupyterlab_late_window.png"), full_page=True)
+    assert not page.errors, page.errors
+
+
+WHY = """() => {
+  const root = document.querySelectorAll('.cl-inspector')[0];
+  const gd = root.querySelector('.cl-why-bars');
+  const menu = (name) => root.querySelector("select[data-control='" + name + "']").value;
+  return {caption: root.querySelector('.cl-why-caption').textContent, layer: menu('layer'), head: menu('head'),
+          bars: gd.offsetHeight > 0 && gd.data ? gd.data.map((t) => ({y: t.y, x: t.x, text: t.text})) : null};
+}"""
+"""The first inspector's why panel: its caption, its bars (plotly's data, hover text), the layer and head menus."""
+LIBRARY_WHY = """\
+import json
+split = cl.qk_attribution(model, ids[0], {layer}, {head}, query={query})
+print(json.dumps({{"target": split.log_alpha_plus_entropy().to_dict(),
+                  **{{side: split.advantage(side).to_dict() for side in ("key", "query")}}}}))"""
+
+
+def check_why(shown: dict, library: dict, key: int) -> None:
+    """Both sides' bars are the library's advantages at ``key``: the largest terms, the rest, log alpha + H."""
+    target = library["target"][str(key)]
+    assert shown["bars"] and len(shown["bars"]) == 2, shown
+    for side, bars in zip(("key", "query"), shown["bars"], strict=True):
+        column = library[side][str(key)]  # to_dict of the components x keys table: {key: {component: A}}
+        largest = sorted(column, key=lambda name: -abs(column[name]))[:8]
+        assert bars["y"] == [*largest, "other components"], (side, bars["y"], largest)
+        np.testing.assert_allclose(bars["x"][:-1], [column[name] for name in largest], atol=2e-6)
+        assert abs(bars["x"][-1] - (sum(column.values()) - sum(column[name] for name in largest))) < 2e-6
+        assert abs(sum(bars["x"]) - target) < 1e-4, (side, sum(bars["x"]), target)
+        assert all(text.startswith(f"{name}: ") and text.endswith(f"({side} side)")
+                   for name, text in zip(bars["y"], bars["text"], strict=True))  # fmt: skip
+
+
+def test_why_panel_draws_the_library_split_and_opens_a_head_in_jupyterlab(page) -> None:
+    # The notebook in front (an earlier test leaves the shared page's viewer there).
+    page.evaluate(f"window.jupyterapp.shell.activateById(({PANEL}).id)")
+    kernel(page, "inspector.start = 16; inspector.view = 'heatmap'; inspector.layer = 2; inspector.head = 1")
+    drawn(page, "d.y[0].startsWith('16:') && d.status === ''")
+    # A click on (query 20, key 17): the kernel splits head 1 of layer 2 and the panel draws its answer.
+    click_cell(page, 4, 2)
+    first = drawn(page, "d.bars && d.caption.includes('query 20:') && d.caption.includes('to key 17:')", WHY)
+    library = json.loads(kernel(page, LIBRARY_WHY.format(layer=2, head=1, query=20)))
+    check_why(first, library, 17)
+    assert kernel(page, "print((2, 1, 20, '16-31') in inspector._why_rows)").strip() == "True"
+    # Another cell: another explanation, asked of the kernel once.
+    click_cell(page, 6, 3)
+    second = drawn(page, "d.bars && d.caption.includes('query 22:') && d.caption.includes('to key 18:')", WHY)
+    check_why(second, json.loads(kernel(page, LIBRARY_WHY.format(layer=2, head=1, query=22))), 18)
+    assert second["bars"] != first["bars"], "two cells draw the same bars"
+    page.locator(".cl-inspector .cl-why").first.screenshot(path=str(ARTIFACTS / "jupyterlab_why_panel.png"))
+    # A head's bar (L0H… or L1H…, every earlier layer is inspected) opens that head: menus and kernel follow.
+    key_side = second["bars"][0]
+    heads = [(abs(x), n, name) for n, (name, x) in enumerate(zip(key_side["y"], key_side["x"], strict=True))
+             if re.fullmatch(r"L\d+H\d+", name)]  # fmt: skip
+    assert heads, key_side["y"]
+    _, n, name = max(heads)
+    layer, head = (int(x) for x in name[1:].split("H"))
+    bar = page.locator(".cl-inspector >> nth=0").locator(".cl-why-bars .barlayer .trace").first.locator(".point path")
+    box = bar.nth(n).bounding_box()  # a mouse click there: plotly's drag layer above the bars takes it, as for a reader
+    assert box, f"bar {n} is not drawn"
+    page.mouse.click(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    opened = drawn(page, f"d.layer === '{layer}' && d.head === '{head}' && d.caption.includes('Why L{layer}H{head}')",
+                   WHY)  # fmt: skip
+    assert opened["bars"], opened
+    assert kernel(page, "print(inspector.layer, inspector.head)").split() == [str(layer), str(head)]
     assert not page.errors, page.errors
 
 

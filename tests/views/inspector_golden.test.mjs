@@ -155,3 +155,20 @@ test("droppedFragment", () => {
   assert.equal(js.droppedFragment("", "#Section-heading"), "");
   assert.equal(js.droppedFragment("", "#view=prediction&step=3"), "view=prediction&step=3");
 });
+
+test("why", () => {
+  const { row, bars, heads, keys } = golden.why;
+  // Each key's bars: the top terms then the other components, adding up to log alpha + H.
+  row.key_side.forEach((side, n) => {
+    for (const drawn of [js.whyBars(side), js.whyBars(row.query_side[n])]) {
+      assert.deepEqual(drawn.names.slice(0, -1), side === drawn ? side.names : drawn.names.slice(0, -1));
+      assert.equal(drawn.names.at(-1), js.OTHER);
+      const sum = drawn.values.reduce((a, b) => a + b, 0);
+      close([sum, drawn.total], [bars[n].total, bars[n].total], `key ${row.keys[n]}: the bars' sum and total`, { atol: 1e-4 });
+    }
+    assert.deepEqual(js.whyBars(side).names, bars[n].names);
+  });
+  // A component's head, as the Python side reads it: only L{m}H{h} opens a head.
+  for (const [name, where] of Object.entries(heads)) assert.deepEqual(js.headOf(name), where, name);
+  for (const [what, [clicked, want]] of Object.entries(keys)) assert.equal(row.keys[js.whyKey(row, clicked)], want, what);
+});

@@ -21,8 +21,9 @@ import torch
 
 import contribution_lens as cl
 from conftest import tiny_bridge, tiny_encoder
+from contribution_lens import qk
 from contribution_lens.views import plot
-from contribution_lens.views.inspector import codecs, compact, page, payload, steps, windows
+from contribution_lens.views.inspector import codecs, compact, page, payload, steps, why, windows
 from contribution_lens.views.inspector.compute import compute_windows
 from contribution_lens.views.inspector.figure import outside_view, view_factors
 
@@ -183,6 +184,29 @@ def half_case() -> dict:
     }
 
 
+def why_case() -> dict:
+    """The why panel's rows (`why.why_row`) of a tiny model's split, and what the bars must be: the top terms then
+    the rest, adding up to ``log alpha + H``; each component's head (`qk.component_layer_head`); the key drawn."""
+    model = tiny_bridge("gqa", biases=True)
+    split = cl.qk_attribution(model, torch.arange(7), 1, 2, query=6)
+    row = why.why_row(split, 2, 6, top=3)
+    heads = {name: list(qk.component_layer_head(name)) for name in (*split.key_components, *split.query_components)}
+    heads = {name: where if where[1] is not None else None for name, where in heads.items()}
+    alpha = split.pattern[0, 0].double().numpy()
+    return {
+        "row": row,
+        "bars": [
+            {
+                "names": [*side["names"], why.OTHER],
+                "total": float(split.log_alpha_plus_entropy(head=2, query=6)[j]),
+            }
+            for j, side in zip(row["keys"], row["key_side"], strict=True)
+        ],
+        "heads": heads,
+        "keys": {"clicked 3": [3, 3], "none": [-1, int(alpha.argmax())], "off the row": [40, int(alpha.argmax())]},
+    }
+
+
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory) -> Path:
     """A folder of golden files (what the Python side computes) and the front-end's module as the page loads it."""
@@ -194,7 +218,7 @@ def golden(tmp_path_factory) -> Path:
         layer_case("encoder, every pair", tiny_encoder("mha"), ids[:, :8], 0, 8),
     ]
     cases = {"layers": layers, "hide_sink": hide_sink_case(), "steps": steps_case(), "windows": window_cases(),
-             "labels": label_cases(), "half": half_case()}  # fmt: skip
+             "labels": label_cases(), "half": half_case(), "why": why_case()}  # fmt: skip
     (folder / "golden.json").write_text(json.dumps(cases), encoding="utf-8")
     (folder / "inspector.mjs").write_text(page.module(), encoding="utf-8")
     return folder
@@ -217,7 +241,7 @@ def node_test(folder: Path) -> tuple[int, set[str], set[str], str]:
 
 
 CHECKS = {"dequantise", "cellIndex", "windowStarts", "escapeToken", "combine", "decodeCompact", "hideSink",
-          "viewFactors", "shownFactors", "outsideShares", "decodeSteps", "droppedFragment"}  # fmt: skip
+          "viewFactors", "shownFactors", "outsideShares", "decodeSteps", "droppedFragment", "why"}  # fmt: skip
 
 
 @pytest.mark.skipif(NODE is None, reason=NO_NODE)
@@ -246,6 +270,9 @@ MUTATIONS = [
     ("decodeSteps", "keys: dequantise(step.keys, exact)", "keys: dequantise(step.heads, exact)"),
     ("droppedFragment", "return !names(own) && names(outer)", "return names(outer)"),
     ("droppedFragment", "(name) => SETTINGS.includes(name)", "() => true"),
+    ("why", "values: side.values.concat(side.other)", "values: side.values.concat(0)"),
+    ("why", "const match = /^L(\\d+)H(\\d+)$/.exec(name);", "const match = /^L(\\d+)H?(\\d*)/.exec(name);"),
+    ("why", "if ((a ?? 0) > (row.alpha[best] ?? 0)) best = n;", "if ((a ?? 0) < (row.alpha[best] ?? 0)) best = n;"),
 ]
 """For each golden check, a break of its function (the text replaced, once, in the module) that it must catch."""
 

@@ -12,6 +12,7 @@ one module a concern, each importing only those before it:
 * `steps`: explained predictions, for the prediction view;
 * `subject`: the model, text and layers inspected, and every check of a setting's value;
 * `figure`: one view as numbers and as a figure (what exports and ``save_image`` show);
+* `why`: the *why* panel's rows, one head's score split at a query (`contribution_lens.qk_attribution`'s advantages);
 * `widget`: `inspect` and `Inspector`; `page`: the static page and the front-end's module.
 
 Both front-ends run the same ES module, assembled from ``static/*.js`` (``static/inspector.js`` is

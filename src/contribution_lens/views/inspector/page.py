@@ -32,6 +32,7 @@ MODULES = (
     "colours.js",
     "controls.js",
     "figures.js",
+    "why.js",
     "prediction.js",
     "view.js",
     "fragment.js",
@@ -68,16 +69,23 @@ TRUST_HINT = (
 """What a page shows where its scripts do not run (JupyterLab's viewer opens it untrusted); its script removes it."""
 
 
-def render(meta: dict[str, Any], payloads: dict[int, dict[str, Any]], steps: dict[str, Any] | None = None) -> str:
+def render(
+    meta: dict[str, Any],
+    payloads: dict[int, dict[str, Any]],
+    steps: dict[str, Any] | None = None,
+    why: dict[str, Any] | None = None,
+) -> str:
     """The page for `contribution_lens.views.inspector.payload.meta`, those layers' payloads and explained steps.
 
     ``steps`` (`contribution_lens.views.inspector.steps.steps_payload`) adds the step control and
-    the prediction view.
+    the prediction view; ``why`` (``{"queries": [...], "rows": {"layer/head/query": row}}``, rows of
+    `contribution_lens.views.inspector.why.why_row`) the *why* panel of those queries.
     """
     data = {
         "meta": meta,
         "layers": {str(layer): {**payload, "key": str(layer)} for layer, payload in payloads.items()},
         "steps": steps,
+        "why": why,
     }
     blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     queries = meta["queries"]

@@ -20,13 +20,15 @@ import traitlets
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.choices import as_count
+from contribution_lens.analyses.qk_attribution import QKAttribution, qk_attribution
+from contribution_lens.choices import as_count, as_indices, as_position
 from contribution_lens.views import plot
 from contribution_lens.views.inspector import figure, page, still
 from contribution_lens.views.inspector.compute import compute_windows
 from contribution_lens.views.inspector.payload import meta, payload_bytes
 from contribution_lens.views.inspector.steps import steps_payload
 from contribution_lens.views.inspector.subject import Explained, InspectorError, Opening, Subject
+from contribution_lens.views.inspector.why import PICK_ONE_HEAD, row_key, why_row
 from contribution_lens.views.inspector.windows import DEFAULT_TOKENS, Window, window_start, window_starts
 
 if TYPE_CHECKING:
@@ -38,6 +40,8 @@ PRECOMPUTE_BYTES = 400_000_000
 """The most payload bytes one pass precomputes beyond the window shown (other windows of the same size)."""
 CHECKED = ("layer", "head", "factor", "scope", "start", "tokens", "query", "view", "step")
 """The traits whose values are checked (`Subject.refusal`) before they change anything."""
+WHY_KEPT = 3
+"""The (layer, head) splits the *why* panel keeps: a click on another query of one of them computes no pass."""
 
 
 def inspect(
@@ -124,6 +128,10 @@ class Inspector(anywidget.AnyWidget):
     beyond the shown window): a later layer or window switch only sends what is ready. A new
     ``tokens`` (or a start off those windows) runs one more pass.
 
+    With one head shown, a click on a cell asks the kernel for the *why* panel of that query: the
+    head's score at each key split over the upstream components (`why`, computed on demand from
+    `contribution_lens.qk_attribution` and kept).
+
     A bad value (``start``, ``tokens``, ``layer``, ``head``, ``query``, ``factor``, ``scope``,
     ``view``, ``step``) is refused before anything changes: Python gets an `InspectorError` (a
     ``TraitError`` and a ``ValueError``), the front-end the reason in the ``error`` trait (""
@@ -153,6 +161,8 @@ class Inspector(anywidget.AnyWidget):
         self._subject = subject
         self._ready = False
         self._computed: dict[str, dict[int, dict[str, Any]]] = {}
+        self._why_splits: dict[tuple[int, int, str], QKAttribution] = {}
+        self._why_rows: dict[tuple[int, int, int, str], dict[str, Any]] = {}
         sent = {} if subject.steps is None else {"steps": steps_payload(subject.steps, subject.labels)}
         super().__init__(**vars(opening), **sent)
         self._still = still.Still(self._view_state, self._view_figure)
@@ -314,6 +324,68 @@ class Inspector(anywidget.AnyWidget):
                 self.error = str(refused)
         elif kind == "snapshot":  # the view the front-end settled on, as it drew it
             self._snapshot(content)
+        elif kind == "why":  # a cell clicked with one head shown: the why panel's row
+            self._answer_why(content)
+
+    # --- the why panel: one head's scores split over upstream components, on demand ----------------
+
+    def why(self, query: int | None = None, *, layer: int | None = None, head: int | None = None) -> dict[str, Any]:
+        """The *why* panel's numbers of one head at ``query``: each window key's largest advantage terms.
+
+        For head ``h`` of layer ``l``, query ``i`` and every key ``j`` of the window, each side's
+        (key, query) largest advantage terms ``A_ij^c = T_ij^c - sum_k alpha_ik T_ik^c`` over the
+        upstream components ``c``, the rest's sum and the total, which is ``log alpha_ij +
+        H(alpha_i)`` (`contribution_lens.views.inspector.why.why_row`; the maths:
+        `contribution_lens.qk_attribution`). Defaults: the widget's layer, head and query.
+
+        The first call for a (layer, head) runs `contribution_lens.qk_attribution` for the
+        window's queries (one pass up to that layer); another query of it is cut from that split
+        (the last `WHY_KEPT` are kept) and every row is kept, so a repeated click costs nothing.
+        A head of -1 (all heads) is refused (`InspectorError`), as is a layer, head or query the
+        inspector does not show.
+
+        Example:
+            >>> import contribution_lens as cl
+            >>> inspector = cl.inspect(cl.load_model(), "The cat sat on the mat.", layer=3, head=0)
+            >>> row = inspector.why()
+            >>> row["keys"] == inspector.window.keys, len(row["key_side"][0]["names"])
+            (True, 8)
+        """
+        layer = self.layer if layer is None else layer
+        head = self.head if head is None else head
+        query = self.query if query is None else query
+        if head == -1:
+            raise InspectorError(PICK_ONE_HEAD)
+        window, subject = self.window, self._subject
+        for name, value in (("layer", layer), ("head", head), ("query", query)):
+            message = subject.refusal(name, value, window)
+            if message:
+                raise InspectorError(message)
+        row = self._why_rows.get((layer, head, query, window.key))
+        if row is None:
+            row = why_row(self._why_split(layer, head, window), head, query, window.keys)
+            self._why_rows[(layer, head, query, window.key)] = row
+        return row
+
+    def _why_split(self, layer: int, head: int, window: Window) -> QKAttribution:
+        """One head's split for the window's queries, computed once while among the last `WHY_KEPT`."""
+        key = (layer, head, window.key)
+        split = self._why_splits.pop(key, None)
+        if split is None:
+            split = qk_attribution(self._subject.model, self._subject.batch.tokens[0], layer, head, window.queries)
+        self._why_splits[key] = split  # last in: the most recently used
+        while len(self._why_splits) > WHY_KEPT:
+            del self._why_splits[next(iter(self._why_splits))]
+        return split
+
+    def _answer_why(self, content: dict) -> None:
+        """The front-end's request for a row (layer, head, query): the row, or why it cannot be had."""
+        try:
+            layer, head, query = (int(content[name]) for name in ("layer", "head", "query"))
+            answer: dict[str, Any] = {"row": self.why(query, layer=layer, head=head)}
+        except (InspectorError, KeyError, TypeError, ValueError, RuntimeError) as refused:
+            answer = {"error": str(refused)}
+        self.send({"type": "why", "key": content.get("key"), **answer})
 
     # --- what is left when the widget cannot run: a still, a figure, an image, a page ---------------
 
@@ -395,6 +467,7 @@ class Inspector(anywidget.AnyWidget):
         start: int | None = None,
         tokens: int | None = None,
         compact: bool | None = None,
+        why_queries: Sequence[int] | None = None,
     ) -> str:
         """The self-contained page of `write_html` as a string."""
         subject = self._subject
@@ -403,6 +476,7 @@ class Inspector(anywidget.AnyWidget):
         if compact is None:
             fine = payload_bytes(window, subject.n_heads, subject.n_kv_heads) * len(wanted)
             compact = fine > COMPACT_ABOVE_BYTES
+        chosen = self._why_queries(window, why_queries)
         payloads = self._page_payloads(window, wanted, compact)
         # The page opens on the window's last query, whatever the widget's query, or on the explained step's position.
         query = window.queries[-1]
@@ -412,7 +486,38 @@ class Inspector(anywidget.AnyWidget):
         initial["layer"] = self.layer if self.layer in wanted else wanted[-1]
         groups = next(iter(payloads.values()))["kv_groups"]
         about = meta(subject.labels, window, wanted, subject.n_heads, initial, kv_groups=groups, compact=compact)
-        return page.render(about, payloads, steps=self.steps or None)
+        return page.render(about, payloads, steps=self.steps or None, why=self._page_why(window, wanted, chosen))
+
+    def _why_queries(self, window: Window, queries: Sequence[int] | None) -> list[int] | None:
+        """``why_queries`` checked (before any pass): positions (negative from the end) of the window's queries."""
+        if queries is None:
+            return None
+        n = len(self._subject.labels)
+        try:
+            chosen = sorted({as_position(q, n) for q in as_indices(queries, "why_queries")})
+        except ValueError as error:
+            raise InspectorError(f"why_queries: {error}") from error
+        outside = [q for q in chosen if q not in window.queries]
+        if outside or not chosen:
+            first, last = window.queries[0], window.queries[-1]
+            raise InspectorError(
+                f"why_queries {outside or list(queries)} are not queries of the page's window {first}..{last}: "
+                "name positions the page shows (or set start= and tokens=)"
+            )
+        return chosen
+
+    def _page_why(self, window: Window, layers: list[int], chosen: list[int] | None) -> dict[str, Any] | None:
+        """The *why* rows a page embeds: every head of ``layers`` at each ``chosen`` query, the window's keys."""
+        if chosen is None:
+            return None
+        rows = {}
+        tokens = self._subject.batch.tokens[0]
+        for layer in layers:
+            split = qk_attribution(self._subject.model, tokens, layer, None, chosen)
+            for head in split.heads:
+                for query in chosen:
+                    rows[row_key(layer, head, query)] = why_row(split, head, query, window.keys)
+        return {"queries": chosen, "rows": rows}
 
     def write_html(
         self,
@@ -422,6 +527,7 @@ class Inspector(anywidget.AnyWidget):
         start: int | None = None,
         tokens: int | None = None,
         compact: bool | None = None,
+        why_queries: Sequence[int] | None = None,
     ) -> Path:
         """One self-contained HTML file (plotly.js once, every requested layer's data once, offline).
 
@@ -436,9 +542,17 @@ class Inspector(anywidget.AnyWidget):
                 for ``d_head = 64``) instead of the fine codecs (``|da|, |dcos| <= 1.5e-5``).
                 None (default): compact when the fine page would pass `COMPACT_ABOVE_BYTES`
                 (all 30 layers of SmolLM2 at 512 tokens: 290 MB fine, under 50 MB compact).
+            why_queries: query positions (of the window) whose *why* panel the page carries
+                (`why`): for each, every head of every embedded layer, every key of the window,
+                the `contribution_lens.views.inspector.why.TOP` largest advantage terms per side.
+                Each (layer, head, query) row is about 35 bytes per key and drawn term (about
+                35 KB at 128 keys), so one query of 30 layers x 9 heads adds about 10 MB; it
+                costs one `contribution_lens.qk_attribution` pass per layer. The panel of any
+                other query says it was not embedded and names this argument. Default: none.
 
         The page opens on the window's last query, in the view named in its URL fragment,
         ``#layer=L&head=H&factor=F&scope=S&query=Q`` (``H`` a head or ``all``), and rewrites the
         fragment when the view changes.
         """
-        return page.write(path, self.render_html(layers=layers, start=start, tokens=tokens, compact=compact))
+        html = self.render_html(layers=layers, start=start, tokens=tokens, compact=compact, why_queries=why_queries)
+        return page.write(path, html)

@@ -27,6 +27,8 @@ const NO_KERNEL =
   "was reopened). This view is the last one drawn; run the cell again to explore it (the page of write_html needs no kernel).";
 /** The still's line (still.py's RUN_AGAIN), drawn above the view sent to the kernel. */
 const RUN_AGAIN = "The inspector's last view: run the cell again to explore it.";
+/** The why panel before a click: the kernel splits a head's score only for a clicked cell (a pass up to its layer). */
+const CLICK_A_CELL = "click a cell of the heatmap: the kernel splits this head's score there (its first cell takes one pass)";
 /** How long a view must stay unchanged before it is sent to the kernel as the still. */
 const SETTLE_MS = 1000;
 
@@ -103,14 +105,50 @@ export function kernelWatch(model, onChange) {
 }
 
 /**
- * The widget's model as the view's host: the state is the traits, a change is saved to the kernel,
- * which answers with the window's meta and the layer's payload.
+ * The why panel's rows, asked of the kernel once per window, layer, head and query, and only for a
+ * clicked cell (`ask`: a head chosen in the menu costs the kernel nothing), kept as they arrive (a
+ * repeated click asks nothing); `onAnswer` is called when one arrives.
  * @param {WidgetModel} model
  * @param {ReturnType<typeof kernelWatch>} kernel
+ * @param {() => void} onAnswer
+ * @returns {(layer: number, head: number, query: number, ask: boolean) => import("./types.js").WhyRow | string | null}
+ */
+export function whyRows(model, kernel, onAnswer) {
+  /** @type {Map<string, {row?: import("./types.js").WhyRow, error?: string}>} */
+  const answers = new Map();
+  const asked = new Set();
+  model.on("msg:custom", (message) => {
+    if (!message || message.type !== "why" || typeof message.key !== "string") return;
+    answers.set(message.key, message);
+    onAnswer();
+  });
+  return (layer, head, query, ask) => {
+    const key = model.get("meta").key + "|" + layer + "/" + head + "/" + query;
+    const answer = answers.get(key);
+    if (answer) return answer.row || "the kernel could not split this score: " + answer.error;
+    if (!asked.has(key) && !ask) return CLICK_A_CELL;
+    if (!asked.has(key)) {
+      asked.add(key);
+      model.send({ type: "why", key, layer, head, query });
+    }
+    kernel.check();
+    if (!kernel.missing) return null;
+    asked.delete(key); // asked again once the kernel answers
+    return "not drawn: no kernel answered";
+  };
+}
+
+/**
+ * The widget's model as the view's host: the state is the traits, a change is saved to the kernel,
+ * which answers with the window's meta and the layer's payload (and, asked, a why row).
+ * @param {WidgetModel} model
+ * @param {ReturnType<typeof kernelWatch>} kernel
+ * @param {ReturnType<typeof whyRows>} why
  * @returns {Host}
  */
-function widgetHost(model, kernel) {
+function widgetHost(model, kernel, why) {
   return {
+    why,
     meta: () => model.get("meta"),
     layer: (l) => {
       const payload = model.get("payload");
@@ -247,7 +285,8 @@ async function render({ model, el }) {
   const waiting = element("div", { className: "cl-status", textContent: "waiting for the kernel…" }, el);
   await ensurePlotly(model);
   waiting.remove();
-  view = mount(el, widgetHost(model, kernel));
+  const why = whyRows(model, kernel, () => view && view.refresh());
+  view = mount(el, widgetHost(model, kernel, why));
   const settled = stillKeeper(model, el, kernel);
   const redraw = () => /** @type {{refresh: () => Promise<unknown>}} */ (view).refresh().then(settled);
   const names = [...TRAITS, "payload", "meta", "error", "steps"];

@@ -12,9 +12,28 @@ import { mount } from "./view.js";
 /** @typedef {import("./types.js").StepsPayload} StepsPayload */
 
 /**
- * What a page embeds (page.py, render): the meta, each layer's payload by layer, the explained steps.
- * @typedef {{meta: Meta, layers: Record<string, Payload>, steps: StepsPayload | null}} PageData
+ * What a page embeds (page.py, render): the meta, each layer's payload by layer, the explained steps and
+ * the why panel's rows of the queries the writer named (by "layer/head/query").
+ * @typedef {{meta: Meta, layers: Record<string, Payload>, steps: StepsPayload | null,
+ *            why?: {queries: number[], rows: Record<string, import("./types.js").WhyRow>} | null}} PageData
  */
+
+/**
+ * The why panel's row of one head and query where the page carries it, else what the panel says.
+ * @param {PageData} data
+ * @param {number} layer
+ * @param {number} head
+ * @param {number} query
+ * @returns {import("./types.js").WhyRow | string}
+ */
+export function pageWhy(data, layer, head, query) {
+  const row = data.why && data.why.rows[layer + "/" + head + "/" + query];
+  if (row) return row;
+  const named = data.why ? data.why.queries : [];
+  return "query " + query + "'s panel was not embedded in this page (it carries " +
+    (named.length ? "queries " + named.join(", ") : "none") + "): write it with write_html(..., why_queries=[" + query +
+    "]), or open the live inspector, which computes it for the clicked cell.";
+}
 
 /**
  * Rewrite the URL's fragment where the page may: JupyterLab's HTML viewer serves the page from a
@@ -123,6 +142,7 @@ export function page(root, data) {
     steps: () => steps,
     set,
     open,
+    why: (layer, head, query) => pageWhy(data, layer, head, query),
   });
   /** @param {Partial<State>} partial */
   function set(partial) {

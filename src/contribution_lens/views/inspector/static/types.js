@@ -137,6 +137,33 @@
  * @property {(state: State | null) => string} [pending] what to say while a layer is not here
  * @property {() => StepsPayload | null} [steps]
  * @property {(step: number, layer: number, head: number) => void} [open] a head clicked in the prediction view
+ * @property {(layer: number, head: number, query: number, ask: boolean) => WhyRow | string | null} [why] the why
+ *   panel's row of one head and query, a string saying why there is none, or null while it is on its way (the
+ *   kernel computes it, where `ask`: a cell of that query was clicked)
+ */
+
+/**
+ * One side (key or query) of the why panel at one key (why.py, why_row): the largest advantage terms.
+ * @typedef {object} WhySide
+ * @property {string[]} names the components, largest |A| first
+ * @property {number[]} values their advantages A
+ * @property {number} other the sum of the other components' advantages
+ * @property {number} total the sum of every component's: log alpha + H (without a soft-cap)
+ */
+
+/**
+ * The why panel's numbers of one head and query, for each key of the window (why.py, why_row).
+ * @typedef {object} WhyRow
+ * @property {number} layer
+ * @property {number} head
+ * @property {number} query
+ * @property {number} top the terms drawn per side
+ * @property {number | null} softcap the model's attention soft-cap (null: none)
+ * @property {number[]} keys key positions
+ * @property {Array<number | null>} alpha the head's attention to each key (null: underflowed to 0)
+ * @property {Array<number | null>} log_alpha_plus_entropy what each side adds up to (null: -inf)
+ * @property {WhySide[]} key_side per key
+ * @property {WhySide[]} query_side per key
  */
 
 /**
@@ -159,6 +186,9 @@
  * @property {HTMLElement} flow the text view
  * @property {HTMLElement} heatmap
  * @property {HTMLElement} bars the selected query's factors
+ * @property {HTMLElement} why the why panel: caption and bars
+ * @property {HTMLElement} whyCaption
+ * @property {HTMLElement} whyBars
  * @property {HTMLElement} prediction the prediction view: caption, heads, key text
  * @property {HTMLElement} predictionCaption
  * @property {HTMLElement} heads
@@ -186,6 +216,9 @@
  * @property {((qi: number, ki: number) => string) | null} [hoverAt] the hover text of a cell of the drawn heatmap
  * @property {{query: number, key: number} | null} [selected] the cell last clicked (marked while its query is shown)
  * @property {boolean} [reveal] the bars come into view once drawn (after a click)
+ * @property {() => Promise<unknown>} [redraw] everything drawn again from the host (what mount's refresh does)
+ * @property {string} [whyNote] why the last head clicked in the why panel cannot be opened ("" when it could)
+ * @property {{row: WhyRow, n: number}} [whyShown] the why row and key index drawn last
  */
 
 export {};

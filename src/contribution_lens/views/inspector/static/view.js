@@ -12,6 +12,7 @@ import { buildParts, showControls } from "./controls.js";
 import { decode, outsideShares, shownFactors, viewLevel } from "./factors.js";
 import { cellPx, drawBars, drawHeatmap, drawText } from "./figures.js";
 import { drawPrediction } from "./prediction.js";
+import { drawWhy } from "./why.js";
 
 /** @typedef {import("./types.js").Host} Host */
 /** @typedef {import("./types.js").Meta} Meta */
@@ -169,7 +170,7 @@ function drawLayer(view, meta, state, shown) {
   const extra = { textKey: "text/" + viewKey(meta, state), outside: outside(meta, entry, state) };
   const drawn = shown === "text" ? drawText(view, meta, entry, both, state) : drawHeatmap(view, meta, entry, both, state, extra);
   const bars = drawBars(view, meta, entry, both[/** @type {"intra" | "inter"} */ (state.scope)], state);
-  return Promise.all([drawn, bars]).then(() => {
+  return Promise.all([drawn, bars, drawWhy(view, meta, state)]).then(() => {
     // A click's effect: the bars of the clicked query come into view (below the heatmap, or beside it where wide).
     if (view.reveal) parts.bars.scrollIntoView({ block: "nearest" });
     view.reveal = false;
@@ -197,7 +198,7 @@ function refresh(view) {
   showControls(parts, host, meta, state, shown, steps);
   parts.prediction.style.display = shown === "prediction" ? "" : "none";
   if (shown !== "prediction") return drawLayer(view, meta, state, shown);
-  parts.flow.style.display = parts.heatmap.style.display = parts.bars.style.display = "none";
+  parts.flow.style.display = parts.heatmap.style.display = parts.bars.style.display = parts.why.style.display = "none";
   parts.status.textContent = "";
   // The click handlers of the hidden views read `current`; the resize observer needs it set to redraw.
   view.current = { queries: meta.queries, qLabels: meta.query_labels };
@@ -238,6 +239,7 @@ export function mount(root, host) {
     if (view.current && view.current.queries.includes(position)) host.set({ query: position });
   });
   const redraw = () => refresh(view);
+  view.redraw = redraw;
   redrawOnResize(view, redraw);
   return { refresh: redraw };
 }
