@@ -334,3 +334,23 @@ def test_sink_factors_on_the_bundled_model_match_the_oracle(bundled_model) -> No
                     assert torch.equal(factors[name], value), (scope, layer, name)
                 else:
                     assert_close(factors[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_sink_analysis_keeps_its_numbers(bundled_model) -> None:
+    """Every number of every case is the one the analysis gave before it was made cheaper (to 1e-6).
+
+    NaN stays NaN: layer 15 of the padded batch has queries whose sink ratio rounds to 1, where
+    ``tail_sq`` divides by ``1 - a_i`` clamped to 1e-30 and overflows (as it did before).
+    """
+    import sink_cases
+    from safetensors.torch import load_file
+
+    kept = load_file(str(sink_cases.NUMBERS))
+    for case, run in sink_cases.cases(bundled_model, tiny_bridge).items():
+        expected = {key.split("|", 1)[1]: value for key, value in kept.items() if key.startswith(f"{case}|")}
+        got = sink_cases.numbers(run())
+        assert expected and got.keys() == expected.keys(), case
+        for key, value in expected.items():
+            torch.testing.assert_close(
+                got[key], value, rtol=1e-6, atol=1e-6, equal_nan=True, msg=lambda m, c=case, k=key: f"{c} {k}: {m}"
+            )
