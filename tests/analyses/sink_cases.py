@@ -2,7 +2,8 @@
 
 The file was written by the code of before the sink analysis was made cheaper (``python
 tests/analyses/sink_cases.py`` at that commit); a change that is meant to keep the numbers must
-leave it as it is (`test_sinks.test_sink_analysis_keeps_its_numbers`).
+leave it as it is (`test_sinks.test_sink_analysis_keeps_its_numbers`). The analyses then computed
+the tail quantiles of every scope: the cases ask for them (``quantiles=BOTH``).
 """
 
 from collections.abc import Callable
@@ -17,17 +18,20 @@ import contribution_lens as cl
 
 NUMBERS = Path(__file__).with_name("sink_numbers.safetensors")
 TEXTS = ["The capital of France is Paris, and it is a big city.", "Rain fell on the old stone bridge."]
+BOTH = {"quantiles": ("intra", "inter")}
 IDS = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 11, 4, 6, 12, 3], [1, 4, 6, 11, 13, 2, 9, 5, 3, 7, 10, 8]])
 
 
 def cases(bundled: Any, tiny: Callable[..., Any]) -> dict[str, Callable[[], cl.SinkAnalysis]]:
     """Each case's analysis: the bundled SmolLM2 (a padded batch; the sink found) and tiny random bridges."""
     return {
-        "bundled padded batch": lambda: cl.sink_analysis(bundled, TEXTS, layers=[0, 5, 15, 29]),
-        "bundled auto sinks": lambda: cl.sink_analysis(bundled, TEXTS[0], sinks="auto", layers=[3, 20]),
-        "tiny gqa k=2": lambda: cl.sink_analysis(tiny("gqa"), IDS, k=2),
+        "bundled padded batch": lambda: cl.sink_analysis(bundled, TEXTS, layers=[0, 5, 15, 29], **BOTH),
+        "bundled auto sinks": lambda: cl.sink_analysis(bundled, TEXTS[0], sinks="auto", layers=[3, 20], **BOTH),
+        "tiny gqa k=2": lambda: cl.sink_analysis(tiny("gqa"), IDS, k=2, **BOTH),
         "tiny mha biases": lambda: cl.sink_analysis(tiny("mha", biases=True), IDS, scopes=("inter",)),
-        "tiny mqa encoder": lambda: cl.sink_analysis(tiny("mqa", attention_dir="bidirectional"), IDS, sinks="auto"),
+        "tiny mqa encoder": lambda: cl.sink_analysis(
+            tiny("mqa", attention_dir="bidirectional"), IDS, sinks="auto", **BOTH
+        ),
     }
 
 
