@@ -28,6 +28,7 @@ import pandas as pd
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from contribution_lens import adapter
 from contribution_lens.choices import as_index
@@ -669,6 +670,7 @@ def sink_analysis(
     quantiles: Sequence[str] | None = None,
     attention_mask: Tensor | None = None,
     prepend_bos: bool | None = None,
+    progress: bool = False,
 ) -> SinkAnalysis:
     """Sink geometry and sink/tail factors of every requested layer in one forward pass.
 
@@ -688,6 +690,7 @@ def sink_analysis(
             table (`SinkAnalysis.head_table`, ``report``) shows those computed.
         prepend_bos: prepend the tokenizer's BOS to texts; None: the model's own choice
             (``cfg.default_prepend_bos``).
+        progress: show a progress bar ("sink analysis"), one step a layer.
 
     Example:
         >>> import contribution_lens as cl
@@ -725,9 +728,14 @@ def sink_analysis(
             scope: part_factors(d, geometry.sinks, geometry.queries, quantiles=found[scope])
             for scope, d in decompositions.items()
         }
+        bar.update()
         return replace(geometry, factors=factors)
 
-    results = map_layers(model, inputs, on_layer, layers=layers, attention_mask=attention_mask, prepend_bos=prepend_bos)
+    total = len(adapter.check_layers(model, layers))
+    with tqdm(total=total, desc="sink analysis", unit="layer", disable=not progress) as bar:
+        results = map_layers(
+            model, inputs, on_layer, layers=layers, attention_mask=attention_mask, prepend_bos=prepend_bos
+        )
     return SinkAnalysis.from_results(results, k=k or 1)
 
 
