@@ -172,11 +172,13 @@ def sink_layer(
     sinks: Sequence[int] | Tensor | None = None,
     attention_mask: Bool[Tensor, "batch key"] | None = None,
     causal: bool | None = None,
+    gram: Float[Tensor, "head d_head e_head"] | None = None,
 ) -> SinkLayer:
     """Sink geometry of one layer from its pattern, values and ``W_O`` (see the module doc).
 
     The sink is ``sinks`` (positions, or a ``[batch key]`` mask) or else the first ``k`` positions.
     ``causal``: whether the pattern is causal (None: read from the pattern, one pass over it).
+    ``gram``: ``head_gram`` of ``W_O`` in float32 where the caller has it (`LayerInputs.gram`).
     """
     batch, n_heads, n_query, n_key = pattern.shape
     if n_query != n_key:
@@ -196,7 +198,7 @@ def sink_layer(
     group = n_heads // v.shape[2]
     values = torch.where(einops.rearrange(real, "batch key -> batch key 1 1"), v.float(), 0)
     values = einops.repeat(values, "batch key kv_head d_head -> batch (kv_head group) key d_head", group=group)
-    gram = head_gram(W_O.float())
+    gram = head_gram(W_O.float()) if gram is None else gram.float()
 
     sink_ratio, z_sink, z_tail = _sink_and_tail_outputs(alpha, values, is_sink)
     z_out = z_sink + z_tail
@@ -328,38 +330,60 @@ def part_factors(
         >>> round(f["sink_attention"].item(), 3), round((f["sink_contribution"] + f["tail_contribution"]).item(), 3)
         (0.5, 1.0)
     """
-    q_weight = einops.rearrange(queries.to(d.attention.dtype), "b q -> b 1 q")
+    if quantiles is None:
+        quantiles = tail_quantiles([d], pairs or TailPairs.of(d.attention, d.valid, is_sink, queries))[0]
+    return _factor_means([d], is_sink, queries)[0] | quantiles
+
+
+def _factor_means(
+    decompositions: Sequence[Decomposition], is_sink: Bool[Tensor, "batch key"], queries: Bool[Tensor, "batch query"]
+) -> list[dict[str, Float[Tensor, " head"]]]:
+    """`part_factors` without the quantiles, for decompositions of one layer (its scopes).
+
+    The attention sums read only ``alpha`` and ``||vt_j||``, which every scope of a layer shares:
+    where they are the same tensors they are summed once.
+    """
+    first = decompositions[0]
+    alpha = first.attention
+    q_weight = einops.rearrange(queries.to(alpha.dtype), "b q -> b 1 q")
     n_queries = q_weight.sum((0, 2)).clamp_min(1)
-    alpha = d.attention
     sink_keys = is_sink.to(alpha.dtype)
-    value_norm = d.value_norm.to(alpha.dtype)
-    # Per-key weights [b h k part]: 1 on the part's keys, then ||vt_j|| on them.
-    key_weights = torch.stack(
+    key_weights = None
+    out = []
+    for d in decompositions:
+        if key_weights is None or d.attention is not alpha or not torch.equal(d.value_norm, first.value_norm):
+            key_weights = _key_weights(d, sink_keys)
+            with_attention = einops.einsum(d.attention, key_weights, "b h q k, b h k part -> b h q part")
+        with_cosine = einops.einsum(d.attention * d.cosine, key_weights, "b h q k, b h k part -> b h q part")
+        inverse_norm = torch.where(d.output_norm != 0, 1 / torch.where(d.output_norm != 0, d.output_norm, 1), 0)
+        means: dict[str, Tensor] = {}
+        for index, part in enumerate(PARTS):
+            mass = with_attention[..., index]
+            per_query = {
+                Factor.ATTENTION: mass,
+                Factor.RELATIVE_NORM: with_attention[..., 2 + index] * inverse_norm / mass.clamp_min(1e-30),
+                Factor.COSINE: with_cosine[..., index] / mass.clamp_min(1e-30),
+                Factor.CONTRIBUTION: with_cosine[..., 2 + index] * inverse_norm,
+            }
+            for factor in Factor:
+                means[f"{part}_{factor}"] = (per_query[factor] * q_weight).sum((0, 2)) / n_queries
+        out.append(means)
+    return out
+
+
+def _key_weights(d: Decomposition, sink_keys: Float[Tensor, "batch key"]) -> Float[Tensor, "batch head key part"]:
+    """Per-key weights of the parts: 1 on the sink's keys, 1 on the others, then ``||vt_j||`` on each."""
+    n_heads = d.attention.shape[1]
+    value_norm = d.value_norm.to(d.attention.dtype)
+    return torch.stack(
         [
-            einops.repeat(sink_keys, "b k -> b h k", h=alpha.shape[1]),
-            einops.repeat(1 - sink_keys, "b k -> b h k", h=alpha.shape[1]),
+            einops.repeat(sink_keys, "b k -> b h k", h=n_heads),
+            einops.repeat(1 - sink_keys, "b k -> b h k", h=n_heads),
             value_norm * sink_keys[:, None],
             value_norm * (1 - sink_keys[:, None]),
         ],
         dim=-1,
     )
-    with_attention = einops.einsum(alpha, key_weights, "b h q k, b h k part -> b h q part")
-    with_cosine = einops.einsum(alpha * d.cosine, key_weights, "b h q k, b h k part -> b h q part")
-    inverse_norm = torch.where(d.output_norm != 0, 1 / torch.where(d.output_norm != 0, d.output_norm, 1), 0)
-    out: dict[str, Tensor] = {}
-    for index, part in enumerate(PARTS):
-        mass = with_attention[..., index]
-        per_query = {
-            Factor.ATTENTION: mass,
-            Factor.RELATIVE_NORM: with_attention[..., 2 + index] * inverse_norm / mass.clamp_min(1e-30),
-            Factor.COSINE: with_cosine[..., index] / mass.clamp_min(1e-30),
-            Factor.CONTRIBUTION: with_cosine[..., 2 + index] * inverse_norm,
-        }
-        for factor in Factor:
-            out[f"{part}_{factor}"] = (per_query[factor] * q_weight).sum((0, 2)) / n_queries
-    if quantiles is None:
-        quantiles = tail_quantiles([d], pairs or TailPairs.of(d.attention, d.valid, is_sink, queries))[0]
-    return out | quantiles
 
 
 QUANTILES = (10, 50, 90)
@@ -716,18 +740,17 @@ def sink_analysis(
         find = isinstance(sinks, str) or (sinks is None and k is None and not layer.bos_first)
         chosen = detect_sinks(layer.pattern, epsilon=epsilon, attention_mask=mask) if find else positions
         geometry = sink_layer(
-            layer.pattern, layer.v, layer.W_O, k=k or 1, sinks=chosen, attention_mask=mask, causal=layer.causal
-        )
+            layer.pattern, layer.v, layer.W_O, k=k or 1, sinks=chosen, attention_mask=mask, causal=layer.causal,
+            gram=layer.gram,
+        )  # fmt: skip
         decompositions = {scope: layer.decompose(scope) for scope in wanted}
         found: dict[Scope, dict[str, Tensor]] = {scope: {} for scope in wanted}
         if described:
             first = decompositions[described[0]]  # the pairs are the same in every scope
             pairs = TailPairs.of(first.attention, first.valid, geometry.sinks, geometry.queries)
             found.update(zip(described, tail_quantiles([decompositions[s] for s in described], pairs), strict=True))
-        factors = {
-            scope: part_factors(d, geometry.sinks, geometry.queries, quantiles=found[scope])
-            for scope, d in decompositions.items()
-        }
+        means = _factor_means(list(decompositions.values()), geometry.sinks, geometry.queries)
+        factors = {scope: m | found[scope] for scope, m in zip(decompositions, means, strict=True)}
         bar.update()
         return replace(geometry, factors=factors)
 
