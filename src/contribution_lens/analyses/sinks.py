@@ -204,16 +204,19 @@ def sink_layer(
     z_out = z_sink + z_tail
     sink_mean = z_sink / sink_ratio.clamp_min(1e-30)[..., None]
     tail_mean = z_tail / (1 - sink_ratio).clamp_min(1e-30)[..., None]
-    quad = "b h q d, h d e, b h q e -> b h q"
-    sink_sq = einops.einsum(sink_mean, gram, sink_mean, quad)
-    tail_sq = einops.einsum(tail_mean, gram, tail_mean, quad)
-    cross = einops.einsum(sink_mean, gram, tail_mean, quad)
-    out_sq = einops.einsum(z_out, gram, z_out, quad).clamp_min(0)
-
-    s_t = einops.einsum(z_sink, gram, z_tail, quad)
-    sink_tail_cosine = _cosine(
-        s_t, einops.einsum(z_sink, gram, z_sink, quad), einops.einsum(z_tail, gram, z_tail, quad)
+    # x G once per vector x, each then read by every <x, y>_G it enters: the same products, in the
+    # same order, as the three-operand einsum (which contracts x with G first), without repeating them.
+    sink_g, tail_g, out_g, z_sink_g, z_tail_g = (
+        einops.einsum(x, gram, "b h q d, h d e -> b h q e") for x in (sink_mean, tail_mean, z_out, z_sink, z_tail)
     )
+    dot = "b h q e, b h q e -> b h q"
+    sink_sq = einops.einsum(sink_g, sink_mean, dot)
+    tail_sq = einops.einsum(tail_g, tail_mean, dot)
+    cross = einops.einsum(sink_g, tail_mean, dot)
+    out_sq = einops.einsum(out_g, z_out, dot).clamp_min(0)
+
+    s_t = einops.einsum(z_sink_g, z_tail, dot)
+    sink_tail_cosine = _cosine(s_t, einops.einsum(z_sink_g, z_sink, dot), einops.einsum(z_tail_g, z_tail, dot))
     sink_token_cosine = _sink_token_cosine(values, gram, is_sink)
     keys = real & ~is_sink
     causal = is_causal(pattern) if causal is None else causal
