@@ -357,7 +357,7 @@ def _factor_means(
         if key_weights is None or d.attention is not alpha or not torch.equal(d.value_norm, first.value_norm):
             key_weights = _key_weights(d, sink_keys)
             with_attention = einops.einsum(d.attention, key_weights, "b h q k, b h k part -> b h q part")
-        with_cosine = einops.einsum(d.attention * d.cosine, key_weights, "b h q k, b h k part -> b h q part")
+        with_cosine = _weighted_cosine_sums(d.attention, d.cosine, key_weights)
         inverse_norm = torch.where(d.output_norm != 0, 1 / torch.where(d.output_norm != 0, d.output_norm, 1), 0)
         means: dict[str, Tensor] = {}
         for index, part in enumerate(PARTS):
@@ -371,6 +371,30 @@ def _factor_means(
             for factor in Factor:
                 means[f"{part}_{factor}"] = (per_query[factor] * q_weight).sum((0, 2)) / n_queries
         out.append(means)
+    return out
+
+
+QUERY_BLOCK_BYTES = 1 << 20
+"""How much of ``alpha cos`` `_weighted_cosine_sums` builds at once: a block that stays in the cache."""
+
+
+def _weighted_cosine_sums(
+    alpha: Float[Tensor, "b h q k"], cosine: Float[Tensor, "b h q k"], key_weights: Float[Tensor, "b h k part"]
+) -> Float[Tensor, "b h q part"]:
+    """``sum_j alpha_ij cos_ij w_jp``, a block of queries at a time.
+
+    The product ``alpha cos`` is pattern-sized: built whole, it is a fresh allocation (a first
+    touch of every page) read back from memory; built a block of queries at a time into one
+    buffer, it stays in the cache. Each query's sum is the same matrix product either way.
+    """
+    batch, heads, n_query, n_key = alpha.shape
+    rows = max(1, QUERY_BLOCK_BYTES // max(1, batch * heads * n_key * alpha.element_size()))
+    out = alpha.new_empty(batch, heads, n_query, key_weights.shape[-1])
+    buffer = alpha.new_empty(batch, heads, min(rows, n_query), n_key)
+    for start in range(0, n_query, rows):
+        block = slice(start, start + rows)
+        product = torch.mul(alpha[:, :, block], cosine[:, :, block], out=buffer[:, :, : out[:, :, block].shape[2]])
+        torch.matmul(product, key_weights, out=out[:, :, block])
     return out
 
 
