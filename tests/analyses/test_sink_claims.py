@@ -60,3 +60,15 @@ def test_a_truncated_study_file_is_named(study, tmp_path) -> None:
     expected = rf"^{state} is not a SinkStudy written by SinkStudy.save \(SafetensorError"
     with pytest.raises(ValueError, match=expected):
         cl.SinkStudy.load(folder)
+
+
+def test_the_study_shows_a_bar_for_the_analysis_and_for_each_intervention(capsys) -> None:
+    from conftest import tiny_bridge
+
+    chunks = torch.tensor([[1, 5, 9, 3, 7, 2, 8, 11], [1, 4, 6, 11, 13, 2, 9, 5]])
+    cl.sink_study(tiny_bridge("gqa"), chunks, batch_size=1)
+    bars = capsys.readouterr().err
+    assert "sink analysis: 100%" in bars and "2/2 [" in bars  # one step a layer of the 2-layer bridge
+    assert "sink zero: 100%" in bars and "sink mean_tail: 100%" in bars
+    cl.sink_study(tiny_bridge("gqa"), chunks, progress=False)
+    assert capsys.readouterr().err == ""

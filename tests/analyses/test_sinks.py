@@ -341,7 +341,7 @@ def test_sink_factors_on_the_bundled_model_match_the_oracle(bundled_model) -> No
         }
 
     cl.map_layers(bundled_model, text, keep_oracle, layers=[0, 15, 29])
-    analysis = cl.sink_analysis(bundled_model, text, layers=[0, 15, 29])
+    analysis = cl.sink_analysis(bundled_model, text, layers=[0, 15, 29], quantiles=("intra", "inter"))
     for scope, per_layer in analysis.factors.items():
         for layer, factors in per_layer.items():
             for name, value in kept[layer][str(scope)].items():
@@ -349,3 +349,65 @@ def test_sink_factors_on_the_bundled_model_match_the_oracle(bundled_model) -> No
                     assert torch.equal(factors[name], value), (scope, layer, name)
                 else:
                     assert_close(factors[name], value, rtol=1e-5, atol=1e-6)
+
+
+def test_sink_analysis_keeps_its_numbers(bundled_model) -> None:
+    """Every number of every case is the one the analysis gave before it was made cheaper (to 1e-6).
+
+    NaN stays NaN: layer 15 of the padded batch has queries whose sink ratio rounds to 1, where
+    ``tail_sq`` divides by ``1 - a_i`` clamped to 1e-30 and overflows (as it did before).
+    """
+    import sink_cases
+    from safetensors.torch import load_file
+
+    kept = load_file(str(sink_cases.NUMBERS))
+    for case, run in sink_cases.cases(bundled_model, tiny_bridge).items():
+        expected = {key.split("|", 1)[1]: value for key, value in kept.items() if key.startswith(f"{case}|")}
+        got = sink_cases.numbers(run())
+        assert expected and got.keys() == expected.keys(), case
+        for key, value in expected.items():
+            torch.testing.assert_close(
+                got[key], value, rtol=1e-6, atol=1e-6, equal_nan=True, msg=lambda m, c=case, k=key: f"{c} {k}: {m}"
+            )
+
+
+def test_tail_quantiles_are_computed_where_asked(bundled_model) -> None:
+    """By default the inter scope's tail quantiles alone, the same numbers as when both are asked for."""
+    import sink_cases
+
+    both = cl.sink_analysis(bundled_model, sink_cases.TEXTS, layers=[5, 29], quantiles=("intra", "inter"))
+    default = cl.sink_analysis(bundled_model, sink_cases.TEXTS, layers=[5, 29])
+    none = cl.sink_analysis(bundled_model, sink_cases.TEXTS, layers=[5, 29], quantiles=())
+    quantile_columns = [c for c in both.head_table() if "_q" in c]
+    assert len(quantile_columns) == 12
+    inter = [c for c in quantile_columns if c.startswith("inter_")]
+    assert [c for c in default.head_table() if "_q" in c] == inter
+    assert not [c for c in none.head_table() if "_q" in c]
+    without = [c for c in both.head_table() if "_q" not in c]
+    assert_close(
+        torch.tensor(default.head_table()[without + inter].to_numpy()),
+        torch.tensor(both.head_table()[without + inter].to_numpy()),
+        rtol=0,
+        atol=0,
+    )
+    assert_close(
+        torch.tensor(none.head_table()[without].to_numpy()),
+        torch.tensor(both.head_table()[without].to_numpy()),
+        rtol=0,
+        atol=0,
+    )
+    assert default.claims() == pytest.approx(both.claims(), nan_ok=True)
+    assert list(default.figures()) == list(both.figures())
+
+
+@pytest.mark.parametrize(
+    ("quantiles", "message"),
+    [
+        ("intra", "quantiles must be a sequence of scopes, e.g. ('intra',), got the string 'intra'"),
+        (("intra", "heads"), "quantiles must hold scopes of ('intra', 'inter'), got 'heads'"),
+        (("intra",), "quantiles asks for the intra scope, which scopes=('inter',) does not compute"),
+    ],
+)
+def test_bad_quantile_scopes(quantiles, message) -> None:
+    with raises_bad_input(message):
+        cl.sink_analysis(tiny_bridge("gqa"), torch.tensor([[1, 2, 3, 4]]), scopes=("inter",), quantiles=quantiles)

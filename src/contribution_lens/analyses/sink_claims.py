@@ -177,6 +177,8 @@ def sink_study(
             with the model's BOS, else the keys `contribution_lens.analyses.sinks.detect_sinks` finds.
         batch_size: chunks per forward pass of the interventions.
         variants: which interventions to run (`contribution_lens.analyses.sink_intervention.VARIANTS`).
+        progress: progress bars: the analysis ("sink analysis", one step a layer), then each
+            intervention ("sink zero", "sink mean_tail", one step a batch of chunks).
 
     Example:
         >>> import contribution_lens as cl
@@ -192,7 +194,7 @@ def sink_study(
     if not isinstance(chunks, Tensor) or chunks.ndim != 2 or chunks.shape[0] == 0:
         shape = tuple(chunks.shape) if isinstance(chunks, Tensor) else type(chunks).__name__
         raise ValueError(f"chunks must be a non-empty [n pos] token tensor, got {shape}")
-    analysis = sink_analysis(model, chunks, k=k)
+    analysis = sink_analysis(model, chunks, k=k, progress=progress)
     heads = analysis.head_table()
     claims = analysis.claims()
     interventions = {

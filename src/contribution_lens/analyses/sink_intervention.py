@@ -141,8 +141,9 @@ def _measure(k: int | None) -> Callable[[adapter.LayerInputs], SinkLayer]:
         mask = layer.padding_mask
         sinks = None if k is not None else detect_sinks(layer.pattern, attention_mask=mask)
         return sink_layer(
-            layer.pattern, layer.v, layer.W_O, k=k or 1, sinks=sinks, attention_mask=mask, causal=layer.causal
-        )
+            layer.pattern, layer.v, layer.W_O, k=k or 1, sinks=sinks, attention_mask=mask, causal=layer.causal,
+            gram=layer.gram,
+        )  # fmt: skip
 
     return on_layer
 
