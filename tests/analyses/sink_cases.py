@@ -1,8 +1,11 @@
 """Sink analyses whose every number is kept in ``sink_numbers.safetensors``, to hold later versions to them.
 
 The file was written by the code of before the sink analysis was made cheaper (``python
-tests/analyses/sink_cases.py`` at that commit); a change that is meant to keep the numbers must
-leave it as it is (`test_sinks.test_sink_analysis_keeps_its_numbers`). The analyses then computed
+tests/analyses/sink_cases.py`` at that commit), and written once more when the tail's mean came to be
+divided by the tail's own attention mass instead of ``1 - a_i``: that changed numbers by at most 7e-4
+relative where ``a_i`` is near 1, and corrected layer 15 of the padded batch, where ``a_i`` rounds to 1
+(``tail_sq`` NaN or 10 % off, ``cross`` -1e23, cone cosines 0). A change that is meant to keep the
+numbers must leave it as it is (`test_sinks.test_sink_analysis_keeps_its_numbers`). The analyses then computed
 the tail quantiles of every scope: the cases ask for them (``quantiles=BOTH``).
 """
 

@@ -204,7 +204,10 @@ def sink_layer(
     sink_ratio, z_sink, z_tail = _sink_and_tail_outputs(alpha, values, is_sink)
     z_out = z_sink + z_tail
     sink_mean = z_sink / sink_ratio.clamp_min(1e-30)[..., None]
-    tail_mean = z_tail / (1 - sink_ratio).clamp_min(1e-30)[..., None]
+    # The tail's own mass, not 1 - a_i: where a_i rounds to 1 in float32, 1 - a_i is 0 while the tail
+    # still holds (tiny) attention, and t_i / 1e-30 overflowed ||U||^2 to NaN. A tail with no mass has U = 0.
+    tail_ratio = einops.einsum(alpha, (~is_sink).to(alpha.dtype), "b h q k, b k -> b h q")
+    tail_mean = torch.where(tail_ratio[..., None] > 0, z_tail / tail_ratio.clamp_min(1e-38)[..., None], 0)
     # x G once per vector x, each then read by every <x, y>_G it enters: the same products, in the
     # same order, as the three-operand einsum (which contracts x with G first), without repeating them.
     sink_g, tail_g, out_g, z_sink_g, z_tail_g = (
