@@ -179,6 +179,26 @@ def test_bad_sink_settings() -> None:
         run_sink_intervention(model, torch.zeros(1, 5, dtype=torch.long), variant="half", progress=False)
 
 
+def test_the_last_token_of_a_causal_text_is_not_taken_for_a_sink() -> None:
+    """Under causal attention the last key is seen by its own query alone: its share is that query's
+    self-attention, which may be the largest on a text without BOS; nothing else could sink into it."""
+    from contribution_lens.analyses.sinks import detect_sinks
+
+    pos = 6
+    causal = torch.ones(pos, pos, dtype=torch.bool).tril()
+    scores = torch.zeros(1, 2, pos, pos)
+    scores[..., -1, -1] = 9.0  # the last query attends to itself
+    scores[..., 2] += 1.0  # every later query leans on key 2
+    pattern = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    found = detect_sinks(pattern, epsilon=0.3)
+    assert not bool(found[:, -1].any()) and bool(found[:, 2].all()), found
+    # No key above the threshold but the last: the fallback is the largest share among the others.
+    found = detect_sinks(pattern, epsilon=0.99)
+    assert found.sum().item() == 1 and not bool(found[:, -1].any()), found
+    v, W_O = torch.randn(1, pos, 2, 4), torch.randn(2, 4, 8)
+    assert bool(sink_layer(pattern, v, W_O, sinks=found).queries.any())
+
+
 def test_a_sink_at_the_last_position_of_a_bidirectional_pattern() -> None:
     g = torch.Generator().manual_seed(4)
     pos, n_heads = 7, 4

@@ -152,12 +152,23 @@ def detect_sinks(
     """Sink keys by the attention-share threshold of Gu et al. (2024): mean share ``> epsilon``.
 
     A key's share is `sink_shares`: its attention averaged over heads and over the real queries
-    that can see it. Where no key passes the threshold the key of largest share is the sink, so
+    that can see it. Only a key that some real query other than its own sees can be a sink: under
+    causal attention the last token is seen by itself alone, and its share is just its own query's
+    self-attention (on a text without BOS it could win, and nothing would be left to sink
+    attention into it). Where no key passes the threshold the key of largest share is the sink, so
     every text has one.
     """
     if not 0 < epsilon < 1:
         raise ValueError(f"epsilon must lie in (0, 1), got {epsilon}")
     share = sink_shares(pattern, attention_mask=attention_mask)
+    seen = pattern.float() > 0
+    if attention_mask is not None:
+        real = attention_mask.to(pattern.device, torch.bool)
+        seen = seen & real[:, None, -pattern.shape[2] :, None] & real[:, None, None, :]
+    # Queries other than the key's own that attend to it, in any head (the key's own query is its diagonal).
+    own = torch.eye(pattern.shape[2], pattern.shape[3], dtype=torch.bool, device=pattern.device)
+    others = einops.reduce((seen & ~own).float(), "batch head query key -> batch key", "max") > 0
+    share = torch.where(others | ~others.any(-1, keepdim=True), share, 0)  # a text of one token keeps its own
     sinks = share > epsilon
     fallback = torch.zeros_like(sinks)
     fallback[torch.arange(pattern.shape[0]), share.argmax(-1)] = True
