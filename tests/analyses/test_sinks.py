@@ -182,7 +182,7 @@ def test_bad_sink_settings() -> None:
 def test_the_last_token_of_a_causal_text_is_not_taken_for_a_sink() -> None:
     """Under causal attention the last key is seen by its own query alone: its share is that query's
     self-attention, which may be the largest on a text without BOS; nothing else could sink into it."""
-    from contribution_lens.analyses.sinks import detect_sinks
+    from contribution_lens.analyses.sinks import detect_sinks, sink_shares
 
     pos = 6
     causal = torch.ones(pos, pos, dtype=torch.bool).tril()
@@ -192,6 +192,8 @@ def test_the_last_token_of_a_causal_text_is_not_taken_for_a_sink() -> None:
     pattern = scores.masked_fill(~causal, float("-inf")).softmax(-1)
     found = detect_sinks(pattern, epsilon=0.3)
     assert not bool(found[:, -1].any()) and bool(found[:, 2].all()), found
+    # The layer summary's sink (the largest share, `geometry.sink_positions`) is not the last token either.
+    assert sink_shares(pattern).argmax(-1).tolist() == [2]
     # No key above the threshold but the last: the fallback is the largest share among the others.
     found = detect_sinks(pattern, epsilon=0.99)
     assert found.sum().item() == 1 and not bool(found[:, -1].any()), found

@@ -129,7 +129,13 @@ def sink_shares(
     pattern: Float[Tensor, "batch head query key"], *, attention_mask: Bool[Tensor, "batch key"] | None = None
 ) -> Float[Tensor, "batch key"]:
     """Each key's attention share (Gu et al., 2024): its attention averaged over heads and over the
-    real queries that can see it (for a causal pattern, the queries at or after it); 0 at padding."""
+    real queries that can see it (for a causal pattern, the queries at or after it); 0 at padding.
+
+    0 also for a key that no real query other than its own attends to: under causal attention the
+    last token is seen by itself alone, and its "share" is its own query's self-attention, which can
+    be the largest on a text without BOS; nothing could sink attention into it (a text of one token
+    keeps its share).
+    """
     batch, _, n_query, n_key = pattern.shape
     real = (
         torch.ones(batch, n_key, dtype=torch.bool, device=pattern.device)
@@ -140,7 +146,12 @@ def sink_shares(
     received = einops.reduce(alpha, "batch head query key -> batch key", "mean") * n_query
     seen_by = einops.reduce((alpha > 0).float(), "batch head query key -> batch key", "max")
     viewers = einops.reduce((alpha > 0).float(), "batch head query key -> batch head key", "sum").amax(1).clamp_min(1)
-    return torch.where((seen_by > 0) & real, received / viewers, 0)
+    # The key's own query is the diagonal (queries are the last n_query positions).
+    positions = torch.arange(n_key, device=pattern.device)
+    own = positions[None, :] == positions[n_key - n_query :, None]
+    others = einops.reduce(((alpha > 0) & ~own).float(), "batch head query key -> batch key", "max") > 0
+    others = others | ~others.any(-1, keepdim=True)
+    return torch.where((seen_by > 0) & real & others, received / viewers, 0)
 
 
 def detect_sinks(
@@ -152,23 +163,12 @@ def detect_sinks(
     """Sink keys by the attention-share threshold of Gu et al. (2024): mean share ``> epsilon``.
 
     A key's share is `sink_shares`: its attention averaged over heads and over the real queries
-    that can see it. Only a key that some real query other than its own sees can be a sink: under
-    causal attention the last token is seen by itself alone, and its share is just its own query's
-    self-attention (on a text without BOS it could win, and nothing would be left to sink
-    attention into it). Where no key passes the threshold the key of largest share is the sink, so
-    every text has one.
+    that can see it (0 for a key no query but its own sees). Where no key passes the threshold the
+    key of largest share is the sink, so every text has one.
     """
     if not 0 < epsilon < 1:
         raise ValueError(f"epsilon must lie in (0, 1), got {epsilon}")
     share = sink_shares(pattern, attention_mask=attention_mask)
-    seen = pattern.float() > 0
-    if attention_mask is not None:
-        real = attention_mask.to(pattern.device, torch.bool)
-        seen = seen & real[:, None, -pattern.shape[2] :, None] & real[:, None, None, :]
-    # Queries other than the key's own that attend to it, in any head (the key's own query is its diagonal).
-    own = torch.eye(pattern.shape[2], pattern.shape[3], dtype=torch.bool, device=pattern.device)
-    others = einops.reduce((seen & ~own).float(), "batch head query key -> batch key", "max") > 0
-    share = torch.where(others | ~others.any(-1, keepdim=True), share, 0)  # a text of one token keeps its own
     sinks = share > epsilon
     fallback = torch.zeros_like(sinks)
     fallback[torch.arange(pattern.shape[0]), share.argmax(-1)] = True
