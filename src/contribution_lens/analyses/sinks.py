@@ -214,11 +214,7 @@ def sink_layer(
 
     sink_ratio, z_sink, z_tail = _sink_and_tail_outputs(alpha, values, is_sink)
     z_out = z_sink + z_tail
-    sink_mean = z_sink / sink_ratio.clamp_min(1e-30)[..., None]
-    # The tail's own mass, not 1 - a_i: where a_i rounds to 1 in float32, 1 - a_i is 0 while the tail
-    # still holds (tiny) attention, and t_i / 1e-30 overflowed ||U||^2 to NaN. A tail with no mass has U = 0.
-    tail_ratio = einops.einsum(alpha, (~is_sink).to(alpha.dtype), "b h q k, b k -> b h q")
-    tail_mean = torch.where(tail_ratio[..., None] > 0, z_tail / tail_ratio.clamp_min(1e-38)[..., None], 0)
+    sink_mean, tail_mean = _unit_mass_directions(alpha, is_sink, sink_ratio, z_sink, z_tail)
     # x G once per vector x, each then read by every <x, y>_G it enters: the same products, in the
     # same order, as the three-operand einsum (which contracts x with G first), without repeating them.
     sink_g, tail_g, out_g, z_sink_g, z_tail_g = (
@@ -274,6 +270,20 @@ def _sink_and_tail_outputs(
     z_sink = einops.einsum(alpha_sink, values.index_select(2, columns), "b h q k, b h k d -> b h q d")
     z_tail = einops.einsum(alpha, values * (1 - sink_keys[:, None, :, None]), "b h q k, b h k d -> b h q d")
     return alpha_sink.sum(-1), z_sink, z_tail
+
+
+def _unit_mass_directions(
+    alpha: Tensor, is_sink: Tensor, sink_ratio: Tensor, z_sink: Tensor, z_tail: Tensor
+) -> tuple[Float[Tensor, "b h q d"], Float[Tensor, "b h q d"]]:
+    """``S = s_i / a_i`` and ``U = t_i / (tail mass)``, 0 where a part has no mass.
+
+    The tail's own mass, not ``1 - a_i``: where ``a_i`` rounds to 1 in float32, ``1 - a_i`` is 0 while
+    the tail still holds (tiny) attention, and ``t_i / 1e-30`` overflowed ``||U||^2`` to NaN.
+    """
+    tail_ratio = einops.einsum(alpha, (~is_sink).to(alpha.dtype), "b h q k, b k -> b h q")
+    sink_mean = z_sink / sink_ratio.clamp_min(1e-30)[..., None]
+    tail_mean = torch.where(tail_ratio[..., None] > 0, z_tail / tail_ratio.clamp_min(1e-38)[..., None], 0)
+    return sink_mean, tail_mean
 
 
 def _cosine(dot: Tensor, sq_x: Tensor, sq_y: Tensor) -> Tensor:
