@@ -130,12 +130,7 @@ def browser_memory(page: Path) -> tuple[float, float, float] | None:
     from selenium import webdriver
     from selenium.webdriver.support.ui import WebDriverWait
 
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
-    flags = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run",
-             "--disable-component-update", "--disable-sync", "--disable-quic", "--window-size=1400,1000")  # fmt: skip
-    for flag in flags:
-        options.add_argument(flag)
+    options = _chromium_options()
     service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
     with tempfile.TemporaryDirectory() as profile:
         options.add_argument(f"--user-data-dir={profile}")
@@ -157,7 +152,8 @@ def browser_memory(page: Path) -> tuple[float, float, float] | None:
     return blank / 1024, drawn / 1024, metrics["JSHeapUsedSize"] / 2**20
 
 
-def _chromium():
+def _chromium_options():
+    """Headless Chromium's options for every browser measurement here (1400 x 1000, nothing in the background)."""
     from selenium import webdriver
 
     options = webdriver.ChromeOptions()
@@ -166,8 +162,14 @@ def _chromium():
              "--disable-component-update", "--disable-sync", "--disable-quic", "--window-size=1400,1000")  # fmt: skip
     for flag in flags:
         options.add_argument(flag)
+    return options
+
+
+def _chromium():
+    from selenium import webdriver
+
     service = webdriver.ChromeService(executable_path=shutil.which("chromedriver"))
-    return webdriver.Chrome(service=service, options=options)
+    return webdriver.Chrome(service=service, options=_chromium_options())
 
 
 def browser_layer_switch(model, ids, tokens: int, head: str = "all") -> None:

@@ -19,8 +19,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HOLDS = ("supported",)
-
 
 def read(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
     """Each file's claims.json; a file that is not a replication's is refused by name."""
@@ -56,7 +54,7 @@ def together(verdicts: dict[str, str]) -> str:
     for model, verdict in verdicts.items():
         by_verdict.setdefault(verdict, []).append(model)
     words = "; ".join(f"{verdict} on {', '.join(models)}" for verdict, models in by_verdict.items())
-    holds = [m for m, v in verdicts.items() if v in HOLDS]
+    holds = [m for m, v in verdicts.items() if v == "supported"]  # "partly" is not "holds"
     fails = [m for m, v in verdicts.items() if v == "not supported"]
     if holds and fails:
         words += f" (holds on {', '.join(holds)}, fails on {', '.join(fails)})"
