@@ -10,13 +10,17 @@ numbers beside the stated bounds, and the memory headless Chromium needs to show
 layer switch takes to draw (decode, factors, heatmap, bars) in windows of 128, 512 and 800 tokens
 (fine codecs, as the widget sends them; all heads, and one head at 800), and the JS heap after it. The
 *why* panel after the first view (``why``: one head's score split at the clicked cell, layer 29, the
-costliest): the first click on a head (one `cl.qk_attribution` pass up to the layer for the window's
-queries), a click on another query of that head, a repeated click, another head, an early layer, each
-against a plain forward pass of the text measured in the same run. Run:
+costliest): the first view with and without the tape its pass records for the panel (and the tape's
+size), then the first click on a head (its split from the tape, no pass), a click on another query of
+that head, a repeated click, another head, an early layer, the first click in another window (from
+the tape where it holds that window) and another head there, and the first click in another window
+where the budget holds only the shown one's (one pass records it), each against a plain forward pass
+of the text measured in the same run. Run:
 ``python benchmarks/bench_inspector.py`` (``... browser`` for the browser's table only, ``... why`` for
 the why panel's only).
 """
 
+import gc
 import json
 import os
 import shutil
@@ -31,7 +35,9 @@ import plotly.offline
 import torch
 
 import contribution_lens as cl
+from contribution_lens.analyses.qk_attribution import QKTape
 from contribution_lens.views.inspector import codecs, compact, payload, windows
+from contribution_lens.views.inspector import widget as widget_module
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "fineweb_edu" / "sample-10BT_first150.jsonl"
 TEXT = (
@@ -203,26 +209,74 @@ def load() -> str:
     return " ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
+def first_views(model, ids, repeats: int = 3) -> dict[str, float]:
+    """The widget's first view with and without the why panel's tape, interleaved, best of ``repeats`` each."""
+    n, budget = ids.shape[1], widget_module.WHY_TAPE_BYTES
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    try:
+        for _ in range(repeats):
+            for kept, name in ((budget, "with"), (0, "without")):
+                widget_module.WHY_TAPE_BYTES = kept
+                began = time.perf_counter()
+                inspector = cl.inspect(model, ids, layer=29, head=0, start=n - 128)
+                times[name].append(time.perf_counter() - began)
+                inspector.close()  # a closed widget is freed: each view allocates as a notebook's first does
+                del inspector
+                gc.collect()
+    finally:
+        widget_module.WHY_TAPE_BYTES = budget
+    return {name: min(values) for name, values in times.items()}
+
+
 def why_panel(model, ids) -> None:
     """The why panel's cost after the widget's first view, each click against a plain forward pass of ``ids``."""
     n = ids.shape[1]
+    cl.inspect(model, ids[:, :32])  # warm: the block forms' probe, the first allocations
+    views = first_views(model, ids)
     inspector = cl.inspect(model, ids, layer=29, head=0, tokens=128, start=n - 128)
+    tape = inspector._tape
     with torch.inference_mode():
         plain = min(timed(lambda: model(ids)) for _ in range(2))
     clicks = [
-        ("first click on L29H0 (a split for the window's 128 queries)", lambda: inspector.why(n - 1)),
+        ("first click on L29H0 (its split, from the first view's tape)", lambda: inspector.why(n - 1)),
         ("another query of L29H0", lambda: inspector.why(n - 2)),
         ("the same cell again", lambda: inspector.why(n - 1)),
-        ("first click on L29H4 (another head: another split)", lambda: inspector.why(n - 1, head=4)),
-        ("first click on L3H0 (an early layer: a short pass)", lambda: inspector.why(n - 1, layer=3, head=0)),
+        ("first click on L29H4 (another head)", lambda: inspector.why(n - 1, head=4)),
+        ("first click on L3H0 (an early layer)", lambda: inspector.why(n - 1, layer=3, head=0)),
+        ("first click in another window (start 0, query 63)", lambda: move_and_click(inspector, 0, 63)),
+        ("another head in that window", lambda: inspector.why(63, head=5)),
     ]
     print(f"why panel, {n} tokens, {torch.get_num_threads()} torch threads; plain forward {plain:.3f} s; load {load()}")
+    print(
+        f"first view {views['with']:.2f} s with the tape ({tape.nbytes / 1e6:.0f} MB, {len(tape.rows)} query rows), "
+        f"{views['without']:.2f} s without: {views['with'] / views['without']:.2f}x"
+    )
     print("| click | s | / plain forward |")
     print("|---|---|---|")
     for name, click in clicks:
         took = timed(click)
         print(f"| {name} | {took:.3f} | {took / plain:.2f}x |")
+    print(f"| first click in a window off the tape (room for one window: one pass records it) | "
+          f"{(off := off_the_tape(model, ids)):.3f} | {off / plain:.2f}x |")  # fmt: skip
     print(f"load average after: {load()}")
+
+
+def off_the_tape(model, ids) -> float:
+    """The first click in another window where the budget holds only the shown window's queries."""
+    n, budget = ids.shape[1], widget_module.WHY_TAPE_BYTES
+    widget_module.WHY_TAPE_BYTES = QKTape.estimate_bytes(model, n, 128, model.cfg.n_layers - 1)
+    try:
+        inspector = cl.inspect(model, ids, layer=29, head=0, start=n - 128)
+        took = timed(lambda: move_and_click(inspector, 0, 63))
+        inspector.close()
+    finally:
+        widget_module.WHY_TAPE_BYTES = budget
+    return took
+
+
+def move_and_click(inspector, start: int, query: int) -> None:
+    inspector.start = start  # a precomputed window's payload: no pass
+    inspector.why(query)
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ import contribution_lens as cl
 from conftest import VARIANTS, assert_close, tiny_bridge
 from contribution_lens import adapter
 from contribution_lens.analyses import qk_attribution as qk_module
-from contribution_lens.analyses.qk_attribution import QKAttribution
+from contribution_lens.analyses.qk_attribution import QKAttribution, QKTape
 from qk_reference import oracle_pairs
 
 IDS = torch.tensor([1, 5, 7, 9, 3, 2, 11, 4, 7, 9])
@@ -278,6 +278,84 @@ def test_the_bundled_models_match_the_oracle(bundled_model, gemma, encoder_model
     assert_matches_oracle(gemma, ids, 5, 1)
     ids = cl.to_token_batch(encoder_model, "The cat sat on the mat because it was warm.").tokens[0]
     assert_matches_oracle(encoder_model, ids, 2, 3, post_ln=True)
+
+
+# --- a kept pass: the same splits, from what one pass recorded --------------------------------------
+
+
+def assert_same_split(kept: QKAttribution, fresh: QKAttribution) -> None:
+    """Bit for bit: the tape feeds the pass's own tensors to the pass's own projector."""
+    assert (kept.heads, kept.queries) == (fresh.heads, fresh.queries)
+    assert (kept.query_components, kept.key_components) == (fresh.query_components, fresh.key_components)
+    for side in ("key", "query"):
+        assert torch.equal(kept.terms(side), fresh.terms(side)), side
+        assert torch.equal(kept.advantage(side), fresh.advantage(side)), side
+    assert torch.equal(kept.pattern, fresh.pattern) and torch.equal(kept.visible, fresh.visible)
+
+
+def recorded(model, ids: torch.Tensor, rows: list[int]) -> QKTape:
+    batch = cl.to_token_batch(model, ids)
+    tape = QKTape.plan(model, batch, last=model.cfg.n_layers - 1, rows=rows)
+    assert tape is not None
+    tape.run()
+    assert tape.nbytes <= QKTape.estimate_bytes(model, batch.tokens.shape[1], len(rows), tape.last)
+    return tape
+
+
+@pytest.mark.parametrize(("variant", "biases"), ARCHS)
+def test_a_tape_gives_the_split_of_a_pass_on_tiny_bridges(variant: str, biases: bool) -> None:
+    model = tiny_bridge(variant, biases=biases)
+    tape = recorded(model, IDS, [2, 5, 9])
+    for layer in (0, 1):
+        for head, rows in ((0, [5, 9]), (None, [2])):
+            assert_same_split(tape.attribution(layer, head, rows), cl.qk_attribution(model, IDS, layer, head, rows))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", TINY)
+def test_a_tape_gives_the_split_of_a_pass_on_tiny_checkpoints(name: str, checkpoints: dict) -> None:
+    model = checkpoints[name]
+    ids = model.tokenizer.encode(architectures.TEXT, return_tensors="pt")[0][:12]
+    tape = recorded(model, ids, [3, 11])
+    assert_same_split(tape.attribution(1, None, [3, 11]), cl.qk_attribution(model, ids, 1, None, [3, 11]))
+
+
+@pytest.mark.slow
+def test_a_tape_gives_the_split_of_a_pass_on_the_bundled_models(bundled_model, gemma, encoder_model) -> None:
+    for model, layer in ((bundled_model, 29), (gemma, 5), (encoder_model, 5)):
+        ids = cl.to_token_batch(model, "When Mary and John went to the store, John gave").tokens[0]
+        rows = [len(ids) - 4, len(ids) - 1]
+        tape = recorded(model, ids, rows)
+        for head in (0, 2):
+            assert_same_split(tape.attribution(layer, head), cl.qk_attribution(model, ids, layer, head, rows))
+
+
+def test_a_tape_refuses_what_it_did_not_record_and_checks_like_a_pass(monkeypatch) -> None:
+    model = tiny_bridge("gqa")
+    tape = recorded(model, IDS, [3, 6])
+    with pytest.raises(
+        ValueError, match=r"the tape holds layers \[0, 1\] and queries \[3, 6\]: not layer 1 at queries \[4\]"
+    ):
+        tape.attribution(1, 0, [4])
+    with pytest.raises(ValueError, match=r"layer 2 does not exist: the model has 2 layers \(0\.\.1\)"):
+        tape.attribution(2, 0)
+    with pytest.raises(ValueError, match=r"head 4 does not exist"):
+        tape.attribution(1, 4)
+    with pytest.raises(ValueError, match=r"position 10 does not exist: the text has 10 tokens"):
+        QKTape.plan(model, cl.to_token_batch(model, IDS), 1, [3, 10])
+    with pytest.raises(ValueError, match=r"layer 2 does not exist: the model has 2 layers"):
+        QKTape.plan(model, cl.to_token_batch(model, IDS), 2, [3])
+    with pytest.raises(ValueError, match="a QKTape records one text, got a batch of 2"):
+        QKTape.plan(model, cl.to_token_batch(model, torch.stack([IDS, IDS])), 1, [3])
+    doubled_scale(monkeypatch)
+    with pytest.raises(RuntimeError, match="is not wired the way the adapter reads it"):
+        tape.attribution(1, 0)
+
+
+@pytest.mark.slow
+def test_no_tape_where_the_split_is_refused(tmp_path) -> None:
+    model = cl.load_model(str(architectures.build("BloomForCausalLM", tmp_path / "bloom")))
+    assert QKTape.plan(model, cl.to_token_batch(model, IDS), 1, [3]) is None  # ALiBi: qk_attribution refuses it
 
 
 # --- known answers on the bundled models ------------------------------------------------------------

@@ -14,9 +14,12 @@ import torch
 
 import contribution_lens as cl
 from conftest import tiny_bridge
+from contribution_lens.analyses.qk_attribution import QKTape
 from contribution_lens.views import inspector as ins
 from contribution_lens.views.inspector import widget
+from contribution_lens.views.inspector.compute import compute_windows
 from contribution_lens.views.inspector.why import PICK_ONE_HEAD, TOP, why_row
+from contribution_lens.views.inspector.windows import token_window
 
 TEXT = "When Mary and John went to the store, John gave a drink to"
 
@@ -82,6 +85,7 @@ def test_why_row_on_tiny_models_every_key(variant) -> None:
 
 
 def test_widget_caches_each_split_and_row(monkeypatch) -> None:
+    monkeypatch.setattr(widget, "WHY_TAPE_BYTES", 0)  # no tape: every split is a pass of its own
     model = tiny_bridge("mha")
     inspector = cl.inspect(model, torch.arange(12), layer=1, head=0)
     calls = []
@@ -103,6 +107,59 @@ def test_widget_caches_each_split_and_row(monkeypatch) -> None:
     inspector.why(2, layer=1, head=0)
     inspector.why(2, layer=1, head=2)
     assert calls == [(1, 0), (1, 2), (0, 2), (0, 1), (1, 2)]
+
+
+def count_passes(model) -> list[int]:
+    passes: list[int] = []
+    model.hook_dict["hook_embed"].add_hook(lambda tensor, hook: passes.append(1))
+    return passes
+
+
+def test_after_the_first_view_a_click_on_any_head_runs_no_pass() -> None:
+    model = tiny_bridge("gqa", biases=True)
+    ids = torch.arange(3, 23)
+    inspector = cl.inspect(model, ids, layer=1, head=0, tokens=8, start=12)
+    passes = count_passes(model)
+    try:
+        rows = {(layer, head): inspector.why(17, layer=layer, head=head) for layer in (0, 1) for head in (0, 3)}
+        assert passes == [], "the first view's pass recorded what every split reads"
+    finally:
+        model.hook_dict["hook_embed"].remove_hooks()
+    queries = inspector.window.queries
+    for (layer, head), row in rows.items():
+        assert row == why_row(cl.qk_attribution(model, ids, layer, head, queries), head, 17, inspector.window.keys)
+
+
+def test_a_window_off_the_tape_is_recorded_once_then_every_head_there_is_free(monkeypatch) -> None:
+    model = tiny_bridge("mha")
+    ids = torch.arange(3, 23)
+    # Room for one window of 8 queries: the first view keeps the shown window's rows only.
+    monkeypatch.setattr(widget, "WHY_TAPE_BYTES", QKTape.estimate_bytes(model, len(ids), 8, 1))
+    inspector = cl.inspect(model, ids, layer=1, head=0, tokens=8, start=12)
+    assert inspector._tape is not None and list(inspector._tape.rows) == inspector.window.queries
+    inspector.start = 0
+    passes = count_passes(model)
+    try:
+        first = inspector.why(5)
+        assert len(passes) == 1, "the new window is recorded in one pass"
+        second = inspector.why(5, layer=0, head=2)
+        assert len(passes) == 1, "another head of the recorded window needs no pass"
+    finally:
+        model.hook_dict["hook_embed"].remove_hooks()
+    queries, keys = inspector.window.queries, inspector.window.keys
+    assert first == why_row(cl.qk_attribution(model, ids, 1, 0, queries), 0, 5, keys)
+    assert second == why_row(cl.qk_attribution(model, ids, 0, 2, queries), 2, 5, keys)
+
+
+def test_recording_the_tape_changes_no_payload() -> None:
+    model = tiny_bridge("gqa")
+    batch = cl.to_token_batch(model, torch.arange(3, 15))
+    window = token_window(12, start=4, tokens=6)
+    plain = compute_windows(model, batch, [1], [window])
+    tape = QKTape.plan(model, batch, 1, window.queries)
+    assert tape is not None
+    assert compute_windows(model, batch, [1], [window], tape=tape) == plain
+    assert sorted(tape.layers) == [0, 1] and tape.rows == tuple(window.queries)
 
 
 def test_widget_refuses_what_it_cannot_split_and_answers_the_front_end() -> None:

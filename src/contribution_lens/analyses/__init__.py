@@ -12,7 +12,8 @@
   (`Flow`; the function is ``contribution_lens.flow``, likewise);
 * `qk_attribution`: why a head attends: every pre-softmax score of a head split exactly over the
   query's and the key's upstream components, with the advantage that explains the pattern
-  (`QKAttribution`; the function is ``contribution_lens.qk_attribution``, likewise);
+  (`QKAttribution`; the function is ``contribution_lens.qk_attribution``, likewise), and `QKTape`,
+  what one pass keeps so that any head's split of that text needs no pass of its own;
 * `generation`: every token of a generated answer explained from one teacher-forced pass (`explain_generation`).
 
 A new analysis is one file here: a per-layer function and a result type with the one lifecycle
@@ -27,7 +28,7 @@ from contribution_lens.analyses.flow import Flow, FlowEdges, FlowLayer
 from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
 from contribution_lens.analyses.geometry import Geometry, attention_geometry, layer_summary
 from contribution_lens.analyses.logit_attribution import LogitAttribution
-from contribution_lens.analyses.qk_attribution import QKAttribution, QKCell
+from contribution_lens.analyses.qk_attribution import QKAttribution, QKCell, QKTape
 from contribution_lens.analyses.sink_claims import SinkStudy, sink_study
 from contribution_lens.analyses.sink_intervention import SinkIntervention, run_sink_intervention
 from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, claim_verdicts, sink_analysis
@@ -42,6 +43,7 @@ __all__ = [
     "LogitAttribution",
     "QKAttribution",
     "QKCell",
+    "QKTape",
     "SinkAnalysis",
     "SinkIntervention",
     "SinkLayer",

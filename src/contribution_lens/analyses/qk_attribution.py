@@ -33,7 +33,7 @@ query and key, so position shows only in how each component's terms change with 
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -499,18 +499,33 @@ class _Projector:
         plan: adapter.QKPlan,
         form: adapter.QKForm,
         reads: dict[str, list[Tensor]],
+        heads: list[int],
         rows: Tensor,
         n_keys: int,
         store: dict[str, Tensor],
     ) -> None:
         self.model, self.plan, self.reads, self.rows, self.n_keys, self.store = model, plan, reads, rows, n_keys, store
         self.form = form
+        self.kv_heads = sorted({h // form.group for h in heads})
         self.positions: dict[str, Tensor | slice] = {"q": rows, "k": slice(0, n_keys)}
         self.names: list[str] = []
         self.stages: list[int] = []
         self.buffers: dict[str, Tensor] = {}
         self.scales: dict[int, Tensor] = {}
         self.target: adapter.TargetReads | None = None
+
+    @classmethod
+    def of(
+        cls, model: adapter.Model, layer: int, heads: list[int], rows: list[int], length: int,
+        store: dict[str, Tensor], dtype: torch.dtype,
+    ) -> "_Projector":  # fmt: skip
+        """The projector of ``layer``'s ``heads`` at query ``rows`` of a text of ``length`` tokens."""
+        form = adapter.qk_form(model, layer)
+        plan = adapter.qk_plan(model, layer)
+        kv_heads = sorted({h // form.group for h in heads})
+        n_keys = max(rows) + 1 if form.causal else length
+        reads = _reads(plan, form, heads, kv_heads, dtype)
+        return cls(model, plan, form, reads, heads, torch.tensor(rows), n_keys, store)
 
     def __call__(self, layer: adapter.LayerInputs) -> None:
         self.scales.update(adapter.stream_scales(self.plan, layer, self.store))
@@ -720,8 +735,7 @@ def qk_attribution(
     """
     layer = _resolve_layer(model, layer)
     chosen = _resolve_heads(model, head, heads)
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+    _check_dtype(dtype)
     batch = _batch(model, text, prepend_bos)
     length = batch.tokens.shape[1]
     rows = (
@@ -729,28 +743,28 @@ def qk_attribution(
     )
     if not rows:
         raise ValueError("query is empty; pass None for every query")
-    form = adapter.qk_form(model, layer)
-    plan = adapter.qk_plan(model, layer)
-    kv_heads = sorted({h // form.group for h in chosen})
-    n_keys = max(rows) + 1 if form.causal else length
     store: dict[str, Tensor] = {}
-    reads = _reads(plan, form, chosen, kv_heads, dtype)
-    projector = _Projector(model, plan, form, reads, torch.tensor(rows), n_keys, store)
+    projector = _Projector.of(model, layer, chosen, rows, length, store, dtype)
     map_layers(
         model,
         batch,
         projector,
         layers=list(range(layer + 1)),
-        capture=plan.capture,
-        extra_hooks=adapter.embedding_hooks(model, plan, store),
+        capture=projector.plan.capture,
+        extra_hooks=adapter.embedding_hooks(model, projector.plan, store),
     )
-    return _assemble(projector, form, batch, layer, chosen, kv_heads, rows, n_keys)
+    return _assemble(projector, batch, chosen)
 
 
-def _assemble(
-    projector: _Projector, form: adapter.QKForm, batch: adapter.TokenBatch, layer: int, heads: list[int],
-    kv_heads: list[int], rows: list[int], n_keys: int,
-) -> QKAttribution:  # fmt: skip
+def _check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
+
+
+def _assemble(projector: _Projector, batch: adapter.TokenBatch, heads: list[int]) -> QKAttribution:
+    """The `QKAttribution` of a fed projector (its pass, or a `QKTape`'s replay), checked against the model."""
+    form, layer, kv_heads, n_keys = projector.form, projector.plan.layer, projector.kv_heads, projector.n_keys
+    rows = projector.rows.tolist()
     target = projector.target
     assert target is not None  # the target layer's hooks fired (map_layers raises otherwise)
     biases = {"q": form.b_Q, "k": form.b_K}
@@ -793,3 +807,169 @@ def _resolve_layer(model: adapter.Model, layer: Any) -> int:
         raise TypeError(f"layer must be one integer, got {type(layer).__name__} {layer!r}")
     index = as_index(layer, "layer must be an integer")
     return adapter.check_layers(model, index)[0]
+
+
+# --- a kept pass: any head's split later, without a pass of its own ------------------------------
+
+
+@dataclass(eq=False)
+class QKTape:
+    """What one pass over layers ``0..last`` keeps so that any head's split at `rows` needs no pass of its own.
+
+    `qk_attribution` runs the model up to its layer for every split. A viewer that splits many
+    heads of one text (the inspector's *why* panel) records instead, in a pass it runs anyway,
+    each layer's reads: the heads' ``z``, the residual stream's hooks, the norms' scales, the
+    layer's own ``q``, ``k``, rotary angles and q/k norm scales, and its pattern and pre-softmax
+    scores at the query rows `rows` only. `attribution` feeds them to the projector
+    `qk_attribution` uses, so a split from the tape is that function's split, checked against the
+    model the same way, at the cost of the projections alone. Its size: `estimate_bytes` before the
+    pass, `nbytes` after it.
+
+    Example:
+        >>> import contribution_lens as cl
+        >>> model = cl.load_model()
+        >>> batch = cl.to_token_batch(model, "The cat sat on the mat. The cat")
+        >>> tape = QKTape.plan(model, batch, last=3, rows=[-2, -1]).run()  # or tape.record in a pass of one's own
+        >>> kept = tape.attribution(3, head=0, query=[-2, -1])
+        >>> fresh = cl.qk_attribution(model, batch.tokens[0], 3, head=0, query=[-2, -1])
+        >>> bool(torch.equal(kept.advantage("key"), fresh.advantage("key")))
+        True
+    """
+
+    model: adapter.Model
+    batch: adapter.TokenBatch
+    last: int
+    rows: tuple[int, ...]
+    capture: tuple[str, ...]
+    hooks: list[tuple[str, adapter.HookFn]]
+    """The pass's extra hooks: the embedding's parts, into `store` (`contribution_lens.adapter.embedding_hooks`)."""
+    store: dict[str, Tensor]
+    layers: dict[int, adapter.LayerInputs] = field(default_factory=dict)
+    """Each recorded layer's reads, without its pattern and scores (those are in ``cut``)."""
+    cut: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+    """Each recorded layer's pattern and scores ``[batch head row key]`` at `rows` only."""
+
+    @classmethod
+    def plan(cls, model: adapter.Model, batch: adapter.TokenBatch, last: int, rows: Sequence[int]) -> "QKTape | None":
+        """A tape to record in a pass over layers ``0..last`` of ``batch`` (one text), or None where none can be.
+
+        ``rows``: the query positions splits will ask for (negative: from the end), checked here.
+
+        None where `qk_attribution` refuses the model's blocks or a layer lacks a hook it reads:
+        a split then runs its own pass, and says why it cannot be had.
+        """
+        if batch.tokens.shape[0] != 1:
+            raise ValueError(f"a QKTape records one text, got a batch of {batch.tokens.shape[0]}")
+        length = batch.tokens.shape[1]
+        rows = sorted({as_position(row, length) for row in as_indices(rows, "rows")})
+        if not rows:
+            raise ValueError("rows is empty: a tape keeps the pattern at the query rows splits will ask for")
+        last = _resolve_layer(model, last)
+        try:
+            for layer in range(last + 1):  # first, as in a split: a form it refuses (ALiBi, ...)
+                adapter.qk_form(model, layer)
+            plans = [adapter.qk_plan(model, layer) for layer in range(last + 1)]
+        except ValueError:
+            return None
+        capture = tuple(dict.fromkeys(name for plan in plans for name in plan.capture))
+        if not adapter.has_capture(model, range(last + 1), capture):
+            return None
+        store: dict[str, Tensor] = {}
+        hooks = adapter.embedding_hooks(model, plans[-1], store)
+        return cls(model, batch, last, tuple(rows), capture, hooks, store)
+
+    @staticmethod
+    def estimate_bytes(model: adapter.Model, length: int, n_rows: int, last: int) -> int:
+        """At most the bytes a tape of layers ``0..last`` keeps for ``length`` tokens and ``n_rows`` query rows.
+
+        Per layer: four residual-stream vectors, ``z``, ``q``, ``k``, the rotary angles and the
+        norms' scales per position in the model's dtype, and the pattern's and scores' rows at 4
+        bytes a number (some bridges upcast them); the embedding's parts once.
+        """
+        cfg = model.cfg
+        n_heads, d_head = int(cfg.n_heads), int(cfg.d_head)
+        n_kv = int(getattr(cfg, "n_key_value_heads", None) or n_heads)
+        size = adapter.model_dtype(model).itemsize
+        # Four residual vectors (the MLP's output too, in post-LN blocks); cos and sin are d_head wide
+        # each; 8 for the norms' scales. The embedding's parts (BERT: three) are kept once.
+        per_position = 4 * int(cfg.d_model) + (2 * n_heads + n_kv + 2) * d_head + 8
+        activations = ((last + 1) * per_position + 3 * int(cfg.d_model)) * length * max(size, 2)
+        return activations + (last + 1) * 2 * n_heads * n_rows * length * 4
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes the recorded layers keep (the model's weights, which they share, not counted)."""
+        kept = [t for inputs in self.layers.values() for t in (inputs.z, *inputs.captured.values()) if t is not None]
+        kept += [t for cut in self.cut.values() for t in cut.values()] + list(self.store.values())
+        return sum(t.numel() * t.element_size() for t in kept)
+
+    def record(self, inputs: adapter.LayerInputs) -> None:
+        """The pass's per-layer function: keep a copy of layer ``inputs.layer``'s reads (the pass frees its own)."""
+        if inputs.layer > self.last:
+            return
+        length = self.batch.tokens.shape[1]
+        rows = torch.tensor(self.rows, device=inputs.pattern.device)
+        captured = {name: tensor.clone() for name, tensor in inputs.captured.items() if name in self.capture}
+        whole = {"pattern": inputs.pattern, "scores": captured.pop(adapter.QK_SCORES)}
+        # Only the rows a split will ask for (`covers`): the [head pos pos] tensors are most of a layer.
+        self.cut[inputs.layer] = {
+            name: tensor[:, :, rows].clone() if tensor.ndim == 4 and tensor.shape[2] == length else tensor.clone()
+            for name, tensor in whole.items()
+        }
+        z = None if inputs.z is None else inputs.z.clone()
+        # Pattern and values the projector does not read: zeros of their shapes that take no memory.
+        pattern, v = (tensor.new_zeros(()).expand(tensor.shape) for tensor in (inputs.pattern, inputs.v))
+        self.layers[inputs.layer] = replace(
+            inputs, pattern=pattern, v=v, z=z, hook_out=None, gram_of=None, captured=captured, _cache={}
+        )
+
+    def run(self) -> "QKTape":
+        """Record in a pass of its own over layers ``0..last`` (for a caller without a pass to share)."""
+        layers = list(range(self.last + 1))
+        map_layers(self.model, self.batch, self.record, layers=layers, capture=self.capture, extra_hooks=self.hooks)
+        return self
+
+    def covers(self, layer: int, rows: Sequence[int]) -> bool:
+        """Whether the tape holds layer ``layer`` (and all before it) and every query of ``rows``."""
+        return set(range(layer + 1)) <= self.layers.keys() and set(rows) <= set(self.rows)
+
+    def attribution(
+        self, layer: int, head: int | Sequence[int] | None = None, query: int | Sequence[int] | None = None,
+        *, dtype: torch.dtype = torch.float32,
+    ) -> QKAttribution:  # fmt: skip
+        """`qk_attribution` of ``layer``'s ``head`` at ``query`` (default: the tape's rows), from the tape.
+
+        Raises `ValueError` where the tape does not hold the layer or a query (`covers`).
+        """
+        length = self.batch.tokens.shape[1]
+        layer = _resolve_layer(self.model, layer)
+        chosen = _resolve_heads(self.model, head, None)
+        _check_dtype(dtype)
+        asked = self.rows if query is None else as_indices(query, "queries")
+        rows = sorted({as_position(q, length) for q in asked})
+        if not rows or not self.covers(layer, rows):
+            raise ValueError(
+                f"the tape holds layers {_span(sorted(self.layers))} and queries {_span(self.rows)}: "
+                f"not layer {layer} at queries {_span(rows)}"
+            )
+        projector = _Projector.of(self.model, layer, chosen, rows, length, self.store, dtype)
+        with torch.inference_mode():  # as in the pass: its buffers are inference tensors, finished in place
+            for earlier in range(layer):
+                projector(self.layers[earlier])
+            projector(self._target(layer))
+        return _assemble(projector, self.batch, chosen)
+
+    def _target(self, layer: int) -> adapter.LayerInputs:
+        """Layer ``layer``'s reads with its pattern and scores whole again: the kept rows, zeros at the others."""
+        length, rows = self.batch.tokens.shape[1], list(self.rows)
+
+        def whole(tensor: Tensor) -> Tensor:
+            if len(rows) == length or tensor.ndim != 4 or tensor.shape[2] != len(rows):
+                return tensor  # kept whole (`record` cuts only [batch head pos key] tensors)
+            out = tensor.new_zeros(*tensor.shape[:2], length, tensor.shape[3])
+            out[:, :, rows] = tensor
+            return out
+
+        cut, kept = self.cut[layer], self.layers[layer]
+        captured = {**kept.captured, adapter.QK_SCORES: whole(cut["scores"])}
+        return replace(kept, pattern=whole(cut["pattern"]), captured=captured, _cache={})

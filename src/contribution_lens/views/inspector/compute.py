@@ -12,6 +12,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from contribution_lens import adapter
+from contribution_lens.analyses.qk_attribution import QKTape
 from contribution_lens.engine import map_layers
 from contribution_lens.views.inspector.compact import compact_payload, unit_factors
 from contribution_lens.views.inspector.payload import layer_arrays, window_payload
@@ -26,12 +27,15 @@ def compute_windows(
     *,
     progress: bool = False,
     compact: bool = False,
+    tape: QKTape | None = None,
 ) -> dict[int, dict[str, dict[str, Any]]]:
     """The payload of every layer for every window (by `Window.key`), all from one forward pass.
 
     Each layer is decomposed once, over the whole text; each window is then a cut of it, in
     the fine codecs (`contribution_lens.views.inspector.payload.window_payload`) or, with
-    ``compact``, those of `contribution_lens.views.inspector.compact.compact_payload`.
+    ``compact``, those of `contribution_lens.views.inspector.compact.compact_payload`. A ``tape``
+    (`contribution_lens.analyses.qk_attribution.QKTape`) records, in the same pass, what the *why*
+    panel's splits read: the pass then runs every layer up to ``tape.last``.
 
     Example:
         >>> import contribution_lens as cl
@@ -43,24 +47,30 @@ def compute_windows(
         ([0, 2], ['0-4'])
     """
     wanted = list(layers)
+    passed = wanted if tape is None else sorted(set(wanted) | set(range(tape.last + 1)))
     # leave=True: a closed bar shows its last frame, so a saved notebook does not keep its first one (0%).
-    bar = tqdm(total=len(wanted), desc="inspector: layers", unit="layer", disable=not progress, leave=True)
+    bar = tqdm(total=len(passed), desc="inspector: layers", unit="layer", disable=not progress, leave=True)
 
-    def per_layer(inputs: adapter.LayerInputs) -> dict[str, dict[str, Any]]:
-        arrays = layer_arrays(inputs.decompose("inter"), inputs.decompose("intra"), n_kv_heads=inputs.v.shape[2])
-        if compact:
-            factors = unit_factors(inputs)
-            out = {w.key: compact_payload(arrays, factors, w) for w in windows}
-        else:
-            out = {window.key: window_payload(arrays, window) for window in windows}
+    def per_layer(inputs: adapter.LayerInputs) -> dict[str, dict[str, Any]] | None:
+        if tape is not None:
+            tape.record(inputs)
+        out = None
+        if inputs.layer in wanted:
+            arrays = layer_arrays(inputs.decompose("inter"), inputs.decompose("intra"), n_kv_heads=inputs.v.shape[2])
+            if compact:
+                factors = unit_factors(inputs)
+                out = {w.key: compact_payload(arrays, factors, w) for w in windows}
+            else:
+                out = {window.key: window_payload(arrays, window) for window in windows}
         bar.update()
         return out
 
+    capture, hooks = ((), []) if tape is None else (tape.capture, tape.hooks)
     try:
-        results = map_layers(model, batch, per_layer, layers=wanted)
+        results = map_layers(model, batch, per_layer, layers=passed, capture=capture, extra_hooks=hooks)
     finally:
         bar.close()
-    return dict(results.items())
+    return {layer: out for layer, out in results.items() if out is not None}
 
 
 def compute_payloads(

@@ -20,7 +20,7 @@ import traitlets
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.analyses.qk_attribution import QKAttribution, qk_attribution
+from contribution_lens.analyses.qk_attribution import QKAttribution, QKTape, qk_attribution
 from contribution_lens.choices import as_count, as_indices, as_position
 from contribution_lens.views import plot
 from contribution_lens.views.inspector import figure, page, still
@@ -42,6 +42,13 @@ CHECKED = ("layer", "head", "factor", "scope", "start", "tokens", "query", "view
 """The traits whose values are checked (`Subject.refusal`) before they change anything."""
 WHY_KEPT = 3
 """The (layer, head) splits the *why* panel keeps: a click on another query of one of them computes no pass."""
+WHY_TAPE_BYTES = 1_000_000_000
+"""The most bytes the first view's pass keeps for the *why* panel (`contribution_lens.analyses.qk_attribution.QKTape`).
+
+Every precomputed window's queries where they fit, else the shown window's, else none (each
+split then runs its own pass); set it to 0 to keep nothing. Upper bounds (`QKTape.estimate_bytes`)
+for SmolLM2 in float32: 802 MB for all 512 queries of 512 tokens (kept: no click needs a pass);
+at 1,024 tokens 2.7 GB for all, 755 MB for a window of 128 (kept)."""
 
 
 def inspect(
@@ -129,8 +136,9 @@ class Inspector(anywidget.AnyWidget):
     ``tokens`` (or a start off those windows) runs one more pass.
 
     With one head shown, a click on a cell asks the kernel for the *why* panel of that query: the
-    head's score at each key split over the upstream components (`why`, computed on demand from
-    `contribution_lens.qk_attribution` and kept).
+    head's score at each key split over the upstream components (`why`, computed on demand as
+    `contribution_lens.qk_attribution` computes it, and kept). The first view's pass records what
+    these splits read (`WHY_TAPE_BYTES` at most), so a click needs no pass of its own.
 
     A bad value (``start``, ``tokens``, ``layer``, ``head``, ``query``, ``factor``, ``scope``,
     ``view``, ``step``) is refused before anything changes: Python gets an `InspectorError` (a
@@ -163,6 +171,7 @@ class Inspector(anywidget.AnyWidget):
         self._computed: dict[str, dict[int, dict[str, Any]]] = {}
         self._why_splits: dict[tuple[int, int, str], QKAttribution] = {}
         self._why_rows: dict[tuple[int, int, int, str], dict[str, Any]] = {}
+        self._tape: QKTape | None = None
         sent = {} if subject.steps is None else {"steps": steps_payload(subject.steps, subject.labels)}
         super().__init__(**vars(opening), **sent)
         self._still = still.Still(self._view_state, self._view_figure)
@@ -299,10 +308,35 @@ class Inspector(anywidget.AnyWidget):
     def _layer_payload(self, window: Window, layer: int) -> dict[str, Any]:
         if window.key not in self._computed:
             windows, subject = self._windows_to_precompute(), self._subject
-            computed = compute_windows(subject.model, subject.batch, subject.layers, windows, progress=True)
+            every = sorted({query for window in windows for query in window.queries})
+            self._tape = tape = self._new_tape([every, self.window.queries])
+            computed = compute_windows(subject.model, subject.batch, subject.layers, windows, progress=True, tape=tape)
             # Windows of an earlier size are dropped: the memory goes to the size in use.
             self._computed = {w.key: {layer: computed[layer][w.key] for layer in subject.layers} for w in windows}
         return self._computed[window.key][layer]
+
+    def _new_tape(self, choices: list[list[int]]) -> QKTape | None:
+        """The tape to record of the first rows among ``choices`` that fit `WHY_TAPE_BYTES` (None: none fits)."""
+        subject = self._subject
+        length, last = len(subject.labels), max(subject.layers)
+        for rows in choices:
+            if QKTape.estimate_bytes(subject.model, length, len(rows), last) <= WHY_TAPE_BYTES:
+                return QKTape.plan(subject.model, subject.batch, last, rows)
+        return None
+
+    def _split(self, layer: int, head: int | None, queries: list[int]) -> QKAttribution:
+        """The split of ``layer``'s ``head`` (None: all) at ``queries``: from a tape if one fits, else a pass.
+
+        A tape not holding ``queries`` (another window) is recorded again, in a pass of its own,
+        for the shown window and them: one pass, and then no pass for any other head there.
+        """
+        tape = self._tape
+        if tape is None or not tape.covers(layer, queries):
+            tape = self._new_tape([sorted(set(self.window.queries) | set(queries))])
+            self._tape = None if tape is None else tape.run()
+        if tape is not None and tape.covers(layer, queries):
+            return tape.attribution(layer, head, queries)
+        return qk_attribution(self._subject.model, self._subject.batch.tokens[0], layer, head, queries)
 
     def _compute(self) -> None:
         window = self.window
@@ -338,9 +372,11 @@ class Inspector(anywidget.AnyWidget):
         H(alpha_i)`` (`contribution_lens.views.inspector.why.why_row`; the maths:
         `contribution_lens.qk_attribution`). Defaults: the widget's layer, head and query.
 
-        The first call for a (layer, head) runs `contribution_lens.qk_attribution` for the
-        window's queries (one pass up to that layer); another query of it is cut from that split
-        (the last `WHY_KEPT` are kept) and every row is kept, so a repeated click costs nothing.
+        The first call for a (layer, head) splits its scores at the window's queries: from what
+        the first view's pass recorded (`WHY_TAPE_BYTES`; no pass), else with
+        `contribution_lens.qk_attribution` (one pass up to that layer). Another query of it is cut
+        from that split (the last `WHY_KEPT` are kept) and every row is kept, so a repeated click
+        costs nothing.
         A head of -1 (all heads) is refused (`InspectorError`), as is a layer, head or query the
         inspector does not show.
 
@@ -372,7 +408,7 @@ class Inspector(anywidget.AnyWidget):
         key = (layer, head, window.key)
         split = self._why_splits.pop(key, None)
         if split is None:
-            split = qk_attribution(self._subject.model, self._subject.batch.tokens[0], layer, head, window.queries)
+            split = self._split(layer, head, window.queries)
         self._why_splits[key] = split  # last in: the most recently used
         while len(self._why_splits) > WHY_KEPT:
             del self._why_splits[next(iter(self._why_splits))]
@@ -511,9 +547,8 @@ class Inspector(anywidget.AnyWidget):
         if chosen is None:
             return None
         rows = {}
-        tokens = self._subject.batch.tokens[0]
         for layer in layers:
-            split = qk_attribution(self._subject.model, tokens, layer, None, chosen)
+            split = self._split(layer, None, chosen)
             for head in split.heads:
                 for query in chosen:
                     rows[row_key(layer, head, query)] = why_row(split, head, query, window.keys)
@@ -547,7 +582,9 @@ class Inspector(anywidget.AnyWidget):
                 the `contribution_lens.views.inspector.why.TOP` largest advantage terms per side.
                 Each (layer, head, query) row is about 35 bytes per key and drawn term (about
                 35 KB at 128 keys), so one query of 30 layers x 9 heads adds about 10 MB; it
-                costs one `contribution_lens.qk_attribution` pass per layer. The panel of any
+                costs no pass where the first view's recorded the queries (`WHY_TAPE_BYTES`),
+                else one pass that records them (or, past that budget, one
+                `contribution_lens.qk_attribution` pass per layer). The panel of any
                 other query says it was not embedded and names this argument. Default: none.
 
         The page opens on the window's last query, in the view named in its URL fragment,
