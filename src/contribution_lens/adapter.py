@@ -927,12 +927,12 @@ def _block_form(model: Model, layer: int, caught: dict[str, Tensor], tolerance: 
     def adds(name: str, added: Tensor) -> bool:
         if name not in caught:
             return False
-        total = caught[name]
-        # The sum is rounded to the model's dtype: in bfloat16 a stream of 362 next to an output of
-        # 0.56 (Qwen2.5, layer 3) loses up to 0.5 to that rounding alone. One unit in the last place
-        # of each element of the sum is allowed besides the tolerance (nothing, in float32).
-        rounding = torch.finfo(total.dtype).eps * total.double().abs() if total.is_floating_point() else 0.0
-        excess = ((total.double() - x - added.double()).abs() - rounding).clamp(min=0)
+        total = caught[name].double()
+        # The sum is rounded to the model's dtype: in bfloat16, with a stream of 362 next to an output
+        # of 0.56 (Qwen2.5, layer 3), that rounding alone is 0.24. One unit in the last place of each
+        # element of the sum is allowed besides the tolerance (nothing, in float32).
+        rounding = torch.finfo(caught[name].dtype).eps * total.abs()
+        excess = ((total - x - added.double()).abs() - rounding).clamp(min=0)
         return float(excess.max()) <= tolerance * max(float(added.abs().max()), 1e-30)
 
     if adds("hook_resid_mid", out):

@@ -499,14 +499,14 @@ class _Projector:
         plan: adapter.QKPlan,
         form: adapter.QKForm,
         reads: dict[str, list[Tensor]],
-        heads: list[int],
+        kv_heads: list[int],
         rows: Tensor,
         n_keys: int,
         store: dict[str, Tensor],
     ) -> None:
         self.model, self.plan, self.reads, self.rows, self.n_keys, self.store = model, plan, reads, rows, n_keys, store
         self.form = form
-        self.kv_heads = sorted({h // form.group for h in heads})
+        self.kv_heads = kv_heads
         self.positions: dict[str, Tensor | slice] = {"q": rows, "k": slice(0, n_keys)}
         self.names: list[str] = []
         self.stages: list[int] = []
@@ -525,7 +525,7 @@ class _Projector:
         kv_heads = sorted({h // form.group for h in heads})
         n_keys = max(rows) + 1 if form.causal else length
         reads = _reads(plan, form, heads, kv_heads, dtype)
-        return cls(model, plan, form, reads, heads, torch.tensor(rows), n_keys, store)
+        return cls(model, plan, form, reads, kv_heads, torch.tensor(rows), n_keys, store)
 
     def __call__(self, layer: adapter.LayerInputs) -> None:
         self.scales.update(adapter.stream_scales(self.plan, layer, self.store))

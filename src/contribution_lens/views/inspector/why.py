@@ -81,7 +81,8 @@ def why_row(
     query_side = result.advantage("query", head=head, query=query)
     target = result.log_alpha_plus_entropy(head=head, query=query)
     seen = list(key_side.columns)
-    shown = seen if keys is None else [j for j in keys if j in set(seen)]
+    visible = set(seen)
+    shown = seen if keys is None else [j for j in keys if j in visible]
     h, i = result.heads.index(head), result.queries.index(query)
     alpha = result.pattern[h, i].double().numpy()
     key_values, query_values = key_side[shown].to_numpy(), query_side[shown].to_numpy()

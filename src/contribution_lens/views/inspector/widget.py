@@ -308,7 +308,7 @@ class Inspector(anywidget.AnyWidget):
     def _layer_payload(self, window: Window, layer: int) -> dict[str, Any]:
         if window.key not in self._computed:
             windows, subject = self._windows_to_precompute(), self._subject
-            every = sorted({query for window in windows for query in window.queries})
+            every = sorted({query for each in windows for query in each.queries})
             self._tape = tape = self._new_tape([every, self.window.queries])
             computed = compute_windows(subject.model, subject.batch, subject.layers, windows, progress=True, tape=tape)
             # Windows of an earlier size are dropped: the memory goes to the size in use.
@@ -392,11 +392,9 @@ class Inspector(anywidget.AnyWidget):
         query = self.query if query is None else query
         if head == -1:
             raise InspectorError(PICK_ONE_HEAD)
-        window, subject = self.window, self._subject
+        window = self.window
         for name, value in (("layer", layer), ("head", head), ("query", query)):
-            message = subject.refusal(name, value, window)
-            if message:
-                raise InspectorError(message)
+            self._subject.check(name, value, window)  # unlike self._check, leaves `error` alone
         row = self._why_rows.get((layer, head, query, window.key))
         if row is None:
             row = why_row(self._why_split(layer, head, window), head, query, window.keys)
