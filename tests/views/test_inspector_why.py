@@ -151,6 +151,24 @@ def test_a_window_off_the_tape_is_recorded_once_then_every_head_there_is_free(mo
     assert second == why_row(cl.qk_attribution(model, ids, 0, 2, queries), 2, 5, keys)
 
 
+def test_a_page_off_the_tape_leaves_the_widgets_tape_in_place(monkeypatch) -> None:
+    model = tiny_bridge("mha")
+    ids = torch.arange(3, 23)
+    monkeypatch.setattr(widget, "WHY_TAPE_BYTES", QKTape.estimate_bytes(model, len(ids), 8, 1))
+    inspector = cl.inspect(model, ids, layer=1, head=0, tokens=8, start=12)
+    kept = inspector._tape
+    # The page's query is off the tape, and the shown window with it passes the budget: a pass per layer.
+    page = inspector.render_html(start=0, tokens=8, why_queries=[5])
+    assert "1/0/5" in page_data(page)["why"]["rows"]
+    assert inspector._tape is kept
+    passes = count_passes(model)
+    try:
+        inspector.why(17)
+        assert passes == [], "the shown window is still on the tape"
+    finally:
+        model.hook_dict["hook_embed"].remove_hooks()
+
+
 def test_recording_the_tape_changes_no_payload() -> None:
     model = tiny_bridge("gqa")
     batch = cl.to_token_batch(model, torch.arange(3, 15))

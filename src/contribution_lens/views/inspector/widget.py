@@ -332,8 +332,9 @@ class Inspector(anywidget.AnyWidget):
         """
         tape = self._tape
         if tape is None or not tape.covers(layer, queries):
-            tape = self._new_tape([sorted(set(self.window.queries) | set(queries))])
-            self._tape = None if tape is None else tape.run()
+            fresh = self._new_tape([sorted(set(self.window.queries) | set(queries))])
+            if fresh is not None:  # else the tape kept still serves the queries it holds
+                self._tape = tape = fresh.run()
         if tape is not None and tape.covers(layer, queries):
             return tape.attribution(layer, head, queries)
         return qk_attribution(self._subject.model, self._subject.batch.tokens[0], layer, head, queries)
