@@ -27,8 +27,8 @@ const NO_KERNEL =
   "was reopened). This view is the last one drawn; run the cell again to explore it (the page of write_html needs no kernel).";
 /** The still's line (still.py's RUN_AGAIN), drawn above the view sent to the kernel. */
 const RUN_AGAIN = "The inspector's last view: run the cell again to explore it.";
-/** The why panel before a click: the kernel splits a head's score only for a clicked cell (a pass up to its layer). */
-const CLICK_A_CELL = "click a cell of the heatmap: the kernel splits this head's score there (its first cell takes one pass)";
+/** The why panel before a click: the kernel splits a head's score only for a clicked cell (widget.py's _split). */
+const CLICK_A_CELL = "click a cell of the heatmap: the kernel splits this head's score there";
 /** How long a view must stay unchanged before it is sent to the kernel as the still. */
 const SETTLE_MS = 1000;
 
