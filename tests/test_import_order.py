@@ -14,12 +14,14 @@ The layers, bottom first, and why each sits where it does:
    lifecycle (``save``/``load``, ``figures()``, ``report()``).
 6. **methods**: the registry and the importance measures; a measure may be built on an analysis
    (``logit_attribution`` is), never the other way round.
-7. **views**: what compares measures (the registry's `compare_measures`), the inspector, notebook export.
-8. **faithfulness**: the causal harness, which scores every registered measure and draws its report.
-9. **replication**: the paper's claims judged on one model, from the faithfulness runs and the sink
+7. **circuits**: tasks, the graph of heads and MLPs, circuit scores (a registry) and their evaluation by
+   interchange patching; built on the analyses (logit attribution, the QK split) and the methods (ALTI).
+8. **views**: what compares measures (the registry's `compare_measures`), the inspector, notebook export.
+9. **faithfulness**: the causal harness, which scores every registered measure and draws its report.
+10. **replication**: the paper's claims judged on one model, from the faithfulness runs and the sink
    study (it runs them; none of them knows it).
-10. **cli**: the commands, thin wrappers of the layers below.
-11. **face**: the package's own ``__init__`` and `_compat` (the 0.2 names): they name everything, lazily.
+11. **cli**: the commands, thin wrappers of the layers below.
+12. **face**: the package's own ``__init__`` and `_compat` (the 0.2 names): they name everything, lazily.
 
 Every ``import`` counts wherever it is written, inside a function included: a function-level import
 that climbs the layers is the same circle waiting for its first call. Imports under
@@ -44,6 +46,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("drawing", ("views.plot", "views.html")),
     ("analyses", ("analyses",)),
     ("methods", ("methods",)),
+    ("circuits", ("circuits",)),
     ("views", ("views",)),
     ("faithfulness", ("faithfulness",)),
     ("replication", ("replication",)),
