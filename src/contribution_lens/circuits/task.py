@@ -35,7 +35,7 @@ from typing import Any
 import einops
 import numpy as np
 import torch
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from contribution_lens import adapter
@@ -140,7 +140,7 @@ class Task:
         return len(self)
 
     @property
-    def attention_mask(self) -> Int[Tensor, "prompt pos"]:
+    def attention_mask(self) -> Bool[Tensor, "prompt pos"]:
         """True at every real token (positions ``0..last[p]``), False at the right padding."""
         positions = torch.arange(self.clean.shape[1], device=self.last.device)
         return einops.rearrange(positions, "pos -> 1 pos") <= einops.rearrange(self.last, "prompt -> prompt 1")
