@@ -4,14 +4,14 @@ Both functions take tidy tables, not result objects, so any circuit scorer's out
 
 * `circuit_figure(nodes, edges, n_layers=, n_heads=)`: the model's layers bottom-up, ``embed`` (and
   ``pos_embed``) at the bottom, then per layer ``l`` its heads ``L{l}H{h}`` in a row and its MLP
-  ``L{l}.mlp`` above them, ``logits`` on top. Nodes are coloured by their score (diverging, centred
-  at 0); an edge is drawn from its upstream node to its downstream node's input, coloured by the
-  sign of its score (blue +, red −, paler for smaller), as wide as ``|score|`` (relative to the
-  largest drawn), and dashed by that input: a head's q input dotted, k dashed, v dash-dotted, the
-  input of an MLP or of the logits solid; each kind is a legend entry that shows or hides it. An
-  edge into a head ends at one of three points under it (q left, k middle, v right). Hovering
-  near an edge's midpoint shows its upstream and downstream names, its input and score. Only the
-  edges given are drawn: pass the circuit's (pruned) edges.
+  ``L{l}.mlp`` right of them, half a row up, ``logits`` on top. Nodes are coloured by their score
+  (diverging, centred at 0); an edge is drawn from its upstream node to its downstream node's input,
+  coloured by the sign of its score (red +, blue −, paler for smaller; the package's diverging
+  scale), as wide as ``|score|`` (relative to the largest drawn), and dashed by that input: a head's
+  q input dotted, k dashed, v dash-dotted, the input of an MLP or of the logits solid; each kind is
+  a legend entry that shows or hides it. An edge into a head ends at one of three points under it (q
+  left, k middle, v right). Hovering near an edge's midpoint shows its upstream and downstream
+  names, its input and score. Only the edges given are drawn: pass the circuit's (pruned) edges.
 * `curves_figure(curves)`: faithfulness against the fraction of edges (or nodes) kept, log x axis,
   one line per method with its interval as a band, and ``f = 1`` (the whole model) dotted.
 
@@ -43,18 +43,22 @@ INPUT_NAMES = {
     "": "into an MLP or the logits",
 }
 INPUT_OFFSET = {"q": -0.22, "k": 0.0, "v": 0.22, "": 0.0}
-"""Where under a head an edge into its q, k or v input ends (x offset)."""
+INPUT_DROP = 0.15
+"""Where under a head an edge into its q, k or v input ends (x offset, and ``INPUT_DROP`` below it)."""
 
 _HEAD = re.compile(r"^L(\d+)H(\d+)$")
 _MLP = re.compile(r"^L(\d+)\.mlp$")
 
 
 def node_position(node: str, *, n_layers: int, n_heads: int) -> tuple[float, float]:
-    """``(x, y)`` of a node: heads of layer ``l`` at ``y = 2l + 1``, its MLP at ``2l + 2``, logits on top.
+    """``(x, y)`` of a node: layer ``l``'s heads in a row at ``y = l + 1``, its MLP right of them, half a row up.
+
+    ``embed`` and ``pos_embed`` lie at ``y = 0``, ``logits`` at ``n_layers + 1``, both under the heads'
+    centre; head ``h`` at ``x = h``, the MLPs in a column of their own at ``x = n_heads + 0.5``.
 
     Example:
-        >>> node_position("L1H2", n_layers=2, n_heads=4), node_position("logits", n_layers=2, n_heads=4)
-        ((2.0, 3.0), (1.5, 5.0))
+        >>> node_position("L1H2", n_layers=2, n_heads=4), node_position("L1.mlp", n_layers=2, n_heads=4)
+        ((2.0, 2.0), (4.5, 2.5))
     """
     centre = (n_heads - 1) / 2
     if node == "embed":
@@ -62,14 +66,14 @@ def node_position(node: str, *, n_layers: int, n_heads: int) -> tuple[float, flo
     if node == "pos_embed":
         return centre + 0.5, 0.0
     if node == "logits":
-        return centre, 2.0 * n_layers + 1
+        return centre, n_layers + 1.0
     if head := _HEAD.match(node):
         layer, index = int(head.group(1)), int(head.group(2))
         if layer < n_layers and index < n_heads:
-            return float(index), 2.0 * layer + 1
+            return float(index), layer + 1.0
     elif mlp := _MLP.match(node):
         if int(mlp.group(1)) < n_layers:
-            return centre, 2.0 * int(mlp.group(1)) + 2
+            return n_heads + 0.5, int(mlp.group(1)) + 1.5
     raise ValueError(
         f"node {node!r} is not a node of a {n_layers}-layer model with {n_heads} heads "
         "(embed, pos_embed, L{l}H{h}, L{l}.mlp, logits)"
@@ -115,7 +119,7 @@ def _edge_traces(edges: pd.DataFrame, *, n_layers: int, n_heads: int) -> list[go
     for _, row in edges.iloc[np.argsort(edges["score"].abs().to_numpy(), kind="stable")].iterrows():
         x0, y0 = node_position(row["upstream"], n_layers=n_layers, n_heads=n_heads)
         x1, y1 = node_position(row["downstream"], n_layers=n_layers, n_heads=n_heads)
-        x1, y1 = x1 + INPUT_OFFSET[row["input"]], y1 - (0.25 if row["input"] else 0.0)
+        x1, y1 = x1 + INPUT_OFFSET[row["input"]], y1 - (INPUT_DROP if row["input"] else 0.0)
         lines.append(
             go.Scatter(
                 x=[x0, x1], y=[y0, y1], mode="lines", hoverinfo="skip", opacity=0.8,
@@ -133,7 +137,7 @@ def _edge_traces(edges: pd.DataFrame, *, n_layers: int, n_heads: int) -> list[go
             hovers.append(
                 go.Scatter(
                     x=[(a[0] + b[0] + INPUT_OFFSET[kind]) / 2 for a, b in zip(starts, ends, strict=True)],
-                    y=[(a[1] + b[1] - (0.25 if kind else 0.0)) / 2 for a, b in zip(starts, ends, strict=True)],
+                    y=[(a[1] + b[1] - (INPUT_DROP if kind else 0.0)) / 2 for a, b in zip(starts, ends, strict=True)],
                     mode="markers", marker={"size": 7, "color": list(part["colour"]), "opacity": 0.5},
                     hovertext=[_edge_hover(row) for _, row in part.iterrows()], hoverinfo="text",
                     name=f"edges {kind or 'resid'}", legendgroup=kind, showlegend=False,
@@ -189,14 +193,20 @@ def circuit_figure(
                     "colorbar": {"title": "node score", "x": 1.02}},
         )
     )  # fmt: skip
-    rows = [0, *range(1, 2 * n_layers + 2)]
+    rows = [0.0, *[layer + 1.0 + half for layer in range(n_layers) for half in (0.0, 0.5)], n_layers + 1.0]
     labels = ["embed", *[f"L{layer} {part}" for layer in range(n_layers) for part in ("heads", "mlp")], "logits"]
     figure.update_layout(
         title=f"{title}: {len(edges)} edges (colour: sign, width: |score|, dash: the input entered)",
-        xaxis={"visible": False, "range": [-1, max(n_heads, 2)]},
-        yaxis={"title": "layer", "tickvals": rows, "ticktext": labels, "zeroline": False},
-        height=max(400, 60 * n_layers + 200),
-        legend={"title": "edges", "x": 1.15},
+        xaxis={"visible": False, "range": [-1, n_heads + 1.5]},
+        yaxis={
+            "title": "layer",
+            "tickvals": rows,
+            "ticktext": labels,
+            "zeroline": False,
+            "range": [-0.5, n_layers + 1.5],
+        },
+        height=max(450, 45 * (n_layers + 2) + 150),
+        legend={"title": "edges", "orientation": "h", "x": 0, "y": -0.02, "yanchor": "top"},
     )
     return figure
 
@@ -252,7 +262,7 @@ def curves_figure(curves: pd.DataFrame, *, title: str = "Faithfulness by circuit
     )  # fmt: skip
     figure.update_layout(
         title=title,
-        xaxis={"type": "log", "title": "fraction of the graph kept", "tickformat": ".1%"},
+        xaxis={"type": "log", "title": "fraction of the graph kept", "tickformat": ".3~%"},
         yaxis={"title": "faithfulness f(C)"},
         legend={"title": "method"},
     )
