@@ -15,9 +15,9 @@ model (`docs/results.md`); users' own tasks come from a JSON-lines file (`Task.f
 `task_report` says whether a model does a task: its clean accuracy (``m_p > 0``) and mean logit
 difference with a bootstrap interval, with a warning where that interval includes 0.
 
-    >>> import contribution_lens as cl
     >>> from contribution_lens.circuits.task import Task
-    >>> task = Task.ioi(cl.loading.load_skeleton(), n=4, seed=0)  # a tokenizer is all it needs
+    >>> from contribution_lens.loading import load_skeleton
+    >>> task = Task.ioi(load_skeleton(), n=4, seed=0)  # a tokenizer is all it needs (no weights)
     >>> task.clean.shape == task.corrupted.shape, len(task)
     (True, 4)
 """
@@ -29,6 +29,7 @@ import re
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -215,8 +216,7 @@ class Task:
         rng = random.Random(seed)
         prompts = []
         for index in range(n):
-            abba = index % 2 == 0
-            prompts.append(_draw(lambda abba=abba: _ioi_prompt(model, names, rng, abba=abba), "ioi"))
+            prompts.append(_draw(partial(_ioi_prompt, model, names, rng, abba=index % 2 == 0), "ioi"))
         return _assemble(model, "ioi", prompts)
 
     @classmethod
@@ -280,12 +280,13 @@ class Task:
         and a bad one is refused naming its line number and field.
 
         Example:
-            >>> import json, tempfile, contribution_lens as cl
+            >>> import json, tempfile
+            >>> from contribution_lens.loading import load_skeleton
             >>> row = {"clean": "The capital of France is", "corrupted": "The capital of Japan is",
             ...        "answer": " Paris", "foil": " Tokyo"}
             >>> path = tempfile.mkdtemp() + "/capitals.jsonl"
             >>> _ = open(path, "w").write(json.dumps(row) + "\\n")
-            >>> Task.from_jsonl(path, cl.loading.load_skeleton())
+            >>> Task.from_jsonl(path, load_skeleton())
             Task('capitals', 1 prompts of 6 to 6 tokens, metric logit_diff)
         """
         _check_model(model, tokenizer=True)
