@@ -13,7 +13,7 @@ import contribution_lens as cl
 from helpers import docs_block, run_block
 
 SRC = Path(cl.__file__).parent
-SUBPACKAGES = ("analyses", "cli", "faithfulness", "methods", "replication", "views")
+SUBPACKAGES = ("analyses", "circuits", "cli", "faithfulness", "methods", "replication", "views")
 CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "qk")
 
 
