@@ -7,7 +7,7 @@ The layers, bottom first, and why each sits where it does:
 2. **adapter** (`adapter`): the one place that knows a TransformerLens model (hooks, ``W_O``, the readout).
 3. **engine** (`engine`, `mixing`, `interventions`, `loading`): what runs on a model through the adapter:
    the per-layer pass, the per-layer token mixing, pattern edits, loading.
-4. **drawing** (`views.plot`, `views.html`): figures and pages from tensors and tables. A figure function
+4. **drawing** (`drawing`: `plot`, `html`): figures and pages from tensors and tables. A figure function
    takes a result by what it offers (its type named under ``TYPE_CHECKING`` only), so every result's
    ``figures()`` and ``report()`` can draw with it: drawing sits *below* the results, not above them.
 5. **analyses**: model-level results (`Geometry`, `Flow`, `LogitAttribution`, the sink studies) and their
@@ -43,7 +43,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("maths", ("_lazy", "_settings", "files", "choices", "losses", "decomposition", "qk")),
     ("adapter", ("adapter",)),
     ("engine", ("engine", "mixing", "interventions", "loading")),
-    ("drawing", ("views.plot", "views.html")),
+    ("drawing", ("drawing",)),
     ("analyses", ("analyses",)),
     ("methods", ("methods",)),
     ("circuits", ("circuits",)),
@@ -178,8 +178,8 @@ def test_no_module_imports_itself_round_a_circle() -> None:
 @pytest.mark.parametrize("face", sorted(m for m, p in MODULES.items() if p.name == "__init__.py"))
 def test_a_face_imports_nothing_above_its_lowest_module(face: str) -> None:
     """Importing ``package.module`` runs ``package/__init__.py`` first, so a face sits, in effect, in the
-    layer of its lowest module: the views' face, importing anything above drawing, would pull it into
-    every ``from contribution_lens.views import plot`` an analysis makes."""
+    layer of its lowest module: the drawing's face, importing anything above drawing, would pull it into
+    every ``from contribution_lens.drawing import plot`` an analysis makes."""
     lowest = min(layer_of(m) for m in MODULES if m == face or m.startswith(face + "."))
     ran = list(imports(face))
     if face == PACKAGE:
@@ -196,6 +196,6 @@ def test_the_layers_catch_a_circle(tmp_path, monkeypatch) -> None:
     """The order test fails on an import that climbs: here, a drawing module importing an analysis."""
     fake = tmp_path / "plot.py"
     fake.write_text("def f():\n    from contribution_lens.analyses.flow import Flow\n", encoding="utf-8")
-    monkeypatch.setitem(MODULES, f"{PACKAGE}.views.plot", fake)
-    with pytest.raises(AssertionError, match=r"views\.plot:2 \(drawing\) imports contribution_lens\.analyses\.flow "):
+    monkeypatch.setitem(MODULES, f"{PACKAGE}.drawing.plot", fake)
+    with pytest.raises(AssertionError, match=r"drawing\.plot:2 \(drawing\) imports contribution_lens\.analyses\.flow "):
         test_imports_run_down_the_layers()

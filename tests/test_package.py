@@ -13,7 +13,9 @@ import contribution_lens as cl
 from helpers import docs_block, run_block
 
 SRC = Path(cl.__file__).parent
-SUBPACKAGES = ("analyses", "cli", "faithfulness", "methods", "replication", "views")
+SUBPACKAGES = ("analyses", "circuits", "cli", "drawing", "faithfulness", "methods", "replication", "views")
+TESTS_OF = {"drawing": "views"}
+"""Where a subpackage's tests are, where that is not ``tests/<subpackage>``."""
 CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "qk")
 
 
@@ -69,7 +71,8 @@ def test_the_layout_is_a_small_core_and_one_subpackage_a_role() -> None:
         face = importlib.import_module(f"contribution_lens.{package}")
         assert face.__doc__ and len(face.__doc__.split()) > 15, f"{package}/__init__.py does not say what it holds"
         assert all(hasattr(face, name) for name in face.__all__), package
-        assert (tests / package).is_dir(), f"tests/ does not mirror contribution_lens.{package}"
+        # Drawing's tests stay with the views' (the inspector's and the export's tests share their helpers).
+        assert (tests / TESTS_OF.get(package, package)).is_dir(), f"tests/ does not mirror contribution_lens.{package}"
 
 
 def test_no_function_is_longer_than_eighty_lines() -> None:
@@ -146,7 +149,27 @@ def test_the_old_module_paths_still_work_and_name_the_new_place(bundled_model, t
     assert set(summary["method"]) == {"attention"} and (tmp_path / "run" / "report.html").is_file()
     import contribution_lens.plot as old_plot
 
-    assert old_plot is cl.plot is cl.views.plot and old_plot.__spec__.name == "contribution_lens.views.plot"
+    assert old_plot is cl.plot is cl.drawing.plot and old_plot.__spec__.name == "contribution_lens.drawing.plot"
+
+
+def test_the_drawings_old_places_in_views_still_work_and_name_the_new_one() -> None:
+    from contribution_lens.drawing import html, plot
+
+    with pytest.warns(DeprecationWarning, match=r"views\.plot is deprecated: use contribution_lens\.drawing\.plot"):
+        from contribution_lens.views import plot as old_plot
+    assert old_plot is plot
+    with pytest.warns(
+        DeprecationWarning, match=r"views\.write_html is deprecated: use contribution_lens\.drawing\.html"
+    ):
+        assert cl.views.write_html is html.write_html
+    sys.modules.pop("contribution_lens.views.html", None)
+    with pytest.warns(DeprecationWarning, match=r"views\.html is deprecated: use contribution_lens\.drawing\.html"):
+        from contribution_lens.views.html import render_html
+    assert render_html is html.render_html
+    with pytest.warns(DeprecationWarning, match="use contribution_lens.drawing.html"):
+        import contribution_lens.report as old_report
+
+        assert old_report.write_html is html.write_html
 
 
 def test_the_readmes_five_lines_run_and_give_what_their_comments_say(bundled_model, monkeypatch) -> None:

@@ -55,8 +55,8 @@ _EXPORTS: dict[str, str] = {
     **{name: f"{_A}.sink_claims:{name}" for name in ("SinkStudy", "sink_study")},
     "inspect": "contribution_lens.views.inspector:inspect",
     "Inspector": "contribution_lens.views.inspector:Inspector",
-    "plot": "contribution_lens.views.plot",
-    **{name: f"contribution_lens.{name}" for name in ("analyses", "faithfulness", "methods", "views")},
+    "plot": "contribution_lens.drawing.plot",
+    **{name: f"contribution_lens.{name}" for name in ("analyses", "drawing", "faithfulness", "methods", "views")},
 }  # fmt: skip
 _DEPRECATED = {
     "METHODS": ("contribution_lens._compat:DECOMPOSITION_METHODS", "use contribution_lens.available_methods()"),
@@ -89,6 +89,7 @@ __all__ = [
     "block_forms",
     "decompose",
     "default_methods",
+    "drawing",
     "explain_generation",
     "faithfulness",
     "flow",
@@ -114,7 +115,7 @@ __getattr__, __dir__ = face(__name__, _EXPORTS, _DEPRECATED)
 _compat.install()  # ``import contribution_lens.evaluation`` and other 0.2 paths keep working, with a warning
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from contribution_lens import analyses, faithfulness, methods, views
+    from contribution_lens import analyses, drawing, faithfulness, methods, views
     from contribution_lens.adapter import LayerInputs, TokenBatch, block_forms, to_token_batch
     from contribution_lens.analyses.flow import Flow, flow
     from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
@@ -126,6 +127,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, sink_analysis
     from contribution_lens.choices import FACTORS, SCOPES, Factor, Scope
     from contribution_lens.decomposition import Decomposition, decompose
+    from contribution_lens.drawing import plot
     from contribution_lens.engine import LayerResults, map_layers
     from contribution_lens.loading import load_model
     from contribution_lens.methods import (
@@ -138,5 +140,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         register_method,
         unregister_method,
     )
-    from contribution_lens.views import plot
     from contribution_lens.views.inspector import Inspector, inspect

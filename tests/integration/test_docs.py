@@ -253,7 +253,7 @@ def test_every_troubleshooting_message_is_one_the_code_writes() -> None:
 
 
 def resolve(identifier: str) -> Any:
-    """The object an API entry's anchor names (``contribution_lens.views.plot.token_heatmap``), else None."""
+    """The object an API entry's anchor names (``contribution_lens.drawing.plot.token_heatmap``), else None."""
     parts = identifier.split(".")
     for split in range(len(parts), 0, -1):
         try:

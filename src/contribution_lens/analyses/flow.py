@@ -243,7 +243,7 @@ class Flow(LayerResults[FlowLayer]):
 
         A flow explaining several positions draws both for each: ``"graph at 7"``, ``"rollout at 7"``, ...
         """
-        from contribution_lens.views import plot
+        from contribution_lens.drawing import plot
 
         if len(self.positions) == 1:
             return {"graph": plot.flow_graph(self), "rollout": plot.flow_rollout(self)}
@@ -255,7 +255,7 @@ class Flow(LayerResults[FlowLayer]):
 
     def report(self, path: str | os.PathLike) -> Path:
         """One self-contained HTML page: the figures, then the pruned graph's edges of each explained position."""
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         labels = self.labels()
         sections: list[html.Section] = [("Text", "".join(self.str_tokens[0])), *self.figures().items()]

@@ -163,7 +163,7 @@ class Geometry(LayerResults[Decomposition]):
         value-weighted, output-normalised, contribution); ``cl.methods.decomposition_measures()``
         adds every registered one.
         """
-        from contribution_lens.views import plot
+        from contribution_lens.drawing import plot
 
         shown = self.sink_layer(0) if layer is None else self.resolve(layer)
         query = len(self.str_tokens[index]) - 1
@@ -206,7 +206,7 @@ class Geometry(LayerResults[Decomposition]):
             >>> g.report(tempfile.mkdtemp() + "/demo.html").stat().st_size > 1_000_000  # plotly.js is embedded
             True
         """
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         sections: list[html.Section] = [
             ("Text", text or "".join(self.str_tokens[0])),

@@ -232,7 +232,7 @@ def default_methods() -> tuple[str, ...]:
 def decomposition_measures() -> dict[str, DecompositionScore]:
     """Every registered method that reads one layer's `Decomposition` alone, by its label, in registration order.
 
-    What a figure comparing measures draws (`contribution_lens.views.plot.measure_bars`): the four
+    What a figure comparing measures draws (`contribution_lens.drawing.plot.measure_bars`): the four
     built-ins and any registered with `Method.from_decomposition`.
 
     Example:
