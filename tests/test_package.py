@@ -14,9 +14,11 @@ from helpers import docs_block, run_block
 
 SRC = Path(cl.__file__).parent
 SUBPACKAGES = ("analyses", "circuits", "cli", "drawing", "faithfulness", "methods", "replication", "views")
+CORE_FOLDERS = ("adapter",)
+"""Folders of the core: the adapter, one module a concern behind its face (its tests sit at the top of tests/)."""
 TESTS_OF = {"drawing": "views"}
 """Where a subpackage's tests are, where that is not ``tests/<subpackage>``."""
-CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "qk")
+CORE = ("choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "qk")
 
 
 def modules() -> list[Path]:
@@ -65,7 +67,7 @@ def test_the_layout_is_a_small_core_and_one_subpackage_a_role() -> None:
     top = sorted(p.stem for p in SRC.glob("*.py") if not p.stem.startswith("_"))
     assert top == sorted(CORE), f"the flat core grew: {top}"
     folders = sorted(p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
-    assert folders == sorted(SUBPACKAGES)
+    assert folders == sorted((*SUBPACKAGES, *CORE_FOLDERS))
     tests = Path(__file__).parent
     for package in SUBPACKAGES:
         face = importlib.import_module(f"contribution_lens.{package}")
@@ -108,7 +110,26 @@ def test_only_the_adapter_knows_hook_names() -> None:
         for path in modules()
         if any("blocks." in s or s.startswith("hook_") or ".hook_" in s for s in _code_strings(path))
     }
-    assert naming == {"adapter.py"}, naming
+    # The adapter's folder, and `circuit_wiring` (in the adapter's layer: the hooks a circuit is patched through).
+    assert naming and all(name.startswith("adapter/") or name == "circuit_wiring.py" for name in naming), naming
+
+
+HOOK_WIRING = ("register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook", "add_hook",
+               "run_with_hooks", "hooks")  # fmt: skip
+"""The calls that attach hooks to a model (``model.hooks(...)`` is TransformerLens's context manager)."""
+
+
+def test_only_the_adapter_attaches_hooks() -> None:
+    """Hooks are attached in one place, the adapter's `hooked` and `layer_hooks` (and `block_calls`, which reads a
+    block's arguments with a PyTorch hook): a method or analysis passes its hooks to them."""
+    attaching = {
+        f"{path.relative_to(SRC)}:{node.lineno}"
+        for path in modules()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in HOOK_WIRING
+    }
+    outside = {site for site in attaching if not site.startswith(("adapter/", "circuit_wiring.py:"))}
+    assert attaching and not outside, f"hooks attached outside the adapter: {sorted(outside)}"
 
 
 def test_the_maths_knows_no_transformer_lens() -> None:
