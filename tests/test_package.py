@@ -270,3 +270,42 @@ def test_no_two_test_files_share_a_name() -> None:
     ``test_runner.py`` in another folder stops the whole run at collection."""
     names = [path.name for path in (Path(__file__).parent).rglob("test_*.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def _type_checking_imports(path: Path) -> set[tuple[str, str]]:
+    """``(module, name)`` of every ``from module import name`` under the module's ``if TYPE_CHECKING:``."""
+    found = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for child in node.body:
+                assert isinstance(child, ast.ImportFrom) and child.module, ast.unparse(child)
+                found |= {(child.module, alias.name) for alias in child.names if alias.asname is None}
+    return found
+
+
+def _expected_imports(exports: dict[str, str]) -> set[tuple[str, str]]:
+    """What the table ``{name: "module:attr"}`` (or ``"package.module"``) says the type checker should import."""
+    pairs = set()
+    for name, location in exports.items():
+        module, _, attr = location.partition(":")
+        pairs.add((module, attr) if attr else tuple(module.rsplit(".", 1)))  # type: ignore[arg-type]
+        assert (attr or module.rsplit(".", 1)[1]) == name, f"{name} is read as {location}: the names must agree"
+    return pairs
+
+
+@pytest.mark.parametrize("face", ["contribution_lens", *(f"contribution_lens.{p}" for p in ("drawing", "views"))])
+def test_each_faces_names_are_written_once(face: str) -> None:
+    """A face's table (`_EXPORTS`) is its one list: ``__all__`` follows from it, and the imports type checkers read
+    under ``TYPE_CHECKING`` (which mypy must see written out) are exactly the table's; the message prints them."""
+    module = importlib.import_module(face)
+    assert module.__all__ == sorted(module._EXPORTS)
+    path = Path(module.__file__)
+    expected = _expected_imports(module._EXPORTS)
+    written = _type_checking_imports(path)
+    lines = [
+        f"    from {source} import {', '.join(sorted(n for m, n in expected if m == source))}"
+        for source in sorted({m for m, _ in expected})
+    ]
+    assert written == expected, (
+        f"{path.name}'s TYPE_CHECKING imports differ from its _EXPORTS; write them as:\n" + "\n".join(lines)
+    )

@@ -20,7 +20,7 @@ _EXPORTS = {
     "write_html": "contribution_lens.drawing.html:write_html",
     "render_html": "contribution_lens.drawing.html:render_html",
 }
-__all__ = ["html", "plot", "render_html", "write_html"]
+__all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = face(__name__, _EXPORTS)
 
 if TYPE_CHECKING:

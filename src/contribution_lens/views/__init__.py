@@ -24,15 +24,7 @@ _MOVED = {name: (f"{_D}.{name}", f"use {_D}.{name}") for name in ("plot", "html"
     name: (f"{_D}.html:{name}", f"use {_D}.html.{name}") for name in ("write_html", "render_html")
 }
 """The drawing's old names here, now in `contribution_lens.drawing`: each read warns with its new place."""
-__all__ = [
-    "Inspector",
-    "compare_measures",
-    "export",
-    "export_notebook",
-    "inspect",
-    "inspector",
-    "overview",
-]
+__all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = face(__name__, _EXPORTS, _MOVED)
 
 if TYPE_CHECKING:
