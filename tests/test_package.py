@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import contribution_lens as cl
-from helpers import docs_block, run_block
+from helpers import docs_block, docstring_ids, run_block
 
 SRC = Path(cl.__file__).parent
 SUBPACKAGES = ("analyses", "circuits", "cli", "drawing", "faithfulness", "methods", "replication", "views")
@@ -89,14 +89,7 @@ def test_no_function_is_longer_than_eighty_lines() -> None:
 def _code_strings(path: Path) -> list[str]:
     """String constants of a module that are not docstrings."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    docstrings = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Module | ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef)
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
+    docstrings = docstring_ids(tree)
     return [
         node.value
         for node in ast.walk(tree)

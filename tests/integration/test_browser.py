@@ -17,22 +17,9 @@ from conftest import ARTIFACTS, assert_self_contained
 from contribution_lens.drawing.plot import token_factors
 from contribution_lens.views import inspector as ins
 from contribution_lens.views.inspector import codecs, windows
-from helpers import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, chromium_driver
+from helpers import NEEDS_CHROMIUM
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(
-        CHROMIUM is None or CHROMEDRIVER is None,
-        reason=NO_CHROMIUM,
-    ),
-]
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    driver = chromium_driver(tmp_path_factory.mktemp("chromium-profile"))
-    yield driver
-    driver.quit()
+pytestmark = [pytest.mark.browser, NEEDS_CHROMIUM]
 
 
 def open_and_check(browser, page: Path, screenshot: str, min_plots: int) -> None:

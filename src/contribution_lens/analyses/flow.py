@@ -148,17 +148,7 @@ class Flow(LayerResults[FlowLayer]):
 
     def _explaining(self, positions: Sequence[int]) -> "Flow":
         """`at` for several positions: the layers (and the rollouts computed so far) are shared, not copied."""
-        flow = Flow(
-            dict(self.items()),
-            positions=positions,
-            threshold=self.threshold,
-            tokens=self.tokens,
-            attention_mask=self.attention_mask,
-            str_tokens=self.str_tokens,
-            n_layers=self.n_layers,
-            logits=self.logits,
-            bos_first=self.bos_first,
-        )
+        flow = Flow(dict(self.items()), positions=positions, threshold=self.threshold, **self.batch_fields())
         flow._rollouts = self._rollouts
         return flow
 

@@ -71,7 +71,8 @@ class Geometry(LayerResults[Decomposition]):
         device_move = not isinstance(target, torch.dtype)
         tokens = self.tokens.to(target) if device_move else self.tokens
         mask = self.attention_mask.to(target) if device_move else self.attention_mask
-        return Geometry(moved, tokens, mask, self.str_tokens, self.scope, self.n_layers, bos_first=self.bos_first)
+        batch = self.batch_fields() | {"tokens": tokens, "attention_mask": mask, "logits": None}
+        return Geometry(moved, scope=self.scope, **batch)
 
     def head_summary(self, factor: Factor | str = Factor.CONTRIBUTION) -> Float[Tensor, "layer head"]:
         """Mean of ``factor`` over every valid (query, key) pair of the batch, per layer and head.
