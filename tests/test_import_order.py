@@ -200,3 +200,25 @@ def test_the_layers_catch_a_circle(tmp_path, monkeypatch) -> None:
     monkeypatch.setitem(MODULES, f"{PACKAGE}.drawing.plot", fake)
     with pytest.raises(AssertionError, match=r"drawing\.plot:2 \(drawing\) imports contribution_lens\.analyses\.flow "):
         test_imports_run_down_the_layers()
+
+
+def _folder(module: str) -> str:
+    """The folder a module sits in (its first-level subpackage), or the module itself at the package's top."""
+    parts = module.split(".")[1:]
+    return parts[0] if parts else "(face)"
+
+
+def test_drawn_by_folder_the_package_has_no_circle_and_no_arrow_back_up() -> None:
+    """The folders are the layers: importing a folder's module runs the folder's face first, so a folder sits at
+    its lowest module's layer, and no folder imports one placed above it (`benchmarks/structure.py` measures
+    the same)."""
+    place: dict[str, int] = {}
+    for module in MODULES:
+        place[_folder(module)] = min(place.get(_folder(module), len(LAYERS)), layer_of(module))
+    graph: dict[str, set[str]] = {folder: set() for folder in place}
+    for module in MODULES:
+        graph[_folder(module)] |= {_folder(target) for _, target in imports(module)} - {_folder(module)}
+    up = [f"{a} -> {b}" for a, targets in graph.items() for b in targets if place[b] > place[a]]
+    assert not up, f"arrows back up between folders: {up}"
+    cycle = _cycle(graph)
+    assert cycle is None, "a circle between folders: " + " -> ".join(cycle or [])
