@@ -287,6 +287,7 @@ class Readout:
 
         Example:
             >>> import contribution_lens as cl
+            >>> from contribution_lens.adapter import forward
             >>> model = cl.load_model()
             >>> kept = {}
             >>> hooks = [("ln_final.hook_in", lambda x, hook: kept.update(x=x[0, -1:])),
