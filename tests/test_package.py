@@ -38,7 +38,7 @@ def test_public_names_and_no_shadowed_submodule() -> None:
 def test_no_face_shadows_one_of_its_own_modules() -> None:
     import pkgutil
 
-    for package in SUBPACKAGES:
+    for package in (*SUBPACKAGES, *CORE_FOLDERS):
         face = importlib.import_module(f"contribution_lens.{package}")
         for module in pkgutil.iter_modules(face.__path__):
             if module.name == "__main__":
