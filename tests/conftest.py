@@ -120,16 +120,23 @@ def bundled_model() -> TransformerBridge:
         pytest.skip(f"bundled model unavailable: {error}")
 
 
+def _bundled_family(name: str, what: str) -> TransformerBridge:
+    """A bundled real model other than the default (float32), or a skip naming ``what`` it is."""
+    from contribution_lens import loading
+
+    try:
+        loading.gguf_pieces(name)
+    except (ModuleNotFoundError, FileNotFoundError) as error:
+        pytest.skip(f"{what} unavailable: {error}")
+    return cl.load_model(name)
+
+
 @pytest.fixture(scope="session")
 def gemma() -> TransformerBridge:
     """The real Gemma 3 270M bridge (float32), the second model family. Shared by the session: never mutate it."""
     from contribution_lens import loading
 
-    try:
-        loading.gguf_pieces(loading.GEMMA)
-    except (ModuleNotFoundError, FileNotFoundError) as error:
-        pytest.skip(f"second model family unavailable: {error}")
-    return cl.load_model(loading.GEMMA)
+    return _bundled_family(loading.GEMMA, "second model family")
 
 
 @pytest.fixture(scope="session")
@@ -137,11 +144,20 @@ def qwen() -> TransformerBridge:
     """The real Qwen2.5-Coder-0.5B-Instruct bridge (float32), the third family. Shared: never mutate it."""
     from contribution_lens import loading
 
-    try:
-        loading.gguf_pieces(loading.QWEN)
-    except (ModuleNotFoundError, FileNotFoundError) as error:
-        pytest.skip(f"third model family unavailable: {error}")
-    return cl.load_model(loading.QWEN)
+    return _bundled_family(loading.QWEN, "third model family")
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory) -> Iterator:
+    """Headless Chromium with no network use of its own (`helpers.chromium_driver`), one per test module; a test
+    that asks for it is skipped, saying why, where Chromium or its driver is missing."""
+    from helpers import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, chromium_driver
+
+    if CHROMIUM is None or CHROMEDRIVER is None:
+        pytest.skip(NO_CHROMIUM)
+    driver = chromium_driver(tmp_path_factory.mktemp("chromium-profile"))
+    yield driver
+    driver.quit()
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """Helpers shared by several test files: small inputs and a method run the way the harnesses run it."""
 
+import ast
 import shutil
 from pathlib import Path
 
@@ -28,6 +29,21 @@ CHROMIUM_FLAGS = (
     "--disable-quic",
 )
 """Headless, with no network use of its own: this machine's closed network refuses Chromium's background calls."""
+NEEDS_CHROMIUM = pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None, reason=NO_CHROMIUM)
+"""The skip marker of every test that drives Chromium and its driver (the ``browser`` fixture is in conftest.py)."""
+
+
+def docstring_ids(tree: ast.AST) -> set[int]:
+    """``id`` of every docstring's node in ``tree`` (module, class, function): what a scan of the code's strings
+    leaves out."""
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
 
 
 def chromium_driver(profile: Path):

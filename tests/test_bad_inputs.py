@@ -450,7 +450,7 @@ def test_integers_are_read_one_way_everywhere() -> None:
     model = tiny_bridge()
     result = cl.logit_attribution(model, ONE)
     g = cl.attention_geometry(model, ONE, layers=[0])
-    from contribution_lens.views import plot
+    from contribution_lens.drawing import plot
 
     # NumPy and 0-d tensor integers are integers, in every argument.
     assert result.top(np.int64(3)).equals(result.top(3)) and result.top(torch.tensor(3)).equals(result.top(3))

@@ -4,10 +4,11 @@ The layers, bottom first, and why each sits where it does:
 
 1. **maths** (`_lazy`, `_settings`, `files`, `choices`, `losses`, `decomposition`): tensors, files and
    settings; no model, no TransformerLens.
-2. **adapter** (`adapter`): the one place that knows a TransformerLens model (hooks, ``W_O``, the readout).
+2. **adapter** (`adapter`, `circuit_wiring`): the one place that knows a TransformerLens model (hooks, ``W_O``,
+   the readout), one module a concern; `circuit_wiring` the hooks a circuit is patched through.
 3. **engine** (`engine`, `mixing`, `interventions`, `loading`): what runs on a model through the adapter:
    the per-layer pass, the per-layer token mixing, pattern edits, loading.
-4. **drawing** (`views.plot`, `views.html`): figures and pages from tensors and tables. A figure function
+4. **drawing** (`drawing`: `plot`, `html`): figures and pages from tensors and tables. A figure function
    takes a result by what it offers (its type named under ``TYPE_CHECKING`` only), so every result's
    ``figures()`` and ``report()`` can draw with it: drawing sits *below* the results, not above them.
 5. **analyses**: model-level results (`Geometry`, `Flow`, `LogitAttribution`, the sink studies) and their
@@ -41,9 +42,9 @@ SRC = Path(cl.__file__).parent
 PACKAGE = "contribution_lens"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("maths", ("_lazy", "_settings", "files", "choices", "losses", "decomposition", "qk")),
-    ("adapter", ("adapter",)),
+    ("adapter", ("adapter", "circuit_wiring")),
     ("engine", ("engine", "mixing", "interventions", "loading")),
-    ("drawing", ("views.plot", "views.html")),
+    ("drawing", ("drawing",)),
     ("analyses", ("analyses",)),
     ("methods", ("methods",)),
     ("circuits", ("circuits",)),
@@ -178,8 +179,8 @@ def test_no_module_imports_itself_round_a_circle() -> None:
 @pytest.mark.parametrize("face", sorted(m for m, p in MODULES.items() if p.name == "__init__.py"))
 def test_a_face_imports_nothing_above_its_lowest_module(face: str) -> None:
     """Importing ``package.module`` runs ``package/__init__.py`` first, so a face sits, in effect, in the
-    layer of its lowest module: the views' face, importing anything above drawing, would pull it into
-    every ``from contribution_lens.views import plot`` an analysis makes."""
+    layer of its lowest module: the drawing's face, importing anything above drawing, would pull it into
+    every ``from contribution_lens.drawing import plot`` an analysis makes."""
     lowest = min(layer_of(m) for m in MODULES if m == face or m.startswith(face + "."))
     ran = list(imports(face))
     if face == PACKAGE:
@@ -196,6 +197,28 @@ def test_the_layers_catch_a_circle(tmp_path, monkeypatch) -> None:
     """The order test fails on an import that climbs: here, a drawing module importing an analysis."""
     fake = tmp_path / "plot.py"
     fake.write_text("def f():\n    from contribution_lens.analyses.flow import Flow\n", encoding="utf-8")
-    monkeypatch.setitem(MODULES, f"{PACKAGE}.views.plot", fake)
-    with pytest.raises(AssertionError, match=r"views\.plot:2 \(drawing\) imports contribution_lens\.analyses\.flow "):
+    monkeypatch.setitem(MODULES, f"{PACKAGE}.drawing.plot", fake)
+    with pytest.raises(AssertionError, match=r"drawing\.plot:2 \(drawing\) imports contribution_lens\.analyses\.flow "):
         test_imports_run_down_the_layers()
+
+
+def _folder(module: str) -> str:
+    """The folder a module sits in (its first-level subpackage), or the module itself at the package's top."""
+    parts = module.split(".")[1:]
+    return parts[0] if parts else "(face)"
+
+
+def test_drawn_by_folder_the_package_has_no_circle_and_no_arrow_back_up() -> None:
+    """The folders are the layers: importing a folder's module runs the folder's face first, so a folder sits at
+    its lowest module's layer, and no folder imports one placed above it (`benchmarks/structure.py` measures
+    the same)."""
+    place: dict[str, int] = {}
+    for module in MODULES:
+        place[_folder(module)] = min(place.get(_folder(module), len(LAYERS)), layer_of(module))
+    graph: dict[str, set[str]] = {folder: set() for folder in place}
+    for module in MODULES:
+        graph[_folder(module)] |= {_folder(target) for _, target in imports(module)} - {_folder(module)}
+    up = [f"{a} -> {b}" for a, targets in graph.items() for b in targets if place[b] > place[a]]
+    assert not up, f"arrows back up between folders: {up}"
+    cycle = _cycle(graph)
+    assert cycle is None, "a circle between folders: " + " -> ".join(cycle or [])

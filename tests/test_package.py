@@ -10,11 +10,15 @@ import pytest
 import torch
 
 import contribution_lens as cl
-from helpers import docs_block, run_block
+from helpers import docs_block, docstring_ids, run_block
 
 SRC = Path(cl.__file__).parent
-SUBPACKAGES = ("analyses", "circuits", "cli", "faithfulness", "methods", "replication", "views")
-CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "qk")
+SUBPACKAGES = ("analyses", "circuits", "cli", "drawing", "faithfulness", "methods", "replication", "views")
+CORE_FOLDERS = ("adapter",)
+"""Folders of the core: the adapter, one module a concern behind its face (its tests sit at the top of tests/)."""
+TESTS_OF = {"drawing": "views"}
+"""Where a subpackage's tests are, where that is not ``tests/<subpackage>``."""
+CORE = ("choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "qk")
 
 
 def modules() -> list[Path]:
@@ -34,7 +38,7 @@ def test_public_names_and_no_shadowed_submodule() -> None:
 def test_no_face_shadows_one_of_its_own_modules() -> None:
     import pkgutil
 
-    for package in SUBPACKAGES:
+    for package in (*SUBPACKAGES, *CORE_FOLDERS):
         face = importlib.import_module(f"contribution_lens.{package}")
         for module in pkgutil.iter_modules(face.__path__):
             if module.name == "__main__":
@@ -63,13 +67,14 @@ def test_the_layout_is_a_small_core_and_one_subpackage_a_role() -> None:
     top = sorted(p.stem for p in SRC.glob("*.py") if not p.stem.startswith("_"))
     assert top == sorted(CORE), f"the flat core grew: {top}"
     folders = sorted(p.name for p in SRC.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
-    assert folders == sorted(SUBPACKAGES)
+    assert folders == sorted((*SUBPACKAGES, *CORE_FOLDERS))
     tests = Path(__file__).parent
     for package in SUBPACKAGES:
         face = importlib.import_module(f"contribution_lens.{package}")
         assert face.__doc__ and len(face.__doc__.split()) > 15, f"{package}/__init__.py does not say what it holds"
         assert all(hasattr(face, name) for name in face.__all__), package
-        assert (tests / package).is_dir(), f"tests/ does not mirror contribution_lens.{package}"
+        # Drawing's tests stay with the views' (the inspector's and the export's tests share their helpers).
+        assert (tests / TESTS_OF.get(package, package)).is_dir(), f"tests/ does not mirror contribution_lens.{package}"
 
 
 def test_no_function_is_longer_than_eighty_lines() -> None:
@@ -84,14 +89,7 @@ def test_no_function_is_longer_than_eighty_lines() -> None:
 def _code_strings(path: Path) -> list[str]:
     """String constants of a module that are not docstrings."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
-    docstrings = {
-        id(node.body[0].value)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Module | ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef)
-        and node.body
-        and isinstance(node.body[0], ast.Expr)
-        and isinstance(node.body[0].value, ast.Constant)
-    }
+    docstrings = docstring_ids(tree)
     return [
         node.value
         for node in ast.walk(tree)
@@ -105,7 +103,26 @@ def test_only_the_adapter_knows_hook_names() -> None:
         for path in modules()
         if any("blocks." in s or s.startswith("hook_") or ".hook_" in s for s in _code_strings(path))
     }
-    assert naming == {"adapter.py"}, naming
+    # The adapter's folder, and `circuit_wiring` (in the adapter's layer: the hooks a circuit is patched through).
+    assert naming and all(name.startswith("adapter/") or name == "circuit_wiring.py" for name in naming), naming
+
+
+HOOK_WIRING = ("register_forward_hook", "register_forward_pre_hook", "register_full_backward_hook", "add_hook",
+               "run_with_hooks", "hooks")  # fmt: skip
+"""The calls that attach hooks to a model (``model.hooks(...)`` is TransformerLens's context manager)."""
+
+
+def test_only_the_adapter_attaches_hooks() -> None:
+    """Hooks are attached in one place, the adapter's `hooked` and `layer_hooks` (and `block_calls`, which reads a
+    block's arguments with a PyTorch hook): a method or analysis passes its hooks to them."""
+    attaching = {
+        f"{path.relative_to(SRC)}:{node.lineno}"
+        for path in modules()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in HOOK_WIRING
+    }
+    outside = {site for site in attaching if not site.startswith(("adapter/", "circuit_wiring.py:"))}
+    assert attaching and not outside, f"hooks attached outside the adapter: {sorted(outside)}"
 
 
 def test_the_maths_knows_no_transformer_lens() -> None:
@@ -146,7 +163,27 @@ def test_the_old_module_paths_still_work_and_name_the_new_place(bundled_model, t
     assert set(summary["method"]) == {"attention"} and (tmp_path / "run" / "report.html").is_file()
     import contribution_lens.plot as old_plot
 
-    assert old_plot is cl.plot is cl.views.plot and old_plot.__spec__.name == "contribution_lens.views.plot"
+    assert old_plot is cl.plot is cl.drawing.plot and old_plot.__spec__.name == "contribution_lens.drawing.plot"
+
+
+def test_the_drawings_old_places_in_views_still_work_and_name_the_new_one() -> None:
+    from contribution_lens.drawing import html, plot
+
+    with pytest.warns(DeprecationWarning, match=r"views\.plot is deprecated: use contribution_lens\.drawing\.plot"):
+        from contribution_lens.views import plot as old_plot
+    assert old_plot is plot
+    with pytest.warns(
+        DeprecationWarning, match=r"views\.write_html is deprecated: use contribution_lens\.drawing\.html"
+    ):
+        assert cl.views.write_html is html.write_html
+    sys.modules.pop("contribution_lens.views.html", None)
+    with pytest.warns(DeprecationWarning, match=r"views\.html is deprecated: use contribution_lens\.drawing\.html"):
+        from contribution_lens.views.html import render_html
+    assert render_html is html.render_html
+    with pytest.warns(DeprecationWarning, match="use contribution_lens.drawing.html"):
+        import contribution_lens.report as old_report
+
+        assert old_report.write_html is html.write_html
 
 
 def test_the_readmes_five_lines_run_and_give_what_their_comments_say(bundled_model, monkeypatch) -> None:
@@ -226,3 +263,42 @@ def test_no_two_test_files_share_a_name() -> None:
     ``test_runner.py`` in another folder stops the whole run at collection."""
     names = [path.name for path in (Path(__file__).parent).rglob("test_*.py")]
     assert sorted({n for n in names if names.count(n) > 1}) == []
+
+
+def _type_checking_imports(path: Path) -> set[tuple[str, str]]:
+    """``(module, name)`` of every ``from module import name`` under the module's ``if TYPE_CHECKING:``."""
+    found = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for child in node.body:
+                assert isinstance(child, ast.ImportFrom) and child.module, ast.unparse(child)
+                found |= {(child.module, alias.name) for alias in child.names if alias.asname is None}
+    return found
+
+
+def _expected_imports(exports: dict[str, str]) -> set[tuple[str, str]]:
+    """What the table ``{name: "module:attr"}`` (or ``"package.module"``) says the type checker should import."""
+    pairs = set()
+    for name, location in exports.items():
+        module, _, attr = location.partition(":")
+        pairs.add((module, attr) if attr else tuple(module.rsplit(".", 1)))  # type: ignore[arg-type]
+        assert (attr or module.rsplit(".", 1)[1]) == name, f"{name} is read as {location}: the names must agree"
+    return pairs
+
+
+@pytest.mark.parametrize("face", ["contribution_lens", *(f"contribution_lens.{p}" for p in ("drawing", "views"))])
+def test_each_faces_names_are_written_once(face: str) -> None:
+    """A face's table (`_EXPORTS`) is its one list: ``__all__`` follows from it, and the imports type checkers read
+    under ``TYPE_CHECKING`` (which mypy must see written out) are exactly the table's; the message prints them."""
+    module = importlib.import_module(face)
+    assert module.__all__ == sorted(module._EXPORTS)
+    path = Path(module.__file__)
+    expected = _expected_imports(module._EXPORTS)
+    written = _type_checking_imports(path)
+    lines = [
+        f"    from {source} import {', '.join(sorted(n for m, n in expected if m == source))}"
+        for source in sorted({m for m, _ in expected})
+    ]
+    assert written == expected, (
+        f"{path.name}'s TYPE_CHECKING imports differ from its _EXPORTS; write them as:\n" + "\n".join(lines)
+    )

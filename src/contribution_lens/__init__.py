@@ -7,11 +7,13 @@ The contribution weight of key ``j`` to the attention output ``o_i`` through hea
 
 splits into selection (attention), magnitude (relative norm) and direction (cosine).
 
-The layout shows the architecture. The core is flat: `decomposition` (the maths on tensors),
-`adapter` (the one place that knows TransformerLens), `engine` (`map_layers`, the per-layer
-streaming primitive), `interventions`, `losses`, `loading`. Around it, one subpackage a role:
-`methods` (the registry and the measures), `analyses` (geometry, sinks), `faithfulness` (the
-causal harness), `views` (figures, the inspector, HTML pages) and `cli`.
+The layout shows the architecture, one folder a layer. The core is small: the maths on tensors
+(`decomposition`, `choices`, `qk`, `losses`, `files`), `adapter` (the one place that knows
+TransformerLens, one module a concern behind its face), `engine` (`map_layers`, the per-layer streaming
+primitive), `mixing`, `interventions`, `loading`. Around it, one subpackage a role, bottom first:
+`drawing` (figures and pages), `analyses` (geometry, flow, logit attribution, sinks), `methods` (the
+registry and the measures), `circuits`, `views` (the inspector, measures compared, notebook export),
+`faithfulness` (the causal harness), `replication` and `cli`.
 
 Names are imported on first use (PEP 562), so ``import contribution_lens`` and the command
 line's ``--help`` do not pay for torch.
@@ -25,7 +27,8 @@ from contribution_lens._lazy import face
 __version__ = "0.3.0"
 
 _A = "contribution_lens.analyses"
-# public name -> where it is defined
+# The public names, written once: name -> where it is defined. `__all__` follows from it, and the imports
+# under TYPE_CHECKING below (written out for type checkers) are checked against it by tests/test_package.py.
 _EXPORTS: dict[str, str] = {
     "FACTORS": "contribution_lens.choices:FACTORS",
     "SCOPES": "contribution_lens.choices:SCOPES",
@@ -55,66 +58,18 @@ _EXPORTS: dict[str, str] = {
     **{name: f"{_A}.sink_claims:{name}" for name in ("SinkStudy", "sink_study")},
     "inspect": "contribution_lens.views.inspector:inspect",
     "Inspector": "contribution_lens.views.inspector:Inspector",
-    "plot": "contribution_lens.views.plot",
-    **{name: f"contribution_lens.{name}" for name in ("analyses", "faithfulness", "methods", "views")},
+    "plot": "contribution_lens.drawing.plot",
+    **{name: f"contribution_lens.{name}" for name in ("analyses", "drawing", "faithfulness", "methods", "views")},
 }  # fmt: skip
 _DEPRECATED = {
     "METHODS": ("contribution_lens._compat:DECOMPOSITION_METHODS", "use contribution_lens.available_methods()"),
 }
-__all__ = [
-    "FACTORS",
-    "SCOPES",
-    "Decomposition",
-    "Factor",
-    "Flow",
-    "GenerationExplanation",
-    "GenerationStep",
-    "Geometry",
-    "Inspector",
-    "LayerInputs",
-    "LayerResults",
-    "LogitAttribution",
-    "Method",
-    "QKAttribution",
-    "Scope",
-    "ScoreContext",
-    "SinkAnalysis",
-    "SinkIntervention",
-    "SinkLayer",
-    "SinkStudy",
-    "TokenBatch",
-    "analyses",
-    "attention_geometry",
-    "available_methods",
-    "block_forms",
-    "decompose",
-    "default_methods",
-    "explain_generation",
-    "faithfulness",
-    "flow",
-    "get_method",
-    "importance",
-    "inspect",
-    "layer_summary",
-    "load_model",
-    "logit_attribution",
-    "map_layers",
-    "methods",
-    "plot",
-    "qk_attribution",
-    "register_method",
-    "run_sink_intervention",
-    "sink_analysis",
-    "sink_study",
-    "to_token_batch",
-    "unregister_method",
-    "views",
-]
+__all__ = sorted(_EXPORTS)  # the table above is the one list of public names
 __getattr__, __dir__ = face(__name__, _EXPORTS, _DEPRECATED)
 _compat.install()  # ``import contribution_lens.evaluation`` and other 0.2 paths keep working, with a warning
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from contribution_lens import analyses, faithfulness, methods, views
+    from contribution_lens import analyses, drawing, faithfulness, methods, views
     from contribution_lens.adapter import LayerInputs, TokenBatch, block_forms, to_token_batch
     from contribution_lens.analyses.flow import Flow, flow
     from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
@@ -126,6 +81,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, sink_analysis
     from contribution_lens.choices import FACTORS, SCOPES, Factor, Scope
     from contribution_lens.decomposition import Decomposition, decompose
+    from contribution_lens.drawing import plot
     from contribution_lens.engine import LayerResults, map_layers
     from contribution_lens.loading import load_model
     from contribution_lens.methods import (
@@ -138,5 +94,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         register_method,
         unregister_method,
     )
-    from contribution_lens.views import plot
     from contribution_lens.views.inspector import Inspector, inspect

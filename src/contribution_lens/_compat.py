@@ -25,7 +25,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "stats": (f"{_F}.statistics",),
     "data": (f"{_F}.data",),
     "faithfulness_report": (f"{_F}.report", f"{_F}.protocols"),
-    "report": ("contribution_lens.views.html",),
+    "report": ("contribution_lens.drawing.html",),
     "peers": (
         "contribution_lens.methods.alti",
         "contribution_lens.methods.value_zeroing",
@@ -42,8 +42,14 @@ MOVED: dict[str, tuple[str, ...]] = {
     "_outdir": ("contribution_lens.cli.outdir",),
 }
 """Old module (under ``contribution_lens.``) -> the modules its names now live in, searched in order."""
-ALIASES: dict[str, str] = {"plot": "contribution_lens.views.plot"}
-"""Old module paths that stay public: ``contribution_lens.plot`` is `contribution_lens.views.plot` itself."""
+ALIASES: dict[str, str] = {"plot": "contribution_lens.drawing.plot"}
+"""Old module paths that stay public: ``contribution_lens.plot`` is `contribution_lens.drawing.plot` itself."""
+RELOCATED: dict[str, str] = {
+    "views.plot": "contribution_lens.drawing.plot",
+    "views.html": "contribution_lens.drawing.html",
+}
+"""Modules that moved whole (under ``contribution_lens.``) -> their new path: importing the old one gives the
+module itself and warns (``DeprecationWarning``) with the new path."""
 RENAMED: dict[str, tuple[str, str]] = {
     "RunConfig": ("contribution_lens._compat:RunConfig", f"{_F}.DataSettings(data=...)"),
     "run_faithfulness": ("contribution_lens._compat:run_faithfulness", f"{_F}.run (it returns a FaithfulnessRun)"),
@@ -92,22 +98,25 @@ def stand_in(old: str) -> types.ModuleType:
 
 
 class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Answers ``import contribution_lens.<old>`` with the stand-in (or, for `ALIASES`, the module itself)."""
+    """Answers ``import contribution_lens.<old>`` with the stand-in (or, for `ALIASES` and `RELOCATED`, the
+    module itself)."""
 
     def __init__(self) -> None:
         self._specs: dict[str, Any] = {}
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        package, _, old = fullname.rpartition(".")
-        if package != "contribution_lens" or (old not in MOVED and old not in ALIASES):
+        package, _, old = fullname.partition(".")
+        if package != "contribution_lens" or (old not in MOVED and old not in ALIASES and old not in RELOCATED):
             return None
         return importlib.machinery.ModuleSpec(fullname, self)
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
-        old = spec.name.rpartition(".")[2]
-        if old in ALIASES:
-            module = importlib.import_module(ALIASES[old])
+        old = spec.name.partition(".")[2]
+        if old in ALIASES or old in RELOCATED:
+            module = importlib.import_module(ALIASES.get(old) or RELOCATED[old])
             self._specs[module.__name__] = module.__spec__
+            if old in RELOCATED:
+                warnings.warn(f"{spec.name} is deprecated: use {module.__name__}", DeprecationWarning, stacklevel=2)
             return module
         return stand_in(old)
 

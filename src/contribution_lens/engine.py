@@ -39,6 +39,9 @@ class LayerResults(Saves, Mapping[int, T], Generic[T]):
 
     STORED: ClassVar[tuple[str, ...]] = ()
     """A subclass's own constructor arguments, kept by ``save`` beside the layers and the tokens."""
+    BATCH: ClassVar[tuple[str, ...]] = ("tokens", "attention_mask", "str_tokens", "n_layers", "logits", "bos_first")
+    """The batch's fields every result carries beside its layers (keyword arguments of the constructor): the one
+    list `batch_fields`, `from_results`, `map`, `stored_fields` (all but the logits) and the subclasses read."""
 
     def __init__(
         self,
@@ -74,29 +77,17 @@ class LayerResults(Saves, Mapping[int, T], Generic[T]):
         How an analysis turns what `map_layers` returned into its own result type, e.g.
         ``Geometry.from_results(results, scope="inter")``; ``extra`` are the class's own fields.
         """
-        return cls(
-            dict(results.items()) if values is None else values,
-            tokens=results.tokens,
-            attention_mask=results.attention_mask,
-            str_tokens=results.str_tokens,
-            n_layers=results.n_layers,
-            logits=results.logits,
-            bos_first=results.bos_first,
-            **extra,
-        )
+        return cls(dict(results.items()) if values is None else values, **results.batch_fields(), **extra)
+
+    def batch_fields(self) -> dict[str, Any]:
+        """The batch's fields (`BATCH`) by name: what a result built from this one passes on."""
+        return {name: getattr(self, name) for name in self.BATCH}
 
     def stored_fields(self) -> dict[str, Any]:
         """What ``save`` keeps: the layers, the tokens, their labels and the subclass's `STORED` (not the logits)."""
         own = {name: getattr(self, name) for name in self.STORED}
-        return {
-            "layers": dict(self.items()),
-            "tokens": self.tokens,
-            "attention_mask": self.attention_mask,
-            "str_tokens": self.str_tokens,
-            "n_layers": self.n_layers,
-            "bos_first": self.bos_first,
-            **own,
-        }
+        batch = {name: value for name, value in self.batch_fields().items() if name != "logits"}
+        return {"layers": dict(self.items()), **batch, **own}
 
     @classmethod
     def from_fields(cls, fields: Mapping[str, Any]) -> "LayerResults[Any]":
@@ -145,15 +136,7 @@ class LayerResults(Saves, Mapping[int, T], Generic[T]):
 
     def map(self, fn: Callable[[T], Any]) -> "LayerResults[Any]":
         """A new result with ``fn`` applied to every layer's value."""
-        return LayerResults(
-            {layer: fn(value) for layer, value in self._values.items()},
-            tokens=self.tokens,
-            attention_mask=self.attention_mask,
-            str_tokens=self.str_tokens,
-            n_layers=self.n_layers,
-            logits=self.logits,
-            bos_first=self.bos_first,
-        )
+        return LayerResults({layer: fn(value) for layer, value in self._values.items()}, **self.batch_fields())
 
     def _describe_value(self) -> str:
         first = next(iter(self._values.values()))

@@ -14,25 +14,12 @@ import traitlets
 
 import contribution_lens as cl
 from conftest import ARTIFACTS, assert_self_contained
+from contribution_lens.drawing.plot import token_factors
 from contribution_lens.views import inspector as ins
 from contribution_lens.views.inspector import codecs, windows
-from contribution_lens.views.plot import token_factors
-from helpers import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, chromium_driver
+from helpers import NEEDS_CHROMIUM
 
-pytestmark = [
-    pytest.mark.browser,
-    pytest.mark.skipif(
-        CHROMIUM is None or CHROMEDRIVER is None,
-        reason=NO_CHROMIUM,
-    ),
-]
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    driver = chromium_driver(tmp_path_factory.mktemp("chromium-profile"))
-    yield driver
-    driver.quit()
+pytestmark = [pytest.mark.browser, NEEDS_CHROMIUM]
 
 
 def open_and_check(browser, page: Path, screenshot: str, min_plots: int) -> None:
@@ -469,7 +456,7 @@ def test_widget_token_window_menu(browser, bundled_model, library, tmp_path, mon
 
 
 def figure_page(figures: dict[str, "object"], folder: Path) -> Path:
-    from contribution_lens.views import html
+    from contribution_lens.drawing import html
 
     return html.write_html(folder / "figures.html", "figures", list(figures.items()))
 
@@ -847,7 +834,7 @@ def test_kv_group_view_draws_the_group_combined(browser, page, library, factor) 
 @pytest.mark.parametrize(("head", "factor", "scope"), [(3, "attention", "inter"), (None, "contribution", "inter"),
                                                        (3, "contribution", "intra")])  # fmt: skip
 def test_hidden_sink_renormalises_the_other_keys(browser, page, library, head, factor, scope) -> None:
-    from contribution_lens.views.plot import hide_sink
+    from contribution_lens.drawing.plot import hide_sink
 
     name = "all" if head is None else head
     drawn = open_view(browser, page, f"#layer=2&head={name}&factor={factor}&scope={scope}&hide_sink=1")

@@ -19,9 +19,9 @@ import contribution_lens as cl
 from conftest import ARTIFACTS
 from contribution_lens.views.inspector import windows
 from contribution_lens.views.inspector.why import OTHER, PICK_ONE_HEAD, TOP
-from helpers import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, chromium_driver
+from helpers import NEEDS_CHROMIUM
 
-pytestmark = [pytest.mark.browser, pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None, reason=NO_CHROMIUM)]
+pytestmark = [pytest.mark.browser, NEEDS_CHROMIUM]
 
 TEXT = "When Mary and John went to the store, John gave a drink to"
 LAYER, HEAD = 9, 3
@@ -32,13 +32,6 @@ return {caption: root.querySelector('.cl-why-caption').textContent, shown: gd.st
         bars: (gd.data || []).map((t) => ({name: t.name, y: t.y, x: t.x, text: t.text})),
         title: (root.querySelector('.cl-heatmap').layout || {title: {}}).title.text};
 """
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    driver = chromium_driver(tmp_path_factory.mktemp("chromium-profile"))
-    yield driver
-    driver.quit()
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from conftest import ARTIFACTS
-from helpers import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, ROOT, chromium_driver
+from helpers import NEEDS_CHROMIUM, ROOT, docstring_ids
 
 FACES = (
     "contribution_lens",
@@ -40,7 +40,6 @@ FACES = (
     "contribution_lens.views.inspector",
 )
 """The package and its subpackages' faces: every name in their ``__all__`` is in the API reference."""
-needs_chromium = pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None, reason=NO_CHROMIUM)
 
 
 @pytest.fixture(scope="module")
@@ -137,14 +136,7 @@ class CodeMessages:
     @staticmethod
     def _strings(tree: ast.AST) -> Iterator[list[str | None]]:
         """Each string of the code as its literal parts, None for a field."""
-        docstrings = {
-            id(node.body[0].value)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.Module | ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
-            and node.body
-            and isinstance(node.body[0], ast.Expr)
-            and isinstance(node.body[0].value, ast.Constant)
-        }
+        docstrings = docstring_ids(tree)
         for node in ast.walk(tree):
             if isinstance(node, ast.JoinedStr):
                 values: list[str | None] = [str(v.value) if isinstance(v, ast.Constant) else None for v in node.values]
@@ -253,7 +245,7 @@ def test_every_troubleshooting_message_is_one_the_code_writes() -> None:
 
 
 def resolve(identifier: str) -> Any:
-    """The object an API entry's anchor names (``contribution_lens.views.plot.token_heatmap``), else None."""
+    """The object an API entry's anchor names (``contribution_lens.drawing.plot.token_heatmap``), else None."""
     parts = identifier.split(".")
     for split in range(len(parts), 0, -1):
         try:
@@ -317,15 +309,6 @@ def server(site) -> Iterator[str]:
     thread.join(timeout=10)
 
 
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory) -> Iterator[Any]:
-    if CHROMIUM is None or CHROMEDRIVER is None:
-        pytest.skip(NO_CHROMIUM)
-    driver = chromium_driver(tmp_path_factory.mktemp("chromium-profile"))
-    yield driver
-    driver.quit()
-
-
 def open_page(browser, url: str) -> None:
     from selenium.webdriver.support.ui import WebDriverWait
 
@@ -387,7 +370,7 @@ def assert_typeset(formulas: list[dict], page: str) -> None:
     assert not errors, f"{page}: TeX that MathJax could not read: {errors[:5]}"
 
 
-@needs_chromium
+@NEEDS_CHROMIUM
 @pytest.mark.browser
 def test_a_page_renders_with_typeset_formulas_and_no_network(browser, server) -> None:
     from selenium.webdriver.common.by import By
@@ -410,7 +393,7 @@ def test_a_page_renders_with_typeset_formulas_and_no_network(browser, server) ->
     screenshot(browser, "maths.png")
 
 
-@needs_chromium
+@NEEDS_CHROMIUM
 @pytest.mark.browser
 def test_the_search_finds_a_word_and_links_to_its_page(browser, server) -> None:
     from selenium.webdriver.common.by import By
@@ -435,7 +418,7 @@ def test_the_search_finds_a_word_and_links_to_its_page(browser, server) -> None:
     assert not severe_errors(browser)
 
 
-@needs_chromium
+@NEEDS_CHROMIUM
 @pytest.mark.browser
 def test_an_api_entry_shows_the_signature_and_the_docstring(browser, server) -> None:
     from selenium.webdriver.common.by import By
@@ -460,7 +443,7 @@ def test_an_api_entry_shows_the_signature_and_the_docstring(browser, server) -> 
     assert not severe_errors(browser)
 
 
-@needs_chromium
+@NEEDS_CHROMIUM
 @pytest.mark.browser
 def test_every_formula_of_the_site_is_typeset(browser, server, site) -> None:
     pages = sorted(

@@ -340,7 +340,7 @@ def test_shared_page_opens_from_the_notebook_link_in_jupyterlab(page, lab) -> No
 LATE = """\
 import json
 from conftest import SHARED_DATA
-from contribution_lens.views.plot import token_factors
+from contribution_lens.drawing.plot import token_factors
 
 smol = cl.load_model()
 sample = SHARED_DATA / "fineweb_edu" / "sample-10BT_first150.jsonl"

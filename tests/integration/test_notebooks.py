@@ -20,7 +20,7 @@ import pytest
 
 import contribution_lens as cl
 from conftest import ARTIFACTS
-from helpers import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, chromium_driver
+from helpers import CHROMEDRIVER, CHROMIUM, NEEDS_CHROMIUM
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -263,20 +263,6 @@ def test_export_problems_names_what_a_reader_would_miss() -> None:
     ]
 
 
-needs_chromium = pytest.mark.skipif(
-    CHROMIUM is None or CHROMEDRIVER is None,
-    reason=NO_CHROMIUM,
-)
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory):
-    """Headless Chromium with no network use of its own: an exported page must render from its folder."""
-    driver = chromium_driver(tmp_path_factory.mktemp("chromium-profile"))
-    yield driver
-    driver.quit()
-
-
 # What a reader sees, read from the page once MathJax has finished: markdown text outside code and
 # typeset maths, MathJax's output and error elements, progress bars' text, the inspector's figure.
 SEEN = """
@@ -347,7 +333,7 @@ def export(notebook: nbformat.NotebookNode, name: str) -> tuple[Path, str]:
 
 @pytest.mark.slow
 @pytest.mark.browser
-@needs_chromium
+@NEEDS_CHROMIUM
 def test_an_exported_notebook_shows_formulas_finished_bars_and_the_inspectors_view(browser) -> None:
     from nbclient import NotebookClient
 

@@ -11,8 +11,8 @@ import traitlets
 
 import contribution_lens as cl
 from conftest import tiny_bridge, tiny_encoder
+from contribution_lens.drawing import plot
 from contribution_lens.views import inspector as ins
-from contribution_lens.views import plot
 from contribution_lens.views.inspector import codecs, compact, widget, windows
 
 

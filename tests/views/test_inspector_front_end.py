@@ -22,7 +22,7 @@ import torch
 import contribution_lens as cl
 from conftest import tiny_bridge, tiny_encoder
 from contribution_lens import qk
-from contribution_lens.views import plot
+from contribution_lens.drawing import plot
 from contribution_lens.views.inspector import codecs, compact, page, payload, steps, why, windows
 from contribution_lens.views.inspector.compute import compute_windows
 from contribution_lens.views.inspector.figure import outside_view, view_factors

@@ -20,7 +20,7 @@ A new analysis is one file here: a per-layer function and a result type with the
 every result has: ``save(path)``/``load(path)`` through `contribution_lens.files.save_result`
 (a `LayerResults` subclass names its own fields in ``STORED``; a dataclass mixes in
 `contribution_lens.files.Saves`), ``figures() -> dict[str, go.Figure]`` and ``report(path)``;
-exported below. Analyses draw with `contribution_lens.views.plot` (below them) and never import
+exported below. Analyses draw with `contribution_lens.drawing.plot` (below them) and never import
 a method (above them).
 """
 

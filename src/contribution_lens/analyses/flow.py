@@ -148,17 +148,7 @@ class Flow(LayerResults[FlowLayer]):
 
     def _explaining(self, positions: Sequence[int]) -> "Flow":
         """`at` for several positions: the layers (and the rollouts computed so far) are shared, not copied."""
-        flow = Flow(
-            dict(self.items()),
-            positions=positions,
-            threshold=self.threshold,
-            tokens=self.tokens,
-            attention_mask=self.attention_mask,
-            str_tokens=self.str_tokens,
-            n_layers=self.n_layers,
-            logits=self.logits,
-            bos_first=self.bos_first,
-        )
+        flow = Flow(dict(self.items()), positions=positions, threshold=self.threshold, **self.batch_fields())
         flow._rollouts = self._rollouts
         return flow
 
@@ -243,7 +233,7 @@ class Flow(LayerResults[FlowLayer]):
 
         A flow explaining several positions draws both for each: ``"graph at 7"``, ``"rollout at 7"``, ...
         """
-        from contribution_lens.views import plot
+        from contribution_lens.drawing import plot
 
         if len(self.positions) == 1:
             return {"graph": plot.flow_graph(self), "rollout": plot.flow_rollout(self)}
@@ -255,7 +245,7 @@ class Flow(LayerResults[FlowLayer]):
 
     def report(self, path: str | os.PathLike) -> Path:
         """One self-contained HTML page: the figures, then the pruned graph's edges of each explained position."""
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         labels = self.labels()
         sections: list[html.Section] = [("Text", "".join(self.str_tokens[0])), *self.figures().items()]

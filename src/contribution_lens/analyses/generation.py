@@ -156,7 +156,7 @@ class GenerationExplanation(Saves, Sequence[GenerationStep]):
 
     def figures(self) -> "dict[str, go.Figure]":
         """``keys``: the answer tokens x keys heatmap of attention terms."""
-        from contribution_lens.views import plot
+        from contribution_lens.drawing import plot
 
         return {"keys": plot.generation_keys(self)}
 
@@ -167,7 +167,7 @@ class GenerationExplanation(Saves, Sequence[GenerationStep]):
 
     def report(self, path: str | os.PathLike) -> Path:
         """One self-contained HTML page: the prompt and answer, the figures and one row per answer token."""
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         sections: list[html.Section] = [
             ("Prompt and answer", "".join(self.str_tokens[: self.prompt_length]) + " ▸ " + self.answer),

@@ -71,7 +71,8 @@ class Geometry(LayerResults[Decomposition]):
         device_move = not isinstance(target, torch.dtype)
         tokens = self.tokens.to(target) if device_move else self.tokens
         mask = self.attention_mask.to(target) if device_move else self.attention_mask
-        return Geometry(moved, tokens, mask, self.str_tokens, self.scope, self.n_layers, bos_first=self.bos_first)
+        batch = self.batch_fields() | {"tokens": tokens, "attention_mask": mask, "logits": None}
+        return Geometry(moved, scope=self.scope, **batch)
 
     def head_summary(self, factor: Factor | str = Factor.CONTRIBUTION) -> Float[Tensor, "layer head"]:
         """Mean of ``factor`` over every valid (query, key) pair of the batch, per layer and head.
@@ -163,7 +164,7 @@ class Geometry(LayerResults[Decomposition]):
         value-weighted, output-normalised, contribution); ``cl.methods.decomposition_measures()``
         adds every registered one.
         """
-        from contribution_lens.views import plot
+        from contribution_lens.drawing import plot
 
         shown = self.sink_layer(0) if layer is None else self.resolve(layer)
         query = len(self.str_tokens[index]) - 1
@@ -206,7 +207,7 @@ class Geometry(LayerResults[Decomposition]):
             >>> g.report(tempfile.mkdtemp() + "/demo.html").stat().st_size > 1_000_000  # plotly.js is embedded
             True
         """
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         sections: list[html.Section] = [
             ("Text", text or "".join(self.str_tokens[0])),

@@ -238,7 +238,7 @@ class LogitAttribution(Saves):
 
     def figures(self) -> "dict[str, go.Figure]":
         """``heads`` (layers x heads heatmap), ``keys`` (per-key bars with tokens), ``layers`` (attention vs MLP)."""
-        from contribution_lens.views import plot
+        from contribution_lens.drawing import plot
 
         return {"heads": plot.logit_heads(self), "keys": plot.logit_keys(self), "layers": plot.logit_layers(self)}
 
@@ -251,7 +251,7 @@ class LogitAttribution(Saves):
 
     def report(self, path: str | os.PathLike) -> Path:
         """One self-contained HTML page: the figures, the largest terms and the terms per layer."""
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         sections: list[html.Section] = [
             ("Text", "".join(self.str_tokens)),

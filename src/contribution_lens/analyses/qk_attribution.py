@@ -436,7 +436,7 @@ class QKAttribution(Saves):
         For one head and query (default: the first head, the last query); ``key`` defaults to the
         key the head attends to most.
         """
-        from contribution_lens.views import plot
+        from contribution_lens.drawing import plot
 
         head = self.heads[0] if head is None else head
         query = self.queries[-1] if query is None else query
@@ -454,7 +454,7 @@ class QKAttribution(Saves):
 
     def report(self, path: str | os.PathLike, head: int | None = None, query: int | None = None) -> Path:
         """One self-contained HTML page: the figures of one head and query and its largest terms."""
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         head = self.heads[0] if head is None else head
         query = self.queries[-1] if query is None else query

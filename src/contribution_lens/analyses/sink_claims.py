@@ -82,7 +82,7 @@ class SinkStudy:
 
     def figures(self) -> dict[str, go.Figure]:
         """Every figure of the report under its title: per-layer means, per-head grids, beta curves, scatter, norms."""
-        from contribution_lens.views import plot
+        from contribution_lens.drawing import plot
 
         layer_means = self.heads.groupby("layer").mean()
         columns = (
@@ -123,7 +123,7 @@ class SinkStudy:
 
     def report(self, path: str | os.PathLike) -> Path:
         """One self-contained HTML page: the claims judged first, then the figures and every number."""
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         sections: list[html.Section] = [
             ("The claims, measured on this model", self.verdicts()),

@@ -102,7 +102,7 @@ class SinkIntervention(Saves):
 
     def figures(self) -> "dict[str, go.Figure]":
         """Per layer, clean against intervened: the mean output norm, and the cone cosine of the low-norm outputs."""
-        from contribution_lens.views import plot
+        from contribution_lens.drawing import plot
 
         x = list(self.per_layer.index)
         out = {}
@@ -113,7 +113,7 @@ class SinkIntervention(Saves):
 
     def report(self, path: str | os.PathLike) -> Path:
         """One self-contained HTML page: the effect on perplexity, the figures, the per-layer table."""
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         effect = pd.DataFrame([self.effect()], index=pd.Index([self.variant], name="variant"))
         sections: list[html.Section] = [

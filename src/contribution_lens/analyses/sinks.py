@@ -707,7 +707,7 @@ class SinkAnalysis(LayerResults[SinkLayer]):
 
     def figures(self) -> "dict[str, go.Figure]":
         """Per layer and head: the sink ratio, the anti-aligned share and the sink's contribution; the scatter."""
-        from contribution_lens.views import plot
+        from contribution_lens.drawing import plot
 
         heads = self.head_table()
         columns = {
@@ -721,7 +721,7 @@ class SinkAnalysis(LayerResults[SinkLayer]):
 
     def report(self, path: str | os.PathLike) -> Path:
         """One self-contained HTML page: the claims judged, the figures, every per-head number."""
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         sections: list[html.Section] = [
             ("The claims, measured here", self.verdicts()),

@@ -12,9 +12,9 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from contribution_lens.choices import MODES
+from contribution_lens.drawing import html, plot
 from contribution_lens.faithfulness import statistics
 from contribution_lens.faithfulness.protocols import describe
-from contribution_lens.views import html, plot
 
 
 def verdict_sentence(row: Any, *, with_task: bool = False) -> str:

@@ -42,11 +42,9 @@ def attention_gradients(
         return resid.detach().requires_grad_(True)
 
     hooks = [(adapter.resid_pre_hook(0), leaf)] + [(adapter.pattern_hook(layer), keep(layer)) for layer in layers]
-    kwargs = {"attention_mask": batch.attention_mask.long()} if batch.padded else {}
-    with torch.inference_mode(False), torch.enable_grad(), adapter.hooked(model, hooks):
-        loss = mean_token_nll(
-            model(batch.tokens.clone(), **kwargs), batch.tokens, batch.attention_mask, what="grad_attention"
-        )
+    with torch.inference_mode(False), torch.enable_grad():
+        logits = adapter.forward(model, batch, hooks, grad=True)
+        loss = mean_token_nll(logits, batch.tokens, batch.attention_mask, what="grad_attention")
         grads = torch.autograd.grad(loss, [patterns[layer] for layer in layers], allow_unused=True)
     missing = [layer for layer, grad in zip(layers, grads, strict=True) if grad is None]
     if missing:

@@ -4,9 +4,9 @@ A `Method` turns one layer (`contribution_lens.adapter.LayerInputs`) into scores
 ``[batch head query key]`` (per head; the token-level score is their sum over heads) or
 ``[batch query key]`` (token level only). Every harness (the faithfulness run, the plots, the
 CLI) takes any registered method, the user's own included. This module knows no method: the
-package's own families (`contribution_lens.methods.factors`, ``control``, ``alti``,
-``value_zeroing``, ``gradient``) register themselves when `contribution_lens.methods` is
-imported.
+package's own families (the eight of ``_FAMILIES`` in `contribution_lens.methods`: ``factors``,
+``control``, ``kobayashi``, ``alti``, ``value_zeroing``, ``gradient``, ``rollout``, ``logit``) register
+themselves when `contribution_lens.methods` is imported.
 
 Registering your own takes a function of the layer:
 
@@ -232,7 +232,7 @@ def default_methods() -> tuple[str, ...]:
 def decomposition_measures() -> dict[str, DecompositionScore]:
     """Every registered method that reads one layer's `Decomposition` alone, by its label, in registration order.
 
-    What a figure comparing measures draws (`contribution_lens.views.plot.measure_bars`): the four
+    What a figure comparing measures draws (`contribution_lens.drawing.plot.measure_bars`): the four
     built-ins and any registered with `Method.from_decomposition`.
 
     Example:

@@ -6,7 +6,7 @@ same block rerun from the same ``x`` with ``v_j`` zeroed in every head:
     s_ij = 1 - cos(y_i, y_i^{(-j)})  for j <= i,              c_ij = s_ij / sum_k s_ik
 
 (scores below ``1e-5`` count as 0, as in inseq). The block is rerun on its own, from the
-arguments it got in one clean forward (captured by a PyTorch forward hook on ``model.blocks[l]``),
+arguments it got in one clean forward (`adapter.block_calls`, a PyTorch forward hook on ``model.blocks[l]``),
 with the zeroed variants of many ``(text, j)`` stacked along the batch axis: one block call per
 chunk, not one model pass per token. This runs in the method's ``prepare``. (The bridge's
 ``forward(start_at_layer=l)`` still runs blocks ``0..l-1``, so it would cost a pass per layer.)
@@ -35,37 +35,6 @@ VALUE_ZEROING_MAX_ELEMENTS = 2**24
 """Largest ``[variant head query key]`` pattern one value-zeroing block call may build."""
 VALUE_ZEROING_THRESHOLD = 1e-5
 """Distances below this are 0 before normalising (inseq's ``min_score_threshold``)."""
-
-
-def _block_calls(model: adapter.Model, batch: adapter.TokenBatch, layers: Sequence[int]) -> dict[int, tuple]:
-    """``(args, kwargs, output)`` of each requested block in one clean forward pass."""
-    calls: dict[int, tuple] = {}
-    handles = []
-    last = max(layers)
-
-    def record(layer: int) -> Any:
-        def hook(module: Any, args: tuple, kwargs: dict, output: Any) -> None:
-            calls[layer] = (args, kwargs, output[0] if isinstance(output, tuple) else output)
-            if layer == last:
-                raise adapter.StopForward
-
-        return hook
-
-    with adapter.exclusive(model):  # no other thread's pass may fire these hooks
-        try:
-            for layer in layers:
-                handles.append(model.blocks[layer].register_forward_hook(record(layer), with_kwargs=True))
-            try:
-                adapter.forward(model, batch)
-            except adapter.StopForward:
-                pass
-        finally:
-            for handle in handles:
-                handle.remove()
-    missing = [layer for layer in layers if layer not in calls]
-    if missing:
-        raise RuntimeError(f"the forward pass never called blocks {missing}")
-    return calls
 
 
 def _select_rows(value: Any, rows: Tensor, batch_size: int) -> Any:
@@ -148,7 +117,7 @@ def value_zeroing_scores(
     as keep the pattern under `VALUE_ZEROING_MAX_ELEMENTS`). ``chunk_size=1`` is the
     one-token-at-a-time loop.
     """
-    calls = _block_calls(model, batch, layers)
+    calls = adapter.block_calls(model, batch, layers)
     n_pos = batch.tokens.shape[1]
     mask = batch.attention_mask if batch.padded else None
     causal = adapter.is_causal_model(model)

@@ -99,7 +99,7 @@ class Replication:
 
     def figures(self) -> dict[str, go.Figure]:
         """The opening case per layer and per head (where the tables hold them), by title."""
-        from contribution_lens.views import plot
+        from contribution_lens.drawing import plot
 
         figures: dict[str, go.Figure] = {}
         opening = self.tables.get("opening")
@@ -117,7 +117,7 @@ class Replication:
 
     def report(self, path: str | os.PathLike) -> Path:
         """One self-contained HTML page: the claims judged, every setting, the figures, the tables, the commands."""
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         intro = (
             f"Model {self.model_name or '(unnamed)'} ({self.dtype} on {self.device}), size {self.size}. "

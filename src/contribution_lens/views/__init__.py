@@ -1,12 +1,9 @@
-"""What people look at: figures (`plot`), the inspector (`inspector`), self-contained pages (`html`, `overview`,
-notebooks exported by `export`).
+"""What people look at, above the methods: the inspector (`inspector`), every registered measure compared
+(`overview`), notebooks exported as pages (`export`).
 
-`plot` and `html` are the bottom of the views (below the analyses, whose ``figures()`` and ``report()``
-draw with them: they import no result type at run time and no registry); `overview` (every
-registered measure compared), `inspector` and `export` sit above the methods.
-
-Every figure function returns a ``plotly.graph_objects.Figure`` and never shows it; every page
-opens offline (plotly.js embedded once) and is written atomically. Names are imported on first use.
+The drawing these use (figures and pages from tensors and results) is `contribution_lens.drawing`, below the
+analyses; its old places here (``views.plot``, ``views.html``, ``views.write_html``, ``views.render_html``)
+keep working with a ``DeprecationWarning`` naming the new one. Names are imported on first use.
 """
 
 from typing import TYPE_CHECKING
@@ -14,8 +11,6 @@ from typing import TYPE_CHECKING
 from contribution_lens._lazy import face
 
 _EXPORTS = {
-    "plot": "contribution_lens.views.plot",
-    "html": "contribution_lens.views.html",
     "inspector": "contribution_lens.views.inspector",
     "overview": "contribution_lens.views.overview",
     "compare_measures": "contribution_lens.views.overview:compare_measures",
@@ -23,27 +18,17 @@ _EXPORTS = {
     "export_notebook": "contribution_lens.views.export:export_notebook",
     "inspect": "contribution_lens.views.inspector:inspect",
     "Inspector": "contribution_lens.views.inspector:Inspector",
-    "write_html": "contribution_lens.views.html:write_html",
-    "render_html": "contribution_lens.views.html:render_html",
 }
-__all__ = [
-    "Inspector",
-    "compare_measures",
-    "export",
-    "export_notebook",
-    "html",
-    "inspect",
-    "inspector",
-    "overview",
-    "plot",
-    "render_html",
-    "write_html",
-]
-__getattr__, __dir__ = face(__name__, _EXPORTS)
+_D = "contribution_lens.drawing"
+_MOVED = {name: (f"{_D}.{name}", f"use {_D}.{name}") for name in ("plot", "html")} | {
+    name: (f"{_D}.html:{name}", f"use {_D}.html.{name}") for name in ("write_html", "render_html")
+}
+"""The drawing's old names here, now in `contribution_lens.drawing`: each read warns with its new place."""
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = face(__name__, _EXPORTS, _MOVED)
 
 if TYPE_CHECKING:
-    from contribution_lens.views import export, html, inspector, overview, plot
+    from contribution_lens.views import export, inspector, overview
     from contribution_lens.views.export import export_notebook
-    from contribution_lens.views.html import render_html, write_html
     from contribution_lens.views.inspector import Inspector, inspect
     from contribution_lens.views.overview import compare_measures

@@ -1,7 +1,7 @@
 """Every registered measure side by side (`compare_measures`), and the old free functions of a `Geometry`'s page.
 
 `compare_measures` reads the method registry, so it lives here, above the methods, not in the
-drawing below them (`contribution_lens.views.plot.measure_bars` draws it). A `Geometry`'s overview
+drawing below them (`contribution_lens.drawing.plot.measure_bars` draws it). A `Geometry`'s overview
 is its own: `Geometry.figures` and `Geometry.report` (what ``contribution-lens demo`` writes);
 `figures` and `write` here keep working, with a warning that says so.
 """
@@ -13,8 +13,8 @@ from pathlib import Path
 import plotly.graph_objects as go
 
 from contribution_lens.analyses.geometry import Geometry
+from contribution_lens.drawing import plot
 from contribution_lens.methods import decomposition_measures
-from contribution_lens.views import plot
 
 
 def compare_measures(geometry: Geometry, *, layer: int, query: int, index: int = 0) -> go.Figure:

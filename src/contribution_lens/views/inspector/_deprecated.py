@@ -20,7 +20,7 @@ INSPECTOR_NAMES: dict[str, str] = {
     **{name: f"{_I}.steps" for name in ("Steps", "steps_payload")},
     "VIEWS": f"{_I}.subject",
     "view_factors": f"{_I}.figure",
-    "hide_sink": "contribution_lens.views.plot",
+    "hide_sink": "contribution_lens.drawing.plot",
 }  # fmt: skip
 """Where each name that the inspector's face or its ``payload`` module offered before the inspector was split
 into modules (windows, codecs, compact, payload, compute, steps, subject, figure) lives now."""

@@ -13,7 +13,7 @@ import plotly.graph_objects as go
 import torch
 from plotly.subplots import make_subplots
 
-from contribution_lens.views import plot
+from contribution_lens.drawing import plot
 from contribution_lens.views.inspector.codecs import decode
 from contribution_lens.views.inspector.windows import Window
 
@@ -101,7 +101,7 @@ def view_factors(
     KV group (the library's group numbers; a group of one head is its first head). Per head,
     relative norm and contribution are derived from the coded attention, cosines and exact norms:
     ``r_ij = ||vt_j|| / ||o_i||``, ``c_ij = a_ij r_ij cos_ij``. ``hide_sink`` renormalises
-    attention and contribution without key 0 (`contribution_lens.views.plot.hide_sink`, the
+    attention and contribution without key 0 (`contribution_lens.drawing.plot.hide_sink`, the
     row totals ``S_i`` sent with the payload). NaN marks cells the view does not draw (future
     keys, the hidden sink).
 
@@ -290,7 +290,7 @@ def inspector_figure(
 
     Drawn from the layer's payload the widget already holds (no forward pass), with the numbers
     the page draws (`view_factors`: within the fine codecs' bounds of the library's) and all
-    four of them in the hover (`contribution_lens.views.plot.factor_grid`). ``head`` -1 is token
+    four of them in the hover (`contribution_lens.drawing.plot.factor_grid`). ``head`` -1 is token
     level (all heads); ``hide_sink`` and ``group_kv`` as in the widget.
     """
     grids = view_factors(payload, window, head=head, scope=scope, group_kv=group_kv, hide_sink=hide_sink)

@@ -34,10 +34,10 @@ from torch import Tensor
 from contribution_lens._lazy import face
 from contribution_lens.choices import FACTORS, SCOPES, Factor, Scope
 from contribution_lens.decomposition import Decomposition
+from contribution_lens.drawing.plot import DIVERGING, SEQUENTIAL
 from contribution_lens.views.inspector._deprecated import inspector_names
 from contribution_lens.views.inspector.codecs import CODECS, COMPACT_CODECS, HALF_MAX, quantise, to_base64
 from contribution_lens.views.inspector.windows import Window
-from contribution_lens.views.plot import DIVERGING, SEQUENTIAL
 
 _DEPRECATED = inspector_names(__name__)
 """What this module held before the inspector's split (codecs, windows, steps...): each name warns and comes from

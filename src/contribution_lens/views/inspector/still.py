@@ -83,7 +83,7 @@ def front_end_png(content: dict[str, Any]) -> tuple[bytes, int] | None:
 
 def kernel_png(figure: "go.Figure") -> tuple[bytes, int] | None:
     """``figure`` with the still's line above it, drawn by kaleido; None without kaleido or a Chromium."""
-    from contribution_lens.views import plot
+    from contribution_lens.drawing import plot
 
     shown = type(figure)(figure)  # a copy: the caller's figure keeps its title
     title = shown.layout.title.text or ""

@@ -22,7 +22,7 @@ from torch import Tensor
 from contribution_lens import adapter
 from contribution_lens.analyses.qk_attribution import QKAttribution, QKTape, qk_attribution
 from contribution_lens.choices import as_count, as_indices, as_position
-from contribution_lens.views import plot
+from contribution_lens.drawing import plot
 from contribution_lens.views.inspector import figure, page, still
 from contribution_lens.views.inspector.compute import compute_windows
 from contribution_lens.views.inspector.payload import meta, payload_bytes
@@ -87,7 +87,7 @@ def inspect(
         scope: ``inter`` or ``intra``.
         start: first query position of the token window (default: 0, or the window holding the step).
         tokens: queries in the token window (keys are the same positions plus the sink).
-        hide_sink: hide key 0 and renormalise the other keys' shares (`contribution_lens.views.plot.hide_sink`).
+        hide_sink: hide key 0 and renormalise the other keys' shares (`contribution_lens.drawing.plot.hide_sink`).
         group_kv: show the KV group of ``head`` (the heads sharing its value head) combined.
         view: ``heatmap``, ``text`` or ``prediction`` (default: ``prediction`` for explained
             predictions, else ``heatmap``).
@@ -119,7 +119,7 @@ class Inspector(anywidget.AnyWidget):
 
     ``head`` is -1 for all heads (token level); ``query`` is the position whose per-key factors
     are drawn as bars; ``hide_sink`` hides key 0 and renormalises the other keys' shares
-    (`contribution_lens.views.plot.hide_sink`); ``group_kv`` shows, in place of ``head``, the KV
+    (`contribution_lens.drawing.plot.hide_sink`); ``group_kv`` shows, in place of ``head``, the KV
     group it belongs to (the heads sharing its value head, combined: meta ``kv_groups``, payload
     ``group_*``). Head, factor, scope, query, ``hide_sink`` and ``group_kv`` are drawn by the
     front-end from the payload already sent.
