@@ -105,7 +105,7 @@ def test_only_the_adapter_knows_hook_names() -> None:
         for path in modules()
         if any("blocks." in s or s.startswith("hook_") or ".hook_" in s for s in _code_strings(path))
     }
-    assert naming == {"adapter.py"}, naming
+    assert naming == {"adapter.py", "circuit_wiring.py"}, naming
 
 
 def test_the_maths_knows_no_transformer_lens() -> None:
