@@ -1,9 +1,46 @@
 """Circuits: which heads and MLPs work together on a task, through which connections.
 
-The face of the circuits subpackage: tasks (`Task`), the graph of nodes and edges, circuit scoring
-methods (a registry), and MIB-style evaluation of a circuit by interchange patching.
+The face of the circuits subpackage: tasks (`Task`), the graph of nodes and edges (`Graph`,
+`circuit_graph`), circuit methods (a registry: `register_circuit_method`), their scores
+(`circuit_scores` -> `CircuitScores`), the circuits they choose (`Circuit`), and MIB-style
+evaluation by interchange patching (`evaluate_circuit`, `circuit_curve`).
 """
 
+from contribution_lens.circuits.evaluation import (
+    FRACTIONS,
+    CircuitCurve,
+    CircuitEvaluation,
+    circuit_curve,
+    evaluate_circuit,
+)
+from contribution_lens.circuits.graph import Graph, circuit_graph
+from contribution_lens.circuits.registry import (
+    CircuitContext,
+    CircuitMethod,
+    available_circuit_methods,
+    get_circuit_method,
+    register_circuit_method,
+    unregister_circuit_method,
+)
+from contribution_lens.circuits.scoring import Circuit, CircuitScores, circuit_scores
 from contribution_lens.circuits.task import Task
 
-__all__ = ["Task"]
+__all__ = [
+    "FRACTIONS",
+    "Circuit",
+    "CircuitContext",
+    "CircuitCurve",
+    "CircuitEvaluation",
+    "CircuitMethod",
+    "CircuitScores",
+    "Graph",
+    "Task",
+    "available_circuit_methods",
+    "circuit_curve",
+    "circuit_graph",
+    "circuit_scores",
+    "evaluate_circuit",
+    "get_circuit_method",
+    "register_circuit_method",
+    "unregister_circuit_method",
+]

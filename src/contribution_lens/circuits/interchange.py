@@ -158,7 +158,7 @@ class Gradient:
         if kind not in ("embed", "pos_embed"):
             return None
         lo, _ = self.graph.writer_range(kind, layer)
-        shift = (1.0 - self.alpha) * (self.corrupted[:, :, lo] - out.detach())
+        shift = (1.0 - self.alpha) * (self.corrupted[:, :, lo] - out[:, :, 0].detach())
         return shift.requires_grad_(True)
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
