@@ -27,7 +27,7 @@ counterfactual's pass.
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import einops
 import torch
@@ -63,6 +63,7 @@ class Layout:
     pos_embed: bool
 
 
+@runtime_checkable
 class Stream(Protocol):
     """What a circuit pass calls: ``write`` at each node's output, ``read`` at each node's input."""
 

@@ -47,10 +47,11 @@ FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 RESAMPLES = 1000
 
 
-def faithfulness(
-    patched: Float[Tensor, "*size prompt"], clean: Float[Tensor, " prompt"], corrupted: Float[Tensor, " prompt"]
-) -> Float[Tensor, "*size"]:
-    """``(mean patched - mean corrupted) / (mean clean - mean corrupted)`` over the last axis (prompts)."""
+def faithfulness(patched: Tensor, clean: Tensor, corrupted: Tensor) -> Tensor:
+    """``(mean patched - mean corrupted) / (mean clean - mean corrupted)`` over the last axis (prompts), in float64.
+
+    The three broadcast against each other without that axis (sizes, bootstrap resamples).
+    """
     empty = corrupted.double().mean(-1)
     return (patched.double().mean(-1) - empty) / (clean.double().mean(-1) - empty)
 
