@@ -122,10 +122,15 @@ class _LayerWeights:
     post_name: str | None
 
 
+def _up(tensor: Tensor) -> Tensor:
+    """``tensor`` in float32 at least: float32 accumulation whatever the model's dtype (float64 stays)."""
+    return tensor if tensor.dtype == torch.float64 else tensor.float()
+
+
 def _norm_fn(component: Any, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
-    """The model's own pre-attention norm applied to any ``[..., d_model]`` (in the model's dtype, back to float32)."""
+    """The model's own pre-attention norm on any ``[..., d_model]`` (in the model's dtype, then float32 at least)."""
     module = getattr(component, "original_component", None) or component
-    return lambda x: module(x.to(dtype)).float()
+    return lambda x: _up(module(x.to(dtype)))
 
 
 def _weights(model: Model, layer: int, dtype: torch.dtype) -> _LayerWeights:
@@ -133,16 +138,16 @@ def _weights(model: Model, layer: int, dtype: torch.dtype) -> _LayerWeights:
 
     def bias(name: str) -> Tensor | None:
         value = getattr(attn, name, None)
-        return value.detach().float() if isinstance(value, Tensor) else None
+        return _up(value.detach()) if isinstance(value, Tensor) else None
 
     W_O, _ = output_weights(model, layer)
     aliases = getattr(model.blocks[layer], "hook_aliases", {})
     target = aliases.get("hook_attn_out", "attn.hook_out")
     post_name = None if target.split(".")[0] == "attn" else target.rsplit(".", 1)[0]
     return _LayerWeights(
-        W={side: getattr(attn, f"W_{side.upper()}").detach().float() for side in "qkv"},
+        W={side: _up(getattr(attn, f"W_{side.upper()}").detach()) for side in "qkv"},
         b={side: bias(f"b_{side.upper()}") for side in "qkv"},
-        W_O=W_O.float(),
+        W_O=_up(W_O),
         norm=_norm_fn(model.blocks[layer].ln1, dtype),
         post=post_attention_norm(model, layer),
         post_name=post_name,
@@ -166,17 +171,17 @@ def _layer_hooks(model: Model, layer: int, stream: Stream, dtype: torch.dtype) -
 
     def projection(side: str) -> HookFn:
         def hook(tensor: Tensor, hook: Any) -> Tensor | None:
-            x = stream.read(side, layer, kept["resid"].float())
+            x = stream.read(side, layer, _up(kept["resid"]))
             return None if x is None else _project(weights, side, x).reshape(tensor.shape).to(tensor.dtype)
 
         return hook
 
     def heads(tensor: Tensor, hook: Any) -> None:
-        z = tensor.reshape(*tensor.shape[:2], weights.W_O.shape[0], -1).float()
+        z = _up(tensor.reshape(*tensor.shape[:2], weights.W_O.shape[0], -1))
         kept["heads"] = einops.einsum(z, weights.W_O, "b p h e, h e d -> b p h d")
 
     def scale(tensor: Tensor, hook: Any) -> None:
-        kept["scale"] = tensor.float()
+        kept["scale"] = _up(tensor)
 
     def attention_out(tensor: Tensor, hook: Any) -> Tensor | None:
         out = kept.pop("heads")
@@ -185,11 +190,11 @@ def _layer_hooks(model: Model, layer: int, stream: Stream, dtype: torch.dtype) -
         return _corrected(tensor, stream.write("heads", layer, out))
 
     def mlp_in(tensor: Tensor, hook: Any) -> Tensor | None:
-        x = stream.read("mlp", layer, tensor.float())
+        x = stream.read("mlp", layer, _up(tensor))
         return None if x is None else x[:, :, 0].to(tensor.dtype)
 
     def mlp_out(tensor: Tensor, hook: Any) -> Tensor | None:
-        return _corrected(tensor, stream.write("mlp", layer, tensor.float()[:, :, None]))
+        return _corrected(tensor, stream.write("mlp", layer, _up(tensor)[:, :, None]))
 
     out_hook = f"{block}.attn.o.hook_out" if weights.post_name is None else f"{block}.{weights.post_name}.hook_out"
     hooks = [(f"{block}.hook_resid_pre", keep_resid)]
@@ -202,19 +207,19 @@ def _layer_hooks(model: Model, layer: int, stream: Stream, dtype: torch.dtype) -
 
 
 def _corrected(tensor: Tensor, correction: Tensor | None) -> Tensor | None:
-    return None if correction is None else (tensor.float() + correction).to(tensor.dtype)
+    return None if correction is None else (_up(tensor) + correction).to(tensor.dtype)
 
 
 def _embedding_hook(stream: Stream, kind: str) -> HookFn:
     def hook(tensor: Tensor, hook: Any) -> Tensor | None:
-        return _corrected(tensor, stream.write(kind, 0, tensor.float()[:, :, None]))
+        return _corrected(tensor, stream.write(kind, 0, _up(tensor)[:, :, None]))
 
     return hook
 
 
 def _final_hook(stream: Stream) -> HookFn:
     def hook(tensor: Tensor, hook: Any) -> Tensor | None:
-        x = stream.read("logits", 0, tensor.float())
+        x = stream.read("logits", 0, _up(tensor))
         return None if x is None else x[:, :, 0].to(tensor.dtype)
 
     return hook

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from circuit_helpers import random_task
 
 import architectures
 import contribution_lens as cl
@@ -24,18 +25,6 @@ def models(tmp_path_factory) -> dict[str, object]:
     for name in CHECKPOINTS:
         built[name] = cl.load_model(str(architectures.build(name, Path(folder) / name)))
     return built
-
-
-def random_task(model, n: int = 3, length: int = 7, seed: int = 0) -> cl.Task:
-    """Random clean and corrupted ids of one length; the last prompt right-padded by two positions."""
-    generator = torch.Generator().manual_seed(seed)
-    vocab = min(int(model.cfg.d_vocab), 50)
-    clean = torch.randint(0, vocab, (n, length), generator=generator)
-    corrupted = torch.randint(0, vocab, (n, length), generator=generator)
-    last = cl.Task.full_length(clean)
-    last[-1] = length - 3
-    answer = torch.arange(n) % vocab
-    return cl.Task("random", clean, corrupted, answer, (answer + 1) % vocab, last)
 
 
 def _passes(model, task):
@@ -90,7 +79,9 @@ def test_the_identities_hold_on_smollm2(bundled_model) -> None:
     half = torch.randint(100, 5000, (3, 5), generator=generator)
     other = torch.randint(100, 5000, (3, 5), generator=generator)
     clean, corrupted = torch.cat([half, half], 1), torch.cat([other, half], 1)
-    task = cl.Task("induction", clean[:, :-1], corrupted[:, :-1], half[:, -1], other[:, -1], cl.Task.full_length(clean[:, :-1]))
+    task = cl.Task(
+        "induction", clean[:, :-1], corrupted[:, :-1], half[:, -1], other[:, -1], cl.Task.full_length(clean[:, :-1])
+    )
     graph, rows, record, clean_m, corrupted_m = _passes(bundled_model, task)
     kept = ic.Interchange(graph, record.clone(), torch.zeros(graph.valid.shape), skip_unpatched=False)
     assert_close(ic.patched_metric(bundled_model, task, rows, kept), clean_m, rtol=0, atol=1e-4)
@@ -100,6 +91,11 @@ def test_the_identities_hold_on_smollm2(bundled_model) -> None:
     circuit = cl.Circuit.from_nodes(graph, chosen)
     through_edges = ic.patched_metric(bundled_model, task, rows, ic.Interchange(graph, record.clone(), circuit.patch()))
     left_out = torch.tensor([name in graph.components and name not in chosen for name in graph.writers])
-    assert_close(through_edges, ic.patched_metric(bundled_model, task, rows, ic.NodePatch(graph, record, left_out)), rtol=0, atol=1e-4)
+    assert_close(
+        through_edges,
+        ic.patched_metric(bundled_model, task, rows, ic.NodePatch(graph, record, left_out)),
+        rtol=0,
+        atol=1e-4,
+    )
     scores = cl.circuit_scores(bundled_model, task, method="eap")
     assert len(scores.edges) == len(graph.edges) and bool(torch.isfinite(scores.edge_scores).all())

@@ -54,7 +54,8 @@ def metric(task: Task, logits: Float[Tensor, "batch pos d_vocab"], rows: Int[Ten
     """The task's metric of each prompt in ``rows`` (float32), read at its last real position."""
     device = logits.device
     last = task.last[rows].to(device)
-    at_last = logits[torch.arange(len(rows), device=device), last].float()
+    at_last = logits[torch.arange(len(rows), device=device), last]
+    at_last = at_last if at_last.dtype == torch.float64 else at_last.float()
     return check_metric(task)(at_last, task.answer[rows].to(device), task.foil[rows].to(device))
 
 
@@ -70,7 +71,7 @@ class Null:
 
 @dataclass
 class Record:
-    """Keeps every writer's output ``[batch pos writer d_model]`` (float32, detached)."""
+    """Keeps every writer's output ``[batch pos writer d_model]`` (detached, float32 at least)."""
 
     graph: Graph
     outputs: Tensor | None = None
@@ -78,7 +79,7 @@ class Record:
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         if self.outputs is None:
             batch, pos, _, d_model = out.shape
-            self.outputs = out.new_zeros(batch, pos, len(self.graph.writers), d_model, dtype=torch.float32)
+            self.outputs = out.new_zeros(batch, pos, len(self.graph.writers), d_model)
         lo, hi = self.graph.writer_range(kind, layer)
         self.outputs[:, :, lo:hi] = out.detach()
         return None
@@ -112,7 +113,7 @@ class Interchange:
         weights = self.patch[:upstream, lo:hi]
         if self.skip_unpatched and not bool(weights.any()):
             return None  # every edge into these inputs is kept: the model's own computation is the same
-        moved = einops.einsum(self.delta[:, :, :upstream], weights, "b p u d, u i -> b p i d")
+        moved = einops.einsum(self.delta[:, :, :upstream], weights.to(self.delta.dtype), "b p u d, u i -> b p i d")
         return stream[:, :, None] + moved
 
 
@@ -182,7 +183,9 @@ def gradient_scores(
         if grad is None:
             continue
         upstream = int(graph.upstream[lo])
-        scores[:upstream, lo:hi] += einops.einsum(delta[:, :, :upstream], grad.float(), "b p u d, b p i d -> u i")
+        scores[:upstream, lo:hi] += einops.einsum(
+            delta[:, :, :upstream], grad.to(delta.dtype), "b p u d, b p i d -> u i"
+        )
 
 
 def batch_size(task: Task, n_writers: int, d_model: int, copies: float, memory: int) -> int:
