@@ -185,8 +185,9 @@ class Graph:
         """Refuse a name that is not a node of this graph, naming ``argument``."""
         unknown = [name for name in names if name not in self.node_ids]
         if unknown:
+            positions = "'pos_embed', " if self.pos_embed else ""
             raise ValueError(
-                f"{argument}: unknown node {unknown[0]!r}; nodes are 'embed', {'pos_embed, ' if self.pos_embed else ''}"
+                f"{argument}: unknown node {unknown[0]!r}; nodes are 'embed', {positions}"
                 f"'L{{layer}}H{{head}}' (layer < {self.n_layers}, head < {self.n_heads}), 'L{{layer}}.mlp' and 'logits'"
             )
 
