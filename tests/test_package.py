@@ -13,8 +13,20 @@ import contribution_lens as cl
 from helpers import docs_block, run_block
 
 SRC = Path(cl.__file__).parent
-SUBPACKAGES = ("analyses", "cli", "faithfulness", "methods", "replication", "views")
-CORE = ("adapter", "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "qk")
+SUBPACKAGES = ("analyses", "circuits", "cli", "faithfulness", "methods", "replication", "views")
+CORE = (
+    "adapter",
+    "choices",
+    "circuit_wiring",
+    "decomposition",
+    "engine",
+    "files",
+    "interventions",
+    "loading",
+    "losses",
+    "mixing",
+    "qk",
+)
 
 
 def modules() -> list[Path]:

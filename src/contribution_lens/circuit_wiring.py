@@ -197,7 +197,7 @@ def _layer_hooks(model: Model, layer: int, stream: Stream, dtype: torch.dtype) -
         return _corrected(tensor, stream.write("mlp", layer, _up(tensor)[:, :, None]))
 
     out_hook = f"{block}.attn.o.hook_out" if weights.post_name is None else f"{block}.{weights.post_name}.hook_out"
-    hooks = [(f"{block}.hook_resid_pre", keep_resid)]
+    hooks: list[tuple[str, HookFn]] = [(f"{block}.hook_resid_pre", keep_resid)]
     hooks += [(f"{block}.attn.hook_{side}", projection(side)) for side in "qkv"]
     hooks += [(f"{block}.attn.hook_z", heads)]
     if weights.post_name is not None:

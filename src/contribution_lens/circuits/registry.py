@@ -6,7 +6,7 @@ in `Graph.edges` order; ``level="edge"``) or one a head or MLP (``[component]``,
 with the counterfactual does to the metric, ``m(patched) - m(clean)``; circuits keep the largest
 ``|score|``. An edge method's node scores are the sums over each node's outgoing edges (for
 gradient methods that is the same estimate at the node's output). This module knows no method:
-`contribution_lens.circuits.attribution` registers the package's own.
+`contribution_lens.circuits.attribution` registers the package's own when the subpackage is imported.
 
 Registering your own takes one call:
 
@@ -109,7 +109,6 @@ def unregister_circuit_method(name: str) -> None:
 
 def available_circuit_methods() -> list[str]:
     """The registered circuit methods' names, the package's own first."""
-    _load_builtins()
     return list(_REGISTRY)
 
 
@@ -117,11 +116,6 @@ def get_circuit_method(name: str | CircuitMethod) -> CircuitMethod:
     """The registered circuit method called ``name`` (a `CircuitMethod` is returned as it is)."""
     if isinstance(name, CircuitMethod):
         return name
-    _load_builtins()
     if name not in _REGISTRY:
         raise ValueError(f"method: unknown circuit method {name!r}; registered: {', '.join(_REGISTRY)}")
     return _REGISTRY[name]
-
-
-def _load_builtins() -> None:
-    import contribution_lens.circuits.attribution  # noqa: F401  (registers the package's own)
