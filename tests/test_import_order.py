@@ -41,7 +41,7 @@ SRC = Path(cl.__file__).parent
 PACKAGE = "contribution_lens"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("maths", ("_lazy", "_settings", "files", "choices", "losses", "decomposition", "qk")),
-    ("adapter", ("adapter",)),
+    ("adapter", ("adapter", "circuit_wiring")),
     ("engine", ("engine", "mixing", "interventions", "loading")),
     ("drawing", ("views.plot", "views.html")),
     ("analyses", ("analyses",)),

@@ -53,10 +53,15 @@ _EXPORTS: dict[str, str] = {
     **{name: f"{_A}.sinks:{name}" for name in ("SinkAnalysis", "SinkLayer", "sink_analysis")},
     **{name: f"{_A}.sink_intervention:{name}" for name in ("SinkIntervention", "run_sink_intervention")},
     **{name: f"{_A}.sink_claims:{name}" for name in ("SinkStudy", "sink_study")},
+    **{name: f"contribution_lens.circuits:{name}" for name in (
+        "Circuit", "CircuitCurve", "CircuitEvaluation", "CircuitMethod", "CircuitScores", "Task",
+        "TaskReport", "task_report",
+        "available_circuit_methods", "circuit_curve", "circuit_graph", "circuit_scores", "evaluate_circuit",
+        "register_circuit_method", "unregister_circuit_method")},
     "inspect": "contribution_lens.views.inspector:inspect",
     "Inspector": "contribution_lens.views.inspector:Inspector",
     "plot": "contribution_lens.views.plot",
-    **{name: f"contribution_lens.{name}" for name in ("analyses", "faithfulness", "methods", "views")},
+    **{name: f"contribution_lens.{name}" for name in ("analyses", "circuits", "faithfulness", "methods", "views")},
 }  # fmt: skip
 _DEPRECATED = {
     "METHODS": ("contribution_lens._compat:DECOMPOSITION_METHODS", "use contribution_lens.available_methods()"),
@@ -64,6 +69,11 @@ _DEPRECATED = {
 __all__ = [
     "FACTORS",
     "SCOPES",
+    "Circuit",
+    "CircuitCurve",
+    "CircuitEvaluation",
+    "CircuitMethod",
+    "CircuitScores",
     "Decomposition",
     "Factor",
     "Flow",
@@ -82,13 +92,21 @@ __all__ = [
     "SinkIntervention",
     "SinkLayer",
     "SinkStudy",
+    "Task",
+    "TaskReport",
     "TokenBatch",
     "analyses",
     "attention_geometry",
+    "available_circuit_methods",
     "available_methods",
     "block_forms",
+    "circuit_curve",
+    "circuit_graph",
+    "circuit_scores",
+    "circuits",
     "decompose",
     "default_methods",
+    "evaluate_circuit",
     "explain_generation",
     "faithfulness",
     "flow",
@@ -102,11 +120,14 @@ __all__ = [
     "methods",
     "plot",
     "qk_attribution",
+    "register_circuit_method",
     "register_method",
     "run_sink_intervention",
     "sink_analysis",
     "sink_study",
+    "task_report",
     "to_token_batch",
+    "unregister_circuit_method",
     "unregister_method",
     "views",
 ]
@@ -114,7 +135,7 @@ __getattr__, __dir__ = face(__name__, _EXPORTS, _DEPRECATED)
 _compat.install()  # ``import contribution_lens.evaluation`` and other 0.2 paths keep working, with a warning
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from contribution_lens import analyses, faithfulness, methods, views
+    from contribution_lens import analyses, circuits, faithfulness, methods, views
     from contribution_lens.adapter import LayerInputs, TokenBatch, block_forms, to_token_batch
     from contribution_lens.analyses.flow import Flow, flow
     from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
@@ -125,6 +146,23 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from contribution_lens.analyses.sink_intervention import SinkIntervention, run_sink_intervention
     from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, sink_analysis
     from contribution_lens.choices import FACTORS, SCOPES, Factor, Scope
+    from contribution_lens.circuits import (
+        Circuit,
+        CircuitCurve,
+        CircuitEvaluation,
+        CircuitMethod,
+        CircuitScores,
+        Task,
+        TaskReport,
+        available_circuit_methods,
+        circuit_curve,
+        circuit_graph,
+        circuit_scores,
+        evaluate_circuit,
+        register_circuit_method,
+        task_report,
+        unregister_circuit_method,
+    )
     from contribution_lens.decomposition import Decomposition, decompose
     from contribution_lens.engine import LayerResults, map_layers
     from contribution_lens.loading import load_model
