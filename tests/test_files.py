@@ -47,6 +47,26 @@ def _replication() -> Any:
                        {"opening": opening}, "cpu", "float32")  # fmt: skip
 
 
+def _circuit_results() -> dict[str, Any]:
+    """The circuit results of one tiny task (computed once: four cases read them)."""
+    if not _CIRCUITS:
+        model = tiny_bridge("gqa", biases=True)
+        clean, corrupted = CHUNKS[:, :6], CHUNKS.flip(0)[:, :6]
+        task = cl.Task("tiny", clean, corrupted, clean[:, 1], clean[:, 2], cl.Task.full_length(clean))
+        scores = cl.circuit_scores(model, task, method="eap")
+        circuit = scores.circuit(0.2)
+        _CIRCUITS.update(
+            CircuitScores=scores,
+            Circuit=circuit,
+            CircuitEvaluation=cl.evaluate_circuit(model, task, circuit),
+            CircuitCurve=cl.circuit_curve(model, task, scores),
+        )
+    return _CIRCUITS
+
+
+_CIRCUITS: dict[str, Any] = {}
+
+
 # name: (how to make it, saved as a folder, what its page's title says)
 RESULTS: dict[str, tuple[Callable[[], Any], bool, str]] = {
     "Geometry": (lambda: cl.attention_geometry(tiny_bridge("gqa", biases=True), IDS, scope="intra"), False, "Geometry"),
@@ -79,6 +99,10 @@ RESULTS: dict[str, tuple[Callable[[], Any], bool, str]] = {
     ),
     "FaithfulnessRun": (_faithfulness_run, True, "Faithfulness of importance measures: tiny"),
     "Replication": (_replication, True, "claims on tiny"),
+    "CircuitScores": (lambda: _circuit_results()["CircuitScores"], False, "CircuitScores(eap on tiny"),
+    "Circuit": (lambda: _circuit_results()["Circuit"], False, "Circuit(edge level"),
+    "CircuitEvaluation": (lambda: _circuit_results()["CircuitEvaluation"], False, "CircuitEvaluation(Circuit"),
+    "CircuitCurve": (lambda: _circuit_results()["CircuitCurve"], False, "CircuitCurve(eap on tiny"),
 }
 
 

@@ -56,10 +56,15 @@ _EXPORTS: dict[str, str] = {
     **{name: f"{_A}.sinks:{name}" for name in ("SinkAnalysis", "SinkLayer", "sink_analysis")},
     **{name: f"{_A}.sink_intervention:{name}" for name in ("SinkIntervention", "run_sink_intervention")},
     **{name: f"{_A}.sink_claims:{name}" for name in ("SinkStudy", "sink_study")},
+    **{name: f"contribution_lens.circuits:{name}" for name in (
+        "Circuit", "CircuitCurve", "CircuitEvaluation", "CircuitMethod", "CircuitScores", "Task",
+        "TaskReport", "task_report",
+        "available_circuit_methods", "circuit_curve", "circuit_graph", "circuit_scores", "evaluate_circuit",
+        "register_circuit_method", "unregister_circuit_method")},
     "inspect": "contribution_lens.views.inspector:inspect",
     "Inspector": "contribution_lens.views.inspector:Inspector",
     "plot": "contribution_lens.drawing.plot",
-    **{name: f"contribution_lens.{name}" for name in ("analyses", "drawing", "faithfulness", "methods", "views")},
+    **{name: f"contribution_lens.{name}" for name in ("analyses", "circuits", "drawing", "faithfulness", "methods", "views")},
 }  # fmt: skip
 _DEPRECATED = {
     "METHODS": ("contribution_lens._compat:DECOMPOSITION_METHODS", "use contribution_lens.available_methods()"),
@@ -69,7 +74,7 @@ __getattr__, __dir__ = face(__name__, _EXPORTS, _DEPRECATED)
 _compat.install()  # ``import contribution_lens.evaluation`` and other 0.2 paths keep working, with a warning
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
-    from contribution_lens import analyses, drawing, faithfulness, methods, views
+    from contribution_lens import analyses, circuits, drawing, faithfulness, methods, views
     from contribution_lens.adapter import LayerInputs, TokenBatch, block_forms, to_token_batch
     from contribution_lens.analyses.flow import Flow, flow
     from contribution_lens.analyses.generation import GenerationExplanation, GenerationStep, explain_generation
@@ -80,6 +85,23 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from contribution_lens.analyses.sink_intervention import SinkIntervention, run_sink_intervention
     from contribution_lens.analyses.sinks import SinkAnalysis, SinkLayer, sink_analysis
     from contribution_lens.choices import FACTORS, SCOPES, Factor, Scope
+    from contribution_lens.circuits import (
+        Circuit,
+        CircuitCurve,
+        CircuitEvaluation,
+        CircuitMethod,
+        CircuitScores,
+        Task,
+        TaskReport,
+        available_circuit_methods,
+        circuit_curve,
+        circuit_graph,
+        circuit_scores,
+        evaluate_circuit,
+        register_circuit_method,
+        task_report,
+        unregister_circuit_method,
+    )
     from contribution_lens.decomposition import Decomposition, decompose
     from contribution_lens.drawing import plot
     from contribution_lens.engine import LayerResults, map_layers

@@ -1,9 +1,53 @@
 """Circuits: which heads and MLPs work together on a task, through which connections.
 
-The face of the circuits subpackage: tasks (`Task`), the graph of nodes and edges, circuit scoring
-methods (a registry), and MIB-style evaluation of a circuit by interchange patching.
+The face of the circuits subpackage: tasks (`Task`), the graph of nodes and edges (`Graph`,
+`circuit_graph`), circuit methods (a registry: `register_circuit_method`), their scores
+(`circuit_scores` -> `CircuitScores`), the circuits they choose (`Circuit`), and MIB-style
+evaluation by interchange patching (`evaluate_circuit`, `circuit_curve`).
 """
 
-from contribution_lens.circuits.task import Task
+from contribution_lens.circuits import attribution  # noqa: F401  (registers the package's circuit methods)
+from contribution_lens.circuits.evaluation import (
+    FRACTIONS,
+    CircuitCurve,
+    CircuitEvaluation,
+    circuit_curve,
+    evaluate_circuit,
+)
+from contribution_lens.circuits.figures import circuit_figure, curves_figure
+from contribution_lens.circuits.graph import Graph, circuit_graph
+from contribution_lens.circuits.registry import (
+    CircuitContext,
+    CircuitMethod,
+    available_circuit_methods,
+    get_circuit_method,
+    register_circuit_method,
+    unregister_circuit_method,
+)
+from contribution_lens.circuits.scoring import Circuit, CircuitScores, circuit_scores
+from contribution_lens.circuits.task import METRICS, Task, TaskReport, task_report
 
-__all__ = ["Task"]
+__all__ = [
+    "FRACTIONS",
+    "METRICS",
+    "Circuit",
+    "CircuitContext",
+    "CircuitCurve",
+    "CircuitEvaluation",
+    "CircuitMethod",
+    "CircuitScores",
+    "Graph",
+    "Task",
+    "TaskReport",
+    "available_circuit_methods",
+    "circuit_curve",
+    "circuit_figure",
+    "circuit_graph",
+    "circuit_scores",
+    "curves_figure",
+    "evaluate_circuit",
+    "get_circuit_method",
+    "register_circuit_method",
+    "task_report",
+    "unregister_circuit_method",
+]

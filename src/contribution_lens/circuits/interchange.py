@@ -1,0 +1,219 @@
+"""Interchange passes: what a circuit keeps clean and what it patches with the counterfactual.
+
+A circuit ``C`` is a set of edges. In its patched pass, every input ``i`` of a node reads
+
+    x_i = s_i + sum_{u -> i not in C} (r_u - o_u),
+
+where ``s_i`` is the residual stream this pass carries where ``i`` reads it, ``o_u`` is node
+``u``'s output in this pass and ``r_u`` its output in the counterfactual (corrupted) pass: each
+edge left out carries the counterfactual's activation, each kept edge the pass's own (MIB's
+interchange intervention). Keeping every edge gives the clean pass; keeping none, the
+counterfactual's. The differences ``r_u - o_u`` ``[batch pos writer d_model]`` are held in
+float32 for one batch of prompts, whose size a memory budget sets (`batch_size`).
+
+The same passes serve the gradient methods: `Gradient` reads every input as ``s_i`` itself and
+keeps those tensors, so ``dm/dx_i`` is the gradient at each input (the q, k, v inputs of a head
+apart), and `NodePatch` replaces whole nodes' outputs (activation patching).
+"""
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import einops
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from contribution_lens.adapter import Model
+from contribution_lens.circuit_wiring import circuit_pass
+from contribution_lens.circuits.graph import Graph
+from contribution_lens.circuits.task import Task
+
+MetricFn = Callable[[Float[Tensor, "batch d_vocab"], Int[Tensor, " batch"], Int[Tensor, " batch"]], Tensor]
+
+
+def _logit_diff(logits: Tensor, answer: Tensor, foil: Tensor) -> Tensor:
+    return logits.gather(1, answer[:, None])[:, 0] - logits.gather(1, foil[:, None])[:, 0]
+
+
+def _prob(logits: Tensor, answer: Tensor, foil: Tensor) -> Tensor:
+    return logits.softmax(-1).gather(1, answer[:, None])[:, 0]
+
+
+METRICS: dict[str, MetricFn] = {"logit_diff": _logit_diff, "prob": _prob}
+"""Per-prompt metrics at the last position: the logit difference answer - foil, or the answer's probability."""
+
+
+def check_metric(task: Task) -> MetricFn:
+    if task.metric not in METRICS:
+        raise ValueError(f"task.metric: unknown metric {task.metric!r}; known: {', '.join(METRICS)}")
+    return METRICS[task.metric]
+
+
+def metric(task: Task, logits: Float[Tensor, "batch pos d_vocab"], rows: Int[Tensor, " batch"]) -> Tensor:
+    """The task's metric of each prompt in ``rows`` (float32), read at its last real position."""
+    device = logits.device
+    last = task.last[rows].to(device)
+    at_last = logits[torch.arange(len(rows), device=device), last]
+    at_last = at_last if at_last.dtype == torch.float64 else at_last.float()
+    return check_metric(task)(at_last, task.answer[rows].to(device), task.foil[rows].to(device))
+
+
+class Null:
+    """A stream that changes nothing: the model's own pass."""
+
+    def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
+        return None
+
+    def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
+        return None
+
+
+@dataclass
+class Record:
+    """Keeps every writer's output ``[batch pos writer d_model]`` (detached, float32 at least)."""
+
+    graph: Graph
+    outputs: Tensor | None = None
+
+    def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
+        if self.outputs is None:
+            batch, pos, _, d_model = out.shape
+            self.outputs = out.new_zeros(batch, pos, len(self.graph.writers), d_model)
+        lo, hi = self.graph.writer_range(kind, layer)
+        self.outputs[:, :, lo:hi] = out.detach()
+        return None
+
+    def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
+        return None
+
+
+@dataclass
+class Interchange:
+    """The patched pass of a circuit: ``patch[u, i]`` is 1 where edge ``u -> i`` carries the counterfactual.
+
+    ``delta`` starts as the counterfactual's outputs; each write subtracts this pass's, leaving
+    ``r_u - o_u`` by the time any input downstream reads it. ``patch`` may hold any weights
+    (``t`` patches a fraction ``t`` of the difference: the EAP tests' finite differences).
+    """
+
+    graph: Graph
+    delta: Float[Tensor, "batch pos writer d_model"]
+    patch: Float[Tensor, "writer input"]
+    skip_unpatched: bool = True
+
+    def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
+        lo, hi = self.graph.writer_range(kind, layer)
+        self.delta[:, :, lo:hi] -= out.detach()
+        return None
+
+    def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
+        lo, hi = self.graph.input_range(kind, layer)
+        upstream = int(self.graph.upstream[lo])
+        weights = self.patch[:upstream, lo:hi]
+        if self.skip_unpatched and not bool(weights.any()):
+            return None  # every edge into these inputs is kept: the model's own computation is the same
+        moved = einops.einsum(self.delta[:, :, :upstream], weights.to(self.delta.dtype), "b p u d, u i -> b p i d")
+        return stream[:, :, None] + moved
+
+
+@dataclass
+class NodePatch:
+    """Replaces the outputs of the ``patched`` writers by the counterfactual's where they join the stream."""
+
+    graph: Graph
+    corrupted: Float[Tensor, "batch pos writer d_model"]
+    patched: Bool[Tensor, " writer"]
+
+    def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
+        lo, hi = self.graph.writer_range(kind, layer)
+        chosen = self.patched[lo:hi]
+        if not bool(chosen.any()):
+            return None
+        difference = (self.corrupted[:, :, lo:hi] - out) * chosen[None, None, :, None]
+        return difference.sum(2)
+
+    def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
+        return None
+
+
+@dataclass
+class Gradient:
+    """A differentiable pass that keeps each input ``x_i`` (read as the stream itself) for ``dm/dx_i``.
+
+    ``alpha`` (integrated gradients) moves the embeddings to ``r + alpha (o - r)``: the
+    counterfactual's at 0, the clean pass's at 1; the shift is a leaf that needs a gradient, so
+    the pass is differentiable whether or not the model's weights are. ``clean`` (when given)
+    keeps this pass's outputs.
+    """
+
+    graph: Graph
+    corrupted: Float[Tensor, "batch pos writer d_model"]
+    alpha: float = 1.0
+    clean: Record | None = None
+    inputs: list[tuple[int, int, Tensor]] = field(default_factory=list)
+
+    def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
+        if self.clean is not None:
+            self.clean.write(kind, layer, out)
+        if kind not in ("embed", "pos_embed"):
+            return None
+        lo, _ = self.graph.writer_range(kind, layer)
+        shift = (1.0 - self.alpha) * (self.corrupted[:, :, lo] - out[:, :, 0].detach())
+        return shift.requires_grad_(True)
+
+    def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
+        lo, hi = self.graph.input_range(kind, layer)
+        x = stream[:, :, None].expand(-1, -1, hi - lo, -1)
+        self.inputs.append((lo, hi, x))
+        return x
+
+
+def gradient_scores(
+    graph: Graph,
+    stream: Gradient,
+    value: Tensor,
+    delta: Float[Tensor, "batch pos writer d_model"],
+    scores: Float[Tensor, "writer input"],
+) -> None:
+    """Add ``sum_{batch, pos} delta_u . dm/dx_i`` to ``scores[u, i]`` for every edge (``value``: the summed metric)."""
+    tensors = [x for _, _, x in stream.inputs]
+    grads = torch.autograd.grad(value, tensors, allow_unused=True)
+    for (lo, hi, _), grad in zip(stream.inputs, grads, strict=True):
+        if grad is None:
+            continue
+        upstream = int(graph.upstream[lo])
+        scores[:upstream, lo:hi] += einops.einsum(
+            delta[:, :, :upstream], grad.to(delta.dtype), "b p u d, b p i d -> u i"
+        )
+
+
+def batch_size(task: Task, n_writers: int, d_model: int, copies: float, memory: int) -> int:
+    """Prompts a batch holds so that ``copies`` of ``[batch pos writer d_model]`` (float32) fit ``memory`` bytes."""
+    per_prompt = task.clean.shape[1] * n_writers * d_model * 4 * copies
+    return max(1, min(len(task), int(memory // max(per_prompt, 1))))
+
+
+def batches(task: Task, size: int) -> Iterator[Int[Tensor, " batch"]]:
+    """Row indices of the task's prompts, ``size`` at a time."""
+    for start in range(0, len(task), size):
+        yield torch.arange(start, min(start + size, len(task)))
+
+
+def tokens(task: Task, rows: Tensor, corrupted: bool = False) -> Int[Tensor, "batch pos"]:
+    return (task.corrupted if corrupted else task.clean)[rows]
+
+
+def record(model: Model, task: Task, graph: Graph, rows: Tensor, corrupted: bool) -> tuple[Tensor, Tensor]:
+    """One pass without autograd: every writer's output and the prompts' metric."""
+    stream = Record(graph)
+    with torch.inference_mode():
+        logits = circuit_pass(model, tokens(task, rows, corrupted), stream)
+    assert stream.outputs is not None
+    return stream.outputs, metric(task, logits, rows)
+
+
+def patched_metric(model: Model, task: Task, rows: Tensor, stream: Interchange | NodePatch | Null) -> Tensor:
+    """The metric of the clean prompts ``rows`` in a pass through ``stream``."""
+    with torch.inference_mode():
+        return metric(task, circuit_pass(model, tokens(task, rows), stream), rows)

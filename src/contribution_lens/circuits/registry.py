@@ -1,0 +1,121 @@
+"""The circuit-method registry: ways to score a task's edges (or nodes), found by name.
+
+A `CircuitMethod`'s ``score_fn(model, task, context)`` returns one score an edge (``[edge]``,
+in `Graph.edges` order; ``level="edge"``) or one a head or MLP (``[component]``, in
+`Graph.components` order; ``level="node"``). A score estimates what patching that edge (node)
+with the counterfactual does to the metric, ``m(patched) - m(clean)``; circuits keep the largest
+``|score|``. An edge method's node scores are the sums over each node's outgoing edges (for
+gradient methods that is the same estimate at the node's output). This module knows no method:
+`contribution_lens.circuits.attribution` registers the package's own when the subpackage is imported.
+
+Registering your own takes one call:
+
+    >>> import torch
+    >>> import contribution_lens as cl
+    >>> def by_layer(model, task, context):
+    ...     return -torch.arange(len(context.graph.components), dtype=torch.float32)
+    >>> _ = cl.register_circuit_method("later-first", by_layer, level="node", description="later nodes first")
+    >>> "later-first" in cl.available_circuit_methods()
+    True
+    >>> cl.unregister_circuit_method("later-first")
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+
+from contribution_lens.circuits.graph import Graph
+
+LEVELS = ("edge", "node")
+DEFAULT_MEMORY = 2**30
+"""Bytes the activation differences of one batch of prompts may take (float32): 1 GiB."""
+
+
+@dataclass(frozen=True)
+class CircuitContext:
+    """What a circuit method may need beside the model and the task."""
+
+    graph: Graph
+    memory: int = DEFAULT_MEMORY
+    seed: int = 0
+    steps: int = 5
+    """Integrated-gradient steps (MIB's default, ``--ig-steps 5``)."""
+
+
+ScoreFn = Callable[[Any, Any, CircuitContext], Tensor]
+
+
+@dataclass(frozen=True)
+class CircuitMethod:
+    """A circuit method: a name, the level it scores, and its score function."""
+
+    name: str
+    score_fn: ScoreFn = field(repr=False)
+    level: str = "edge"
+    description: str = ""
+    builtin: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ValueError(f"a circuit method name is letters, digits, '_' or '-', got {self.name!r}")
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be 'edge' or 'node', got {self.level!r}")
+
+
+_REGISTRY: dict[str, CircuitMethod] = {}
+
+
+def register_circuit_method(
+    name: str | CircuitMethod,
+    score_fn: ScoreFn | None = None,
+    *,
+    level: str = "edge",
+    description: str = "",
+    replace: bool = False,
+) -> Any:
+    """Register a `CircuitMethod` (or a score function under ``name``); usable as a decorator.
+
+    A name already taken is refused unless ``replace=True``; a built-in is never replaced.
+    """
+
+    def add(method: CircuitMethod) -> CircuitMethod:
+        taken = _REGISTRY.get(method.name)
+        if taken is not None and (taken.builtin or not replace):
+            hint = "it is built in" if taken.builtin else "pass replace=True to replace it"
+            raise ValueError(f"a circuit method named {method.name!r} is already registered; {hint}")
+        _REGISTRY[method.name] = method
+        return method
+
+    if isinstance(name, CircuitMethod):
+        return add(name)
+
+    def build(fn: ScoreFn) -> ScoreFn:
+        add(CircuitMethod(name, fn, level, description))
+        return fn
+
+    return build if score_fn is None else add(CircuitMethod(name, score_fn, level, description))
+
+
+def unregister_circuit_method(name: str) -> None:
+    """Remove a user's circuit method (built-ins stay)."""
+    if name not in _REGISTRY:
+        raise KeyError(f"no circuit method named {name!r} is registered")
+    if _REGISTRY[name].builtin:
+        raise ValueError(f"{name!r} is built in and cannot be unregistered")
+    del _REGISTRY[name]
+
+
+def available_circuit_methods() -> list[str]:
+    """The registered circuit methods' names, the package's own first."""
+    return list(_REGISTRY)
+
+
+def get_circuit_method(name: str | CircuitMethod) -> CircuitMethod:
+    """The registered circuit method called ``name`` (a `CircuitMethod` is returned as it is)."""
+    if isinstance(name, CircuitMethod):
+        return name
+    if name not in _REGISTRY:
+        raise ValueError(f"method: unknown circuit method {name!r}; registered: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]

@@ -1,0 +1,17 @@
+"""Tasks the circuit tests build from random token ids."""
+
+import torch
+
+import contribution_lens as cl
+
+
+def random_task(model, n: int = 3, length: int = 7, seed: int = 0) -> cl.Task:
+    """Random clean and corrupted ids of one length; the last prompt right-padded by two positions."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = min(int(model.cfg.d_vocab), 50)
+    clean = torch.randint(0, vocab, (n, length), generator=generator)
+    corrupted = torch.randint(0, vocab, (n, length), generator=generator)
+    last = cl.Task.full_length(clean)
+    last[-1] = length - 3
+    answer = torch.arange(n) % vocab
+    return cl.Task("random", clean, corrupted, answer, (answer + 1) % vocab, last)

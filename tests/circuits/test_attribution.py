@@ -1,0 +1,112 @@
+"""The circuit methods: EAP against finite differences of the patched pass in float64, activation patching
+against the node-level evaluation, EAP-IG's steps, the random control and a user's own method."""
+
+import pytest
+import torch
+from circuit_helpers import random_task
+
+import contribution_lens as cl
+from conftest import assert_close, tiny_bridge
+from contribution_lens.circuits import interchange as ic
+
+
+def _finite_difference(model, task, graph, edge: int, step: float = 1e-4) -> float:
+    """``d/dt mean_p m_p`` with a share ``t`` of edge ``edge``'s difference patched in, by central differences."""
+    rows = torch.arange(len(task))
+    record, _ = ic.record(model, task, graph, rows, corrupted=True)
+    writers, inputs = graph.edge_index
+    values = []
+    for t in (step, -step):
+        patch = torch.zeros(graph.valid.shape, dtype=torch.float64)
+        patch[writers[edge], inputs[edge]] = t
+        values.append(ic.patched_metric(model, task, rows, ic.Interchange(graph, record.clone(), patch)).mean())
+    return float((values[0] - values[1]) / (2 * step))
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa", "mqa"])
+def test_eap_is_gradient_times_difference(variant) -> None:
+    """Every kind of edge (into q, k, v, an MLP and the logits) against finite differences in float64."""
+    model = tiny_bridge(variant, biases=True).to(torch.float64)
+    task = random_task(model)
+    graph = cl.circuit_graph(model)
+    scores = cl.circuit_scores(model, task, method="eap")
+    into_layer_1 = ["L1H0<q>", "<k>", "<v>", "L1.mlp"]
+    chosen = [
+        next(i for i, name in enumerate(graph.edges) if name.startswith("L0H1->L1") and name.endswith(end))
+        for end in into_layer_1
+    ]
+    chosen.append(graph.edge_ids["L0.mlp->logits"])
+    chosen += [i for i, name in enumerate(graph.edges) if name.startswith("L0H1->")][:4]
+    for edge in chosen:
+        want = _finite_difference(model, task, graph, edge)
+        got = float(scores.edge_scores[edge])
+        assert abs(got - want) <= 1e-5 + 1e-4 * abs(want), (graph.edges[edge], got, want)
+
+
+def test_eap_node_scores_are_the_sums_of_their_edges() -> None:
+    model = tiny_bridge("gqa")
+    scores = cl.circuit_scores(model, random_task(model), method="eap")
+    edges = scores.edges
+    for node, score in zip(scores.nodes["node"], scores.nodes["score"], strict=True):
+        assert abs(edges.loc[edges["source"] == node, "score"].sum() - score) < 1e-5, node
+
+
+def test_activation_patching_is_the_node_level_evaluation_of_all_but_one() -> None:
+    model = tiny_bridge("gqa", biases=True)
+    task = random_task(model, n=4, seed=2)
+    scores = cl.circuit_scores(model, task, method="activation-patching")
+    assert scores.edge_scores is None and scores.edges.empty
+    graph = scores.graph
+    for index, name in enumerate(graph.components):
+        result = cl.evaluate_circuit(
+            model, task, cl.Circuit.from_nodes(graph, [n for n in graph.components if n != name])
+        )
+        assert_close(scores.component_scores[index], (result.patched - result.clean).mean(), rtol=0, atol=1e-5)
+
+
+def test_eap_ig_takes_mibs_five_steps_and_its_first_step_alone_differs_from_eap() -> None:
+    model = tiny_bridge("mha")
+    task = random_task(model)
+    five = cl.circuit_scores(model, task, method="eap-ig")
+    assert torch.equal(five.edge_scores, cl.circuit_scores(model, task, method="eap-ig", steps=5).edge_scores)
+    one = cl.circuit_scores(model, task, method="eap-ig", steps=1)  # the gradient at the counterfactual's embeddings
+    eap = cl.circuit_scores(model, task, method="eap")  # the gradient at the clean ones
+    assert not torch.allclose(one.edge_scores, eap.edge_scores)
+    assert bool(torch.isfinite(five.edge_scores).all())
+
+
+def test_random_scores_follow_the_seed() -> None:
+    model = tiny_bridge("mqa")
+    task = random_task(model)
+    a, b = (cl.circuit_scores(model, task, method="random", seed=s).edge_scores for s in (0, 0))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, cl.circuit_scores(model, task, method="random", seed=1).edge_scores)
+
+
+def test_a_users_method_is_one_call() -> None:
+    model = tiny_bridge("gqa")
+    task = random_task(model)
+
+    def later_first(model, task, context):
+        return torch.arange(len(context.graph.components), dtype=torch.float32)
+
+    cl.register_circuit_method("later-first", later_first, level="node")
+    try:
+        scores = cl.circuit_scores(model, task, method="later-first")
+        assert scores.circuit(0.2, level="node").nodes[-2:] == ["L1.mlp", "logits"]
+        curve = cl.circuit_curve(model, task, scores, level="node")
+        assert curve.faithfulness.shape == (10,) and abs(float(curve.faithfulness[-1]) - 1) < 1e-5
+    finally:
+        cl.unregister_circuit_method("later-first")
+    assert "later-first" not in cl.available_circuit_methods()
+
+
+def test_the_curve_sums_trapezoids_as_mib_does() -> None:
+    from contribution_lens.circuits.evaluation import FRACTIONS, areas
+
+    f = torch.tensor([0.0, 0.1, 0.2, 0.3, 0.5, 0.6, 0.8, 0.9, 1.1, 1.0], dtype=torch.float64)
+    x = torch.tensor(FRACTIONS, dtype=torch.float64)
+    cpr, cmd = areas(f, x)
+    want_cpr = sum((x[i + 1] - x[i]) * (f[i] + f[i + 1]) / 2 for i in range(9))
+    want_cmd = sum((x[i + 1] - x[i]) * (abs(1 - f[i]) + abs(1 - f[i + 1])) / 2 for i in range(9))
+    assert abs(float(cpr) - float(want_cpr)) < 1e-12 and abs(float(cmd) - float(want_cmd)) < 1e-12

@@ -1,0 +1,101 @@
+"""The interchange identities on every attention form: all edges kept is the clean pass, none kept the
+counterfactual's, and a node-level circuit through the edge machinery is the patching of the nodes left out."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from circuit_helpers import random_task
+
+import architectures
+import contribution_lens as cl
+from conftest import assert_close, tiny_bridge
+from contribution_lens.circuits import interchange as ic
+
+# Tiny checkpoints of real families: learned positions and biases (GPT-2), post-attention norms and
+# q/k norms (Gemma 3), rotary GQA (Llama), rotary GQA with q/k/v biases (Qwen2).
+CHECKPOINTS = ("GPT2LMHeadModel", "Gemma3ForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM")
+FORMS = ["mha", "gqa-biases", "mqa", *CHECKPOINTS]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, object]:
+    built = {"mha": tiny_bridge("mha"), "gqa-biases": tiny_bridge("gqa", biases=True), "mqa": tiny_bridge("mqa")}
+    folder = tmp_path_factory.mktemp("circuit-checkpoints")
+    for name in CHECKPOINTS:
+        built[name] = cl.load_model(str(architectures.build(name, Path(folder) / name)))
+    return built
+
+
+def _passes(model, task):
+    graph = cl.circuit_graph(model)
+    rows = torch.arange(len(task))
+    record, corrupted = ic.record(model, task, graph, rows, corrupted=True)
+    _, clean = ic.record(model, task, graph, rows, corrupted=False)
+    return graph, rows, record, clean, corrupted
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_every_edge_kept_is_the_clean_pass_and_none_the_counterfactual(models, form) -> None:
+    model = models[form]
+    task = random_task(model)
+    graph, rows, record, clean, corrupted = _passes(model, task)
+    # skip_unpatched=False: every input is recomputed per head through the norm and projections.
+    kept = ic.Interchange(graph, record.clone(), torch.zeros(graph.valid.shape), skip_unpatched=False)
+    assert_close(ic.patched_metric(model, task, rows, kept), clean, rtol=0, atol=1e-5)
+    none = ic.Interchange(graph, record.clone(), graph.valid.float())
+    assert_close(ic.patched_metric(model, task, rows, none), corrupted, rtol=0, atol=1e-5)
+    every = cl.Circuit.from_nodes(graph, graph.components)
+    assert abs(cl.evaluate_circuit(model, task, every).faithfulness - 1) < 1e-5
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_node_level_circuit_is_the_patching_of_the_nodes_left_out(models, form) -> None:
+    model = models[form]
+    task = random_task(model, seed=1)
+    graph, rows, record, _, _ = _passes(model, task)
+    chosen = graph.components[::2]
+    circuit = cl.Circuit.from_nodes(graph, chosen)
+    through_edges = ic.patched_metric(model, task, rows, ic.Interchange(graph, record.clone(), circuit.patch()))
+    left_out = torch.tensor([name in graph.components and name not in chosen for name in graph.writers])
+    direct = ic.patched_metric(model, task, rows, ic.NodePatch(graph, record, left_out))
+    assert_close(through_edges, direct, rtol=0, atol=1e-5)
+    assert not torch.allclose(direct, ic.patched_metric(model, task, rows, ic.Null())), "the patch changed nothing"
+
+
+def test_a_padded_prompt_reads_its_metric_at_its_last_real_position(models) -> None:
+    model = models["gqa-biases"]
+    task = random_task(model)
+    logits = model(task.clean)
+    p = len(task) - 1
+    want = logits[p, task.last[p], task.answer[p]] - logits[p, task.last[p], task.foil[p]]
+    got = ic.metric(task, logits, torch.arange(len(task)))[p]
+    assert_close(got, want)
+
+
+def test_the_identities_hold_on_smollm2(bundled_model) -> None:
+    """Random-token induction-style prompts (a random half, then the same half again; corrupted: another half)."""
+    generator = torch.Generator().manual_seed(0)
+    half = torch.randint(100, 5000, (3, 5), generator=generator)
+    other = torch.randint(100, 5000, (3, 5), generator=generator)
+    clean, corrupted = torch.cat([half, half], 1), torch.cat([other, half], 1)
+    task = cl.Task(
+        "induction", clean[:, :-1], corrupted[:, :-1], half[:, -1], other[:, -1], cl.Task.full_length(clean[:, :-1])
+    )
+    graph, rows, record, clean_m, corrupted_m = _passes(bundled_model, task)
+    kept = ic.Interchange(graph, record.clone(), torch.zeros(graph.valid.shape), skip_unpatched=False)
+    assert_close(ic.patched_metric(bundled_model, task, rows, kept), clean_m, rtol=0, atol=1e-4)
+    none = ic.Interchange(graph, record.clone(), graph.valid.float())
+    assert_close(ic.patched_metric(bundled_model, task, rows, none), corrupted_m, rtol=0, atol=1e-4)
+    chosen = [name for name in graph.components if name.endswith(".mlp") or name.endswith("H0")]
+    circuit = cl.Circuit.from_nodes(graph, chosen)
+    through_edges = ic.patched_metric(bundled_model, task, rows, ic.Interchange(graph, record.clone(), circuit.patch()))
+    left_out = torch.tensor([name in graph.components and name not in chosen for name in graph.writers])
+    assert_close(
+        through_edges,
+        ic.patched_metric(bundled_model, task, rows, ic.NodePatch(graph, record, left_out)),
+        rtol=0,
+        atol=1e-4,
+    )
+    scores = cl.circuit_scores(bundled_model, task, method="eap")
+    assert len(scores.edges) == len(graph.edges) and bool(torch.isfinite(scores.edge_scores).all())
