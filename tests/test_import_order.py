@@ -4,8 +4,8 @@ The layers, bottom first, and why each sits where it does:
 
 1. **maths** (`_lazy`, `_settings`, `files`, `choices`, `losses`, `decomposition`): tensors, files and
    settings; no model, no TransformerLens.
-2. **adapter** (`adapter`, `circuit_wiring`): the one place that knows a TransformerLens model (hooks, ``W_O``,
-   the readout), one module a concern; `circuit_wiring` the hooks a circuit is patched through.
+2. **adapter** (`adapter`): the one place that knows a TransformerLens model (hooks, ``W_O``, the readout, the
+   hooks a circuit is patched through), one module a concern.
 3. **engine** (`engine`, `mixing`, `interventions`, `loading`): what runs on a model through the adapter:
    the per-layer pass, the per-layer token mixing, pattern edits, loading.
 4. **drawing** (`drawing`: `plot`, `html`): figures and pages from tensors and tables. A figure function
@@ -42,7 +42,7 @@ SRC = Path(cl.__file__).parent
 PACKAGE = "contribution_lens"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("maths", ("_lazy", "_settings", "files", "choices", "losses", "decomposition", "qk")),
-    ("adapter", ("adapter", "circuit_wiring")),
+    ("adapter", ("adapter",)),
     ("engine", ("engine", "mixing", "interventions", "loading")),
     ("drawing", ("drawing",)),
     ("analyses", ("analyses",)),

@@ -64,7 +64,8 @@ _EXPORTS: dict[str, str] = {
     "inspect": "contribution_lens.views.inspector:inspect",
     "Inspector": "contribution_lens.views.inspector:Inspector",
     "plot": "contribution_lens.drawing.plot",
-    **{name: f"contribution_lens.{name}" for name in ("analyses", "circuits", "drawing", "faithfulness", "methods", "views")},
+    **{name: f"contribution_lens.{name}"
+       for name in ("analyses", "circuits", "drawing", "faithfulness", "methods", "views")},
 }  # fmt: skip
 _DEPRECATED = {
     "METHODS": ("contribution_lens._compat:DECOMPOSITION_METHODS", "use contribution_lens.available_methods()"),

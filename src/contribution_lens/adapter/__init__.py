@@ -8,10 +8,21 @@ QK wiring. This face is what the rest of the package uses (``from contribution_l
   `layer_hooks`, `forward`), with the check a model is loaded with (`attention_problem`);
 * `forms`: the form of the attention block for ALTI, pre-LN or post-LN (`block_forms`);
 * `logit_readout`: the readout between the residual stream and the logit (`Readout`, `readout`);
-* `qk_wiring`: what the QK split reads (`qk_form`, `qk_plan`, `layer_writes`, `target_reads`).
+* `qk_wiring`: what the QK split reads (`qk_form`, `qk_plan`, `layer_writes`, `target_reads`);
+* `circuit_wiring`: where each node of a circuit graph writes and reads the stream (`circuit_pass`, `layout`).
 """
 
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
+from contribution_lens.adapter.circuit_wiring import (
+    READS,
+    WRITES,
+    Layout,
+    Stream,
+    check_circuit_model,
+    circuit_pass,
+    circuit_refusal,
+    layout,
+)
 from contribution_lens.adapter.forms import POST_LN, PRE_LN, PostNorm, apply_post_norm, block_forms, post_norm
 from contribution_lens.adapter.hooks import (
     PROBE_LENGTH,
@@ -115,13 +126,16 @@ __all__ = [
     "QK_Q",
     "QK_SCORES",
     "QK_SIN",
+    "READS",
     "RESID_POST",
     "RESID_PRE",
+    "WRITES",
     "AttentionUpdate",
     "FrozenNorm",
     "HookFn",
     "LayerFn",
     "LayerInputs",
+    "Layout",
     "Model",
     "PatternEdit",
     "PostNorm",
@@ -129,6 +143,7 @@ __all__ = [
     "QKPlan",
     "Readout",
     "StopForward",
+    "Stream",
     "StreamNorm",
     "TargetReads",
     "TokenBatch",
@@ -142,11 +157,14 @@ __all__ = [
     "block_forms",
     "bos_to_prepend",
     "captured_post_scale",
+    "check_circuit_model",
     "check_hooks",
     "check_labels",
     "check_layers",
     "check_length",
     "check_token_ids",
+    "circuit_pass",
+    "circuit_refusal",
     "context_length",
     "embedding_hooks",
     "embedding_writes",
@@ -161,6 +179,7 @@ __all__ = [
     "layer_gram",
     "layer_hooks",
     "layer_writes",
+    "layout",
     "logit_softcap",
     "model_dtype",
     "model_lock",

@@ -1,6 +1,6 @@
 """The hooks a circuit pass runs on: where each node of the circuit graph writes and reads.
 
-Part of the adapter layer: every hook name and TransformerLens detail the circuits need is here,
+Part of the adapter: every hook name and TransformerLens detail the circuits need is here,
 and `contribution_lens.circuits` works on the tensors these hooks hand over. A pass calls a
 `Stream` (model-agnostic) at every place a node writes into the residual stream or reads it:
 
@@ -34,18 +34,11 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from contribution_lens.adapter import (
-    PRE_LN,
-    FrozenNorm,
-    HookFn,
-    Model,
-    architecture_name,
-    block_forms,
-    hooked,
-    is_causal_model,
-    output_weights,
-    post_attention_norm,
-)
+from contribution_lens.adapter._model import HookFn, Model
+from contribution_lens.adapter.forms import PRE_LN, block_forms
+from contribution_lens.adapter.hooks import hooked, is_causal_model, output_weights
+from contribution_lens.adapter.logit_readout import FrozenNorm, post_attention_norm
+from contribution_lens.adapter.qk_wiring import architecture_name
 
 READS = ("q", "k", "v", "mlp", "logits")
 """Where a node reads the stream: a head's q, k or v input, an MLP's input, the logits' input."""

@@ -19,8 +19,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from contribution_lens.adapter import Model
-from contribution_lens.circuit_wiring import circuit_pass
+from contribution_lens.adapter import Model, circuit_pass
 from contribution_lens.circuits import interchange as ic
 from contribution_lens.circuits.registry import CircuitContext, CircuitMethod, register_circuit_method
 from contribution_lens.circuits.task import Task

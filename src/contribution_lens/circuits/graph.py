@@ -194,7 +194,7 @@ class Graph:
 
 def circuit_graph(model: Any) -> Graph:
     """The `Graph` of ``model``, from its config; a model whose graph cannot be wired is refused with the reason."""
-    from contribution_lens.circuit_wiring import check_circuit_model, layout
+    from contribution_lens.adapter import check_circuit_model, layout
 
     check_circuit_model(model)
     shape = layout(model)

@@ -24,8 +24,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from contribution_lens.adapter import Model
-from contribution_lens.circuit_wiring import circuit_pass
+from contribution_lens.adapter import Model, circuit_pass
 from contribution_lens.circuits.graph import Graph
 from contribution_lens.circuits.task import Task
 
