@@ -201,7 +201,9 @@ def test_bad_inputs_are_refused_before_any_pass() -> None:
             cl.qk_attribution(model, IDS, 1, 0, heads=[1])
         with pytest.raises(ValueError, match="one text at a time; got a batch of 2"):
             cl.qk_attribution(model, torch.stack([IDS, IDS]), 1, 0)
-        with pytest.raises(ValueError, match=r"dtype must be torch.float32 or torch.float64, got torch.float16"):
+        with pytest.raises(
+            ValueError, match=r"dtype must be torch.float32 or torch.float64 \(or its name.*; got torch.float16"
+        ):
             cl.qk_attribution(model, IDS, 1, 0, dtype=torch.float16)
         with pytest.raises(TypeError, match="layer must be one integer, got list"):
             cl.qk_attribution(model, IDS, [0, 1], 0)
