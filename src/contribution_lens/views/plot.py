@@ -778,11 +778,14 @@ def logit_layers(result: "LogitAttribution") -> go.Figure:
             y=table[column].to_numpy(),
             hovertemplate=f"layer %{{x}}<br>{name} %{{y:.4f}}<extra></extra>",
         )
+    # The bars and the terms the title names add up to its total: the final norm's and unembedding's
+    # biases (GPT-2 has both, Llama neither) belong to no layer and are named where they are not 0.
+    final = result.final_norm_bias + result.unembed_bias
+    biases = f", final norm and unembedding biases {final:.3f}" if final else ""
     figure.update_layout(
         barmode="group",
-        title=f"Direct terms of {result.quantity} per layer (embedding {result.embed:.3f}, total {result.logit:.3f}"
-        + _own_value(result.model_value, result.logit)
-        + ")",
+        title=f"Direct terms of {result.quantity} per layer (embedding {result.embed:.3f}{biases}, "
+        f"total {result.logit:.3f}" + _own_value(result.model_value, result.logit) + ")",
         xaxis={"title": "layer", "dtick": 1},
         yaxis={"title": "logit"},
     )
@@ -853,12 +856,14 @@ def qk_advantage(result: "QKAttribution", *, head: int, query: int, side: str = 
 def qk_key_bars(result: "QKAttribution", *, head: int, query: int, key: int | None = None, top: int = 15) -> go.Figure:
     """Both sides' advantages at one key (default: the most attended), the ``top`` components of each by size.
 
-    The title names the key's token, its weight, and the total beside ``log alpha + H``.
+    The title names the key's token, its weight, and the total beside ``log alpha + H``; the
+    components past the ``top`` are one bar, ``other N components`` (their sum), so each side's
+    bars add up to the total in the title.
     """
     cell = result.cell(query=query, key=key, head=head)
     figure = make_subplots(rows=1, cols=2, subplot_titles=("key side", "query side"), horizontal_spacing=0.25)
     for column, series in enumerate((cell.key_side, cell.query_side), start=1):
-        chosen = series.reindex(series.abs().sort_values(ascending=False).index[:top])[::-1]
+        chosen = largest_and_rest(series, top)[::-1]
         figure.add_trace(
             go.Bar(
                 x=chosen.to_numpy(),
@@ -881,6 +886,23 @@ def qk_key_bars(result: "QKAttribution", *, head: int, query: int, key: int | No
     )
     figure.update_xaxes(title_text="advantage")
     return figure
+
+
+def largest_and_rest(series: pd.Series, top: int) -> pd.Series:
+    """The ``top`` entries of ``series`` largest in size, then ``other N components``: the sum of the rest.
+
+    So bars drawn from it add up to ``series.sum()``, the sum a title states.
+
+    Example:
+        >>> largest_and_rest(pd.Series({"a": 3.0, "b": -0.5, "c": 1.0, "d": 0.25}), 2).to_dict()
+        {'a': 3.0, 'c': 1.0, 'other 2 components': -0.25}
+    """
+    order = series.abs().sort_values(ascending=False, kind="stable").index
+    chosen = series.reindex(order[:top])
+    if len(order) <= top:
+        return chosen
+    rest = pd.Series({f"other {len(order) - top} components": float(series.reindex(order[top:]).sum())})
+    return pd.concat([chosen, rest])
 
 
 def qk_heads(result: "QKAttribution", *, head: int, query: int, key: int | None = None) -> go.Figure:
