@@ -7,7 +7,8 @@ No script of the page comes from the network.
 `export_notebook` writes the page with a local MathJax beside it (from the PyPI package
 ``jupyter-server-mathjax``), a widget's static fallback instead of the widget (the inspector's is
 its still, a PNG of its last view written before it), each progress bar's last frame, and
-figures as `contribution_lens.plot.use_in_notebook` makes them.
+figures drawn live (a figure `contribution_lens.plot.use_in_notebook` showed as plotly's bundle and a
+PNG is drawn from the bundle, plotly.js once in the page).
 
 Example:
     >>> import nbformat, tempfile
@@ -108,9 +109,7 @@ def render_notebook(notebook: "nbformat.NotebookNode", *, mathjax_url: str = MAT
 _NO_REQUIRE_JS = """{%- extends "index.html.j2" -%}
 {%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
 """
-# Plotly's notebook renderer loads MathJax 3 from a CDN with every figure (for TeX in figures,
-# which ours have none of); online it would replace the page's MathJax 2 mid-typesetting.
-_PLOTLY_MATHJAX = re.compile(r'<script src="https://cdnjs\.cloudflare\.com/ajax/libs/mathjax/[^"]*"></script>')
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
 
 def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode":
@@ -122,8 +121,16 @@ def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode
     goes when no state was saved; the widget state goes (without its JavaScript, which comes
     from a CDN, it draws nothing offline).
     """
+    from contribution_lens.views.plot import PLOTLY_MATHJAX
+
     static = copy.deepcopy(notebook)
     widgets = static.metadata.pop("widgets", {})
+    # plotly.js goes in once: with the first figure drawn from plotly's bundle, unless an HTML figure has it.
+    plotly_js = any(
+        "plotly.js v" in str(output.get("data", {}).get("text/html", ""))
+        for cell in static.cells
+        for output in cell.get("outputs", [])
+    )
     state = widgets.get(WIDGET_STATE, {}).get("state", {})
     for cell in static.cells:
         if cell.cell_type != "code":
@@ -134,7 +141,12 @@ def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode
             after_still, previous = previous is not None and _is_still(previous), output
             data = output.get("data", {})
             if isinstance(data.get("text/html"), str):
-                data["text/html"] = _PLOTLY_MATHJAX.sub("", data["text/html"])
+                # Plotly's notebook renderer loads MathJax 3 from a CDN with every figure (for TeX in
+                # figures, which ours have none of); online it would replace the page's MathJax 2.
+                data["text/html"] = PLOTLY_MATHJAX.sub("", data["text/html"])
+            elif PLOTLY_MIME in data:  # `use_in_notebook`'s bundle and PNG: the page draws the figure live
+                data["text/html"] = _live_figure(data[PLOTLY_MIME], plotly_js=not plotly_js)
+                plotly_js = True
             if WIDGET_VIEW not in data:
                 kept.append(output)
                 continue
@@ -154,6 +166,16 @@ def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode
                 kept.append(output)
         cell.outputs = kept
     return static
+
+
+def _live_figure(figure: dict[str, Any], *, plotly_js: bool) -> str:
+    """The HTML of a figure from plotly's MIME bundle (as the notebook renderer writes it, no MathJax)."""
+    import plotly.io as pio
+
+    return pio.to_html(
+        figure, include_plotlyjs=plotly_js, include_mathjax=False, full_html=False, default_width="100%",
+        default_height=525, validate=False,
+    )  # fmt: skip
 
 
 def _is_still(output: "nbformat.NotebookNode") -> bool:
