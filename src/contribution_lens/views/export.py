@@ -178,6 +178,48 @@ def _live_figure(figure: dict[str, Any], *, plotly_js: bool) -> str:
     )  # fmt: skip
 
 
+SAFE_TAGS = (
+    *("p", "br", "hr", "h1", "h2", "h3", "h4", "h5", "h6", "img", "sub", "sup", "del", "s", "kbd"),
+    *("table", "thead", "tbody", "tr", "th", "td", "div", "span", "pre", "code", "details", "summary"),
+)
+"""Tags `clean_html` keeps beside bleach's own (``a``, ``b``, ``blockquote``, ``code``, ``em``, ``li``, ...)."""
+
+
+def clean_html(element: str | bytes) -> str:
+    """nbconvert's ``clean_html`` filter (a sanitized export's cells) keeping what markdown writes.
+
+    nbconvert 7's filter keeps bleach's tags and a few more, but no ``<p>``, heading or ``<img>``:
+    in JupyterLab's default export (*Save and Export Notebook As › HTML*, "Sanitize HTML output"
+    ticked) every markdown cell's paragraphs and headings are escaped into visible tags. This one
+    keeps those as well (`SAFE_TAGS`) and is otherwise as strict: no script, style, event handler
+    or ``javascript:`` link gets through (bleach escapes them into text); an image may only be
+    ``data:``, ``http(s):`` or relative. The package's Jupyter server config
+    (``jupyter_server_config.d/contribution_lens.json``) makes it the ``clean_html`` filter of
+    JupyterLab's HTML export.
+
+    Example:
+        >>> clean_html("<h1 id='a'>Title</h1><p>Text <script>alert(1)</script></p>")
+        '<h1 id="a">Title</h1><p>Text &lt;script&gt;alert(1)&lt;/script&gt;</p>'
+    """
+    import bleach
+    from bleach.css_sanitizer import CSSSanitizer
+
+    text = element.decode() if isinstance(element, bytes) else str(element)
+    return bleach.clean(
+        text,
+        tags={*bleach.ALLOWED_TAGS, *SAFE_TAGS},
+        attributes={
+            **bleach.ALLOWED_ATTRIBUTES,
+            "*": ["class", "id"],
+            "img": ["src", "alt", "title", "width", "height"],
+            "th": ["align"],
+            "td": ["align"],
+        },
+        protocols={"http", "https", "mailto", "data"},
+        css_sanitizer=CSSSanitizer(),
+    )
+
+
 def _is_still(output: "nbformat.NotebookNode") -> bool:
     """An inspector's still (`contribution_lens.views.inspector.still`): the output written before its widget."""
     return "still" in output.get("metadata", {}).get("contribution_lens", {})

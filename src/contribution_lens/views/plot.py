@@ -409,8 +409,8 @@ def use_in_notebook(images: bool | None = None) -> None:
     which JupyterLab's plotly extension draws live, offline) and a PNG of the figure drawn by kaleido,
     which every export shows, JupyterLab's default *sanitized* one (*Save and Export Notebook As ›
     HTML*) included; `contribution_lens.views.export_notebook` draws the figures live again. A
-    figure costs about 0.2-0.4 s more to show and 20-60 KB of PNG in the notebook (measured in
-    docs/course.md); the notebook holds no plotly.js. Without images (``images=False``, or where
+    figure costs about 0.5-2 s more to show on a loaded 2-core CPU and 27-64 KB of PNG in the
+    notebook (measured in docs/course.md); the notebook holds no plotly.js. Without images (``images=False``, or where
     kaleido or a Chromium is missing) the renderer writes plain HTML, with plotly.js in the first
     figure's output: an unsanitized export draws each figure live, but a sanitized one prints its
     scripts as text. Neither mode loads MathJax from a CDN (plotly's notebook renderer asks one
