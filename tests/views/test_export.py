@@ -1,6 +1,7 @@
 """Exported notebooks: what survives without a kernel, a widget manager or the network."""
 
 import re
+from pathlib import Path
 
 import nbformat
 import numpy as np
@@ -236,3 +237,34 @@ def test_use_in_notebook_refuses_an_images_that_is_not_a_bool(monkeypatch) -> No
     with pytest.raises(TypeError, match=r"^images must be True, False or None, got str 'yes'$"):
         cl.plot.use_in_notebook(images="yes")
     assert pio.renderers.default == "plotly_mimetype"  # refused before anything changed
+
+
+def test_the_jupyter_server_config_ships_and_names_the_packages_filter() -> None:
+    """pip installs ``jupyter_server_config.d/contribution_lens.json``; the filter it names is `export.clean_html`."""
+    import json
+
+    from traitlets.utils.importstring import import_item
+
+    root = Path(__file__).resolve().parents[2]
+    folder = "jupyter-config/jupyter_server_config.d"
+    # (tomllib is Python 3.11's: the table is read as the text it is.)
+    table = (root / "pyproject.toml").read_text().split("[tool.hatch.build.targets.wheel.shared-data]")[1]
+    assert f'"{folder}" = "etc/jupyter/jupyter_server_config.d"' in table.split("\n[")[0]
+    config = json.loads((root / folder / "contribution_lens.json").read_text())
+    assert import_item(config["HTMLExporter"]["filters"]["clean_html"]) is export.clean_html
+
+
+@pytest.mark.parametrize(
+    ("dirty", "clean"),
+    [
+        ('<p onclick="x()">a</p>', "<p>a</p>"),
+        ('<img src="javascript:alert(1)">', "<img>"),
+        ('<a href="javascript:alert(1)">a</a>', "<a>a</a>"),
+        ("<style>p {}</style><p>kept</p>", "<p>kept</p>"),
+        ("<script src=x></script><SCRIPT>\nalert(1)</SCRIPT >", ""),
+        ("<script>unclosed", "&lt;script&gt;unclosed"),
+        ('<img src="data:image/png;base64,AA" alt="x">', '<img src="data:image/png;base64,AA" alt="x">'),
+    ],
+)
+def test_the_export_filter_keeps_markdown_and_nothing_that_runs(dirty, clean) -> None:
+    assert export.clean_html(dirty) == clean

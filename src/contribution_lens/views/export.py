@@ -185,26 +185,31 @@ SAFE_TAGS = (
 """Tags `clean_html` keeps beside bleach's own (``a``, ``b``, ``blockquote``, ``code``, ``em``, ``li``, ...)."""
 
 
+_SCRIPT_OR_STYLE = re.compile(r"<(script|style)\b[^>]*>.*?</\1\s*>", flags=re.S | re.I)
+
+
 def clean_html(element: str | bytes) -> str:
     """nbconvert's ``clean_html`` filter (a sanitized export's cells) keeping what markdown writes.
 
     nbconvert 7's filter keeps bleach's tags and a few more, but no ``<p>``, heading or ``<img>``:
     in JupyterLab's default export (*Save and Export Notebook As › HTML*, "Sanitize HTML output"
     ticked) every markdown cell's paragraphs and headings are escaped into visible tags. This one
-    keeps those as well (`SAFE_TAGS`) and is otherwise as strict: no script, style, event handler
-    or ``javascript:`` link gets through (bleach escapes them into text); an image may only be
-    ``data:``, ``http(s):`` or relative. The package's Jupyter server config
-    (``jupyter_server_config.d/contribution_lens.json``) makes it the ``clean_html`` filter of
-    JupyterLab's HTML export.
+    keeps those as well (`SAFE_TAGS`) and is otherwise stricter: a ``<script>`` or ``<style>``
+    element goes whole (nbconvert's escapes it into visible text: plotly.js's source, a
+    DataFrame's CSS), no event handler or ``javascript:`` link gets through (bleach escapes any
+    other tag into text), and an image may only be ``data:``, ``http(s):`` or relative. The
+    package's Jupyter server config (``jupyter_server_config.d/contribution_lens.json``) makes it
+    the ``clean_html`` filter of JupyterLab's HTML export.
 
     Example:
-        >>> clean_html("<h1 id='a'>Title</h1><p>Text <script>alert(1)</script></p>")
-        '<h1 id="a">Title</h1><p>Text &lt;script&gt;alert(1)&lt;/script&gt;</p>'
+        >>> clean_html("<h1 id='a'>Title</h1><p>Text<script>alert(1)</script> <iframe></iframe></p>")
+        '<h1 id="a">Title</h1><p>Text &lt;iframe&gt;&lt;/iframe&gt;</p>'
     """
     import bleach
     from bleach.css_sanitizer import CSSSanitizer
 
     text = element.decode() if isinstance(element, bytes) else str(element)
+    text = _SCRIPT_OR_STYLE.sub("", text)
     return bleach.clean(
         text,
         tags={*bleach.ALLOWED_TAGS, *SAFE_TAGS},
