@@ -17,7 +17,7 @@ the tape where it holds that window) and another head there, and the first click
 where the budget holds only the shown one's (one pass records it), each against a plain forward pass
 of the text measured in the same run. Run:
 ``python benchmarks/bench_inspector.py`` (``... browser`` for the browser's table only, ``... why`` for
-the why panel's only).
+the why panel's only, ``... tokens`` for what ``insp.tokens = 800`` costs after the first view).
 """
 
 import gc
@@ -39,7 +39,8 @@ from contribution_lens.analyses.qk_attribution import QKTape
 from contribution_lens.views.inspector import codecs, compact, payload, windows
 from contribution_lens.views.inspector import widget as widget_module
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data" / "fineweb_edu" / "sample-10BT_first150.jsonl"
+DATA = Path(os.environ.get("CONTRIBUTION_LENS_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+SHARED = DATA / "fineweb_edu" / "sample-10BT_first150.jsonl"
 TEXT = (
     " ".join(json.loads(line)["text"] for line in SHARED.read_text().splitlines()[:4])
     if SHARED.is_file()
@@ -274,6 +275,41 @@ def off_the_tape(model, ids) -> float:
     return took
 
 
+def new_tokens(model, long_ids) -> None:
+    """What ``insp.tokens = 800`` costs after the default first view (128 tokens) of an 800-token text.
+
+    Wall-clock and this process's CPU time: on a machine shared with other jobs the CPU time is the steadier.
+    """
+    n = long_ids.shape[1]
+    cl.inspect(model, long_ids[:, :32]).close()  # warm: the block forms' probe, the first allocations
+
+    def both(action) -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        action()
+        return time.perf_counter() - wall, time.process_time() - cpu
+
+    with torch.inference_mode():
+        plain = min(both(lambda: model(long_ids)) for _ in range(2))
+    print(f"insp.tokens = {n}, {n}-token text, {torch.get_num_threads()} torch threads; load {load()}")
+    shown: list = []
+    first = both(lambda: shown.append(cl.inspect(model, long_ids, layer=29)))
+    inspector = shown[0]
+    change = both(lambda: setattr(inspector, "tokens", n))
+    again = both(lambda: setattr(inspector, "layer", 3))
+    print("| step | wall s | CPU s | CPU / plain forward's |")
+    print("|---|---|---|---|")
+    rows = [
+        (f"plain forward pass of the {n} tokens", plain),
+        (f"first view (default {windows.DEFAULT_TOKENS}-token windows)", first),
+        (f"insp.tokens = {n} (one pass: every layer decomposed again)", change),
+        ("then insp.layer = 3 (sent from what that pass kept)", again),
+    ]
+    for name, (wall, cpu) in rows:
+        print(f"| {name} | {wall:.2f} | {cpu:.2f} | {cpu / plain[1]:.2f}x |")
+    print(f"load average after: {load()}")
+    inspector.close()
+
+
 def move_and_click(inspector, start: int, query: int) -> None:
     inspector.start = start  # a precomputed window's payload: no pass
     inspector.why(query)
@@ -286,6 +322,9 @@ def main() -> None:
     print(f"load average {load()}")
     if sys.argv[1:] == ["why"]:  # the why panel's table only, at the machine's thread count (as a notebook runs)
         why_panel(model, ids)
+        return
+    if sys.argv[1:] == ["tokens"]:  # a new window size only, at the machine's thread count (as a notebook runs)
+        new_tokens(model, long_ids)
         return
     torch.set_num_threads(1)
     if shutil.which("chromium") and shutil.which("chromedriver"):

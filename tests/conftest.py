@@ -18,7 +18,10 @@ import contribution_lens as cl
 # boot_native is attached to TransformerBridge when this module is imported.
 import transformer_lens.model_bridge.sources.native  # noqa: F401  isort: skip
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED_DATA = Path(
+    os.environ.get("CONTRIBUTION_LENS_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data")
+)
+"""The real evaluation sets (``../shared/data`` beside the checkout, or ``$CONTRIBUTION_LENS_DATA``)."""
 ARTIFACTS = Path(os.environ.get("CONTRIBUTION_LENS_ARTIFACTS", Path(__file__).resolve().parents[1] / "test-artifacts"))
 
 # (n_heads, n_key_value_heads) per attention variant, ids readable in the test report.

@@ -492,3 +492,68 @@ def test_inspect_checks_tokens_before_any_window(bundled_model) -> None:
             cl.inspect(bundled_model, answer, tokens=tokens)
         assert str(raised.value) == said
     assert cl.inspect(bundled_model, answer, tokens=np.int64(4)).tokens == 4
+
+
+# --- dtype=: the accumulation dtype is checked at the door, by one rule --------------------------------------
+
+
+def _accumulating_calls() -> dict:
+    """Every public function that takes an accumulation ``dtype=``, called on a tiny model or layer."""
+    model = tiny_bridge("gqa")
+    pattern, v, W_O = random_layer("gqa")
+    ids = torch.tensor([1, 5, 7, 9, 3, 2])
+    tape = cl.analyses.QKTape.plan(model, cl.to_token_batch(model, ids), last=1, rows=[-1])
+    assert tape is not None
+    tape.run()
+    return {
+        "decompose": lambda dtype: cl.decompose(pattern, v, W_O, dtype=dtype).contribution,
+        "head_outputs": lambda dtype: cl.decomposition.head_outputs(pattern, v, dtype=dtype),
+        "importance": lambda dtype: cl.importance(pattern, v, W_O, method="contribution", dtype=dtype),
+        "attention_geometry": lambda dtype: cl.attention_geometry(model, ids, layers=[1], dtype=dtype)[1].contribution,
+        "logit_attribution": lambda dtype: cl.logit_attribution(model, ids, dtype=dtype).attention,
+        "explain_generation": lambda dtype: (
+            cl.explain_generation(model, ids[:4], answer=ids[4:], flow=False, dtype=dtype)[0].attribution.attention
+        ),
+        "qk_attribution": lambda dtype: cl.qk_attribution(model, ids, 1, 0, dtype=dtype).key_parts,
+        "QKTape.attribution": lambda dtype: tape.attribution(1, 0, dtype=dtype).key_parts,
+        "LayerInputs.decompose": lambda dtype: cl.map_layers(
+            model, ids, lambda layer: layer.decompose("inter", dtype).contribution, layers=[0]
+        )[0],
+    }
+
+
+ACCUMULATING = list(_accumulating_calls())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.int64, torch.bool, "float16", "int64", "cuda"])
+@pytest.mark.parametrize("function", ACCUMULATING)
+def test_an_accumulation_dtype_narrower_than_float32_is_refused_naming_dtype(function, dtype) -> None:
+    call = _accumulating_calls()[function]
+    with pytest.raises(ValueError, match=r"^dtype must be torch\.float32 or torch\.float64 \(or its name"):
+        call(dtype)
+
+
+@pytest.mark.parametrize("function", ACCUMULATING)
+def test_an_accumulation_dtype_given_by_name_is_taken(function) -> None:
+    call = _accumulating_calls()[function]
+    for name, dtype in [("float64", torch.float64), ("torch.float64", torch.float64), ("float32", torch.float32)]:
+        assert call(name).dtype == dtype, (function, name)
+    assert call(torch.float64).dtype == torch.float64
+
+
+def test_a_bad_accumulation_dtype_is_refused_before_any_pass() -> None:
+    model = tiny_bridge("gqa")
+    passes: list[int] = []
+    model.hook_dict["hook_embed"].add_hook(lambda tensor, hook: passes.append(1))
+    try:
+        for call in (
+            lambda: cl.logit_attribution(model, IDS[0], dtype=torch.float16),
+            lambda: cl.explain_generation(model, IDS[0, :4], answer=IDS[0, 4:], dtype="bfloat16"),
+            lambda: cl.attention_geometry(model, IDS[0], dtype=torch.int64),
+            lambda: cl.qk_attribution(model, IDS[0], 1, 0, dtype="float16"),
+        ):
+            with pytest.raises(ValueError, match="dtype must be"):
+                call()
+        assert passes == []
+    finally:
+        model.hook_dict["hook_embed"].remove_hooks()

@@ -131,7 +131,7 @@ def test_bad_input_messages() -> None:
         cl.importance(pattern, v, W_O, method="norm")  # type: ignore[arg-type]
     with raises_bad_input("does not divide"):
         cl.decompose(pattern, torch.randn(2, 7, 4, 5), torch.randn(6, 5, 12))
-    with raises_bad_input("floating point"):
+    with raises_bad_input("dtype must be torch.float32 or torch.float64"):
         cl.decompose(pattern, v, W_O, dtype=torch.int64)
 
 

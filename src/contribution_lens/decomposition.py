@@ -206,13 +206,37 @@ def _safe_divide(numerator: Tensor, denominator: Tensor) -> Tensor:
     return torch.where(nonzero, numerator / torch.where(nonzero, denominator, 1), 0)
 
 
-def _accumulation_dtype(dtype: torch.dtype | None, *tensors: Tensor) -> torch.dtype:
-    if dtype is not None:
-        if not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating point dtype, got {dtype}")
+ACCUMULATION_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float64": torch.float64}
+"""The dtypes sums are accumulated in, by name: float32 at least, whatever the model's dtype."""
+
+
+def accumulation_dtype(dtype: torch.dtype | str | None, *tensors: Tensor) -> torch.dtype:
+    """The ``dtype=`` of every function that accumulates, checked: float32 or float64, or its name.
+
+    None gives float32, or float64 where one of ``tensors`` is float64. Half precision (float16,
+    bfloat16: 8 to 11 bits of mantissa) loses too much in ``||o||^2``, the Gram contractions and
+    the logit's sum of thousands of terms, so a dtype narrower than float32 is refused, as is a
+    name `torch` does not call a floating dtype. Every function of the package with a ``dtype=``
+    for its sums calls this first, before any pass.
+
+    Example:
+        >>> accumulation_dtype("float64"), accumulation_dtype(None, torch.zeros(1, dtype=torch.float64))
+        (torch.float64, torch.float64)
+        >>> accumulation_dtype(torch.float16)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: dtype must be torch.float32 or torch.float64 (or its name, e.g. 'float64'): ...; got torch.float16
+    """
+    if dtype is None:
+        return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    if isinstance(dtype, str) and dtype.removeprefix("torch.") in ACCUMULATION_DTYPES:
+        return ACCUMULATION_DTYPES[dtype.removeprefix("torch.")]
+    if isinstance(dtype, torch.dtype) and dtype in ACCUMULATION_DTYPES.values():
         return dtype
-    # Half precision loses too much in ||o||^2 and the Gram contractions: float32 at least.
-    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+    raise ValueError(
+        "dtype must be torch.float32 or torch.float64 (or its name, e.g. 'float64'): sums are accumulated "
+        f"in float32 at least; got {dtype!r}"
+    )
 
 
 def head_gram(W_O: Float[Tensor, "head d_head d_model"]) -> Float[Tensor, "head d_head e_head"]:
@@ -400,7 +424,7 @@ def decompose(
     scope: Scope | str = Scope.INTER,
     attention_mask: Bool[Tensor, "batch key"] | None = None,
     causal: bool | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     z: Float[Tensor, "batch query head d_head"] | None = None,
     check_values: bool = True,
 ) -> Decomposition:
@@ -425,7 +449,8 @@ def decompose(
         causal: whether future keys (``j > i``) are invisible. None (default) reads it off the
             pattern: causal exactly when every entry above the diagonal is 0. Models say it in
             ``cfg.attention_dir``; `contribution_lens.map_layers` passes that.
-        dtype: accumulation dtype; float32 by default (float64 if an input is float64, or if a
+        dtype: accumulation dtype, ``torch.float32`` or ``torch.float64`` or its name
+            (`accumulation_dtype`); float32 by default (float64 if an input is float64, or if a
             norm would be a float32 subnormal, below 1.2e-38: inputs ~1e-40), whatever the model dtype.
         z: the head outputs before ``W_O``, ``hook_z`` (``= pattern @ v`` per head). Passing
             what the model already computed saves one ``[head query key d_head]`` contraction.
@@ -445,6 +470,7 @@ def decompose(
         >>> d.sum_over_heads().sum(-1)  # inter-head weights sum to 1 for every query
         tensor([[1.0000, 1.0000, 1.0000, 1.0000, 1.0000]])
     """
+    dtype = None if dtype is None else accumulation_dtype(dtype)
     check_shapes(pattern, v, W_O, z=z, attention_mask=attention_mask)
     scope = Scope.of(scope)
     stored = pattern.dtype
@@ -503,7 +529,7 @@ def decompose_layer(
     scope: Scope,
     causal: bool,
     attention_mask: Bool[Tensor, "batch key"] | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     z: Float[Tensor, "batch query head d_head"] | None = None,
     output: Float[Tensor, "batch query d_model"] | None = None,
     gram: Float[Tensor, "head d_head e_head"] | None = None,
@@ -518,7 +544,7 @@ def decompose_layer(
     needed): the model never writes to its hook outputs, a user may.
     """
     batch, n_heads, n_query, n_key = pattern.shape
-    acc = _accumulation_dtype(dtype, pattern, v, W_O)
+    acc = accumulation_dtype(dtype, pattern, v, W_O)
     z = _precise_z(z, acc)  # before z is scaled and cast below, which would hide its precision
     valid = valid_positions(
         n_query, n_key, attention_mask=attention_mask, batch=batch, causal=causal, device=pattern.device
@@ -620,7 +646,7 @@ def head_outputs(
     *,
     valid: Bool[Tensor, "batch query key"] | None = None,
     z: Float[Tensor, "batch query head d_head"] | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> Float[Tensor, "batch query head d_head"]:
     """The head outputs before ``W_O``: ``z_i^h = sum_j alpha_ij^h v_j^h`` over the keys ``j`` query ``i`` sees.
 
@@ -636,14 +662,14 @@ def head_outputs(
         v: the values, ``[batch key kv_head d_head]``.
         valid: which keys each query sees; None where there is no padding.
         z: the model's own head outputs (``hook_z``), if it has them.
-        dtype: accumulation dtype; float32 by default (float64 if an input is float64).
+        dtype: accumulation dtype (`accumulation_dtype`); float32 by default (float64 if an input is float64).
 
     Example:
         >>> pattern = torch.tensor([[[[1.0, 0.0], [0.25, 0.75]]]])  # one head, two tokens
         >>> head_outputs(pattern, torch.tensor([[[[4.0]], [[8.0]]]]))[0, :, 0, 0].tolist()
         [4.0, 7.0]
     """
-    acc = _accumulation_dtype(dtype, pattern, v)
+    acc = accumulation_dtype(dtype, pattern, v)
     z = _precise_z(z, acc)
     if z is not None:
         z = z.to(device=pattern.device, dtype=acc)

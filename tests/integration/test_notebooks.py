@@ -7,8 +7,10 @@ does not collect notebooks/ with nbmake), then exports it to HTML with `cl.views
 figure is in the page, that no output carries a warning and that every figure is followed by a
 "What to notice" paragraph; headless Chromium then checks what a reader of the page sees
 offline: formulas typeset (no raw ``$...$``), no progress bar stuck at "0%", every figure drawn,
-the inspector's view where a cell shows an inspector. The HTML pages are kept under
-``test-artifacts/notebooks/``.
+the inspector's view where a cell shows an inspector. The same executed notebook is then exported
+the way JupyterLab 4.6's *Save and Export Notebook As › HTML* does by default (sanitized): every
+figure an image, no script source as text, no raw tags in the prose. The executed notebooks and
+both HTML pages are kept under ``test-artifacts/notebooks/``.
 """
 
 import re
@@ -326,6 +328,73 @@ def inspector_cells(notebook: nbformat.NotebookNode) -> list[str]:
     ]
 
 
+SERVER_CONFIG = ROOT / "jupyter-config" / "jupyter_server_config.d" / "contribution_lens.json"
+
+
+def jupyterlab_export(notebook: nbformat.NotebookNode, *, config_file: Path | None = SERVER_CONFIG) -> str:
+    """The page JupyterLab 4.6's *File › Save and Export Notebook As › HTML* downloads, with its defaults.
+
+    JupyterLab asks "Sanitize HTML output" (ticked) and the server (jupyter_server 2.x's
+    ``NbconvertFileHandler``) runs ``get_exporter("html", config=its config)`` with
+    ``sanitize_html = True``; its config holds the package's ``jupyter_server_config.d`` file.
+    """
+    import json
+
+    from nbconvert.exporters import get_exporter
+    from traitlets.config import Config
+
+    config = Config(json.loads(config_file.read_text(encoding="utf-8")) if config_file else {})
+    exporter = get_exporter("html", config=config)(config=config)
+    exporter.sanitize_html = True
+    page, _ = exporter.from_notebook_node(notebook, resources={"metadata": {"name": "lesson"}})
+    return page
+
+
+RAW_TAG = re.compile(r"&lt;/?(p|h[1-6]|div|span|img|br|hr|a|script|style|table|tr|td|th|ul|ol|li|strong|em)\b")
+SCRIPT_TEXT = ("Plotly.newPlot", "plotly.js v", "window.PlotlyConfig", "&lt;script")
+
+
+def sanitized_problems(notebook: nbformat.NotebookNode, page: str) -> list[str]:
+    """What a reader of JupyterLab's default (sanitized) export would miss: figures, prose."""
+    problems = []
+    figures = [out for cell in notebook.cells for out in cell.get("outputs", []) if is_figure(out)]
+    stills = [out for cell in notebook.cells for out in cell.get("outputs", []) if still_of(out)]
+    without = sum("image/png" not in out.get("data", {}) for out in figures)
+    if without:
+        problems.append(f"{without} of {len(figures)} figures carry no image/png")
+    images = len(re.findall(r'<img[^>]+src="data:image/png;base64,', page))
+    if images < len(figures) + len(stills):
+        problems.append(f"{images} images in the page, {len(figures)} figures and {len(stills)} stills")
+    problems += [f"script text in the page: {text!r}" for text in SCRIPT_TEXT if text in page]
+    prose = re.sub(r"<(code|pre)\b.*?</\1>", " ", page, flags=re.S)  # a tag written as code is code
+    raw = RAW_TAG.findall(prose)
+    if raw:
+        problems.append(f"raw tags in the page: {sorted(set(raw))[:5]}")
+    return problems
+
+
+def test_sanitized_problems_names_what_a_reader_would_miss() -> None:
+    html_figure = nbformat.v4.new_output(
+        "display_data",
+        data={"text/html": '<div class="plotly-graph-div" id="a"></div><script>Plotly.newPlot()</script>'},
+    )
+    cells = [
+        nbformat.v4.new_markdown_cell("# Title\n\nA paragraph with `<div>` as code."),
+        nbformat.v4.new_code_cell("figure", outputs=[html_figure]),
+    ]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    assert sanitized_problems(notebook, jupyterlab_export(notebook)) == [
+        "1 of 1 figures carry no image/png",
+        "0 images in the page, 1 figures and 0 stills",
+    ]
+    prose = nbformat.v4.new_notebook(cells=cells[:1])
+    assert sanitized_problems(prose, jupyterlab_export(prose)) == []
+    # Without the package's server config nbconvert's own filter escapes every paragraph and heading.
+    assert sanitized_problems(prose, jupyterlab_export(prose, config_file=None)) == [
+        "raw tags in the page: ['h1', 'p']"
+    ]
+
+
 def export(notebook: nbformat.NotebookNode, name: str) -> tuple[Path, str]:
     target = cl.views.export_notebook(notebook, ARTIFACTS / "notebooks" / f"{name}.html")
     return target, target.read_text(encoding="utf-8")
@@ -374,8 +443,14 @@ def test_an_exported_notebook_shows_formulas_finished_bars_and_the_inspectors_vi
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs_and_exports_with_every_figure(path: Path, request) -> None:
     notebook, seconds = execute(path)
+    nbformat.write(notebook, (ARTIFACTS / "notebooks").mkdir(parents=True, exist_ok=True) or
+                   ARTIFACTS / "notebooks" / f"{path.stem}.executed.ipynb")  # fmt: skip
     page, html = export(notebook, path.stem)
     assert not export_problems(notebook, html), f"{path.name}: {export_problems(notebook, html)}"
+    # JupyterLab's default export of the same executed notebook: sanitized, every figure an image.
+    sanitized = jupyterlab_export(notebook)
+    (ARTIFACTS / "notebooks" / f"{path.stem}.jupyterlab.html").write_text(sanitized, encoding="utf-8")
+    assert not sanitized_problems(notebook, sanitized), f"{path.name}: {sanitized_problems(notebook, sanitized)}"
     assert not inspector_problems(path.stem, notebook), f"{path.name}: {inspector_problems(path.stem, notebook)}"
     if CHROMIUM is not None and CHROMEDRIVER is not None:
         figures = sum(is_figure(out) for cell in notebook.cells for out in cell.get("outputs", []))

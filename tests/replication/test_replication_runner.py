@@ -235,3 +235,30 @@ def test_a_given_prepend_bos_reaches_every_parts_command(tmp_path: Path) -> None
         args = parser.parse_args(shlex.split(commands[part].replace("NEW_FOLDER", str(tmp_path / "new")))[1:])
         given = args.prepend_bos if part == "sinks" else options.build(DataSettings, args).prepend_bos
         assert given in ("no", False), (part, given)
+
+
+SUBSETS = {
+    "text-only": ("gsm8k=gsm8k/test.jsonl",),
+    "choice-only": ("boolq=boolq/val.jsonl",),
+    "both": ("gsm8k=gsm8k/test.jsonl", "boolq=boolq/val.jsonl"),
+}
+
+
+@pytest.mark.parametrize("subset", list(SUBSETS))
+def test_every_subset_of_the_data_plans_and_runs(subset, tiny_decoder, shared_data, tmp_path, capsys) -> None:
+    """A text set alone, a choice set alone or both: the dry run plans only the parts given, the run judges them."""
+    words = [word for spec in SUBSETS[subset] for word in ("--data", spec.replace("=", f"={shared_data}/", 1))]
+    argv = ["replicate", "--model", str(tiny_decoder), *words, *REPLICATE_SIZES, "--max-item-tokens", "256"]
+    out = tmp_path / "run"
+    assert cli.main([*argv, "--out", str(out), "--dry-run"]) == 0
+    planned = {line.partition(":")[0]: line for line in capsys.readouterr().out.splitlines()}
+    text, choice = subset != "choice-only", subset != "text-only"
+    assert ("text faithfulness" in planned) == text and ("sink study" in planned) == text, planned
+    assert ("multiple-choice clean accuracy" in planned) == choice, planned
+    assert " 0 forward passes" not in planned.get("text faithfulness", "")
+    assert cli.main([*argv, "--out", str(out)]) == 0
+    claims = {claim["id"]: claim for claim in read_claims(out)["claims"]}
+    assert list(claims) == CLAIM_IDS
+    assert claims["hierarchy_chain"]["line"].startswith("no text data given") == (not text)
+    assert claims["downstream_boolq"]["line"].startswith("no boolq data given") == (not choice)
+    assert (out / "choice-clean").is_dir() == choice and (out / "text").is_dir() == text

@@ -1,6 +1,7 @@
 """Exported notebooks: what survives without a kernel, a widget manager or the network."""
 
 import re
+from pathlib import Path
 
 import nbformat
 import numpy as np
@@ -170,23 +171,45 @@ def test_static_notebook_shows_the_inspectors_still_in_place_of_its_widget() -> 
     assert [dict(out.data) for out in kept] == [dict(still.data), {"text/plain": "IntSlider(value=3)"}]
 
 
+def shown(figure, monkeypatch, images) -> dict:
+    """The MIME bundle ``figure.show()`` displays in a kernel after ``use_in_notebook(images=images)``."""
+    import plotly.io as pio
+
+    monkeypatch.setattr(pio.renderers, "default", pio.renderers.default)  # restored after the test
+    if images is not False:
+        pytest.importorskip("kaleido", reason="drawing the figures' images needs kaleido (a dev extra)")
+        if cl.plot._image_writer_missing():
+            pytest.skip(cl.plot._image_writer_missing())
+    cl.plot.use_in_notebook() if images is None else cl.plot.use_in_notebook(images=images)
+    return pio.renderers._build_mime_bundle(figure.to_dict())
+
+
+@pytest.mark.parametrize("images", [None, False, True], ids=["default", "html", "images"])
+def test_a_use_in_notebook_figure_asks_no_cdn(monkeypatch, images) -> None:
+    """Shown offline, a figure's output makes no request: no script, image or style from the network (MathJax)."""
+    import plotly.graph_objects as go
+
+    bundle = shown(go.Figure(go.Bar(y=[1.0, 2.0]), layout={"width": 300, "height": 200}), monkeypatch, images)
+    text = "\n".join(value for value in bundle.values() if isinstance(value, str))
+    requests = re.findall(r"""<(?:script|link|img|iframe)\b[^>]*\b(?:src|href)=["']?(?:https?:)?//[^"' >]+""", text)
+    assert not requests and "cdnjs.cloudflare.com" not in text, f"a request to the network: {requests}"
+    assert ("text/html" in bundle) == (images is False)
+    assert ("image/png" in bundle) == (images is not False)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("images", [False, True], ids=["html", "images"])
+@pytest.mark.parametrize("images", [None, False, True], ids=["default", "html", "images"])
 def test_a_sanitized_export_shows_use_in_notebook_figures_as_images(tmp_path, monkeypatch, images) -> None:
     # What JupyterLab's File > Save and Export Notebook As > HTML does with "Sanitize HTML" ticked: nbconvert's
     # sanitizer escapes a text/html output's scripts into text. The HTML figures (the default) are printed as script
     # source; images=True puts plotly's own bundle (no HTML) and a PNG in each output, and the page shows the image.
-    pytest.importorskip("kaleido", reason="drawing the figures' images needs kaleido (a dev extra)")
     import subprocess
     import sys
 
     import plotly.graph_objects as go
-    import plotly.io as pio
 
-    monkeypatch.setattr(pio.renderers, "default", pio.renderers.default)  # restored after the test
-    cl.plot.use_in_notebook(images=images)
     figure = go.Figure(go.Heatmap(z=[[1.0, 2.0], [3.0, 4.0]]), layout={"width": 400, "height": 300})
-    bundle = pio.renderers._build_mime_bundle(figure.to_dict())  # what figure.show() displays in a kernel
+    bundle = shown(figure, monkeypatch, images)
     notebook = nbformat.v4.new_notebook(
         cells=[nbformat.v4.new_code_cell("figure", outputs=[nbformat.v4.new_output("display_data", data=bundle)])]
     )
@@ -197,8 +220,8 @@ def test_a_sanitized_export_shows_use_in_notebook_figures_as_images(tmp_path, mo
         check=True, capture_output=True, timeout=300,
     )  # fmt: skip
     page = (tmp_path / "figures.html").read_text(encoding="utf-8")
-    if not images:
-        assert "Plotly.newPlot" in page and "&lt;script" in page, "the limitation images=True lifts is gone"
+    if images is False:
+        assert "Plotly.newPlot" in page and "&lt;script" in page, "the limitation images lift is gone"
         return
     assert "Plotly.newPlot" not in page and "plotly.js" not in page and "&lt;script" not in page
     found = re.findall(r'<img[^>]+src="data:image/png;base64,([A-Za-z0-9+/=]+)"', page)
@@ -211,6 +234,37 @@ def test_use_in_notebook_refuses_an_images_that_is_not_a_bool(monkeypatch) -> No
     import plotly.io as pio
 
     monkeypatch.setattr(pio.renderers, "default", "plotly_mimetype")
-    with pytest.raises(TypeError, match=r"^images must be True or False, got str 'yes'$"):
+    with pytest.raises(TypeError, match=r"^images must be True, False or None, got str 'yes'$"):
         cl.plot.use_in_notebook(images="yes")
     assert pio.renderers.default == "plotly_mimetype"  # refused before anything changed
+
+
+def test_the_jupyter_server_config_ships_and_names_the_packages_filter() -> None:
+    """pip installs ``jupyter_server_config.d/contribution_lens.json``; the filter it names is `export.clean_html`."""
+    import json
+
+    from traitlets.utils.importstring import import_item
+
+    root = Path(__file__).resolve().parents[2]
+    folder = "jupyter-config/jupyter_server_config.d"
+    # (tomllib is Python 3.11's: the table is read as the text it is.)
+    table = (root / "pyproject.toml").read_text().split("[tool.hatch.build.targets.wheel.shared-data]")[1]
+    assert f'"{folder}" = "etc/jupyter/jupyter_server_config.d"' in table.split("\n[")[0]
+    config = json.loads((root / folder / "contribution_lens.json").read_text())
+    assert import_item(config["HTMLExporter"]["filters"]["clean_html"]) is export.clean_html
+
+
+@pytest.mark.parametrize(
+    ("dirty", "clean"),
+    [
+        ('<p onclick="x()">a</p>', "<p>a</p>"),
+        ('<img src="javascript:alert(1)">', "<img>"),
+        ('<a href="javascript:alert(1)">a</a>', "<a>a</a>"),
+        ("<style>p {}</style><p>kept</p>", "<p>kept</p>"),
+        ("<script src=x></script><SCRIPT>\nalert(1)</SCRIPT >", ""),
+        ("<script>unclosed", "&lt;script&gt;unclosed"),
+        ('<img src="data:image/png;base64,AA" alt="x">', '<img src="data:image/png;base64,AA" alt="x">'),
+    ],
+)
+def test_the_export_filter_keeps_markdown_and_nothing_that_runs(dirty, clean) -> None:
+    assert export.clean_html(dirty) == clean

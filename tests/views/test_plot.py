@@ -236,3 +236,49 @@ def test_hiding_the_sink_drops_key_0_and_renormalises_the_rest(geometry) -> None
     bars = cl.plot.factor_bars(geometry, layer=1, query=5, head=2, hide_sink=True)
     assert list(bars.data[0].y) == [f"{j}:{t}" for j, t in enumerate(geometry.str_tokens[0])][1:6]
     assert_close(torch.tensor(np.asarray(bars.data[0].x, dtype=float)), expected[5, :5], atol=1e-6)
+
+
+# --- bars whose title states a sum draw the whole sum ---------------------------------------------------------
+
+
+def title_number(title: str, name: str) -> float:
+    """The number the title gives after ``name`` (``"advantages sum to 0.312"``)."""
+    found = re.search(rf"{name} (-?\d+\.\d+)", title)
+    assert found, (name, title)
+    return float(found.group(1))
+
+
+@pytest.mark.parametrize("top", [3, 15, 100])
+def test_the_qk_key_bars_of_each_side_add_up_to_the_sum_in_the_title(top) -> None:
+    ids = torch.tensor([1, 5, 7, 9, 3, 2, 11, 4, 7, 9])
+    result = cl.qk_attribution(tiny_bridge("gqa", biases=True), ids, 1, 1, query=7)
+    cell = result.cell()
+    figure = cl.plot.qk_key_bars(result, head=1, query=7, top=top)
+    total = title_number(figure.layout.title.text, "advantages sum to")
+    assert total == pytest.approx(cell.total, abs=5e-4)
+    for trace, side in zip(figure.data, (cell.key_side, cell.query_side), strict=True):
+        drawn = dict(zip(trace.y, trace.x, strict=True))
+        assert sum(drawn.values()) == pytest.approx(total, abs=1e-3), "the bars drawn add up to the title"
+        rest = [label for label in drawn if label not in side.index]
+        if len(side) > top:
+            assert rest == [f"other {len(side) - top} components"], drawn.keys()
+            assert len(drawn) == top + 1
+            others = side.drop([label for label in drawn if label in side.index])
+            assert drawn[rest[0]] == pytest.approx(float(others.sum()), abs=1e-6)
+        else:
+            assert rest == [] and len(drawn) == len(side)
+
+
+def test_the_logit_layers_bars_and_the_terms_the_title_names_add_up_to_its_total() -> None:
+    import dataclasses
+
+    ids = torch.tensor([1, 5, 7, 9, 3, 2, 11, 4])
+    result = cl.logit_attribution(tiny_bridge("gqa", biases=True), ids, target=4)
+    # A model with a final norm bias and an unembedding bias (GPT-2's kind): terms the bars do not draw.
+    result = dataclasses.replace(result, final_norm_bias=0.75, unembed_bias=-0.25, logit=result.logit + 0.5,
+                                 model_value=None)  # fmt: skip
+    figure = cl.plot.logit_layers(result)
+    title = figure.layout.title.text
+    drawn = sum(float(np.sum(trace.y)) for trace in figure.data)
+    named = title_number(title, "embedding") + title_number(title, "final norm and unembedding biases")
+    assert drawn + named == pytest.approx(title_number(title, "total"), abs=3e-3), title

@@ -36,6 +36,7 @@ from contribution_lens.choices import as_index
 from contribution_lens.decomposition import (
     Decomposition,
     Scope,
+    accumulation_dtype,
     decompose_layer,
     head_gram,
     head_outputs,
@@ -279,22 +280,24 @@ class LayerInputs:
             )  # fmt: skip
         return self._cache["valid"]
 
-    def head_outputs(self, dtype: torch.dtype | None = None) -> Float[Tensor, "batch query head d_head"]:
+    def head_outputs(self, dtype: torch.dtype | str | None = None) -> Float[Tensor, "batch query head d_head"]:
         """``z_i^h = sum_j alpha_ij^h v_j^h`` over the keys query ``i`` sees (`decomposition.head_outputs`).
 
         ``hook_z`` where the model has it, else ``alpha v``; 0 at a padding query. Derived once per
-        dtype (float32 by default, float64 for a float64 model) and shared by every function of the pass.
+        dtype (float32 by default, float64 for a float64 model; `decomposition.accumulation_dtype`)
+        and shared by every function of the pass.
         """
-        acc = dtype or torch.promote_types(self.pattern.dtype, torch.float32)
+        acc = accumulation_dtype(dtype, self.pattern)
         key = ("head_outputs", acc)
         if key not in self._cache:
             valid = None if self.padding_mask is None else self.valid
             self._cache[key] = head_outputs(self.pattern, self.v, valid=valid, z=self.z, dtype=acc)
         return self._cache[key]
 
-    def decompose(self, scope: Scope | str = Scope.INTER, dtype: torch.dtype | None = None) -> Decomposition:
+    def decompose(self, scope: Scope | str = Scope.INTER, dtype: torch.dtype | str | None = None) -> Decomposition:
         """`contribution_lens.decompose` of this layer (cached per scope and dtype)."""
         scope = Scope.of(scope)
+        dtype = None if dtype is None else accumulation_dtype(dtype)
         key = ("decompose", scope, dtype)
         if key not in self._cache:
             self._cache[key] = decompose_layer(

@@ -42,6 +42,7 @@ from contribution_lens.analyses.logit_attribution import (
     token_id,
 )
 from contribution_lens.choices import as_count, as_threshold
+from contribution_lens.decomposition import accumulation_dtype
 from contribution_lens.files import Saves
 
 if TYPE_CHECKING:
@@ -220,7 +221,7 @@ def explain_generation(
     flow: bool = True,
     threshold: float = DEFAULT_THRESHOLD,
     prepend_bos: bool | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
 ) -> GenerationExplanation:
     """Generate greedily from ``prompt`` (or take ``answer``) and explain every answer token's logit.
 
@@ -238,8 +239,10 @@ def explain_generation(
         threshold: the flow graph's smallest kept edge weight (see `contribution_lens.flow`).
         prepend_bos: prepend the tokenizer's BOS to a text prompt; None: the model's own choice
             (``cfg.default_prepend_bos``).
-        dtype: accumulation dtype of the terms.
+        dtype: accumulation dtype of the terms (float32 or float64, or its name:
+            `contribution_lens.decomposition.accumulation_dtype`).
     """
+    dtype = accumulation_dtype(dtype)
     readout = check_decoder(model)
     if answer is None:
         max_new_tokens = as_count(max_new_tokens, "max_new_tokens")

@@ -20,7 +20,7 @@ from transformer_lens import ActivationCache
 
 from contribution_lens import adapter
 from contribution_lens.choices import as_index, as_indices
-from contribution_lens.decomposition import MEASURES, Decomposition, Factor, Scope, decompose
+from contribution_lens.decomposition import MEASURES, Decomposition, Factor, Scope, accumulation_dtype, decompose
 from contribution_lens.engine import LayerResults, map_layers
 
 if TYPE_CHECKING:
@@ -383,7 +383,7 @@ def attention_geometry(
     scope: Scope | str = Scope.INTER,
     attention_mask: Tensor | None = None,
     tokens: Tensor | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     prepend_bos: bool | None = None,
 ) -> Geometry:
     """Contribution weights and their factors for every requested layer, in one forward pass.
@@ -401,7 +401,8 @@ def attention_geometry(
         scope: ``"inter"`` (weights over heads and keys sum to 1) or ``"intra"`` (per head).
         attention_mask: padding mask for token ids or a cache (1 = real token).
         tokens: the token ids a cache was computed from, for labels.
-        dtype: accumulation dtype (float32 by default, whatever the model's dtype).
+        dtype: accumulation dtype (float32 by default, whatever the model's dtype; float64, or its
+            name: `contribution_lens.decomposition.accumulation_dtype`).
         prepend_bos: prepend the tokenizer's BOS to texts; None: the model's own choice
             (``cfg.default_prepend_bos``, `contribution_lens.adapter.prepends_bos`).
 
@@ -415,6 +416,7 @@ def attention_geometry(
         1.0
     """
     scope = Scope.of(scope)
+    dtype = None if dtype is None else accumulation_dtype(dtype)
     if isinstance(inputs, ActivationCache):
         return _from_cache(model, inputs, adapter.check_layers(model, layers), scope, attention_mask, tokens, dtype)
     results = map_layers(

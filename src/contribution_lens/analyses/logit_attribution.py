@@ -56,6 +56,7 @@ from torch import Tensor
 
 from contribution_lens import adapter
 from contribution_lens.choices import as_count, as_position
+from contribution_lens.decomposition import accumulation_dtype
 from contribution_lens.engine import LayerResults, map_layers
 from contribution_lens.files import Saves
 
@@ -462,7 +463,7 @@ def attribute_positions(
     targets: Sequence[int | None],
     foils: Sequence[int | None],
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     readout: adapter.Readout | None = None,
 ) -> list[LogitAttribution]:
     """`LogitAttribution` at every position of ``positions`` of a batch of one, from one forward pass.
@@ -482,12 +483,13 @@ def attribute_with(
     targets: Sequence[int | None],
     foils: Sequence[int | None],
     *,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     also: Callable[[adapter.LayerInputs], Any] | None = None,
     also_capture: Sequence[str] = (),
     readout: adapter.Readout | None = None,
 ) -> tuple[list[LogitAttribution], LayerResults[Any] | None]:
     """`attribute_positions`, and another per-layer function ``also`` run in the same pass (its results second)."""
+    dtype = accumulation_dtype(dtype)
     readout = readout or adapter.readout(model)
     store: dict[str, Tensor] = {}
     rows = torch.tensor(list(positions), dtype=torch.long)
@@ -577,7 +579,7 @@ def logit_attribution(
     position: int = -1,
     *,
     prepend_bos: bool | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
 ) -> LogitAttribution:
     """Split the logit of ``target`` at ``position`` (or ``logit(target) - logit(foil)``) into exact signed terms.
 
@@ -594,7 +596,8 @@ def logit_attribution(
         position: the position whose next-token prediction is explained (negative: from the end).
         prepend_bos: prepend the tokenizer's BOS to a text; None: the model's own choice
             (``cfg.default_prepend_bos``).
-        dtype: accumulation dtype of the terms (float32; float64 for a tighter sum).
+        dtype: accumulation dtype of the terms: ``torch.float32``, or ``torch.float64`` for a tighter
+            sum, or its name (`contribution_lens.decomposition.accumulation_dtype`).
 
     Example:
         >>> import contribution_lens as cl
@@ -603,6 +606,7 @@ def logit_attribution(
         >>> result.target_token, result.by_head().shape
         (' Paris', (30, 9))
     """
+    dtype = accumulation_dtype(dtype)
     readout = check_decoder(model)
     target_id = None if target is None else token_id(model, target, "target", readout)
     foil_id = None if foil is None else token_id(model, foil, "foil", readout)

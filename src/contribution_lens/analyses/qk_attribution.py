@@ -45,6 +45,7 @@ from torch import Tensor
 
 from contribution_lens import adapter, qk
 from contribution_lens.choices import as_index, as_indices, as_position
+from contribution_lens.decomposition import accumulation_dtype
 from contribution_lens.engine import map_layers
 from contribution_lens.files import Saves
 from contribution_lens.qk import component_layer_head
@@ -707,7 +708,7 @@ def qk_attribution(
     *,
     heads: int | Sequence[int] | None = None,
     prepend_bos: bool | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
 ) -> QKAttribution:
     """Split the pre-softmax scores of ``layer``'s ``head`` at ``query`` over every upstream component.
 
@@ -723,7 +724,8 @@ def qk_attribution(
         head: one head, a list, or None for every head of the layer (``heads=`` is the same).
         query: one position, a list, or None for every position (negative: from the end).
         prepend_bos: prepend the tokenizer's BOS to a text; None follows the engine's default.
-        dtype: accumulation dtype (float32, or float64 for a tighter sum; never below float32).
+        dtype: accumulation dtype (float32, or float64 for a tighter sum, or its name; never below
+            float32: `contribution_lens.decomposition.accumulation_dtype`).
 
     Example:
         >>> import contribution_lens as cl
@@ -735,7 +737,7 @@ def qk_attribution(
     """
     layer = _resolve_layer(model, layer)
     chosen = _resolve_heads(model, head, heads)
-    _check_dtype(dtype)
+    dtype = accumulation_dtype(dtype)
     batch = _batch(model, text, prepend_bos)
     length = batch.tokens.shape[1]
     rows = (
@@ -754,11 +756,6 @@ def qk_attribution(
         extra_hooks=adapter.embedding_hooks(model, projector.plan, store),
     )
     return _assemble(projector, batch, chosen)
-
-
-def _check_dtype(dtype: torch.dtype) -> None:
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"dtype must be torch.float32 or torch.float64, got {dtype}")
 
 
 def _assemble(projector: _Projector, batch: adapter.TokenBatch, heads: list[int]) -> QKAttribution:
@@ -935,7 +932,7 @@ class QKTape:
 
     def attribution(
         self, layer: int, head: int | Sequence[int] | None = None, query: int | Sequence[int] | None = None,
-        *, dtype: torch.dtype = torch.float32,
+        *, dtype: torch.dtype | str = torch.float32,
     ) -> QKAttribution:  # fmt: skip
         """`qk_attribution` of ``layer``'s ``head`` at ``query`` (default: the tape's rows), from the tape.
 
@@ -944,7 +941,7 @@ class QKTape:
         length = self.batch.tokens.shape[1]
         layer = _resolve_layer(self.model, layer)
         chosen = _resolve_heads(self.model, head, None)
-        _check_dtype(dtype)
+        dtype = accumulation_dtype(dtype)
         asked = self.rows if query is None else as_indices(query, "queries")
         rows = sorted({as_position(q, length) for q in asked})
         if not rows or not self.covers(layer, rows):

@@ -10,6 +10,7 @@ with these functions without an import circle.
 
 import base64
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -20,7 +21,7 @@ import numpy as np
 import pandas as pd
 import plotly.graph_objects as go
 import torch
-from plotly.io.base_renderers import MimetypeRenderer, PlotlyRenderer
+from plotly.io.base_renderers import MimetypeRenderer, NotebookRenderer, PlotlyRenderer
 from plotly.subplots import make_subplots
 from torch import Tensor
 
@@ -398,48 +399,69 @@ DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 SYMBOLS = ("circle", "square", "diamond", "triangle-up", "x", "cross", "star")
 
 
-def use_in_notebook(images: bool = False) -> None:
-    """Show figures in notebooks so that exported notebooks show them too, offline.
+def use_in_notebook(images: bool | None = None) -> None:
+    """Show figures in notebooks so that every export shows them too, offline, and no figure asks a CDN.
 
     Plotly's default Jupyter renderer writes a MIME bundle that only a live Jupyter front end
     draws: exported notebooks (``jupyter nbconvert --to html``) and static viewers show nothing.
-    By default the ``"notebook"`` renderer writes plain HTML, with plotly.js in the first figure's
-    output: an export draws each figure live, but a *sanitized* export (JupyterLab's *Save and
-    Export Notebook As › HTML* with "Sanitize HTML" ticked) prints its scripts as text. With
-    ``images=True`` each output holds plotly's own bundle (``application/vnd.plotly.v1+json``,
-    which JupyterLab's plotly extension draws live, offline) and a PNG of the figure drawn by
-    kaleido (a few tenths of a second a figure), which every export, sanitized or not, shows;
-    the notebook then holds no plotly.js. For formulas, widgets and progress bars offline too,
-    export with `contribution_lens.views.export_notebook`.
+    With images (the default where kaleido and a Chromium are installed, as the ``dev`` extra and
+    the course have them) each output holds plotly's own bundle (``application/vnd.plotly.v1+json``,
+    which JupyterLab's plotly extension draws live, offline) and a PNG of the figure drawn by kaleido,
+    which every export shows, JupyterLab's default *sanitized* one (*Save and Export Notebook As ›
+    HTML*) included; `contribution_lens.views.export_notebook` draws the figures live again. A
+    figure costs about 0.5-2 s more to show on a loaded 2-core CPU and 27-64 KB of PNG in the
+    notebook (measured in docs/course.md); the notebook holds no plotly.js. Without images (``images=False``, or where
+    kaleido or a Chromium is missing) the renderer writes plain HTML, with plotly.js in the first
+    figure's output: an unsanitized export draws each figure live, but a sanitized one prints its
+    scripts as text. Neither mode loads MathJax from a CDN (plotly's notebook renderer asks one
+    with every figure, for TeX in figures, which this package's have none of).
 
     Args:
-        images: add a PNG to each figure's output, plotly's bundle in place of HTML (needs kaleido
-            and a Chromium, checked here).
+        images: add a PNG to each figure's output, plotly's bundle in place of HTML: True (needs
+            kaleido and a Chromium, checked here), False (HTML), or None (default): True where
+            both are installed, else False.
 
     Raises:
-        TypeError: ``images`` is not True or False.
+        TypeError: ``images`` is not True, False or None.
         RuntimeError: ``images=True`` and kaleido or a Chromium is missing, saying what to install.
 
     Example:
         >>> import plotly.io as pio
         >>> before = pio.renderers.default
-        >>> use_in_notebook()
+        >>> use_in_notebook(images=False)
         >>> pio.renderers.default
-        'notebook'
+        'contribution_lens_html'
         >>> pio.renderers.default = before
     """
     import plotly.io as pio
 
-    if not isinstance(images, bool):
-        raise TypeError(f"images must be True or False, got {type(images).__name__} {images!r}")
+    if images is not None and not isinstance(images, bool):
+        raise TypeError(f"images must be True, False or None, got {type(images).__name__} {images!r}")
+    if images is None:
+        images = _image_writer_missing() is None
     if images:
         _start_image_writer()
         pio.renderers[_IMAGE_RENDERER] = _FigureAndImage()
-    pio.renderers.default = _IMAGE_RENDERER if images else "notebook"
+    else:
+        pio.renderers[_HTML_RENDERER] = _OfflineNotebookRenderer()
+    pio.renderers.default = _IMAGE_RENDERER if images else _HTML_RENDERER
 
 
 _IMAGE_RENDERER = "contribution_lens_images"
-"""The name `use_in_notebook` gives `_FigureAndImage` among plotly's renderers (``images=True``)."""
+"""The name `use_in_notebook` gives `_FigureAndImage` among plotly's renderers (with images)."""
+_HTML_RENDERER = "contribution_lens_html"
+"""The name `use_in_notebook` gives `_OfflineNotebookRenderer` among plotly's renderers (``images=False``)."""
+PLOTLY_MATHJAX = re.compile(r'<script src="https://cdnjs\.cloudflare\.com/ajax/libs/mathjax/[^"]*"></script>')
+"""The MathJax 3 script plotly's notebook renderer puts in every figure's HTML (a CDN request)."""
+
+
+class _OfflineNotebookRenderer(NotebookRenderer):
+    """Plotly's ``"notebook"`` renderer (plotly.js once per notebook) without its MathJax request to a CDN."""
+
+    def to_mimebundle(self, fig_dict: dict) -> dict:
+        bundle = super().to_mimebundle(fig_dict)
+        bundle["text/html"] = PLOTLY_MATHJAX.sub("", bundle["text/html"])
+        return bundle
 
 
 class _FigureAndImage(MimetypeRenderer):
@@ -507,23 +529,32 @@ def save_image(figure: go.Figure, path: str | Path, *, scale: int | float = 2) -
     return target
 
 
+def _image_writer_missing() -> str | None:
+    """What writing images lacks, said as `_start_image_writer` says it (None: kaleido and a Chromium are here)."""
+    import importlib.util
+
+    if importlib.util.find_spec("kaleido") is None:
+        return "writing images needs kaleido: pip install 'kaleido>=1'"
+    browser = os.environ.get("BROWSER_PATH") or next(filter(None, map(shutil.which, BROWSERS)), None)
+    if browser is None or not Path(browser).exists():
+        where = f"BROWSER_PATH={browser!r} names no file; " if browser else ""
+        return (
+            f"writing images needs a Chromium for kaleido: {where}install one (Debian: apt-get install chromium) "
+            "or set BROWSER_PATH to its executable"
+        )
+    return None
+
+
 def _start_image_writer() -> None:
     """Start kaleido's Chromium once per process (seconds), after checking kaleido and a Chromium are here.
 
     Later images reuse it (under a second each); it stops when Python exits.
     """
-    import importlib.util
-
-    if importlib.util.find_spec("kaleido") is None:
-        raise RuntimeError("writing images needs kaleido: pip install 'kaleido>=1'")
-    browser = os.environ.get("BROWSER_PATH") or next(filter(None, map(shutil.which, BROWSERS)), None)
-    if browser is None or not Path(browser).exists():
-        where = f"BROWSER_PATH={browser!r} names no file; " if browser else ""
-        raise RuntimeError(
-            f"writing images needs a Chromium for kaleido: {where}install one (Debian: apt-get install chromium) "
-            "or set BROWSER_PATH to its executable"
-        )
-    os.environ["BROWSER_PATH"] = browser  # what kaleido's browser look-up reads
+    missing = _image_writer_missing()
+    if missing is not None:
+        raise RuntimeError(missing)
+    browser = os.environ.get("BROWSER_PATH") or next(filter(None, map(shutil.which, BROWSERS)))
+    os.environ["BROWSER_PATH"] = str(browser)  # what kaleido's browser look-up reads
     global _image_writer_started
     if not _image_writer_started:
         import atexit
@@ -778,11 +809,14 @@ def logit_layers(result: "LogitAttribution") -> go.Figure:
             y=table[column].to_numpy(),
             hovertemplate=f"layer %{{x}}<br>{name} %{{y:.4f}}<extra></extra>",
         )
+    # The bars and the terms the title names add up to its total: the final norm's and unembedding's
+    # biases (GPT-2 has both, Llama neither) belong to no layer and are named where they are not 0.
+    final = result.final_norm_bias + result.unembed_bias
+    biases = f", final norm and unembedding biases {final:.3f}" if final else ""
     figure.update_layout(
         barmode="group",
-        title=f"Direct terms of {result.quantity} per layer (embedding {result.embed:.3f}, total {result.logit:.3f}"
-        + _own_value(result.model_value, result.logit)
-        + ")",
+        title=f"Direct terms of {result.quantity} per layer (embedding {result.embed:.3f}{biases}, "
+        f"total {result.logit:.3f}" + _own_value(result.model_value, result.logit) + ")",
         xaxis={"title": "layer", "dtick": 1},
         yaxis={"title": "logit"},
     )
@@ -853,12 +887,14 @@ def qk_advantage(result: "QKAttribution", *, head: int, query: int, side: str = 
 def qk_key_bars(result: "QKAttribution", *, head: int, query: int, key: int | None = None, top: int = 15) -> go.Figure:
     """Both sides' advantages at one key (default: the most attended), the ``top`` components of each by size.
 
-    The title names the key's token, its weight, and the total beside ``log alpha + H``.
+    The title names the key's token, its weight, and the total beside ``log alpha + H``; the
+    components past the ``top`` are one bar, ``other N components`` (their sum), so each side's
+    bars add up to the total in the title.
     """
     cell = result.cell(query=query, key=key, head=head)
     figure = make_subplots(rows=1, cols=2, subplot_titles=("key side", "query side"), horizontal_spacing=0.25)
     for column, series in enumerate((cell.key_side, cell.query_side), start=1):
-        chosen = series.reindex(series.abs().sort_values(ascending=False).index[:top])[::-1]
+        chosen = largest_and_rest(series, top)[::-1]
         figure.add_trace(
             go.Bar(
                 x=chosen.to_numpy(),
@@ -881,6 +917,23 @@ def qk_key_bars(result: "QKAttribution", *, head: int, query: int, key: int | No
     )
     figure.update_xaxes(title_text="advantage")
     return figure
+
+
+def largest_and_rest(series: pd.Series, top: int) -> pd.Series:
+    """The ``top`` entries of ``series`` largest in size, then ``other N components``: the sum of the rest.
+
+    So bars drawn from it add up to ``series.sum()``, the sum a title states.
+
+    Example:
+        >>> largest_and_rest(pd.Series({"a": 3.0, "b": -0.5, "c": 1.0, "d": 0.25}), 2).to_dict()
+        {'a': 3.0, 'c': 1.0, 'other 2 components': -0.25}
+    """
+    order = series.abs().sort_values(ascending=False, kind="stable").index
+    chosen = series.reindex(order[:top])
+    if len(order) <= top:
+        return chosen
+    rest = pd.Series({f"other {len(order) - top} components": float(series.reindex(order[top:]).sum())})
+    return pd.concat([chosen, rest])
 
 
 def qk_heads(result: "QKAttribution", *, head: int, query: int, key: int | None = None) -> go.Figure:

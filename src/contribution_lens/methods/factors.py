@@ -90,7 +90,7 @@ def importance(
     scope: Scope | str = Scope.INTER,
     attention_mask: Bool[Tensor, "batch key"] | None = None,
     causal: bool | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
 ) -> Float[Tensor, "batch head query key"]:
     """Per-head token importance of a registered method that needs only one layer's decomposition.
 

@@ -99,9 +99,12 @@ def measured_rate(device: str | torch.device | None, dtype: torch.dtype, width: 
     return 2 * 2048 * width * 4 * width / best
 
 
-def _faithfulness_part(name: str, skeleton: Any, data: DataSettings, settings: Any, folder: Path) -> PartPlan:
-    if not data.data:
-        return PartPlan(name, 0, 0.0)
+def _faithfulness_part(
+    name: str, skeleton: Any, data: DataSettings | None, settings: Any, folder: Path
+) -> PartPlan | None:
+    """The part's passes, less those ``folder`` holds; None where no set of its kind was given (it does not run)."""
+    if data is None:
+        return None
     units = runner.build_units(skeleton, data)
     done = runner.finished(folder)
     layers = list(range(skeleton.cfg.n_layers))
@@ -128,7 +131,7 @@ def plan(
     size = SIZES[size] if isinstance(size, str) else size
     out = Path(out)
     parts = Parts(data, size)
-    found = [
+    runs = [
         _faithfulness_part("text faithfulness", skeleton, parts.text, text_settings(size), out / "text"),
         _faithfulness_part("multiple-choice clean accuracy", skeleton, parts.clean, clean_settings(),
                            out / "choice-clean"),
@@ -136,6 +139,7 @@ def plan(
                            parts.choice([task_name(s) for s in data.choice]), choice_settings(parts.choice_ratios),
                            out / "choice"),
     ]  # fmt: skip
+    found = [part for part in runs if part is not None]
     if data.lm:
         chunks = text_data.text_chunks(
             skeleton, data.lm, length=data.chunk_length, max_chunks=parts.sink_chunks, prepend_bos=data.prepend_bos

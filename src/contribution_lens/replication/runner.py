@@ -61,16 +61,22 @@ class Parts:
     size: Size
 
     @property
-    def text(self) -> DataSettings:
-        return replace(self.data, data=self.data.lm, choice_ratios=None)
+    def text(self) -> DataSettings | None:
+        """The text run's data; None without a text set (the part does not run)."""
+        return self._sets(self.data.lm)
 
     @property
-    def clean(self) -> DataSettings:
-        return replace(self.data, data=self.data.choice, choice_ratios=None)
+    def clean(self) -> DataSettings | None:
+        """The clean run's data; None without a multiple-choice set (the part does not run)."""
+        return self._sets(self.data.choice)
 
-    def choice(self, tasks: Sequence[str]) -> DataSettings:
-        """The removal run's data: the multiple-choice sets of ``tasks`` (those above chance)."""
-        return replace(self.data, data=tuple(s for s in self.data.choice if task_name(s) in tasks), choice_ratios=None)
+    def choice(self, tasks: Sequence[str]) -> DataSettings | None:
+        """The removal run's data: the multiple-choice sets of ``tasks`` (those above chance); None if none is."""
+        return self._sets(tuple(s for s in self.data.choice if task_name(s) in tasks))
+
+    def _sets(self, specs: tuple[str, ...]) -> DataSettings | None:
+        # A part runs on its own sets only: none given, there is nothing to build (DataSettings refuses no data).
+        return replace(self.data, data=specs, choice_ratios=None) if specs else None
 
     @property
     def choice_ratios(self) -> tuple[float, ...]:
@@ -92,7 +98,9 @@ def part_commands(
     """
     run_flags = flags(options)
 
-    def faithfulness(settings: Any, data: DataSettings, folder: str) -> str:
+    def faithfulness(settings: Any, data: DataSettings | None, folder: str) -> str:
+        if data is None:
+            return ""
         words = [PROG, "faithfulness", *model_flags, *flags(settings), *flags(data), *run_flags, "--out", out / folder]
         return shlex.join(map(str, words))
 
@@ -103,12 +111,11 @@ def part_commands(
         sinks += ["--prepend-bos", "yes" if parts.data.prepend_bos else "no"]
     sinks += ["--batch-size", parts.data.batch_size, "--out", out / "sinks"]
     replicate = [PROG, "replicate", *model_flags, "--size", parts.size.name, *flags(parts.data), *run_flags]
-    lm, choice = bool(parts.data.lm), bool(parts.data.choice)
     return {
-        "text": faithfulness(text_settings(parts.size), parts.text, "text") if lm else "",
-        "choice-clean": faithfulness(clean_settings(), parts.clean, "choice-clean") if choice else "",
-        "choice": faithfulness(choice_settings(parts.choice_ratios), parts.choice(above), "choice") if above else "",
-        "sinks": shlex.join(map(str, sinks)) if lm else "",
+        "text": faithfulness(text_settings(parts.size), parts.text, "text"),
+        "choice-clean": faithfulness(clean_settings(), parts.clean, "choice-clean"),
+        "choice": faithfulness(choice_settings(parts.choice_ratios), parts.choice(above), "choice"),
+        "sinks": shlex.join(map(str, sinks)) if parts.data.lm else "",
         "replicate": shlex.join(map(str, [*replicate, "--out", "NEW_FOLDER"])),
     }
 
@@ -162,11 +169,13 @@ def run(
     flags_ = list(model_flags) or (["--model", model_name] if model_name else [])
     check_config(out_dir, {"model": model_name, "size": size.name, "data": data.to_dict()})
 
-    def part(settings: Any, part_data: DataSettings, folder: str, label: str) -> FaithfulnessRun | None:
+    def part(settings: Any, part_data: DataSettings | None, folder: str, label: str) -> FaithfulnessRun | None:
+        if part_data is None:  # no set of this part's kind was given
+            return None
         return runner.run(model, settings, part_data, out_dir / folder, options=options, model_name=model_name,
                           progress=progress, label=label)  # fmt: skip
 
-    text = part(text_settings(size), parts.text, "text", "text faithfulness") if data.lm else None
+    text = part(text_settings(size), parts.text, "text", "text faithfulness")
     clean = removal = None
     above: list[str] = []
     if data.choice:
@@ -174,10 +183,7 @@ def run(
         clean = clean or FaithfulnessRun.load(out_dir / "choice-clean", resamples=options.resamples)
         accuracy = clean.tables.accuracy
         above = sorted(set(accuracy.loc[accuracy["above_chance"].astype(bool), "task"]))
-        if above:
-            removal = part(
-                choice_settings(parts.choice_ratios), parts.choice(above), "choice", "multiple-choice removal"
-            )
+        removal = part(choice_settings(parts.choice_ratios), parts.choice(above), "choice", "multiple-choice removal")
     if _rank() != 0:
         return None
     commands = part_commands(parts, out_dir, flags_, options, above)

@@ -7,7 +7,8 @@ No script of the page comes from the network.
 `export_notebook` writes the page with a local MathJax beside it (from the PyPI package
 ``jupyter-server-mathjax``), a widget's static fallback instead of the widget (the inspector's is
 its still, a PNG of its last view written before it), each progress bar's last frame, and
-figures as `contribution_lens.plot.use_in_notebook` makes them.
+figures drawn live (a figure `contribution_lens.plot.use_in_notebook` showed as plotly's bundle and a
+PNG is drawn from the bundle, plotly.js once in the page).
 
 Example:
     >>> import nbformat, tempfile
@@ -108,9 +109,7 @@ def render_notebook(notebook: "nbformat.NotebookNode", *, mathjax_url: str = MAT
 _NO_REQUIRE_JS = """{%- extends "index.html.j2" -%}
 {%- block html_head_js_requirejs -%}{%- endblock html_head_js_requirejs -%}
 """
-# Plotly's notebook renderer loads MathJax 3 from a CDN with every figure (for TeX in figures,
-# which ours have none of); online it would replace the page's MathJax 2 mid-typesetting.
-_PLOTLY_MATHJAX = re.compile(r'<script src="https://cdnjs\.cloudflare\.com/ajax/libs/mathjax/[^"]*"></script>')
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
 
 
 def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode":
@@ -122,8 +121,16 @@ def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode
     goes when no state was saved; the widget state goes (without its JavaScript, which comes
     from a CDN, it draws nothing offline).
     """
+    from contribution_lens.views.plot import PLOTLY_MATHJAX
+
     static = copy.deepcopy(notebook)
     widgets = static.metadata.pop("widgets", {})
+    # plotly.js goes in once: with the first figure drawn from plotly's bundle, unless an HTML figure has it.
+    plotly_js = any(
+        "plotly.js v" in str(output.get("data", {}).get("text/html", ""))
+        for cell in static.cells
+        for output in cell.get("outputs", [])
+    )
     state = widgets.get(WIDGET_STATE, {}).get("state", {})
     for cell in static.cells:
         if cell.cell_type != "code":
@@ -134,7 +141,12 @@ def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode
             after_still, previous = previous is not None and _is_still(previous), output
             data = output.get("data", {})
             if isinstance(data.get("text/html"), str):
-                data["text/html"] = _PLOTLY_MATHJAX.sub("", data["text/html"])
+                # Plotly's notebook renderer loads MathJax 3 from a CDN with every figure (for TeX in
+                # figures, which ours have none of); online it would replace the page's MathJax 2.
+                data["text/html"] = PLOTLY_MATHJAX.sub("", data["text/html"])
+            elif PLOTLY_MIME in data:  # `use_in_notebook`'s bundle and PNG: the page draws the figure live
+                data["text/html"] = _live_figure(data[PLOTLY_MIME], plotly_js=not plotly_js)
+                plotly_js = True
             if WIDGET_VIEW not in data:
                 kept.append(output)
                 continue
@@ -154,6 +166,63 @@ def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode
                 kept.append(output)
         cell.outputs = kept
     return static
+
+
+def _live_figure(figure: dict[str, Any], *, plotly_js: bool) -> str:
+    """The HTML of a figure from plotly's MIME bundle (as the notebook renderer writes it, no MathJax)."""
+    import plotly.io as pio
+
+    return pio.to_html(
+        figure, include_plotlyjs=plotly_js, include_mathjax=False, full_html=False, default_width="100%",
+        default_height=525, validate=False,
+    )  # fmt: skip
+
+
+SAFE_TAGS = (
+    *("p", "br", "hr", "h1", "h2", "h3", "h4", "h5", "h6", "img", "sub", "sup", "del", "s", "kbd"),
+    *("table", "thead", "tbody", "tr", "th", "td", "div", "span", "pre", "code", "details", "summary"),
+)
+"""Tags `clean_html` keeps beside bleach's own (``a``, ``b``, ``blockquote``, ``code``, ``em``, ``li``, ...)."""
+
+
+_SCRIPT_OR_STYLE = re.compile(r"<(script|style)\b[^>]*>.*?</\1\s*>", flags=re.S | re.I)
+
+
+def clean_html(element: str | bytes) -> str:
+    """nbconvert's ``clean_html`` filter (a sanitized export's cells) keeping what markdown writes.
+
+    nbconvert 7's filter keeps bleach's tags and a few more, but no ``<p>``, heading or ``<img>``:
+    in JupyterLab's default export (*Save and Export Notebook As › HTML*, "Sanitize HTML output"
+    ticked) every markdown cell's paragraphs and headings are escaped into visible tags. This one
+    keeps those as well (`SAFE_TAGS`) and is otherwise stricter: a ``<script>`` or ``<style>``
+    element goes whole (nbconvert's escapes it into visible text: plotly.js's source, a
+    DataFrame's CSS), no event handler or ``javascript:`` link gets through (bleach escapes any
+    other tag into text), and an image may only be ``data:``, ``http(s):`` or relative. The
+    package's Jupyter server config (``jupyter_server_config.d/contribution_lens.json``) makes it
+    the ``clean_html`` filter of JupyterLab's HTML export.
+
+    Example:
+        >>> clean_html("<h1 id='a'>Title</h1><p>Text<script>alert(1)</script> <iframe></iframe></p>")
+        '<h1 id="a">Title</h1><p>Text &lt;iframe&gt;&lt;/iframe&gt;</p>'
+    """
+    import bleach
+    from bleach.css_sanitizer import CSSSanitizer
+
+    text = element.decode() if isinstance(element, bytes) else str(element)
+    text = _SCRIPT_OR_STYLE.sub("", text)
+    return bleach.clean(
+        text,
+        tags={*bleach.ALLOWED_TAGS, *SAFE_TAGS},
+        attributes={
+            **bleach.ALLOWED_ATTRIBUTES,
+            "*": ["class", "id"],
+            "img": ["src", "alt", "title", "width", "height"],
+            "th": ["align"],
+            "td": ["align"],
+        },
+        protocols={"http", "https", "mailto", "data"},
+        css_sanitizer=CSSSanitizer(),
+    )
 
 
 def _is_still(output: "nbformat.NotebookNode") -> bool:
