@@ -34,7 +34,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from contribution_lens.adapter._model import HookFn, Model
+from contribution_lens.adapter._model import HookFn, Model, model_dtype
 from contribution_lens.adapter.forms import PRE_LN, block_forms
 from contribution_lens.adapter.hooks import hooked, is_causal_model, output_weights
 from contribution_lens.adapter.logit_readout import FrozenNorm, post_attention_norm
@@ -225,8 +225,6 @@ def circuit_pass(model: Model, tokens: Int[Tensor, "batch pos"], stream: Stream)
     right-padded and the model causal, so no attention mask is needed: a real position never sees
     the padding after it.
     """
-    from contribution_lens.adapter import model_dtype
-
     dtype = model_dtype(model)
     shape = layout(model)
     hooks = [("embed.hook_out", _embedding_hook(stream, "embed"))]

@@ -118,7 +118,7 @@ class CircuitEvaluation(Saves):
         return {"metrics": metrics_figure(self.metrics, self.task)}
 
     def report(self, path: str | os.PathLike) -> Path:
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         return html.write_html(path, repr(self), [*self.figures().items(), ("Per prompt", self.metrics)])
 
@@ -201,7 +201,7 @@ class CircuitCurve(Saves):
         return {"faithfulness": curve_figure([self])}
 
     def report(self, path: str | os.PathLike) -> Path:
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         return html.write_html(path, repr(self), [*self.figures().items(), ("Faithfulness by size", self.table)])
 

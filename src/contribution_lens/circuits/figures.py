@@ -31,7 +31,7 @@ import pandas as pd
 import plotly.colors
 import plotly.graph_objects as go
 
-from contribution_lens.views.plot import DIVERGING
+from contribution_lens.drawing.plot import DIVERGING
 
 INPUTS = {"q": "dot", "k": "dash", "v": "dashdot", "": "solid"}
 """The dash of an edge by the input it enters: a head's q, k or v input, or the only input of an MLP or the logits."""

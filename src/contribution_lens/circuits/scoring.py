@@ -118,7 +118,7 @@ class Circuit(Saves):
         return {"nodes": nodes_figure(self.graph, self.nodes)}
 
     def report(self, path: str | os.PathLike) -> Path:
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         table = pd.DataFrame({"edge": self.edges})
         return html.write_html(path, repr(self), [*self.figures().items(), ("Edges", table)])
@@ -189,7 +189,7 @@ class CircuitScores(Saves):
         return {"nodes": scores_figure(self.nodes, f"{self.method} on {self.task}")}
 
     def report(self, path: str | os.PathLike) -> Path:
-        from contribution_lens.views import html
+        from contribution_lens.drawing import html
 
         top = self.edges.reindex(self.edges["score"].abs().sort_values(ascending=False).index).head(30)
         sections: list[Any] = [*self.figures().items(), ("The 30 edges of largest |score|", top)]
