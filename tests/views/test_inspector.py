@@ -77,7 +77,7 @@ def test_widget_traits_select_what_is_sent() -> None:
     assert inspector.meta["key_labels"][1].startswith("10:") and inspector.query == 17
     assert_payload(inspector, model, ids, 1)
     assert repr(inspector) == (
-        "Inspector(layer=1, head=all, factor=contribution, scope=inter, tokens 10..17 of 20); "
+        "Inspector(L1, all heads, contribution (inter), query 17; tokens 10..17 of 20); "
         "display it, or .write_html(path)"
     )
     inspector.layer = 2
