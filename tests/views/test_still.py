@@ -152,11 +152,14 @@ def test_a_pass_in_a_cell_leaves_no_progress_widget_and_empties_its_line(model, 
     inspector = cl.inspect(model, IDS, layer=1, head=2)
     lines = [data["text/plain"] for _, data, _, _ in shown]
     assert all(line.startswith("inspector: one pass over the text, layer ") for line in lines[:-1]), lines
-    assert lines[-1] == "" and {display_id for *_, display_id in shown} == {shown[0][3]}, "one line, emptied"
+    assert re.fullmatch(r"inspector: one pass over the text, \d+ layers in \d+ s", lines[-1]), lines[-1]
+    assert {display_id for *_, display_id in shown} == {shown[0][3]}, "one line, replaced in place"
     assert [m["text"] for m in sent][-1] == "" and all(m["type"] == "progress" for m in sent)
+    line_id = shown[0][3]
     shown.clear()
-    inspector._ipython_display_()
-    (_, still_data, _, _), (_, widget_data, _, _) = shown
+    inspector._ipython_display_()  # in the same cell: the pass's line becomes the still, the widget follows
+    (kind, still_data, _, still_id), (_, widget_data, _, _) = shown
+    assert kind == "update" and still_id == line_id == inspector._still.display_id
     assert "L1, head 2, contribution (inter), query 9" in still_data["text/plain"]
     assert widget_data["text/plain"] == widget.WIDGET_TEXT and export.WIDGET_VIEW in widget_data
     assert "L1, head 2, contribution (inter), query 9" in repr(inspector)

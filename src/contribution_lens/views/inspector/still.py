@@ -120,20 +120,27 @@ class Still:
         """The view the still shows (None before it is displayed)."""
         self._hooked = False
 
-    def display(self) -> None:
+    def display(self, into: str | None = None) -> None:
         """Write the still as a new output, drawn by kaleido (the line alone without it).
 
         The outputs written before it are replaced too: every output of one inspector shows its
         one live widget, so a notebook shows the same view in each (two views need two inspectors).
+        ``into``: the display id of an output of the cell to become the still instead (the line of
+        the pass that built the inspector, `contribution_lens.views.inspector.progress`), where
+        the still was never shown.
         """
-        from IPython.display import display
+        from IPython.display import display, update_display
 
         state = self._state()
         png, width = self._kernel_drawing() or (None, None)
         if self.shown is not None and state != self.shown:
             self.update(png, width, state)  # earlier outputs show the same live widget, so the same view
         data, metadata = bundle(png, width, state)
-        display(data, raw=True, metadata=metadata, display_id=self.display_id)
+        if into is not None and self.shown is None:
+            self.display_id = into
+            update_display(data, raw=True, metadata=metadata, display_id=self.display_id)
+        else:
+            display(data, raw=True, metadata=metadata, display_id=self.display_id)
         self.shown = state
         self._hook()
 

@@ -175,6 +175,7 @@ class Inspector(anywidget.AnyWidget):
         self._why_splits: dict[tuple[int, int, str], QKAttribution] = {}
         self._why_rows: dict[tuple[int, int, int, str], dict[str, Any]] = {}
         self._tape: QKTape | None = None
+        self._last_pass: Progress | None = None
         sent = {} if subject.steps is None else {"steps": steps_payload(subject.steps, subject.labels)}
         super().__init__(**vars(opening), **sent)
         self._still = still.Still(self._view_state, self._view_figure, self._send_still)
@@ -219,7 +220,10 @@ class Inspector(anywidget.AnyWidget):
 
     def _progress(self) -> "Progress | bool":
         """What a pass reports its layers to: the widget and the cell in a kernel, else a text bar (tqdm)."""
-        return True if kernel_shell() is None else Progress(self.send)
+        if kernel_shell() is None:
+            return True
+        self._last_pass = Progress(self.send)
+        return self._last_pass
 
     # --- what changes send: a window's meta, a layer's payload, a step's query -----------------------
 
@@ -466,7 +470,9 @@ class Inspector(anywidget.AnyWidget):
         """
         from IPython.display import display
 
-        self._still.display()
+        line = None if self._last_pass is None else self._last_pass.cell_output()
+        self._still.display(into=line)  # the line of the pass that built it in this cell, where there is one
+        self._last_pass = None
         bundle = self._repr_mimebundle_(**kwargs)
         if bundle is not None:
             # Its text is what a front-end without the widget prints (an export, a reopened notebook): it names
