@@ -266,8 +266,12 @@ function stillKeeper(model, root, kernel) {
     const key = JSON.stringify([state, model.get("meta").key, root.getBoundingClientRect().width]);
     if (key === sent) return;
     const drawn = state.view === "text" ? null : await drawnImage(root).catch(() => null);
-    sent = key;
-    model.send({ type: "snapshot", state, png: drawn ? drawn.png : null, width: drawn ? drawn.width : null });
+    try {
+      model.send({ type: "snapshot", state, png: drawn ? drawn.png : null, width: drawn ? drawn.width : null });
+      sent = key;
+    } catch (error) {
+      // A closed comm (the notebook's tab closed, or the kernel gone): nobody keeps this still now.
+    }
   };
   return () => {
     if (timer) clearTimeout(timer);
