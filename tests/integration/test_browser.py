@@ -184,6 +184,10 @@ def wait_ready(browser, *, hash_too: bool = True, index: int = 0) -> dict:
     return drawn
 
 
+HEATMAP_TITLE = "return document.querySelector('.cl-heatmap').layout.title.text.replace(/<br>/g, ' ')"
+"""The heatmap's title, its lines joined (it is wrapped to the figure's width: a space becomes a line break)."""
+
+
 def open_view(browser, page: Path, fragment: str) -> dict:
     browser.get("about:blank")
     browser.get(page.resolve().as_uri() + fragment)
@@ -838,7 +842,7 @@ def test_kv_group_view_draws_the_group_combined(browser, page, library, factor) 
     causal = windows.token_window(z.shape[0]).mask
     error = np.abs(z - combined[factor])[causal]
     assert np.all(error <= 2e-4 + 1e-3 * np.abs(combined[factor][causal])), f"worst {error.max():.3g}"
-    title = browser.execute_script("return document.querySelector('.cl-heatmap .gtitle').textContent")
+    title = browser.execute_script(HEATMAP_TITLE)
     assert "KV group 1 (heads 3, 4, 5)" in title, title
     assert "&group_kv=1" in drawn["hash"]
 
@@ -1283,7 +1287,8 @@ def test_a_window_late_in_a_long_text_shows_the_rest_of_each_row(browser, bundle
 
 def bars_drawn(browser) -> tuple[str, dict[str, np.ndarray]]:
     drawn = browser.execute_script(OUTSIDE)
-    return drawn["title"], {name: np.array(x, dtype=float) for name, _, x in drawn["bars"]}
+    # Lines joined: a caption is wrapped to its figure's width (a space becomes a line break).
+    return drawn["title"].replace("<br>", " "), {name: np.array(x, dtype=float) for name, _, x in drawn["bars"]}
 
 
 @pytest.mark.slow
@@ -1308,7 +1313,7 @@ def test_each_caption_states_what_is_drawn(browser, page, library) -> None:
         bars["contribution"], want["contribution"][12, :13].double().numpy(), rtol=2e-3, atol=1e-6
     )
     open_view(browser, page, fragment(9, None, "contribution", "intra"))
-    heatmap = browser.execute_script("return document.querySelector('.cl-heatmap .gtitle').textContent")
+    heatmap = browser.execute_script(HEATMAP_TITLE)
     assert "the sum over 9 heads of each head's share of its own output" in heatmap, heatmap
     assert "(each head's row sums to 1, so a row sums to 9)" in heatmap, heatmap
     np.testing.assert_allclose(np.nansum(drawn_z(wait_ready(browser)), 1), 9, rtol=2e-3)
@@ -1451,8 +1456,10 @@ def test_captions_wrap_titles_never_overlap_and_a_click_keeps_row_and_bars_in_vi
     for row in (3, 120):
         point_at(browser, row, 1 + row // 2)  # the row scrolled to the middle of the window, as a reader clicks it
         WebDriverWait(browser, 30).until(
-            lambda b: b.execute_script("return location.hash").endswith(f"query={row + 32}")
-            or f"query={row + 32}&" in b.execute_script("return location.hash")
+            lambda b: (
+                b.execute_script("return location.hash").endswith(f"query={row + 32}")
+                or f"query={row + 32}&" in b.execute_script("return location.hash")
+            )
         )
         browser.execute_script("return new Promise((r) => setTimeout(r, 500))")
         seen = browser.execute_script(

@@ -357,7 +357,7 @@ LATE_DRAWN = """() => {
   if (!t) return null;
   const bars = root.querySelector('.cl-bars');
   return {x: t.x, z: t.z.map((r) => r[0]), head: root.querySelector("select[data-control='head']").value,
-          y: gd.data[0].y, bars: bars.layout && bars.layout.title.text,
+          y: gd.data[0].y, bars: bars.layout && bars.layout.title.text.replace(/<br>/g, ' '),
           status: root.querySelector('.cl-status').textContent};
 }"""
 """The last inspector's outside column (its label and each query's share), head menu and bars' caption."""
