@@ -1335,6 +1335,22 @@ def test_an_800_token_window_rows_hit_hover_and_mark_the_click(browser, bundled_
     assert {"name": "key", "x0": 649.5, "y0": 699.5} in state["shapes"], state["shapes"]
     assert state["title"].startswith("query " + inspector.meta["query_labels"][700]), state["title"]
     assert state["barsTop"] < state["viewport"] - 100 and state["barsBottom"] > 100, f"bars not in view: {state}"
+    # Keys of 0.9 px: some have no pixel of their own. Zoomed in (a dragged box), a click reaches each of them,
+    # and the zoom stays through the click's redraw (it went back to the whole window before).
+    zoom = "{'xaxis.range': [90.5, 110.5], 'yaxis.range': [710.5, 690.5]}"
+    browser.execute_script(f"return Plotly.relayout(document.querySelector('.cl-inspector .cl-heatmap'), {zoom})")
+    for key in (100, 101):
+        point_at(browser, 700, key)
+        browser.execute_script("return new Promise(r => setTimeout(r, 500))")
+        state = browser.execute_script(OUTSIDE)
+        assert {"name": "key", "x0": key - 0.5, "y0": 699.5} in state["shapes"], (key, state["shapes"])
+        ranges = browser.execute_script(
+            "const fl = document.querySelector('.cl-inspector .cl-heatmap')._fullLayout;"
+            "return [fl.xaxis.range, fl.yaxis.range]"
+        )
+        assert ranges == [[90.5, 110.5], [710.5, 690.5]], f"the zoom went after a click: {ranges}"
+    whole = "{'xaxis.autorange': true, 'yaxis.autorange': 'reversed'}"
+    browser.execute_script(f"return Plotly.relayout(document.querySelector('.cl-inspector .cl-heatmap'), {whole})")
     point_at(browser, 760, 300, click=False)
     box = browser.find_element("css selector", ".cl-inspector .cl-hover")
     match = HOVER.match(box.text.replace("\n", "<br>"))
