@@ -356,6 +356,25 @@ const BAR_GAP_PX = 36;
 const EM_PX = 7.2;
 
 /**
+ * The x axis of the bars' panel in column `c` and row `r` of `columns`, each `panelPx` wide.
+ * @param {string} label the factor's name
+ * @param {number} c
+ * @param {number} r
+ * @param {number} columns
+ * @param {number} panelPx
+ */
+function barAxis(label, c, r, columns, panelPx) {
+  // A title wider than its panel goes on two lines ("relative<br>norm"): titles never overlap.
+  const text = EM_PX * label.length > panelPx - 8 ? label.replace(" ", "<br>") : label;
+  // BAR_GAP_PX between panels: the last tick label of one and the first of the next never meet.
+  const gap = Math.min(0.08, BAR_GAP_PX / 2 / Math.max(1, columns * panelPx));
+  return {
+    title: { text, font: { size: 12 } }, domain: [c / columns + gap, (c + 1) / columns - gap], anchor: r ? "y" + (r + 1) : "y",
+    zeroline: true, nticks: Math.max(3, Math.floor(panelPx / 60)), tickfont: { size: 10 }, automargin: true,
+  };
+}
+
+/**
  * The selected query's keys and their four factors, side by side as horizontal bars (two by two where narrow).
  * @param {View} view
  * @param {Meta} meta
@@ -410,17 +429,7 @@ export function drawBars(view, meta, entry, values, state) {
     };
   }
   meta.factors.forEach((f, i) => {
-    const c = i % columns;
-    const r = Math.floor(i / columns);
-    const label = LABELS[f];
-    // A title wider than its panel goes on two lines ("relative<br>norm"): titles never overlap.
-    const text = EM_PX * label.length > panelPx - 8 ? label.replace(" ", "<br>") : label;
-    // BAR_GAP_PX between panels: the last tick label of one and the first of the next never meet.
-    const gap = Math.min(0.08, BAR_GAP_PX / 2 / Math.max(1, columns * panelPx));
-    layout[i ? "xaxis" + (i + 1) : "xaxis"] = {
-      title: { text, font: { size: 12 } }, domain: [c / columns + gap, (c + 1) / columns - gap], anchor: r ? "y" + (r + 1) : "y",
-      zeroline: true, nticks: Math.max(3, Math.floor(panelPx / 60)), tickfont: { size: 10 }, automargin: true,
-    };
+    layout[i ? "xaxis" + (i + 1) : "xaxis"] = barAxis(LABELS[f], i % columns, Math.floor(i / columns), columns, panelPx);
   });
   return /** @type {any} */ (globalThis).Plotly.react(view.parts.bars, traces, layout, CONFIG);
 }
