@@ -148,11 +148,10 @@ export function whyRows(model, kernel, onAnswer) {
  * @param {WidgetModel} model
  * @param {ReturnType<typeof kernelWatch>} kernel
  * @param {ReturnType<typeof whyRows>} why
- * @param {() => string} progress the kernel's progress line of a pass under way ("" when none)
  * @param {() => void} undo called when a change cannot be drawn: no kernel answered it
  * @returns {Host}
  */
-function widgetHost(model, kernel, why, progress, undo) {
+function widgetHost(model, kernel, why, undo) {
   return {
     why,
     meta: () => model.get("meta"),
@@ -175,8 +174,6 @@ function widgetHost(model, kernel, why, progress, undo) {
         setTimeout(undo); // after this drawing: the menus go back to the view drawn, which is drawn again
         return "not drawn: no kernel answered";
       }
-      const line = progress();
-      if (line) return line;
       return state ? "computing layer " + state.layer + "…" : "waiting for the kernel…";
     },
     // Windows of the widget's size, half-overlapping, over the whole text.
@@ -366,12 +363,12 @@ async function render({ model, el }) {
     if (still && kernel.answered) still.style.display = "none"; // the live widget shows the view
     if (view) view.refresh();
   });
-  let progress = "";
+  // A pass under way in the kernel (progress.py): which layer it is on, "" once it ends.
+  const busy = element("div", { className: "cl-progress" }, el);
   model.on("msg:custom", (message) => {
     if (!message) return;
     if (message.type === "progress") {
-      progress = typeof message.text === "string" ? message.text : "";
-      if (view) view.refresh();
+      busy.textContent = typeof message.text === "string" ? message.text : "";
     } else if (message.type === "still") {
       writeStill(model, message);
     }
@@ -381,7 +378,7 @@ async function render({ model, el }) {
   await ensurePlotly(model);
   waiting.remove();
   const why = whyRows(model, kernel, () => view && view.refresh());
-  view = mount(el, widgetHost(model, kernel, why, () => progress, undo));
+  view = mount(el, widgetHost(model, kernel, why, undo));
   const settled = stillKeeper(model, el, kernel);
   const redraw = () =>
     /** @type {{refresh: () => Promise<unknown>}} */ (view).refresh().then(() => {
