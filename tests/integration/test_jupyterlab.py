@@ -476,7 +476,8 @@ def test_one_cell_holds_its_still_and_widget_and_a_live_reopen_keeps_the_still_c
     # and the widget's text named the view it opened on; reopened while its kernel ran, a widget changed its view
     # but its still (and the saved file) kept the older one: the kernel's update of the display id reached nothing.
     page.evaluate(f"window.jupyterapp.shell.activateById(({PANEL}).id)")
-    drawn(page, "d.y && d.status === ''")
+    kernel(page, "inspector.view = 'heatmap'")  # an earlier test leaves the text view
+    drawn(page, "d.shown && d.status === ''", FIRST)
     add_cell(page, THIRD)
     page.wait_for_function(
         f"({OUTPUTS})().some((outs) => outs.some((o) => o.still && o.still.layer === 0 && o.still.tokens === 16"
