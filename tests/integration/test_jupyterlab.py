@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import ARTIFACTS
+from contribution_lens.views.inspector.still import caption
 from helpers import CHROMIUM, CHROMIUM_FLAGS
 
 TESTS = Path(__file__).resolve().parents[1]
@@ -522,7 +523,7 @@ def test_one_cell_holds_its_still_and_widget_and_a_live_reopen_keeps_the_still_c
     view = json.loads(kernel(page, "import json; print(json.dumps(inspector._view_state()))"))
     assert len(stills) == 1 and stills[0]["metadata"]["contribution_lens"]["still"] == view, (stills, view)
     assert stills[0]["metadata"]["contribution_lens"]["drawn_by"] == "browser" and stills[0]["data"]["image/png"]
-    assert f"L{layer}, all heads" in "".join(stills[0]["data"]["text/plain"])
+    assert f"({caption(view)}: " in "".join(stills[0]["data"]["text/plain"]), stills[0]["data"]["text/plain"]
     assert not page.errors, page.errors
 
 
