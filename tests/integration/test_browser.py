@@ -171,6 +171,10 @@ def wait_ready(browser, *, hash_too: bool = True, index: int = 0) -> dict:
     return drawn
 
 
+HEATMAP_TITLE = "return document.querySelector('.cl-heatmap').layout.title.text.replace(/<br>/g, ' ')"
+"""The heatmap's title, its lines joined (it is wrapped to the figure's width: a space becomes a line break)."""
+
+
 def open_view(browser, page: Path, fragment: str) -> dict:
     browser.get("about:blank")
     browser.get(page.resolve().as_uri() + fragment)
@@ -825,7 +829,7 @@ def test_kv_group_view_draws_the_group_combined(browser, page, library, factor) 
     causal = windows.token_window(z.shape[0]).mask
     error = np.abs(z - combined[factor])[causal]
     assert np.all(error <= 2e-4 + 1e-3 * np.abs(combined[factor][causal])), f"worst {error.max():.3g}"
-    title = browser.execute_script("return document.querySelector('.cl-heatmap .gtitle').textContent")
+    title = browser.execute_script(HEATMAP_TITLE)
     assert "KV group 1 (heads 3, 4, 5)" in title, title
     assert "&group_kv=1" in drawn["hash"]
 
@@ -1270,7 +1274,8 @@ def test_a_window_late_in_a_long_text_shows_the_rest_of_each_row(browser, bundle
 
 def bars_drawn(browser) -> tuple[str, dict[str, np.ndarray]]:
     drawn = browser.execute_script(OUTSIDE)
-    return drawn["title"], {name: np.array(x, dtype=float) for name, _, x in drawn["bars"]}
+    # Lines joined: a caption is wrapped to its figure's width (a space becomes a line break).
+    return drawn["title"].replace("<br>", " "), {name: np.array(x, dtype=float) for name, _, x in drawn["bars"]}
 
 
 @pytest.mark.slow
@@ -1295,7 +1300,7 @@ def test_each_caption_states_what_is_drawn(browser, page, library) -> None:
         bars["contribution"], want["contribution"][12, :13].double().numpy(), rtol=2e-3, atol=1e-6
     )
     open_view(browser, page, fragment(9, None, "contribution", "intra"))
-    heatmap = browser.execute_script("return document.querySelector('.cl-heatmap .gtitle').textContent")
+    heatmap = browser.execute_script(HEATMAP_TITLE)
     assert "the sum over 9 heads of each head's share of its own output" in heatmap, heatmap
     assert "(each head's row sums to 1, so a row sums to 9)" in heatmap, heatmap
     np.testing.assert_allclose(np.nansum(drawn_z(wait_ready(browser)), 1), 9, rtol=2e-3)
@@ -1317,6 +1322,22 @@ def test_an_800_token_window_rows_hit_hover_and_mark_the_click(browser, bundled_
     assert {"name": "key", "x0": 649.5, "y0": 699.5} in state["shapes"], state["shapes"]
     assert state["title"].startswith("query " + inspector.meta["query_labels"][700]), state["title"]
     assert state["barsTop"] < state["viewport"] - 100 and state["barsBottom"] > 100, f"bars not in view: {state}"
+    # Keys of 0.9 px: some have no pixel of their own. Zoomed in (a dragged box), a click reaches each of them,
+    # and the zoom stays through the click's redraw (it went back to the whole window before).
+    zoom = "{'xaxis.range': [90.5, 110.5], 'yaxis.range': [710.5, 690.5]}"
+    browser.execute_script(f"return Plotly.relayout(document.querySelector('.cl-inspector .cl-heatmap'), {zoom})")
+    for key in (100, 101):
+        point_at(browser, 700, key)
+        browser.execute_script("return new Promise(r => setTimeout(r, 500))")
+        state = browser.execute_script(OUTSIDE)
+        assert {"name": "key", "x0": key - 0.5, "y0": 699.5} in state["shapes"], (key, state["shapes"])
+        ranges = browser.execute_script(
+            "const fl = document.querySelector('.cl-inspector .cl-heatmap')._fullLayout;"
+            "return [fl.xaxis.range, fl.yaxis.range]"
+        )
+        assert ranges == [[90.5, 110.5], [710.5, 690.5]], f"the zoom went after a click: {ranges}"
+    whole = "{'xaxis.autorange': true, 'yaxis.autorange': 'reversed'}"
+    browser.execute_script(f"return Plotly.relayout(document.querySelector('.cl-inspector .cl-heatmap'), {whole})")
     point_at(browser, 760, 300, click=False)
     box = browser.find_element("css selector", ".cl-inspector .cl-hover")
     match = HOVER.match(box.text.replace("\n", "<br>"))
@@ -1364,3 +1385,92 @@ def test_a_bfloat16_prediction_caption_adds_up_and_names_the_models_own_value(br
         assert four_digits(gap, result.rounding_gap) and four_digits(parts[-1], float(result.attention_rounding.sum()))
         # Each part is shown to four digits: their sum is the logit to that precision.
         assert abs(sum(parts) - logit) <= 6e-4 * sum(abs(p) for p in parts) + 6e-4 * abs(logit), caption
+
+
+# --- readable at every width JupyterLab gives an output ------------------------------------------------------
+
+OUTPUT_WIDTHS = (368, 620, 968, 1220)
+"""JupyterLab 4.6's output widths: 800 px window with the file browser open, then 620, 968 and 1,220 px."""
+TEXT_BOXES = """
+const root = document.querySelector('.cl-inspector');
+const box = (e) => { const r = e.getBoundingClientRect(); return [r.left, r.top, r.right, r.bottom]; };
+const texts = (gd, selector) => [...gd.querySelectorAll(selector)].filter((t) => t.textContent.trim() &&
+  t.getBoundingClientRect().width > 0).map((t) => ({text: t.textContent, box: box(t)}));
+const figure = (name) => {
+  const gd = root.querySelector('.' + name);
+  return {box: box(gd), width: gd.layout.width, title: texts(gd, '.gtitle'),
+          axes: texts(gd, '.xtitle, .x2title, .x3title, .x4title, .ytitle, .y2title, .cbtitle text'),
+          ticks: texts(gd, '.xtick text, .x2tick text, .x3tick text, .x4tick text')};
+};
+return {root: box(root), heatmap: figure('cl-heatmap'), bars: figure('cl-bars')};
+"""
+
+
+def overlapping(boxes: list[dict]) -> list[tuple[str, str]]:
+    """The pairs of texts whose boxes overlap by more than a pixel each way."""
+    pairs = []
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            (l1, t1, r1, b1), (l2, t2, r2, b2) = a["box"], b["box"]
+            if min(r1, r2) - max(l1, l2) > 1 and min(b1, b2) - max(t1, t2) > 1:
+                pairs.append((a["text"], b["text"]))
+    return pairs
+
+
+@pytest.fixture(scope="module")
+def window_page(bundled_model, long_ids, tmp_path_factory) -> Path:
+    """A page of 128 queries of real text at layer 1 (a pass of two layers): the bars go under the heatmap."""
+    inspector = cl.inspect(bundled_model, long_ids[:, :160], layers=[1], tokens=128, start=32)
+    return inspector.write_html(tmp_path_factory.mktemp("widths") / "widths.html")
+
+
+@pytest.mark.parametrize("head", [None, 1], ids=["all-heads", "head-1"])
+@pytest.mark.parametrize("width", OUTPUT_WIDTHS)
+def test_captions_wrap_titles_never_overlap_and_a_click_keeps_row_and_bars_in_view(
+    browser, window_page, width, head
+) -> None:
+    # Failed before: at 368 px the bars' caption was cut at "(inter, L9 head", their four axis titles overlapped and
+    # their tick labels collided; captions were cut up to 1,220 px; at 128 tokens in 968 px a click scrolled the
+    # bars into view and the heatmap entirely out of it.
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    page = window_page
+    browser.set_window_size(1400, 1000)
+    open_view(browser, page, fragment(1, head, "contribution", "inter"))
+    browser.execute_script(f"document.querySelector('.cl-inspector').style.width = '{width}px'")
+    fits = f"const r = document.querySelector('.cl-inspector .cl-bars'); return r.layout.width <= {width}"
+    WebDriverWait(browser, 30).until(lambda b: b.execute_script(fits))
+    browser.execute_script("return new Promise((r) => setTimeout(r, 300))")
+    boxes = browser.execute_script(TEXT_BOXES)
+    right = boxes["root"][0] + width
+    for name in ("heatmap", "bars"):
+        figure = boxes[name]
+        left, _, fig_right, _ = figure["box"]
+        assert figure["width"] <= width and fig_right <= right + 1, (name, figure["box"], right)
+        for text in figure["title"] + figure["axes"]:  # every line inside its figure: nothing cut
+            assert text["box"][0] >= left - 1 and text["box"][2] <= left + figure["width"] + 1, (name, text, left)
+        assert not overlapping(figure["title"] + figure["axes"]), (name, overlapping(figure["title"] + figure["axes"]))
+    # The bars: no title, axis title or tick label on another.
+    bars = boxes["bars"]["title"] + boxes["bars"]["axes"] + boxes["bars"]["ticks"]
+    assert not overlapping(bars), overlapping(bars)
+    title = browser.execute_script("return document.querySelector('.cl-inspector .cl-bars').layout.title.text")
+    assert "attention" in title and title.replace("<br>", " ").startswith("query "), title
+    # A click on a row near the top and one near the bottom of the window: that row and the bars' caption in view.
+    for row in (3, 120):
+        point_at(browser, row, 1 + row // 2)  # the row scrolled to the middle of the window, as a reader clicks it
+        query = f"query={row + 32}"
+        WebDriverWait(browser, 30).until(
+            lambda b, query=query: re.search(rf"[#&]{query}(&|$)", b.execute_script("return location.hash"))
+        )
+        browser.execute_script("return new Promise((r) => setTimeout(r, 500))")
+        seen = browser.execute_script(
+            "const gd = document.querySelector('.cl-inspector .cl-heatmap'), fl = gd._fullLayout;"
+            "const y = gd.getBoundingClientRect().top + fl._size.t + fl.yaxis.l2p(arguments[0]);"
+            "const bars = document.querySelector('.cl-inspector .cl-bars').getBoundingClientRect();"
+            "return {row: y, bars: bars.top, caption: bars.top + 60, view: window.innerHeight};",
+            row,
+        )
+        assert 0 <= seen["row"] <= seen["view"], f"the clicked row {row} is out of view: {seen}"
+        assert 0 <= seen["bars"] and seen["caption"] <= seen["view"], f"the bars' caption is out of view: {seen}"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    browser.save_screenshot(str(ARTIFACTS / f"inspector_{width}px_{'all' if head is None else 'head'}.png"))

@@ -172,3 +172,55 @@ test("why", () => {
   for (const [name, where] of Object.entries(heads)) assert.deepEqual(js.headOf(name), where, name);
   for (const [what, [clicked, want]] of Object.entries(keys)) assert.equal(row.keys[js.whyKey(row, clicked)], want, what);
 });
+
+// A widget model as anywidget gives it: traits, save_changes, and JupyterLab's notebook through its widget manager.
+function fakeModel(traits, cells = []) {
+  const saved = [];
+  const list = (items) => ({ get length() { return items.length; }, get: (i) => items[i], set: (i, v) => { items[i] = v; } });
+  return {
+    saved,
+    get: (name) => traits[name],
+    set: (name, value) => { traits[name] = value; },
+    save_changes: () => saved.push({ ...traits }),
+    widget_manager: { context: { model: { cells: list(cells.map((outputs) => ({ outputs: list(outputs) }))) } } },
+    cells,
+  };
+}
+
+test("writeStill", () => {
+  // Reopened while its kernel ran, the notebook's front-end never saw the still displayed: the widget writes it.
+  const view = (id) => ({ data: { "application/vnd.jupyter.widget-view+json": { model_id: id } }, metadata: {} });
+  const old = { data: { "image/png": "old" }, metadata: { contribution_lens: { still: { layer: 6 } } } };
+  const other = { data: { "image/png": "other" }, metadata: { contribution_lens: { still: { layer: 1 } } } };
+  const model = fakeModel({}, [[{ data: { "text/plain": "x" }, metadata: {} }, old, view("w1")], [other, view("w2")], [{ ...old }, view("w1")]]);
+  const still = { model_id: "w1", data: { "image/png": "new" }, metadata: { contribution_lens: { still: { layer: 8 } } } };
+  assert.equal(js.writeStill(model, still), true);
+  const cells = model.widget_manager.context.model.cells;
+  for (const [c, i] of [[0, 1], [2, 0]]) {
+    assert.deepEqual(cells.get(c).outputs.get(i), { output_type: "display_data", data: still.data, metadata: still.metadata });
+  }
+  assert.equal(cells.get(1).outputs.get(0), other, "another inspector's still is its own");
+  assert.equal(js.writeStill(model, still), false, "a still already written is not written again");
+  assert.equal(js.writeStill({ get: () => null }, still), false, "no notebook model (the page, VS Code): nothing");
+});
+
+test("drawnState", () => {
+  // One state: a change no kernel answered goes back to the view drawn, and the kernel is told.
+  const traits = { layer: 1, head: -1, factor: "contribution", scope: "inter", query: 20, start: 16, hide_sink: false,
+                   group_kv: false, view: "heatmap", step: -1, tokens: 16 };
+  const model = fakeModel(traits);
+  const status = { textContent: "" };
+  const state = js.drawnState(model, { querySelector: () => status });
+  assert.equal(state.undo(), false, "nothing drawn yet: nothing to go back to");
+  state.drawn();
+  model.set("head", 3);
+  state.drawn(); // a head is drawn from the payload held
+  model.set("layer", 5);
+  status.textContent = "not drawn: no kernel answered";
+  state.drawn(); // not drawn: the state drawn stays layer 1, head 3
+  assert.equal(state.undo(), true);
+  assert.equal(model.get("layer"), 1);
+  assert.equal(model.get("head"), 3);
+  assert.deepEqual(model.saved.at(-1).layer, 1);
+  assert.equal(state.undo(), false, "already the view drawn");
+});

@@ -241,7 +241,8 @@ def node_test(folder: Path) -> tuple[int, set[str], set[str], str]:
 
 
 CHECKS = {"dequantise", "cellIndex", "windowStarts", "escapeToken", "combine", "decodeCompact", "hideSink",
-          "viewFactors", "shownFactors", "outsideShares", "decodeSteps", "droppedFragment", "why"}  # fmt: skip
+          "viewFactors", "shownFactors", "outsideShares", "decodeSteps", "droppedFragment", "why", "writeStill",
+          "drawnState"}  # fmt: skip
 
 
 @pytest.mark.skipif(NODE is None, reason=NO_NODE)

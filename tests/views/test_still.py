@@ -129,3 +129,37 @@ def test_the_still_shows_the_line_alone_when_the_figure_fails(model, shown, monk
     (_, data, _, _), (_, widget, _, _) = shown
     assert data == {"text/plain": data["text/plain"]} and data["text/plain"].startswith(still.RUN_AGAIN)
     assert export.WIDGET_VIEW in widget
+
+
+def test_a_pass_in_a_cell_leaves_no_progress_widget_and_empties_its_line(model, shown, monkeypatch) -> None:
+    # Failed before: the first view's pass wrote a tqdm progress widget into the inspector's cell (reopened, a
+    # second "Error displaying widget: model not found"; exported, "inspector: layers: 0%| | 0/30"), and the
+    # widget's text named the view it opened on beside a still of a later one.
+    from contribution_lens.views.inspector import compute, progress, widget
+
+    class Shell:  # a kernel running a cell
+        def __init__(self) -> None:
+            self.kernel = object()
+            self.parent_header = {"header": {"msg_type": "execute_request"}}
+
+    monkeypatch.setattr(progress, "kernel_shell", Shell)
+    monkeypatch.setattr(widget, "kernel_shell", Shell)
+    monkeypatch.setattr(progress, "QUIET_S", 0.0)  # the tiny model's pass is quicker than the quiet second
+    monkeypatch.setattr(compute, "tqdm", None)  # any text or widget bar would fail here
+    monkeypatch.setattr(still, "kernel_png", lambda figure: (b"png", 10))
+    sent = []
+    monkeypatch.setattr(widget.Inspector, "send", lambda self, content, buffers=None: sent.append(content))
+    inspector = cl.inspect(model, IDS, layer=1, head=2)
+    lines = [data["text/plain"] for _, data, _, _ in shown]
+    assert all(line.startswith("inspector: one pass over the text, layer ") for line in lines[:-1]), lines
+    assert re.fullmatch(r"inspector: one pass over the text, \d+ layers in \d+ s", lines[-1]), lines[-1]
+    assert {display_id for *_, display_id in shown} == {shown[0][3]}, "one line, replaced in place"
+    assert [m["text"] for m in sent][-1] == "" and all(m["type"] == "progress" for m in sent)
+    line_id = shown[0][3]
+    shown.clear()
+    inspector._ipython_display_()  # in the same cell: the pass's line becomes the still, the widget follows
+    (kind, still_data, _, still_id), (_, widget_data, _, _) = shown
+    assert kind == "update" and still_id == line_id == inspector._still.display_id
+    assert "L1, head 2, contribution (inter), query 9" in still_data["text/plain"]
+    assert widget_data["text/plain"] == widget.WIDGET_TEXT and export.WIDGET_VIEW in widget_data
+    assert "L1, head 2, contribution (inter), query 9" in repr(inspector)

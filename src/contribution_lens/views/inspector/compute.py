@@ -6,7 +6,7 @@ and each token window is a cut of them, in the fine codecs or, for large static 
 compact one (`contribution_lens.views.inspector.compact.compact_payload`).
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -25,7 +25,7 @@ def compute_windows(
     layers: Sequence[int],
     windows: Sequence[Window],
     *,
-    progress: bool = False,
+    progress: bool | Callable[[int, int], None] = False,
     compact: bool = False,
     tape: QKTape | None = None,
 ) -> dict[int, dict[str, dict[str, Any]]]:
@@ -35,7 +35,9 @@ def compute_windows(
     the fine codecs (`contribution_lens.views.inspector.payload.window_payload`) or, with
     ``compact``, those of `contribution_lens.views.inspector.compact.compact_payload`. A ``tape``
     (`contribution_lens.analyses.qk_attribution.QKTape`) records, in the same pass, what the *why*
-    panel's splits read: the pass then runs every layer up to ``tape.last``.
+    panel's splits read: the pass then runs every layer up to ``tape.last``. ``progress``: a text
+    bar (tqdm) when True, or a callable given (layers done, layers in the pass) before the first
+    layer and after each (the live inspector's: `contribution_lens.views.inspector.widget`).
 
     Example:
         >>> import contribution_lens as cl
@@ -48,10 +50,15 @@ def compute_windows(
     """
     wanted = list(layers)
     passed = wanted if tape is None else sorted(set(wanted) | set(range(tape.last + 1)))
+    report = progress if callable(progress) else None
     # leave=True: a closed bar shows its last frame, so a saved notebook does not keep its first one (0%).
-    bar = tqdm(total=len(passed), desc="inspector: layers", unit="layer", disable=not progress, leave=True)
+    bar = tqdm(total=len(passed), desc="inspector: layers", unit="layer", leave=True) if progress is True else None
+    done = 0
+    if report is not None:
+        report(0, len(passed))
 
     def per_layer(inputs: adapter.LayerInputs) -> dict[str, dict[str, Any]] | None:
+        nonlocal done
         if tape is not None:
             tape.record(inputs)
         out = None
@@ -62,14 +69,21 @@ def compute_windows(
                 out = {w.key: compact_payload(arrays, factors, w) for w in windows}
             else:
                 out = {window.key: window_payload(arrays, window) for window in windows}
-        bar.update()
+        done += 1
+        if bar is not None:
+            bar.update()
+        if report is not None:
+            report(done, len(passed))
         return out
 
     capture, hooks = ((), []) if tape is None else (tape.capture, tape.hooks)
     try:
         results = map_layers(model, batch, per_layer, layers=passed, capture=capture, extra_hooks=hooks)
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
+        if report is not None and done < len(passed):
+            report(len(passed), len(passed))  # a pass that failed or stopped early: its progress goes too
     return {layer: out for layer, out in results.items() if out is not None}
 
 

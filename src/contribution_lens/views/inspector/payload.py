@@ -15,8 +15,8 @@ displayable (query, key) cell of the window:
   exact (float32). ``relative_norm = value_norm / output_norm`` is then exact and
   ``|c_hat - c| <= relative_norm * (|a_hat - a| |cos| + (a + |a_hat - a|) |cos_hat - cos|)``;
 * all heads (token level) and each KV group: attention and cosines in the same codes, relative
-  norm and contribution as float16 (an array with a value beyond float16's range is sent as
-  float32 instead), combined as `combine_cells` says.
+  norm and contribution exact (float32, as the library combined them: float16 rounded them to
+  ``2^-11`` relative, 40 times coarser than a head's contribution), combined as `combine_cells` says.
 
 How each array is coded travels with the data (``meta.codecs``, each payload's ``codecs``), as
 do the colour scales: the page holds no constant of its own.
@@ -55,7 +55,7 @@ ARRAYS: dict[str, str] = {
     "output_norm_intra": "exact",
     "output_norm_inter": "exact",
     **{f"{level}_attention": "attention" for level in ("all", "group")},
-    **{f"{level}_{factor}_{scope}": "cosine" if factor == "cosine" else "half"
+    **{f"{level}_{factor}_{scope}": "cosine" if factor == "cosine" else "exact"
        for level in ("all", "group") for scope in SCOPES for factor in COMBINED},
     **{f"{level}total_{scope}": "exact" for level in ("", "all_", "group_") for scope in SCOPES},
     "outside_attention": "exact",
@@ -306,7 +306,10 @@ def layer_payload(
 
 def payload_bytes(window: Window, n_heads: int, n_kv_heads: int) -> int:
     """About how many bytes one layer's `window_payload` takes (base64 of the 2-byte codes per cell)."""
-    levels = n_heads * 3 + 7 + (7 * n_kv_heads if n_kv_heads < n_heads else 0)
+    # A head: attention and two cosines; a combination (all heads, each KV group): those three plus
+    # relative norm and contribution in both scopes in float32 (two 2-byte codes' worth each).
+    combined = 3 + 2 * 4
+    levels = n_heads * 3 + combined + (combined * n_kv_heads if n_kv_heads < n_heads else 0)
     return window.cells * levels * 2 * 4 // 3
 
 

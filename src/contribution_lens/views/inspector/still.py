@@ -102,30 +102,45 @@ def kernel_png(figure: "go.Figure") -> tuple[bytes, int] | None:
 class Still:
     """One inspector's still: its display id, the view it shows, and how to replace it.
 
-    ``draw`` gives the current view's figure (`Inspector._view_figure`); ``state`` its `STATE`.
+    ``draw`` gives the current view's figure (`Inspector._view_figure`); ``state`` its `STATE`;
+    ``sent`` (when given) is called with each new still's bundle and metadata: the widget sends them
+    to its front-end, which writes them into a notebook whose front-end never saw the still
+    displayed (reopened while its kernel ran: the display id's update reaches no output there).
     """
 
-    def __init__(self, state: Callable[[], dict[str, Any]], draw: Callable[[], "go.Figure"]) -> None:
+    def __init__(
+        self,
+        state: Callable[[], dict[str, Any]],
+        draw: Callable[[], "go.Figure"],
+        sent: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
+    ) -> None:
         self.display_id = f"cl-still-{uuid.uuid4().hex}"
-        self._state, self._draw = state, draw
+        self._state, self._draw, self._sent = state, draw, sent
         self.shown: dict[str, Any] | None = None
         """The view the still shows (None before it is displayed)."""
         self._hooked = False
 
-    def display(self) -> None:
+    def display(self, into: str | None = None) -> None:
         """Write the still as a new output, drawn by kaleido (the line alone without it).
 
         The outputs written before it are replaced too: every output of one inspector shows its
         one live widget, so a notebook shows the same view in each (two views need two inspectors).
+        ``into``: the display id of an output of the cell to become the still instead (the line of
+        the pass that built the inspector, `contribution_lens.views.inspector.progress`), where
+        the still was never shown.
         """
-        from IPython.display import display
+        from IPython.display import display, update_display
 
         state = self._state()
         png, width = self._kernel_drawing() or (None, None)
         if self.shown is not None and state != self.shown:
             self.update(png, width, state)  # earlier outputs show the same live widget, so the same view
         data, metadata = bundle(png, width, state)
-        display(data, raw=True, metadata=metadata, display_id=self.display_id)
+        if into is not None and self.shown is None:
+            self.display_id = into
+            update_display(data, raw=True, metadata=metadata, display_id=self.display_id)
+        else:
+            display(data, raw=True, metadata=metadata, display_id=self.display_id)
         self.shown = state
         self._hook()
 
@@ -136,6 +151,8 @@ class Still:
         data, metadata = bundle(png, width, state, drawn_by)
         update_display(data, raw=True, metadata=metadata, display_id=self.display_id)
         self.shown = dict(state)
+        if self._sent is not None:
+            self._sent(data, metadata)
 
     def redraw(self) -> None:
         """Draw the current view here (kaleido) and replace the still with it."""

@@ -26,6 +26,7 @@ from contribution_lens.drawing import plot
 from contribution_lens.views.inspector import figure, page, still
 from contribution_lens.views.inspector.compute import compute_windows
 from contribution_lens.views.inspector.payload import meta, payload_bytes
+from contribution_lens.views.inspector.progress import Progress, kernel_shell
 from contribution_lens.views.inspector.steps import steps_payload
 from contribution_lens.views.inspector.subject import Explained, InspectorError, Opening, Subject
 from contribution_lens.views.inspector.why import PICK_ONE_HEAD, row_key, why_row
@@ -38,6 +39,8 @@ COMPACT_ABOVE_BYTES = 20_000_000
 """A page whose fine payloads would pass this many bytes is written in the compact codec (`write_html`)."""
 PRECOMPUTE_BYTES = 400_000_000
 """The most payload bytes one pass precomputes beyond the window shown (other windows of the same size)."""
+WIDGET_TEXT = "(the live inspector: it needs its kernel; the image above is the last view it drew)"
+"""The widget output's ``text/plain``: what a front-end without the widget shows in its place."""
 CHECKED = ("layer", "head", "factor", "scope", "start", "tokens", "query", "view", "step")
 """The traits whose values are checked (`Subject.refusal`) before they change anything."""
 WHY_KEPT = 3
@@ -172,9 +175,10 @@ class Inspector(anywidget.AnyWidget):
         self._why_splits: dict[tuple[int, int, str], QKAttribution] = {}
         self._why_rows: dict[tuple[int, int, int, str], dict[str, Any]] = {}
         self._tape: QKTape | None = None
+        self._last_pass: Progress | None = None
         sent = {} if subject.steps is None else {"steps": steps_payload(subject.steps, subject.labels)}
         super().__init__(**vars(opening), **sent)
-        self._still = still.Still(self._view_state, self._view_figure)
+        self._still = still.Still(self._view_state, self._view_figure, self._send_still)
         self._ready = True
         self._refresh_window()
         self.on_msg(self._on_message)
@@ -207,12 +211,19 @@ class Inspector(anywidget.AnyWidget):
             self.send_state([name for name in sync_data if name in self.keys])
 
     def __repr__(self) -> str:
-        head = "all" if self.head < 0 else self.head
+        """The view shown, in the still's words (`contribution_lens.views.inspector.still.caption`)."""
         queries = self.meta["queries"]
         return (
-            f"Inspector(layer={self.layer}, head={head}, factor={self.factor}, scope={self.scope}, "
-            f"tokens {queries[0]}..{queries[-1]} of {len(self._subject.labels)}); display it, or .write_html(path)"
+            f"Inspector({still.caption(self._view_state())}; tokens {queries[0]}..{queries[-1]} of "
+            f"{len(self._subject.labels)}); display it, or .write_html(path)"
         )
+
+    def _progress(self) -> "Progress | bool":
+        """What a pass reports its layers to: the widget and the cell in a kernel, else a text bar (tqdm)."""
+        if kernel_shell() is None:
+            return True
+        self._last_pass = Progress(self.send)
+        return self._last_pass
 
     # --- what changes send: a window's meta, a layer's payload, a step's query -----------------------
 
@@ -310,7 +321,9 @@ class Inspector(anywidget.AnyWidget):
             windows, subject = self._windows_to_precompute(), self._subject
             every = sorted({query for each in windows for query in each.queries})
             self._tape = tape = self._new_tape([every, self.window.queries])
-            computed = compute_windows(subject.model, subject.batch, subject.layers, windows, progress=True, tape=tape)
+            computed = compute_windows(
+                subject.model, subject.batch, subject.layers, windows, progress=self._progress(), tape=tape
+            )
             # Windows of an earlier size are dropped: the memory goes to the size in use.
             self._computed = {w.key: {layer: computed[layer][w.key] for layer in subject.layers} for w in windows}
         return self._computed[window.key][layer]
@@ -424,6 +437,11 @@ class Inspector(anywidget.AnyWidget):
 
     # --- what is left when the widget cannot run: a still, a figure, an image, a page ---------------
 
+    def _send_still(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
+        """A new still to the front-end, which writes it into its notebook (`still.Still`'s ``sent``)."""
+        if kernel_shell() is not None:
+            self.send({"type": "still", "model_id": self.model_id, "data": data, "metadata": metadata})
+
     def _view_state(self) -> dict[str, Any]:
         """The traits that make the view shown (`contribution_lens.views.inspector.still.STATE`)."""
         return {name: getattr(self, name) for name in still.STATE}
@@ -452,10 +470,15 @@ class Inspector(anywidget.AnyWidget):
         """
         from IPython.display import display
 
-        self._still.display()
+        line = None if self._last_pass is None else self._last_pass.cell_output()
+        self._still.display(into=line)  # the line of the pass that built it in this cell, where there is one
+        self._last_pass = None
         bundle = self._repr_mimebundle_(**kwargs)
         if bundle is not None:
-            display(bundle[0], raw=True, metadata=bundle[1])
+            # Its text is what a front-end without the widget prints (an export, a reopened notebook): it names
+            # no view, which would go stale as the widget changes; the still above names the one it shows.
+            data = {**bundle[0], "text/plain": WIDGET_TEXT}
+            display(data, raw=True, metadata=bundle[1])
 
     def save_image(self, path: str | Path, *, scale: int | float = 2, include: str = "view") -> Path:
         """Write what the widget draws as an image, PNG, SVG or PDF by the suffix (`contribution_lens.plot.save_image`).
@@ -492,7 +515,9 @@ class Inspector(anywidget.AnyWidget):
         if cached is not None:
             return {layer: cached[layer] for layer in layers}
         subject = self._subject
-        computed = compute_windows(subject.model, subject.batch, layers, [window], progress=True, compact=compact)
+        computed = compute_windows(
+            subject.model, subject.batch, layers, [window], progress=self._progress(), compact=compact
+        )
         return {layer: by_window[window.key] for layer, by_window in computed.items()}
 
     def render_html(

@@ -15,6 +15,72 @@ export const LABELS = /** @type {Record<string, string>} */ ({
   contribution: "contribution",
 });
 
+/** A character's width in em, an upper bound for sans-serif text (digits and most letters are 0.5 to 0.56 em). */
+const EM_PER_CHAR = 0.6;
+/** A title line's height in em. */
+const LINE_EM = 1.3;
+
+/**
+ * A plotly title (its pseudo-HTML: <br>, <span style='font-size: Npx'>) wrapped to `width` px: plotly
+ * draws each line whole, so a line longer than the figure is cut at its edge. A break goes at the last
+ * space before a line would pass `width`; text inside a font-size span is measured at its size.
+ * @param {string} text
+ * @param {number} width
+ * @param {number} size the title's font size, px
+ * @returns {{text: string, height: number, lines: number}} the text, its height in px and its lines
+ */
+export function wrapTitle(text, width, size) {
+  const fonts = [size];
+  let out = "";
+  let used = 0;
+  let space = -1; // where the current line's last space is in `out`
+  let afterSpace = 0; // the width used after that space
+  let lineFont = size;
+  let height = 0;
+  let lines = 1;
+  const newLine = () => {
+    height += LINE_EM * lineFont;
+    lines += 1;
+    lineFont = fonts[fonts.length - 1];
+  };
+  for (const part of text.split(/(<[^>]*>)/)) {
+    if (part.startsWith("<")) {
+      const sized = /font-size:\s*(\d+(?:\.\d+)?)px/.exec(part);
+      if (/^<br\s*\/?>$/i.test(part)) {
+        newLine();
+        used = 0;
+        space = -1;
+      } else if (/^<span/i.test(part)) {
+        fonts.push(sized ? Number(sized[1]) : fonts[fonts.length - 1]);
+        if (used === 0) lineFont = fonts[fonts.length - 1];
+      } else if (/^<\/span/i.test(part) && fonts.length > 1) {
+        fonts.pop();
+      }
+      out += part;
+      continue;
+    }
+    for (const char of part) {
+      const w = EM_PER_CHAR * fonts[fonts.length - 1];
+      if (used + w > width && space >= 0 && char !== " ") {
+        out = out.slice(0, space) + "<br>" + out.slice(space + 1);
+        newLine();
+        used = afterSpace;
+        space = -1;
+      }
+      if (char === " ") {
+        space = out.length;
+        afterSpace = 0;
+      } else {
+        afterSpace += w;
+      }
+      out += char;
+      used += w;
+    }
+  }
+  height += LINE_EM * lineFont;
+  return { text: out, height: Math.ceil(height), lines };
+}
+
 /**
  * A number to 4 significant digits, without trailing zeros.
  * @param {number} x

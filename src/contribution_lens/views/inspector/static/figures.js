@@ -2,7 +2,7 @@
 // The per-layer views: the query x key heatmap, the text coloured by one query's row, and that
 // row's factors as bars. Each draws what `shownFactors` computed; a click makes a query the host's.
 
-import { LABELS, barsTitle, fmt, heatmapTitle, hoverCell, hoverOutside, hoverText, title } from "./captions.js";
+import { LABELS, barsTitle, fmt, heatmapTitle, hoverCell, hoverOutside, hoverText, title, wrapTitle } from "./captions.js";
 import { colourAt, gradient, paint } from "./colours.js";
 import { element } from "./controls.js";
 import { shownToken, tokenText } from "./windows.js";
@@ -61,6 +61,25 @@ function grid(meta, index, shown) {
 
 /** The smallest row a click can hit, px: a long window's heatmap grows taller (the page scrolls) rather than thinner. */
 const ROW_PX = 4;
+/** The share of the window's height a heatmap's rows may take, where rows of ROW_PX allow: a click's row and the bars under it then fit in view together. */
+const ROWS_IN_VIEW = 0.75;
+/** The figures' title size, px (what `wrapTitle` measures). */
+export const TITLE_PX = 16;
+
+/**
+ * A figure's title wrapped to its width (`wrapTitle`), drawn from the top down, and the top margin it needs.
+ * @param {string} text
+ * @param {number} width the figure's width, px
+ * @param {number} least the top margin without a title, px
+ * @returns {{title: object, top: number}}
+ */
+export function titled(text, width, least) {
+  const wrapped = wrapTitle(text, Math.max(120, width - 40), TITLE_PX);
+  return {
+    title: { text: wrapped.text, x: 0.02, xanchor: "left", y: 1, yref: "container", yanchor: "top", pad: { t: 8 }, font: { size: TITLE_PX } },
+    top: Math.max(least, wrapped.height + 40),
+  };
+}
 /** Windows with more cells than this build each hover text when the pointer is on the cell, not all beforehand. */
 export const LAZY_HOVER_CELLS = 40000;
 
@@ -108,7 +127,9 @@ function heatmapAxes(meta, width) {
   const cell = cellPx(meta, width);
   // Labels in a subset: as many as the axis's pixels hold (one per 20 px), whatever the rounding of `cell`.
   const keyPx = Math.max(cell, (width - 240 - column) / nk);
-  const row = Math.max(cell, ROW_PX);
+  // Rows as tall as cells are wide, but no taller than lets the rows fit ROWS_IN_VIEW of the window (down to ROW_PX).
+  const fit = Math.floor((ROWS_IN_VIEW * (globalThis.innerHeight || 1000) - 200) / nq);
+  const row = Math.max(ROW_PX, Math.min(cell, fit));
   const share = column / Math.max(1, width - 240);
   return {
     hint: cell >= 7 && row >= 7 ? "" : "drag a box to zoom, double-click to reset",
@@ -199,12 +220,17 @@ export function drawHeatmap(view, meta, entry, both, state, extra) {
     lazy ? { hoverinfo: "none" } : { text: entry.views.get(extra.textKey), hovertemplate: "%{text}<extra></extra>" },
   );
   const traces = meta.outside && meta.outside.length ? [trace, outsideTrace(meta, extra.outside, state)] : [trace];
+  const width = view.heatmapWidth || view.drawnWidth;
+  const head = titled(heatmapTitle(meta, state) + (hint ? "<br><span style='font-size: 11px'>" + hint + "</span>" : ""), width, 70);
   const layout = {
-    title: { text: heatmapTitle(meta, state) + (hint ? "<br><span style='font-size: 11px'>" + hint + "</span>" : ""), x: 0.02, xanchor: "left" },
-    xaxis, xaxis2, yaxis, width: view.heatmapWidth || view.drawnWidth, height, margin: { t: 70, r: 20 },
+    title: head.title,
+    xaxis, xaxis2, yaxis, width, height: height + head.top - 70, margin: { t: head.top, r: 20 },
     coloraxis: { colorscale: signed ? meta.colorscales.diverging : meta.colorscales.sequential, cmid: signed ? 0 : undefined,
                  colorbar: { title: { text: LABELS[state.factor] }, thickness: 14 } },
     shapes: marks(view, meta, state),
+    // A zoom stays through a click's redraw (the same window and layer): at 800 keys of 0.9 px, zoomed in,
+    // a click reaches every key, and the next click there needs no zoom again.
+    uirevision: meta.key + "/" + state.layer,
   };
   const drawn = plot(view.parts.heatmap, traces, layout, (event) => clicked(view, event));
   return drawn.then(() => lazyHover(view));
@@ -320,8 +346,36 @@ export function drawText(view, meta, entry, both, state) {
   return Promise.resolve();
 }
 
+/** The narrowest panel of bars side by side, px: narrower, the four panels go two by two. */
+const BAR_PANEL_PX = 120;
+/** The space between two rows of bar panels, px: the upper row's axis titles and ticks. */
+const BAR_ROW_GAP_PX = 80;
+/** The space between two panels of bars side by side, px. */
+const BAR_GAP_PX = 36;
+/** An axis title's character width at 12 px, an upper bound, px. */
+const EM_PX = 7.2;
+
 /**
- * The selected query's keys and their four factors, side by side as horizontal bars.
+ * The x axis of the bars' panel in column `c` and row `r` of `columns`, each `panelPx` wide.
+ * @param {string} label the factor's name
+ * @param {number} c
+ * @param {number} r
+ * @param {number} columns
+ * @param {number} panelPx
+ */
+function barAxis(label, c, r, columns, panelPx) {
+  // A title wider than its panel goes on two lines ("relative<br>norm"): titles never overlap.
+  const text = EM_PX * label.length > panelPx - 8 ? label.replace(" ", "<br>") : label;
+  // BAR_GAP_PX between panels: the last tick label of one and the first of the next never meet.
+  const gap = Math.min(0.08, BAR_GAP_PX / 2 / Math.max(1, columns * panelPx));
+  return {
+    title: { text, font: { size: 12 } }, domain: [c / columns + gap, (c + 1) / columns - gap], anchor: r ? "y" + (r + 1) : "y",
+    zeroline: true, nticks: Math.max(3, Math.floor(panelPx / 60)), tickfont: { size: 10 }, automargin: true,
+  };
+}
+
+/**
+ * The selected query's keys and their four factors, side by side as horizontal bars (two by two where narrow).
  * @param {View} view
  * @param {Meta} meta
  * @param {Entry} entry
@@ -334,39 +388,48 @@ export function drawBars(view, meta, entry, values, state) {
   /** @type {string[]} */
   const keys = [];
   /** @type {number[][]} */
-  const rows = meta.factors.map(() => []);
+  const series = meta.factors.map(() => []);
   for (let ki = 0; ki < nk; ki++) {
     const c = qi < 0 ? -1 : entry.d.index[qi * nk + ki];
     if (c < 0 || Number.isNaN(values.attention[c])) continue;
     keys.push(meta.key_labels[ki]);
-    meta.factors.forEach((f, i) => rows[i].push(values[/** @type {keyof Factors} */ (f)][c]));
+    meta.factors.forEach((f, i) => series[i].push(values[/** @type {keyof Factors} */ (f)][c]));
   }
+  const width = view.barsWidth || Math.min(1000, view.drawnWidth);
+  const n = meta.factors.length;
+  // Side by side where each panel has room for its title and ticks, else two by two (an output of 368 px).
+  const labelPx = Math.min(160, 10 + 6 * Math.max(0, ...keys.map((k) => k.length)));
+  const columns = (width - labelPx - 30) / n < BAR_PANEL_PX ? 2 : n;
+  const rows = Math.ceil(n / columns);
+  const panelPx = (width - labelPx - 30) / columns;
+  const keyRows = (keys.length > 129 ? 8 : 13) * keys.length;
+  const head = titled(barsTitle(meta, state, meta.query_labels[qi]), width, 90);
+  const bottom = 80;
+  const gap = rows > 1 ? BAR_ROW_GAP_PX : 0;
+  const height = Math.max(300, head.top + bottom + rows * Math.max(keyRows - 30, 120) + gap * (rows - 1));
+  const area = height - head.top - bottom;
+  const span = (area - gap * (rows - 1)) / rows;
   const traces = meta.factors.map((f, i) => ({
     type: "bar",
     orientation: "h",
     name: LABELS[f],
     y: keys,
-    x: rows[i],
+    x: series[i],
     xaxis: i ? "x" + (i + 1) : "x",
-    yaxis: "y",
+    yaxis: Math.floor(i / columns) ? "y" + (Math.floor(i / columns) + 1) : "y",
     hovertemplate: "%{y}: %{x:.4g}<extra>" + LABELS[f] + "</extra>",
   }));
   /** @type {Record<string, any>} */
-  const layout = {
-    title: {
-      text: barsTitle(meta, state, meta.query_labels[qi]),
-      x: 0.02,
-      xanchor: "left",
-    },
-    showlegend: false,
-    yaxis: { autorange: "reversed", type: "category", tickfont: { size: keys.length > 129 ? 7 : 10 }, automargin: true },
-    height: Math.max(300, (keys.length > 129 ? 8 : 13) * keys.length + 140),
-    width: view.barsWidth || Math.min(1000, view.drawnWidth),
-    margin: { t: 90 },
-  };
-  const n = meta.factors.length;
+  const layout = { title: head.title, showlegend: false, height, width, margin: { t: head.top, b: bottom } };
+  for (let r = 0; r < rows; r++) {
+    const top = r * (span + gap);
+    layout[r ? "yaxis" + (r + 1) : "yaxis"] = {
+      autorange: "reversed", type: "category", tickfont: { size: keys.length > 129 ? 7 : 10 }, automargin: true,
+      domain: [Math.max(0, 1 - (top + span) / area), Math.min(1, 1 - top / area)],
+    };
+  }
   meta.factors.forEach((f, i) => {
-    layout[i ? "xaxis" + (i + 1) : "xaxis"] = { title: { text: LABELS[f] }, domain: [i / n + 0.02, (i + 1) / n - 0.02], anchor: "y", zeroline: true };
+    layout[i ? "xaxis" + (i + 1) : "xaxis"] = barAxis(LABELS[f], i % columns, Math.floor(i / columns), columns, panelPx);
   });
   return /** @type {any} */ (globalThis).Plotly.react(view.parts.bars, traces, layout, CONFIG);
 }

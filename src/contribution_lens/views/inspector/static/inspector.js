@@ -31,6 +31,10 @@ const RUN_AGAIN = "The inspector's last view: run the cell again to explore it."
 const CLICK_A_CELL = "click a cell of the heatmap: the kernel splits this head's score there";
 /** How long a view must stay unchanged before it is sent to the kernel as the still. */
 const SETTLE_MS = 1000;
+/** Said with NO_KERNEL where a change could not be drawn and was undone (one state: the menus show what is drawn). */
+const UNDONE = "The change that needed it was undone: the menus show the view drawn.";
+/** The MIME type of a widget's output (its model_id names the widget). */
+const WIDGET_VIEW = "application/vnd.jupyter.widget-view+json";
 
 /**
  * plotly.js, loaded once per notebook page: the first widget that finds no globalThis.Plotly asks
@@ -144,9 +148,10 @@ export function whyRows(model, kernel, onAnswer) {
  * @param {WidgetModel} model
  * @param {ReturnType<typeof kernelWatch>} kernel
  * @param {ReturnType<typeof whyRows>} why
+ * @param {() => void} undo called when a change cannot be drawn: no kernel answered it
  * @returns {Host}
  */
-function widgetHost(model, kernel, why) {
+function widgetHost(model, kernel, why, undo) {
   return {
     why,
     meta: () => model.get("meta"),
@@ -165,7 +170,10 @@ function widgetHost(model, kernel, why) {
     open: (step, layer, head) => model.send({ type: "open", step, layer, head }),
     pending: (state) => {
       kernel.check();
-      if (kernel.missing) return "not drawn: no kernel answered";
+      if (kernel.missing) {
+        setTimeout(undo); // after this drawing: the menus go back to the view drawn, which is drawn again
+        return "not drawn: no kernel answered";
+      }
       return state ? "computing layer " + state.layer + "…" : "waiting for the kernel…";
     },
     // Windows of the widget's size, half-overlapping, over the whole text.
@@ -255,12 +263,79 @@ function stillKeeper(model, root, kernel) {
     const key = JSON.stringify([state, model.get("meta").key, root.getBoundingClientRect().width]);
     if (key === sent) return;
     const drawn = state.view === "text" ? null : await drawnImage(root).catch(() => null);
-    sent = key;
-    model.send({ type: "snapshot", state, png: drawn ? drawn.png : null, width: drawn ? drawn.width : null });
+    try {
+      model.send({ type: "snapshot", state, png: drawn ? drawn.png : null, width: drawn ? drawn.width : null });
+      sent = key;
+    } catch (error) {
+      // A closed comm (the notebook's tab closed, or the kernel gone): nobody keeps this still now.
+    }
   };
   return () => {
     if (timer) clearTimeout(timer);
     timer = setTimeout(send, SETTLE_MS);
+  };
+}
+
+/**
+ * The still of this widget written into JupyterLab's notebook model, every output of it (the output just
+ * before each of the widget's own): what the kernel's update of its display id does, for a front-end that
+ * did not see the still displayed (a notebook reopened while its kernel runs), whose file kept an older
+ * view. True where a still was written; nothing happens elsewhere (no notebook model: the page, VS Code).
+ * @param {WidgetModel} model
+ * @param {{model_id?: string, data?: Record<string, unknown>, metadata?: Record<string, unknown>}} still
+ * @returns {boolean}
+ */
+export function writeStill(model, still) {
+  const manager = model.widget_manager;
+  const notebook = manager && manager.context && manager.context.model;
+  if (!notebook || !notebook.cells || !still.model_id || !still.data) return false;
+  const cells = notebook.cells;
+  let written = false;
+  for (let c = 0; c < cells.length; c++) {
+    const outputs = cells.get(c).outputs;
+    if (!outputs) continue;
+    for (let i = 1; i < outputs.length; i++) {
+      const view = outputs.get(i).data[WIDGET_VIEW];
+      const before = outputs.get(i - 1);
+      const metadata = before.metadata || {};
+      if (!view || view.model_id !== still.model_id || !metadata.contribution_lens) continue;
+      if (JSON.stringify(before.data) === JSON.stringify(still.data)) continue; // already this still
+      outputs.set(i - 1, { output_type: "display_data", data: still.data, metadata: still.metadata || {} });
+      written = true;
+    }
+  }
+  return written;
+}
+
+/**
+ * One state: the traits of the view last drawn, and a change that cannot be drawn (no kernel answered
+ * it) undone back to them, sent to the kernel too (a busy kernel that answers later then draws that view).
+ * @param {WidgetModel} model
+ * @param {HTMLElement} root
+ * @returns {{drawn: () => void, undo: () => boolean}}
+ */
+export function drawnState(model, root) {
+  /** @type {Record<string, unknown> | null} */
+  let last = null;
+  return {
+    drawn() {
+      const status = root.querySelector(".cl-status");
+      if (status && status.textContent) return; // waiting for a layer: not what is drawn
+      last = Object.fromEntries(STILL_STATE.map((name) => [name, model.get(name)]));
+    },
+    undo() {
+      if (!last) return false;
+      const kept = /** @type {Record<string, unknown>} */ (last);
+      const changed = STILL_STATE.filter((name) => JSON.stringify(model.get(name)) !== JSON.stringify(kept[name]));
+      if (!changed.length) return false;
+      for (const name of changed) model.set(name, kept[name]);
+      try {
+        model.save_changes();
+      } catch (error) {
+        // A closed comm (the kernel is gone): the menus still show the view drawn.
+      }
+      return true;
+    },
   };
 }
 
@@ -275,20 +350,41 @@ async function render({ model, el }) {
   const line = element("div", { className: "cl-kernel" }, el);
   /** @type {{refresh: () => Promise<unknown>} | null} */
   let view = null;
+  let undone = false;
+  const state = drawnState(model, el);
+  const undo = () => {
+    if (state.undo()) undone = true;
+    line.textContent = kernel.missing ? NO_KERNEL + (undone ? " " + UNDONE : "") : "";
+  };
   const kernel = kernelWatch(model, () => {
-    line.textContent = kernel.missing ? NO_KERNEL : "";
+    if (!kernel.missing) undone = false;
+    line.textContent = kernel.missing ? NO_KERNEL + (undone ? " " + UNDONE : "") : "";
     const still = stillOutput(el);
     if (still && kernel.answered) still.style.display = "none"; // the live widget shows the view
     if (view) view.refresh();
+  });
+  // A pass under way in the kernel (progress.py): which layer it is on, "" once it ends.
+  const busy = element("div", { className: "cl-progress" }, el);
+  model.on("msg:custom", (message) => {
+    if (!message) return;
+    if (message.type === "progress") {
+      busy.textContent = typeof message.text === "string" ? message.text : "";
+    } else if (message.type === "still") {
+      writeStill(model, message);
+    }
   });
   kernel.check();
   const waiting = element("div", { className: "cl-status", textContent: "waiting for the kernel…" }, el);
   await ensurePlotly(model);
   waiting.remove();
   const why = whyRows(model, kernel, () => view && view.refresh());
-  view = mount(el, widgetHost(model, kernel, why));
+  view = mount(el, widgetHost(model, kernel, why, undo));
   const settled = stillKeeper(model, el, kernel);
-  const redraw = () => /** @type {{refresh: () => Promise<unknown>}} */ (view).refresh().then(settled);
+  const redraw = () =>
+    /** @type {{refresh: () => Promise<unknown>}} */ (view).refresh().then(() => {
+      state.drawn();
+      settled();
+    });
   const names = [...TRAITS, "payload", "meta", "error", "steps"];
   for (const name of names) model.on("change:" + name, redraw);
   await redraw();

@@ -175,6 +175,7 @@
  * @property {(event: string, callback: (message?: any) => void) => void} off
  * @property {(message: Record<string, any>) => void} send
  * @property {() => void} save_changes
+ * @property {any} [widget_manager] the front-end's widget manager (JupyterLab's holds its notebook: `context`)
  */
 
 /**

@@ -171,10 +171,63 @@ function drawLayer(view, meta, state, shown) {
   const drawn = shown === "text" ? drawText(view, meta, entry, both, state) : drawHeatmap(view, meta, entry, both, state, extra);
   const bars = drawBars(view, meta, entry, both[/** @type {"intra" | "inter"} */ (state.scope)], state);
   return Promise.all([drawn, bars, drawWhy(view, meta, state)]).then(() => {
-    // A click's effect: the bars of the clicked query come into view (below the heatmap, or beside it where wide).
-    if (view.reveal) parts.bars.scrollIntoView({ block: "nearest" });
+    // A click's effect: the bars of the clicked query come into view, its row of the heatmap kept in view too.
+    if (view.reveal) reveal(view, shown === "text" ? -1 : meta.queries.indexOf(state.query));
     view.reveal = false;
   });
+}
+
+/**
+ * The nearest ancestor of `node` that scrolls (JupyterLab's notebook), or null (the page itself scrolls).
+ * @param {HTMLElement} node
+ * @returns {HTMLElement | null}
+ */
+function scroller(node) {
+  for (let p = node.parentElement; p; p = p.parentElement) {
+    const overflow = getComputedStyle(p).overflowY;
+    if ((overflow === "auto" || overflow === "scroll") && p.scrollHeight > p.clientHeight) return p;
+  }
+  return null;
+}
+
+/** The bars a click brings into view under the heatmap, px: their caption and first keys. */
+const BARS_SHOWN_PX = 160;
+/** The space kept above the clicked row, px. */
+const ROW_MARGIN_PX = 40;
+
+/**
+ * A click's scroll: the bars under the heatmap (their caption and first keys) come into view while the
+ * clicked row stays in view, by the least scroll that shows both; where they are too far apart for one
+ * view (or beside each other, or with no row: the text view), the bars as before.
+ * @param {View} view
+ * @param {number} row the clicked query's row of the heatmap (-1: none)
+ */
+function reveal(view, row) {
+  const { heatmap, bars } = view.parts;
+  const gd = /** @type {any} */ (heatmap);
+  const under = bars.getBoundingClientRect().top >= heatmap.getBoundingClientRect().bottom - 1;
+  const layout = gd._fullLayout;
+  if (row < 0 || !under || !layout || !layout.yaxis) {
+    bars.scrollIntoView({ block: "nearest" });
+    return;
+  }
+  const box = heatmap.getBoundingClientRect();
+  const rowY = box.top + layout._size.t + layout.yaxis.l2p(row);
+  const barsBox = bars.getBoundingClientRect();
+  const want = barsBox.top + Math.min(BARS_SHOWN_PX, barsBox.height);
+  const outer = scroller(view.root);
+  const frame = outer ? outer.getBoundingClientRect() : { top: 0, bottom: globalThis.innerHeight };
+  // A scroll by `delta` keeps the row in view while rowY - delta >= top + margin, and shows the bars while want - delta <= bottom.
+  const least = want - frame.bottom;
+  const most = rowY - frame.top - ROW_MARGIN_PX;
+  if (least > most) {
+    bars.scrollIntoView({ block: "nearest" });
+    return;
+  }
+  const delta = Math.min(Math.max(0, least), most);
+  if (!delta) return;
+  if (outer) outer.scrollTop += delta;
+  else globalThis.scrollBy(0, delta);
 }
 
 /**
