@@ -103,25 +103,46 @@ class Interchange:
     patch: Float[Tensor, "writer input"]
     skip_unpatched: bool = True
     _group: tuple[tuple[int, int], Tensor | None] = ((-1, -1), None)
+    _total: Tensor | None = None
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         lo, hi = self.graph.writer_range(kind, layer)
         self.delta[lo:hi] -= out.detach().permute(2, 0, 1, 3)
+        total = self.delta[lo:hi].sum(0)
+        self._total = total if self._total is None else self._total + total
         return None
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
         start, end = self.graph.input_group(kind, layer)
         if self._group[0] != (start, end):  # a layer's q, k and v inputs are computed together, once
-            upstream = int(self.graph.upstream[start])
-            weights = self.patch[:upstream, start:end]
-            if self.skip_unpatched and not bool(weights.any()):
-                group = None  # every edge into these inputs is kept: the model's own computation is the same
-            else:
-                group = stream[:, :, None] + _moved(self.delta[:upstream], weights.to(self.delta.dtype))
-            self._group = ((start, end), group)
+            self._group = ((start, end), self._inputs(start, end, stream))
         group = self._group[1]
         lo, hi = self.graph.input_range(kind, layer)
         return None if group is None else group[:, :, lo - start : hi - start]
+
+    def _inputs(self, start: int, end: int, stream: Tensor) -> Tensor | None:
+        """``s + sum_u P[u, i] delta_u``, or ``s + sum_u delta_u - sum_u (1 - P[u, i]) delta_u`` when fewer are kept.
+
+        The writers upstream are exactly those written so far, whose differences' sum is kept as
+        they are written: a small circuit then costs its kept edges, a large one its patched edges.
+        """
+        upstream = int(self.graph.upstream[start])
+        patched = self.patch[:upstream, start:end].to(self.delta.dtype)
+        if self.skip_unpatched and not bool(patched.any()):
+            return None  # every edge into these inputs is kept: the model's own computation is the same
+        kept = 1 - patched
+        rows_patched = torch.nonzero(patched.any(1))[:, 0]
+        rows_kept = torch.nonzero(kept.any(1))[:, 0]
+        base = stream[:, :, None].expand(-1, -1, end - start, -1)
+        if len(rows_kept) < len(rows_patched) and self._total is not None:
+            return base + self._total[:, :, None] - self._sum(rows_kept, kept)
+        return base + self._sum(rows_patched, patched)
+
+    def _sum(self, rows: Tensor, weights: Tensor) -> Tensor:
+        """``sum_u weights[u, i] delta_u`` over ``rows`` (gathered when few, else the contiguous block read whole)."""
+        if 2 * len(rows) > weights.shape[0]:
+            return _moved(self.delta[: weights.shape[0]], weights)
+        return _moved(self.delta[rows], weights[rows])
 
 
 @dataclass
@@ -182,6 +203,8 @@ def _moved(
 ) -> Float[Tensor, "batch pos slot d_model"]:
     """``sum_u weights[u, i] delta_u`` for every input ``i``: one matrix product over contiguous writers."""
     upstream, batch, pos, d_model = delta.shape
+    if upstream == 0:
+        return delta.new_zeros(batch, pos, weights.shape[1], d_model)
     moved = weights.T @ delta.reshape(upstream, -1)
     return einops.rearrange(moved, "i (b p d) -> b p i d", b=batch, p=pos)
 
