@@ -84,7 +84,10 @@ def circuit_refusal(model: Model) -> str | None:
             "position, which every position of an encoder sees, so right-padded prompts are not separable"
         )
     names = model.hook_dict
-    for needed in ("embed.hook_out", "ln_final.hook_in", "blocks.0.attn.hook_z", "blocks.0.attn.hook_q"):
+    needed_hooks = ["embed.hook_out", "ln_final.hook_in"]
+    needed_hooks += [f"blocks.0.{name}" for name in ("hook_resid_pre", "ln2.hook_in", "hook_mlp_out", "attn.hook_z")]
+    needed_hooks += [f"blocks.0.attn.hook_{side}" for side in "qkv"]
+    for needed in needed_hooks:
         if needed not in names:
             return f"its bridge has no {needed} hook"
     for layer, form in block_forms(model).items():
