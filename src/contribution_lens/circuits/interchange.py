@@ -102,6 +102,7 @@ class Interchange:
     delta: Float[Tensor, "writer batch pos d_model"]
     patch: Float[Tensor, "writer input"]
     skip_unpatched: bool = True
+    share_identical: bool = True
     _group: tuple[tuple[int, int], Tensor | None] = ((-1, -1), None)
     _total: Tensor | None = None
 
@@ -115,25 +116,38 @@ class Interchange:
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
         start, end = self.graph.input_group(kind, layer)
         if self._group[0] != (start, end):  # a layer's q, k and v inputs are computed together, once
-            self._group = ((start, end), self._inputs(start, end, stream))
+            upstream = int(self.graph.upstream[start])
+            self._group = ((start, end), self._inputs(self.patch[:upstream, start:end], stream))
         group = self._group[1]
         lo, hi = self.graph.input_range(kind, layer)
         return None if group is None else group[:, :, lo - start : hi - start]
 
-    def _inputs(self, start: int, end: int, stream: Tensor) -> Tensor | None:
+    def read_shared(self, layer: int, stream: Tensor) -> Tensor | None:
+        """Layer ``layer``'s one attention input where all its q, k and v inputs are the same, else None.
+
+        Then the model's own norm and projections compute them from it (no per-head inputs).
+        """
+        start, end = self.graph.input_group("q", layer)
+        patched = self.patch[: int(self.graph.upstream[start]), start:end]
+        if not self.share_identical or not bool((patched == patched[:, :1]).all()):
+            return None
+        shared = self._inputs(patched[:, :1], stream)
+        self._group = ((start, end), None)  # the q, k and v reads then keep the model's own computation
+        return None if shared is None else shared[:, :, 0]
+
+    def _inputs(self, patched: Tensor, stream: Tensor) -> Tensor | None:
         """``s + sum_u P[u, i] delta_u``, or ``s + sum_u delta_u - sum_u (1 - P[u, i]) delta_u`` when fewer are kept.
 
         The writers upstream are exactly those written so far, whose differences' sum is kept as
         they are written: a small circuit then costs its kept edges, a large one its patched edges.
         """
-        upstream = int(self.graph.upstream[start])
-        patched = self.patch[:upstream, start:end].to(self.delta.dtype)
+        patched = patched.to(self.delta.dtype)
         if self.skip_unpatched and not bool(patched.any()):
             return None  # every edge into these inputs is kept: the model's own computation is the same
         kept = 1 - patched
         rows_patched = torch.nonzero(patched.any(1))[:, 0]
         rows_kept = torch.nonzero(kept.any(1))[:, 0]
-        base = stream[:, :, None].expand(-1, -1, end - start, -1)
+        base = stream[:, :, None].expand(-1, -1, patched.shape[1], -1)
         if len(rows_kept) < len(rows_patched) and self._total is not None:
             return base + self._total[:, :, None] - self._sum(rows_kept, kept)
         return base + self._sum(rows_patched, patched)
