@@ -110,3 +110,14 @@ def test_the_curve_sums_trapezoids_as_mib_does() -> None:
     want_cpr = sum((x[i + 1] - x[i]) * (f[i] + f[i + 1]) / 2 for i in range(9))
     want_cmd = sum((x[i + 1] - x[i]) * (abs(1 - f[i]) + abs(1 - f[i + 1])) / 2 for i in range(9))
     assert abs(float(cpr) - float(want_cpr)) < 1e-12 and abs(float(cmd) - float(want_cmd)) < 1e-12
+
+
+def test_batches_under_a_small_memory_budget_give_the_same_scores_and_curve() -> None:
+    """One prompt a batch (a budget smaller than one prompt's differences) against all prompts at once."""
+    model = tiny_bridge("gqa", biases=True)
+    task = random_task(model, n=4, seed=3)
+    whole = cl.circuit_scores(model, task, method="eap")
+    one_by_one = cl.circuit_scores(model, task, method="eap", memory=1)
+    assert_close(one_by_one.edge_scores, whole.edge_scores, rtol=1e-4, atol=1e-6)
+    curves = [cl.circuit_curve(model, task, whole, memory=memory) for memory in (2**30, 1)]
+    assert_close(curves[1].patched, curves[0].patched, rtol=1e-5, atol=1e-5)

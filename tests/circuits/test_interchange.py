@@ -41,10 +41,13 @@ def test_every_edge_kept_is_the_clean_pass_and_none_the_counterfactual(models, f
     task = random_task(model)
     graph, rows, record, clean, corrupted = _passes(model, task)
     # skip_unpatched=False: every input is recomputed per head through the norm and projections.
-    kept = ic.Interchange(graph, record.clone(), torch.zeros(graph.valid.shape), skip_unpatched=False)
+    kept = ic.Interchange(
+        graph, record.clone(), torch.zeros(graph.valid.shape), skip_unpatched=False, share_identical=False
+    )
     assert_close(ic.patched_metric(model, task, rows, kept), clean, rtol=0, atol=1e-5)
-    none = ic.Interchange(graph, record.clone(), graph.valid.float())
-    assert_close(ic.patched_metric(model, task, rows, none), corrupted, rtol=0, atol=1e-5)
+    for share in (True, False):  # one input for all heads through the model's own projections, or per head
+        none = ic.Interchange(graph, record.clone(), graph.valid.float(), share_identical=share)
+        assert_close(ic.patched_metric(model, task, rows, none), corrupted, rtol=0, atol=1e-5)
     every = cl.Circuit.from_nodes(graph, graph.components)
     assert abs(cl.evaluate_circuit(model, task, every).faithfulness - 1) < 1e-5
 
@@ -56,10 +59,11 @@ def test_a_node_level_circuit_is_the_patching_of_the_nodes_left_out(models, form
     graph, rows, record, _, _ = _passes(model, task)
     chosen = graph.components[::2]
     circuit = cl.Circuit.from_nodes(graph, chosen)
-    through_edges = ic.patched_metric(model, task, rows, ic.Interchange(graph, record.clone(), circuit.patch()))
     left_out = torch.tensor([name in graph.components and name not in chosen for name in graph.writers])
     direct = ic.patched_metric(model, task, rows, ic.NodePatch(graph, record, left_out))
-    assert_close(through_edges, direct, rtol=0, atol=1e-5)
+    for share in (True, False):
+        stream = ic.Interchange(graph, record.clone(), circuit.patch(), share_identical=share)
+        assert_close(ic.patched_metric(model, task, rows, stream), direct, rtol=0, atol=1e-5)
     assert not torch.allclose(direct, ic.patched_metric(model, task, rows, ic.Null())), "the patch changed nothing"
 
 
@@ -83,7 +87,9 @@ def test_the_identities_hold_on_smollm2(bundled_model) -> None:
         "induction", clean[:, :-1], corrupted[:, :-1], half[:, -1], other[:, -1], cl.Task.full_length(clean[:, :-1])
     )
     graph, rows, record, clean_m, corrupted_m = _passes(bundled_model, task)
-    kept = ic.Interchange(graph, record.clone(), torch.zeros(graph.valid.shape), skip_unpatched=False)
+    kept = ic.Interchange(
+        graph, record.clone(), torch.zeros(graph.valid.shape), skip_unpatched=False, share_identical=False
+    )
     assert_close(ic.patched_metric(bundled_model, task, rows, kept), clean_m, rtol=0, atol=1e-4)
     none = ic.Interchange(graph, record.clone(), graph.valid.float())
     assert_close(ic.patched_metric(bundled_model, task, rows, none), corrupted_m, rtol=0, atol=1e-4)

@@ -32,6 +32,7 @@ from helpers import NEEDS_CHROMIUM, ROOT, docstring_ids
 FACES = (
     "contribution_lens",
     "contribution_lens.analyses",
+    "contribution_lens.circuits",
     "contribution_lens.cli",
     "contribution_lens.faithfulness",
     "contribution_lens.methods",

@@ -77,7 +77,12 @@ def circuit_refusal(model: Model) -> str | None:
             "position, which every position of an encoder sees, so right-padded prompts are not separable"
         )
     names = model.hook_dict
-    for needed in ("embed.hook_out", "ln_final.hook_in", "blocks.0.attn.hook_z", "blocks.0.attn.hook_q"):
+    needed_hooks = ["embed.hook_out", "ln_final.hook_in"]
+    needed_hooks += [
+        f"blocks.0.{n}" for n in ("hook_resid_pre", "ln1.hook_in", "ln2.hook_in", "hook_mlp_out", "attn.hook_z")
+    ]
+    needed_hooks += [f"blocks.0.attn.hook_{side}" for side in "qkv"]
+    for needed in needed_hooks:
         if needed not in names:
             return f"its bridge has no {needed} hook"
     for layer, form in block_forms(model).items():
@@ -162,6 +167,11 @@ def _layer_hooks(model: Model, layer: int, stream: Stream, dtype: torch.dtype) -
     def keep_resid(tensor: Tensor, hook: Any) -> None:
         kept["resid"] = tensor
 
+    def attention_in(tensor: Tensor, hook: Any) -> Tensor | None:
+        share = getattr(stream, "read_shared", None)  # one input for every head: the model's own projections
+        x = None if share is None else share(layer, _up(tensor))
+        return None if x is None else x.to(tensor.dtype)
+
     def projection(side: str) -> HookFn:
         def hook(tensor: Tensor, hook: Any) -> Tensor | None:
             x = stream.read(side, layer, _up(kept["resid"]))
@@ -190,7 +200,7 @@ def _layer_hooks(model: Model, layer: int, stream: Stream, dtype: torch.dtype) -
         return _corrected(tensor, stream.write("mlp", layer, _up(tensor)[:, :, None]))
 
     out_hook = f"{block}.attn.o.hook_out" if weights.post_name is None else f"{block}.{weights.post_name}.hook_out"
-    hooks: list[tuple[str, HookFn]] = [(f"{block}.hook_resid_pre", keep_resid)]
+    hooks: list[tuple[str, HookFn]] = [(f"{block}.hook_resid_pre", keep_resid), (f"{block}.ln1.hook_in", attention_in)]
     hooks += [(f"{block}.attn.hook_{side}", projection(side)) for side in "qkv"]
     hooks += [(f"{block}.attn.hook_z", heads)]
     if weights.post_name is not None:

@@ -51,7 +51,7 @@ def eap(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, " ed
     for rows in ic.batches(task, size):
         corrupted, _ = ic.record(model, task, graph, rows, corrupted=True)
         clean = ic.Record(graph)
-        stream = ic.Gradient(graph, corrupted.clone(), 1.0, clean)
+        stream = ic.Gradient(graph, corrupted, 1.0, clean)
         value = _gradient_pass(model, task, rows, stream)
         assert clean.outputs is not None
         scores = corrupted.new_zeros(graph.valid.shape) if scores is None else scores
@@ -72,7 +72,7 @@ def eap_ig(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, "
         del clean
         scores = corrupted.new_zeros(graph.valid.shape) if scores is None else scores
         for step in range(context.steps):
-            stream = ic.Gradient(graph, corrupted.clone(), step / context.steps)
+            stream = ic.Gradient(graph, corrupted, step / context.steps)
             value = _gradient_pass(model, task, rows, stream)
             ic.gradient_scores(graph, stream, value, delta, scores)
     assert scores is not None

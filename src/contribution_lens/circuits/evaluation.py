@@ -17,9 +17,8 @@ Example:
     >>> model = cl.load_model()
     >>> ids = torch.randint(100, 1000, (2, 6), generator=torch.Generator().manual_seed(0))
     >>> task = cl.Task("demo", ids, ids.flip(0), ids[:, 0], ids[:, 1], cl.Task.full_length(ids))
-    >>> circuit = cl.Circuit.from_nodes(cl.circuit_graph(model), [f"L{l}.mlp" for l in range(30)])
-    >>> result = cl.evaluate_circuit(model, task, circuit)
-    >>> every = cl.Circuit.from_nodes(cl.circuit_graph(model), cl.circuit_graph(model).components)
+    >>> graph = cl.circuit_graph(model)
+    >>> every = cl.Circuit.from_nodes(graph, graph.components)  # the whole model: the clean pass
     >>> round(cl.evaluate_circuit(model, task, every).faithfulness, 4)
     1.0
 """

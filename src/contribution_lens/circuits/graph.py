@@ -107,6 +107,12 @@ class Graph:
         offset, size = sizes[kind]
         return start + offset, start + offset + size
 
+    def input_group(self, kind: str, layer: int) -> tuple[int, int]:
+        """The slice of `inputs` read from one stream together: a layer's q, k and v inputs, else ``kind``'s own."""
+        if kind in ("q", "k", "v"):
+            return self.input_range("q", layer)[0], self.input_range("v", layer)[1]
+        return self.input_range(kind, layer)
+
     def writer_range(self, kind: str, layer: int) -> tuple[int, int]:
         """The slice of `writers` written at ``kind`` (embed, pos_embed, heads, mlp) of ``layer``."""
         if kind == "embed":

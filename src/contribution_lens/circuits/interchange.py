@@ -8,8 +8,9 @@ where ``s_i`` is the residual stream this pass carries where ``i`` reads it, ``o
 ``u``'s output in this pass and ``r_u`` its output in the counterfactual (corrupted) pass: each
 edge left out carries the counterfactual's activation, each kept edge the pass's own (MIB's
 interchange intervention). Keeping every edge gives the clean pass; keeping none, the
-counterfactual's. The differences ``r_u - o_u`` ``[batch pos writer d_model]`` are held in
-float32 for one batch of prompts, whose size a memory budget sets (`batch_size`).
+counterfactual's. The differences ``r_u - o_u`` are held in float32 for one batch of prompts,
+whose size a memory budget sets (`batch_size`), writers first (``[writer batch pos d_model]``):
+the writers upstream of an input are then one contiguous block, read by one matrix product.
 
 The same passes serve the gradient methods: `Gradient` reads every input as ``s_i`` itself and
 keeps those tensors, so ``dm/dx_i`` is the gradient at each input (the q, k, v inputs of a head
@@ -70,7 +71,7 @@ class Null:
 
 @dataclass
 class Record:
-    """Keeps every writer's output ``[batch pos writer d_model]`` (detached, float32 at least)."""
+    """Keeps every writer's output ``[writer batch pos d_model]`` (detached, float32 at least)."""
 
     graph: Graph
     outputs: Tensor | None = None
@@ -78,9 +79,9 @@ class Record:
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         if self.outputs is None:
             batch, pos, _, d_model = out.shape
-            self.outputs = out.new_zeros(batch, pos, len(self.graph.writers), d_model)
+            self.outputs = out.new_zeros(len(self.graph.writers), batch, pos, d_model)
         lo, hi = self.graph.writer_range(kind, layer)
-        self.outputs[:, :, lo:hi] = out.detach()
+        self.outputs[lo:hi] = out.detach().permute(2, 0, 1, 3)
         return None
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
@@ -97,23 +98,64 @@ class Interchange:
     """
 
     graph: Graph
-    delta: Float[Tensor, "batch pos writer d_model"]
+    delta: Float[Tensor, "writer batch pos d_model"]
     patch: Float[Tensor, "writer input"]
     skip_unpatched: bool = True
+    share_identical: bool = True
+    _group: tuple[tuple[int, int], Tensor | None] = ((-1, -1), None)
+    _total: Tensor | None = None
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         lo, hi = self.graph.writer_range(kind, layer)
-        self.delta[:, :, lo:hi] -= out.detach()
+        self.delta[lo:hi] -= out.detach().permute(2, 0, 1, 3)
+        total = self.delta[lo:hi].sum(0)
+        self._total = total if self._total is None else self._total + total
         return None
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
+        start, end = self.graph.input_group(kind, layer)
+        if self._group[0] != (start, end):  # a layer's q, k and v inputs are computed together, once
+            upstream = int(self.graph.upstream[start])
+            self._group = ((start, end), self._inputs(self.patch[:upstream, start:end], stream))
+        group = self._group[1]
         lo, hi = self.graph.input_range(kind, layer)
-        upstream = int(self.graph.upstream[lo])
-        weights = self.patch[:upstream, lo:hi]
-        if self.skip_unpatched and not bool(weights.any()):
+        return None if group is None else group[:, :, lo - start : hi - start]
+
+    def read_shared(self, layer: int, stream: Tensor) -> Tensor | None:
+        """Layer ``layer``'s one attention input where all its q, k and v inputs are the same, else None.
+
+        Then the model's own norm and projections compute them from it (no per-head inputs).
+        """
+        start, end = self.graph.input_group("q", layer)
+        patched = self.patch[: int(self.graph.upstream[start]), start:end]
+        if not self.share_identical or not bool((patched == patched[:, :1]).all()):
+            return None
+        shared = self._inputs(patched[:, :1], stream)
+        self._group = ((start, end), None)  # the q, k and v reads then keep the model's own computation
+        return None if shared is None else shared[:, :, 0]
+
+    def _inputs(self, patched: Tensor, stream: Tensor) -> Tensor | None:
+        """``s + sum_u P[u, i] delta_u``, or ``s + sum_u delta_u - sum_u (1 - P[u, i]) delta_u`` when fewer are kept.
+
+        The writers upstream are exactly those written so far, whose differences' sum is kept as
+        they are written: a small circuit then costs its kept edges, a large one its patched edges.
+        """
+        patched = patched.to(self.delta.dtype)
+        if self.skip_unpatched and not bool(patched.any()):
             return None  # every edge into these inputs is kept: the model's own computation is the same
-        moved = einops.einsum(self.delta[:, :, :upstream], weights.to(self.delta.dtype), "b p u d, u i -> b p i d")
-        return stream[:, :, None] + moved
+        kept = 1 - patched
+        rows_patched = torch.nonzero(patched.any(1))[:, 0]
+        rows_kept = torch.nonzero(kept.any(1))[:, 0]
+        base = stream[:, :, None].expand(-1, -1, patched.shape[1], -1)
+        if len(rows_kept) < len(rows_patched) and self._total is not None:
+            return base + self._total[:, :, None] - self._sum(rows_kept, kept)
+        return base + self._sum(rows_patched, patched)
+
+    def _sum(self, rows: Tensor, weights: Tensor) -> Tensor:
+        """``sum_u weights[u, i] delta_u`` over ``rows`` (gathered when few, else the contiguous block read whole)."""
+        if 2 * len(rows) > weights.shape[0]:
+            return _moved(self.delta[: weights.shape[0]], weights)
+        return _moved(self.delta[rows], weights[rows])
 
 
 @dataclass
@@ -121,7 +163,7 @@ class NodePatch:
     """Replaces the outputs of the ``patched`` writers by the counterfactual's where they join the stream."""
 
     graph: Graph
-    corrupted: Float[Tensor, "batch pos writer d_model"]
+    corrupted: Float[Tensor, "writer batch pos d_model"]
     patched: Bool[Tensor, " writer"]
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
@@ -129,8 +171,8 @@ class NodePatch:
         chosen = self.patched[lo:hi]
         if not bool(chosen.any()):
             return None
-        difference = (self.corrupted[:, :, lo:hi] - out) * chosen[None, None, :, None]
-        return difference.sum(2)
+        index = torch.nonzero(chosen)[:, 0]
+        return (self.corrupted[lo:hi][index] - out.permute(2, 0, 1, 3)[index]).sum(0)
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
         return None
@@ -147,7 +189,7 @@ class Gradient:
     """
 
     graph: Graph
-    corrupted: Float[Tensor, "batch pos writer d_model"]
+    corrupted: Float[Tensor, "writer batch pos d_model"]
     alpha: float = 1.0
     clean: Record | None = None
     inputs: list[tuple[int, int, Tensor]] = field(default_factory=list)
@@ -158,21 +200,33 @@ class Gradient:
         if kind not in ("embed", "pos_embed"):
             return None
         lo, _ = self.graph.writer_range(kind, layer)
-        shift = (1.0 - self.alpha) * (self.corrupted[:, :, lo] - out[:, :, 0].detach())
+        shift = (1.0 - self.alpha) * (self.corrupted[lo] - out[:, :, 0].detach())
         return shift.requires_grad_(True)
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
+        start, end = self.graph.input_group(kind, layer)
+        if not self.inputs or self.inputs[-1][0] != start:  # one tensor for a layer's q, k and v inputs
+            self.inputs.append((start, end, stream[:, :, None].expand(-1, -1, end - start, -1)))
         lo, hi = self.graph.input_range(kind, layer)
-        x = stream[:, :, None].expand(-1, -1, hi - lo, -1)
-        self.inputs.append((lo, hi, x))
-        return x
+        return self.inputs[-1][2][:, :, lo - start : hi - start]
+
+
+def _moved(
+    delta: Float[Tensor, "upstream batch pos d_model"], weights: Float[Tensor, "upstream slot"]
+) -> Float[Tensor, "batch pos slot d_model"]:
+    """``sum_u weights[u, i] delta_u`` for every input ``i``: one matrix product over contiguous writers."""
+    upstream, batch, pos, d_model = delta.shape
+    if upstream == 0:
+        return delta.new_zeros(batch, pos, weights.shape[1], d_model)
+    moved = weights.T @ delta.reshape(upstream, -1)
+    return einops.rearrange(moved, "i (b p d) -> b p i d", b=batch, p=pos)
 
 
 def gradient_scores(
     graph: Graph,
     stream: Gradient,
     value: Tensor,
-    delta: Float[Tensor, "batch pos writer d_model"],
+    delta: Float[Tensor, "writer batch pos d_model"],
     scores: Float[Tensor, "writer input"],
 ) -> None:
     """Add ``sum_{batch, pos} delta_u . dm/dx_i`` to ``scores[u, i]`` for every edge (``value``: the summed metric)."""
@@ -182,13 +236,12 @@ def gradient_scores(
         if grad is None:
             continue
         upstream = int(graph.upstream[lo])
-        scores[:upstream, lo:hi] += einops.einsum(
-            delta[:, :, :upstream], grad.to(delta.dtype), "b p u d, b p i d -> u i"
-        )
+        flat = einops.rearrange(grad.to(delta.dtype), "b p i d -> (b p d) i")
+        scores[:upstream, lo:hi] += delta[:upstream].reshape(upstream, -1) @ flat
 
 
 def batch_size(task: Task, n_writers: int, d_model: int, copies: float, memory: int) -> int:
-    """Prompts a batch holds so that ``copies`` of ``[batch pos writer d_model]`` (float32) fit ``memory`` bytes."""
+    """Prompts a batch holds so that ``copies`` of ``[writer batch pos d_model]`` (float32) fit ``memory`` bytes."""
     per_prompt = task.clean.shape[1] * n_writers * d_model * 4 * copies
     return max(1, min(len(task), int(memory // max(per_prompt, 1))))
 

@@ -121,7 +121,7 @@ def static_notebook(notebook: "nbformat.NotebookNode") -> "nbformat.NotebookNode
     goes when no state was saved; the widget state goes (without its JavaScript, which comes
     from a CDN, it draws nothing offline).
     """
-    from contribution_lens.views.plot import PLOTLY_MATHJAX
+    from contribution_lens.drawing.plot import PLOTLY_MATHJAX
 
     static = copy.deepcopy(notebook)
     widgets = static.metadata.pop("widgets", {})

@@ -1,0 +1,112 @@
+"""Cost of finding and testing circuits, in forward-pass equivalents per prompt, and peak memory.
+
+On one model and one task (random-token induction prompts: a random half repeated, the
+counterfactual's first half resampled; or ``--task ioi`` where the package has ``Task.ioi``), each
+measured against ``plain``, one forward pass over the clean prompts (batched as the methods batch):
+
+* ``eap``: ``cl.circuit_scores(model, task, method="eap")`` (target: at most 3 on Qwen2.5-0.5B, 64 IOI prompts);
+* ``eap-ig``: the same with ``method="eap-ig"`` (MIB's 5 steps);
+* ``curve``: ``cl.circuit_curve(model, task, scores)``, the ten sizes at edge level (target: at most 12).
+
+Time: in one process the methods alternate ``--repeats`` times and the fastest run of each counts;
+its ratio to ``plain`` is the number of forward-pass equivalents. Memory: the peak CUDA memory of
+each method (``torch.cuda.max_memory_allocated``, reset before it) on a GPU, else the growth of the
+process's peak RSS (``VmHWM``) over the loaded model, in the order run. Run:
+``python benchmarks/bench_circuits.py --prompts 8`` (bundled SmolLM2), or
+``python benchmarks/bench_circuits.py --model qwen2.5-0.5b --prompts 64 --task ioi --device cuda``.
+"""
+
+import argparse
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import contribution_lens as cl
+
+
+def induction_task(model: Any, n: int, half: int, seed: int) -> cl.Task:
+    """Random halves repeated (the answer: the token after the repeat's start); counterfactual: other first halves."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = int(model.cfg.d_vocab)
+    first = torch.randint(100, min(vocab, 20000), (n, half), generator=generator)
+    other = torch.randint(100, min(vocab, 20000), (n, half), generator=generator)
+    clean = torch.cat([first, first[:, :-1]], 1)
+    corrupted = torch.cat([other, first[:, :-1]], 1)
+    return cl.Task("induction", clean, corrupted, first[:, -1], other[:, -1], cl.Task.full_length(clean))
+
+
+def _peak_rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _timed(fn: Callable[[], Any], cuda: bool) -> tuple[float, float]:
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = _peak_rss_mb()
+    start = time.perf_counter()
+    fn()
+    if cuda:
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mb() - before
+    return elapsed, peak
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=None, help="a name cl.load_model takes (default: the bundled SmolLM2)")
+    parser.add_argument("--task", default="induction", choices=("induction", "ioi"))
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--half", type=int, default=10, help="tokens in an induction prompt's random half")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--memory", type=int, default=2**30, help="bytes a batch's activation differences may take")
+    args = parser.parse_args()
+    model = cl.load_model(args.model) if args.model else cl.load_model()
+    model = model.to(args.device)
+    cuda = args.device.startswith("cuda")
+    if args.task == "ioi":
+        task = cl.Task.ioi(model, n=args.prompts, seed=0)  # type: ignore[attr-defined]
+    else:
+        task = induction_task(model, args.prompts, args.half, seed=0)
+    graph = cl.circuit_graph(model)
+    scores = cl.circuit_scores(model, task, method="eap", memory=args.memory)  # warm-up, and the curve's scores
+    size = cl.circuits.interchange.batch_size(task, len(graph.writers), int(model.cfg.d_model), 2.0, args.memory)
+
+    def plain() -> None:
+        with torch.inference_mode():
+            for rows in cl.circuits.interchange.batches(task, size):
+                model(task.clean[rows].to(args.device))
+
+    methods: dict[str, Callable[[], Any]] = {
+        "plain": plain,
+        "eap": lambda: cl.circuit_scores(model, task, method="eap", memory=args.memory),
+        "eap-ig": lambda: cl.circuit_scores(model, task, method="eap-ig", memory=args.memory),
+        "curve": lambda: cl.circuit_curve(model, task, scores, memory=args.memory),
+    }
+    best = {name: float("inf") for name in methods}
+    peaks = {name: 0.0 for name in methods}
+    for _ in range(args.repeats):
+        for name, fn in methods.items():
+            elapsed, peak = _timed(fn, cuda)
+            best[name] = min(best[name], elapsed)
+            peaks[name] = max(peaks[name], peak)
+    print(
+        f"{args.model or 'SmolLM2-135M'} on {args.device}, {args.task}: {len(task)} prompts of "
+        f"{task.clean.shape[1]} tokens, {len(graph.edges)} edges, {len(graph.components)} nodes, batches of {size}"
+    )
+    unit = "peak CUDA MiB" if cuda else "peak RSS growth MiB"
+    print(f"{'method':<8} {'seconds':>9} {'forward passes':>15} {unit:>20}")
+    for name in methods:
+        print(f"{name:<8} {best[name]:>9.3f} {best[name] / best['plain']:>15.2f} {peaks[name]:>20.1f}")
+
+
+if __name__ == "__main__":
+    main()
