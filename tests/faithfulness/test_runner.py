@@ -212,18 +212,24 @@ def test_processes_share_the_passes_when_the_units_are_few(units: int) -> None:
     assert shares(units, 2, written)[1] == ranks[1]
 
 
-def test_torchrun_two_processes_share_one_unit_and_write_the_records_of_one(
-    bundled_model, shared_data, tmp_path
-) -> None:
+STORY = (
+    "The old lighthouse keeper climbed the stairs every evening to light the lamp. Ships passed far out at sea, "
+    "and the keeper wrote their names in a book. One winter a storm broke the great window, and the keeper "
+    "carried a lantern up and down the stairs all night so that the light never went out."
+)
+
+
+def test_torchrun_two_processes_share_one_unit_and_write_the_records_of_one(bundled_model, tmp_path) -> None:
     """Two chunks at the default batch of 8 are one unit: both processes work, the records are byte-identical."""
-    gsm8k = f"gsm8k={shared_data / 'gsm8k' / 'test.jsonl'}"
+    (tmp_path / "story.txt").write_text(STORY, encoding="utf-8")
+    story = f"text={tmp_path / 'story.txt'}"
     protocol = faithfulness.Settings(methods=("attention", "random"), ratios=(0.0, 0.5), rank_by="abs")
-    config = faithfulness.DataSettings(data=(gsm8k,), chunk_length=32, max_chunks=2)
+    config = faithfulness.DataSettings(data=(story,), chunk_length=32, max_chunks=2)
     options = faithfulness.RunOptions(threads=1, resamples=100)
     faithfulness.run(bundled_model, protocol, config, tmp_path / "one", options=options, progress=False)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-        "-m", "contribution_lens.cli", "faithfulness", "--data", gsm8k, "--methods", "attention,random",
+        "-m", "contribution_lens.cli", "faithfulness", "--data", story, "--methods", "attention,random",
         "--ratios", "0,0.5", "--rank-by", "abs", "--chunk-length", "32", "--max-chunks", "2",
         "--threads", "1", "--bootstrap", "100", "--out", str(tmp_path / "two"),
     ]  # fmt: skip
