@@ -469,9 +469,9 @@ BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
 def save_image(figure: go.Figure, path: str | Path, *, scale: int | float = 2) -> Path:
     """Write ``figure`` as a static image, the format chosen by the suffix: PNG, SVG, PDF, JPEG or WebP.
 
-    Drawn by kaleido (the ``images`` extra: ``pip install 'contribution-lens[images]'``) in a headless Chromium: ``BROWSER_PATH`` names it,
-    else the first of ``chromium``, ``google-chrome`` on ``PATH`` is used (kaleido's own browser
-    download needs the network). The file appears whole or not at all.
+    Drawn by kaleido (the ``images`` extra: ``pip install 'contribution-lens[images]'``) in a headless
+    Chromium: ``BROWSER_PATH`` names it, else the first of ``chromium``, ``google-chrome`` on ``PATH``
+    is used (kaleido's own browser download needs the network). The file appears whole or not at all.
 
     Args:
         figure: any figure of this module (or any plotly figure).
