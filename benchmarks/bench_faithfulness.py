@@ -8,10 +8,13 @@ copy of the unit per condition; `faithfulness.masked_forward` stacks conditions 
 
 It also prints the pass count of the default grid (every protocol) and `faithfulness.plan_run`'s
 estimate beside the measured time. Run:
-``python benchmarks/bench_faithfulness.py [--chunks 4] [--length 256] [--rows-per-pass N] [--device cuda]``.
+``python benchmarks/bench_faithfulness.py [--chunks 4] [--length 256] [--rows-per-pass N] [--device cuda]``;
+with ``--threads 1 2`` it times a forward pass of the unit with each torch thread count instead (the
+counts taken in turn, five times, in one run) and prints each against the first.
 """
 
 import argparse
+import os
 import statistics
 import time
 from pathlib import Path
@@ -55,12 +58,43 @@ def sweep(model, batch, protocol: faithfulness.Settings, rows_per_pass: int | No
     return passes
 
 
+def compare_threads(model, batch, counts: list[int], rounds: int = 5) -> None:
+    """A forward pass of the unit with each thread count, the counts taken in turn ``rounds`` times.
+
+    Taken in turn, the counts meet the same drift of the machine's load; a sweep is passes of this kind.
+    """
+    before = torch.get_num_threads()
+    times: dict[int, list[float]] = {n: [] for n in counts}
+    try:
+        adapter.forward(model, batch)  # warm-up
+        for _ in range(rounds):
+            for n in counts:
+                torch.set_num_threads(n)
+                start = time.perf_counter()
+                adapter.forward(model, batch)
+                times[n].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"bundled SmolLM2-135M, {batch.tokens.shape[0]} chunks x {batch.tokens.shape[1]} tokens, "
+        f"{os.cpu_count()} cores, load average {load:.2f}; median of {rounds} passes, counts in turn"
+    )
+    first = statistics.median(times[counts[0]])
+    for n in counts:
+        median = statistics.median(times[n])
+        print(f"threads {n}: {median:.3f} s a pass, {median / first:.2f}x {counts[0]} thread(s)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=4)
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--rows-per-pass", type=int, default=None, help="default: 64 on a GPU, the unit on a CPU")
     parser.add_argument("--device", default=None)
+    parser.add_argument(
+        "--threads", type=int, nargs="+", default=None, help="compare a pass's time with these torch thread counts"
+    )
     args = parser.parse_args()
     model = cl.load_model(device=args.device)
     spec = f"gsm8k={SHARED}" if SHARED.is_file() else "gsm8k"
@@ -73,6 +107,9 @@ def main() -> None:
     )
     batch = adapter.to_token_batch(model, chunks)
     protocol = faithfulness.Settings(ratios=(0.05, 0.2), protocols=("every_layer",))
+    if args.threads:
+        compare_threads(model, batch, args.threads)
+        return
     plain = timed(lambda: adapter.forward(model, batch))
     scoring = timed(lambda: faithfulness.clean_run(model, batch, protocol))
     passes = sweep(model, batch, protocol, args.rows_per_pass)

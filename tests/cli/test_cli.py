@@ -96,6 +96,7 @@ FAITH = ["faithfulness", "--data", "{text}"]
         ([*FAITH, "--max-chunks", "-1"], "--max-chunks: expected a positive integer, got -1"),
         ([*FAITH, "--max-items", "0"], "--max-items: expected a positive integer, got 0"),
         ([*FAITH, "--batch-size", "0"], "--batch-size: expected a positive integer, got 0"),
+        ([*FAITH, "--threads", "0"], "--threads: expected a positive integer, got 0"),
         ([*FAITH, "--chunk-length", "1"], "--chunk-length: expected an integer >= 2, got 1"),
         ([*FAITH, "--ratios", "0,1"], "--ratios: expected comma-separated numbers in [0, 1), got '0,1'"),
         ([*FAITH, "--choice-ratios", "a"], "--choice-ratios: expected comma-separated numbers in [0, 1), got 'a'"),

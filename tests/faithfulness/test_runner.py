@@ -174,6 +174,72 @@ def test_torchrun_two_processes_merge_to_the_single_process_result(shared_data, 
             assert a["pred"] == b["pred"]
 
 
+def shares(units: int, world: int, done=None) -> list[list[tuple]]:
+    """Each rank's (unit, pass) pieces of a run of ``units`` one-chunk units (``("zero", ...)``: the ratio-0 pass)."""
+    import torch
+
+    from contribution_lens.faithfulness.runner import Unit, plan_units
+
+    chunks = [Unit("gsm8k", "lm", [str(i)], [torch.arange(8)], [], []) for i in range(units)]
+    config = faithfulness.DataSettings(data=("gsm8k",), max_chunks=units)
+    out = []
+    for rank in range(world):
+        plan = plan_units(None, chunks, config, SMALL, done, layers=[0, 1], share=(rank, world))
+        out.append(
+            [(w.unit.ids[0], "zero", p, m, mode) for w in plan for p, m, mode in w.zero]
+            + [(w.unit.ids[0], p, c) for w in plan for p, todo in w.todo.items() for c in todo]
+        )
+    return out
+
+
+@pytest.mark.parametrize("units", [1, 3, 4])
+def test_processes_share_the_passes_when_the_units_are_few(units: int) -> None:
+    """Every piece of the one-process plan goes to exactly one of two ranks, and both get work.
+
+    Failed before: work was split by whole units (``--batch-size`` chunks), so with 4 chunks at the
+    default batch of 8 the second process did nothing.
+    """
+    (alone,) = shares(units, 1)
+    ranks = shares(units, 2)
+    assert all(ranks), "every rank has work"
+    assert sorted(map(repr, ranks[0] + ranks[1])) == sorted(map(repr, alone)), "each piece once"
+    if units % 2:  # the unit left over is dealt pass by pass: half its groups each, the ratio-0 pass to rank 0
+        last = str(units - 1)
+        counts = [len([p for p in r if p[0] == last and p[1] != "zero"]) for r in ranks]
+        assert abs(counts[0] - counts[1]) <= max(counts) // 2, counts
+    # A rank that reads the records after the other wrote its share still takes the same share.
+    written = {(p[1], "gsm8k", p[0], p[2].label, p[2].mode, float(p[2].ratio)) for p in ranks[0] if p[1] != "zero"}
+    assert shares(units, 2, written)[1] == ranks[1]
+
+
+STORY = (
+    "The old lighthouse keeper climbed the stairs every evening to light the lamp. Ships passed far out at sea, "
+    "and the keeper wrote their names in a book. One winter a storm broke the great window, and the keeper "
+    "carried a lantern up and down the stairs all night so that the light never went out."
+)
+
+
+def test_torchrun_two_processes_share_one_unit_and_write_the_records_of_one(bundled_model, tmp_path) -> None:
+    """Two chunks at the default batch of 8 are one unit: both processes work, the records are byte-identical."""
+    (tmp_path / "story.txt").write_text(STORY, encoding="utf-8")
+    story = f"text={tmp_path / 'story.txt'}"
+    protocol = faithfulness.Settings(methods=("attention", "random"), ratios=(0.0, 0.5), rank_by="abs")
+    config = faithfulness.DataSettings(data=(story,), chunk_length=32, max_chunks=2)
+    options = faithfulness.RunOptions(threads=1, resamples=100)
+    faithfulness.run(bundled_model, protocol, config, tmp_path / "one", options=options, progress=False)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+        "-m", "contribution_lens.cli", "faithfulness", "--data", story, "--methods", "attention,random",
+        "--ratios", "0,0.5", "--rank-by", "abs", "--chunk-length", "32", "--max-chunks", "2",
+        "--threads", "1", "--bootstrap", "100", "--out", str(tmp_path / "two"),
+    ]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    parts = [(tmp_path / "two" / f"part-{rank}.jsonl").read_text().splitlines() for rank in (0, 1)]
+    assert all(parts), "both processes wrote records"
+    assert (tmp_path / "two" / "records.jsonl").read_bytes() == (tmp_path / "one" / "records.jsonl").read_bytes()
+
+
 # Every protocol that takes multiple-choice data (``prediction`` explains texts only; test_removal runs it).
 MASKING = tuple(name for name, protocol in faithfulness.PROTOCOLS.items() if not protocol.text_only)
 FULL = faithfulness.Settings(
@@ -242,6 +308,8 @@ def test_dry_run_counts_the_passes_and_writes_nothing(bundled_model, shared_data
     assert plan.passes == 3 * (2 + 20 + 20 + 40)
     assert plan.seconds > plan.forward_seconds > 0
     assert f"{plan.passes} forward passes" in plan.describe()
+    one = faithfulness.plan_run(bundled_model, FULL, config, options=faithfulness.RunOptions(threads=1))
+    assert one.threads == 1 and one.describe().endswith("on one process with 1 thread"), "timed as the run runs"
     assert not (tmp_path / "new").exists()
     assert faithfulness.plan_run(bundled_model, FULL, config, out=full_run).passes == 0, "a finished run has no work"
 

@@ -71,3 +71,22 @@ def test_signed_ranking_is_reported_only_where_it_differs() -> None:
     settings = faithfulness.Settings(methods=("attention", "contribution", "random"))
     labels = [faithfulness.Condition(m, r, "sufficiency", 0.1).label for m, r in settings.variants()]
     assert labels == ["attention", "contribution", "contribution:signed", "random"]
+
+
+def test_threads_default_to_the_cores_shared_by_the_processes_of_the_machine(monkeypatch) -> None:
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert faithfulness.RunOptions().cpu_threads() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun --nproc_per_node 2
+    assert faithfulness.RunOptions().cpu_threads() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert faithfulness.RunOptions().cpu_threads() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert faithfulness.RunOptions().cpu_threads() == 3, "OMP_NUM_THREADS, where set, is the most"
+    assert faithfulness.RunOptions(threads=5).cpu_threads() == 5, "the option wins"
+    with raises_bad_input("threads: expected a positive integer, got 0"):
+        faithfulness.RunOptions(threads=0)

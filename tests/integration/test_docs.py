@@ -84,16 +84,6 @@ def test_the_site_has_every_page_of_the_nav_and_its_own_mathjax(site) -> None:
     ).is_file()
 
 
-def test_the_readmes_links_lead_to_files_that_exist() -> None:
-    """The README is outside the site's --strict build: its relative links are checked here."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", readme)
-    relative = [link for link in links if not re.match(r"[a-z]+://", link)]
-    assert len(relative) >= 15, relative  # the page table, the picture, CONTRIBUTING.md
-    broken = [link for link in relative if not (ROOT / link).exists()]
-    assert not broken, f"the README links to files that do not exist: {broken}"
-
-
 TROUBLESHOOTING = ROOT / "docs" / "troubleshooting.md"
 SPEAKER = re.compile(r"^(contribution-lens: error: |[A-Z]\w*Error: )")
 """What precedes a message on screen: the command's prefix, an exception's class."""

@@ -216,7 +216,8 @@ def test_save_image_says_what_to_install_without_kaleido(monkeypatch, tmp_path) 
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "kaleido" else find_spec(name, *a)
     )
-    with pytest.raises(RuntimeError, match=r"writing images needs kaleido: pip install 'kaleido>=1'"):
+    message = "writing images needs kaleido: pip install 'contribution-lens[images]' (or 'kaleido>=1')"
+    with pytest.raises(RuntimeError, match=re.escape(message)):
         cl.plot.save_image(cl.plot.lines({"a": [1]}, title="t"), tmp_path / "a.svg")
 
 

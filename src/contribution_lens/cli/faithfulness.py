@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     model = common.load(args)
     settings, data = args.settings, args.data_settings
     if args.dry_run:
-        print(faithfulness.plan_run(model, settings, data, out=args.out).describe())
+        print(faithfulness.plan_run(model, settings, data, out=args.out, options=args.run_options).describe())
         return 0
     result = faithfulness.run(model, settings, data, args.out, options=args.run_options, model_name=args.model)
     if result is not None:

@@ -491,9 +491,9 @@ BROWSERS = ("chromium", "chromium-browser", "google-chrome", "chrome")
 def save_image(figure: go.Figure, path: str | Path, *, scale: int | float = 2) -> Path:
     """Write ``figure`` as a static image, the format chosen by the suffix: PNG, SVG, PDF, JPEG or WebP.
 
-    Drawn by kaleido (``pip install kaleido``) in a headless Chromium: ``BROWSER_PATH`` names it,
-    else the first of ``chromium``, ``google-chrome`` on ``PATH`` is used (kaleido's own browser
-    download needs the network). The file appears whole or not at all.
+    Drawn by kaleido (the ``images`` extra: ``pip install 'contribution-lens[images]'``) in a headless
+    Chromium: ``BROWSER_PATH`` names it, else the first of ``chromium``, ``google-chrome`` on ``PATH``
+    is used (kaleido's own browser download needs the network). The file appears whole or not at all.
 
     Args:
         figure: any figure of this module (or any plotly figure).
@@ -534,7 +534,7 @@ def _image_writer_missing() -> str | None:
     import importlib.util
 
     if importlib.util.find_spec("kaleido") is None:
-        return "writing images needs kaleido: pip install 'kaleido>=1'"
+        return "writing images needs kaleido: pip install 'contribution-lens[images]' (or 'kaleido>=1')"
     browser = os.environ.get("BROWSER_PATH") or next(filter(None, map(shutil.which, BROWSERS)), None)
     if browser is None or not Path(browser).exists():
         where = f"BROWSER_PATH={browser!r} names no file; " if browser else ""

@@ -18,13 +18,16 @@ Layout of ``out``:
 `FaithfulnessRun.load` reads back from the folder.
 
 Under ``torchrun --nproc_per_node N`` each rank takes every N-th unit of work (a batch of
-chunks or items, in a fixed order) and rank 0 merges once all ranks are done.
+``batch_size`` chunks or items, in a fixed order); the units left over, all of them in a run with
+fewer units than processes, are shared pass by pass (`plan_units`). Rank 0 merges once all ranks
+are done.
 """
 
 import json
 import os
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -211,6 +214,25 @@ def _distributed() -> tuple[int, int]:
     return rank, world
 
 
+@contextmanager
+def cpu_threads(model: adapter.Model, options: RunOptions) -> Iterator[int]:
+    """Run with `RunOptions.cpu_threads` torch threads where the model is on a CPU; the count (0 off a CPU).
+
+    torch's own default is every core of the machine in every process: two processes on two cores,
+    or one beside other jobs, then fight over them (one thread was 5-7x faster than two on a loaded
+    2-core machine). The previous count is restored on leaving.
+    """
+    if next(model.parameters()).device.type != "cpu":
+        yield 0
+        return
+    before, threads = torch.get_num_threads(), options.cpu_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield threads
+    finally:
+        torch.set_num_threads(before)
+
+
 def _check_config(out: Path, meta: dict[str, Any], rank: int) -> None:
     """Keep ``config.json`` unless it differs; a config with no record beside it is replaced.
 
@@ -264,7 +286,7 @@ def run(
     part = out_dir / f"part-{rank}.jsonl"
     _repair_tail(part)
     done = finished(out_dir)
-    plan = plan_units(model, units[rank::world], data, settings, done, layers=plan_layers)
+    plan = plan_units(model, units, data, settings, done, layers=plan_layers, share=(rank, world))
     if plan and rank == 0:
         # The folder's saved run (if any) is out of date until this one is saved: `FaithfulnessRun.load`
         # reads the part files meanwhile.
@@ -275,7 +297,7 @@ def run(
         unit="pass",
         disable=not progress or rank != 0,
     )  # tqdm's "<remaining" field is the ETA
-    with open(part, "a", encoding="utf-8") as stream, bar:
+    with open(part, "a", encoding="utf-8") as stream, bar, cpu_threads(model, options):
         for work in plan:
             for records, passes in _run_unit(model, work, settings, rows_per_pass=options.rows_per_pass):
                 if records:
@@ -324,13 +346,29 @@ def plan_units(
     done: set[Key] | None = None,
     *,
     layers: list[int] | None = None,
+    share: tuple[int, int] = (0, 1),
 ) -> list[Work]:
-    """The work left on ``units`` given the records already ``done``."""
+    """The work left on ``units`` given the records already ``done``: all of it, or one process's ``share``.
+
+    ``share`` is (rank, world size). The first ``world * (len(units) // world)`` units go whole to
+    the ranks in turn; each unit left over (all of them where the units are fewer than the
+    processes: 4 chunks at a batch size of 8 make one) is split by its passes: its ratio-0 pass and
+    its groups of conditions (one method, mode and ratio, with every layer variant) are dealt to the
+    ranks in turn, and every rank that holds a part of it runs its scoring pass too. A pass computes
+    the same batch whichever process runs it, so the records are those of one process. The shares
+    depend on ``units`` alone, never on ``done``: ranks that read the records at different moments
+    still agree on them.
+    """
     done = done or set()
     if layers is None:
         layers = adapter.check_layers(model, list(settings.layers) if settings.layers is not None else None)
+    rank, world = share
+    whole = world * (len(units) // world)
     plan = []
-    for unit in units:
+    for index, unit in enumerate(units):
+        if index < whole and index % world != rank:
+            continue
+        dealt = index >= whole and world > 1
         ratios = (config.choice_ratios or settings.ratios) if unit.kind == "choice" else settings.ratios
         keys = _unit_keys(unit)
 
@@ -341,12 +379,22 @@ def plan_units(
         zero = [
             (name, c.label, c.mode)
             for name in settings.protocols
-            for method, rank in settings.variants()
-            for c in [Condition(method, rank, mode, 0.0) for mode in settings.modes]
-            if 0 in ratios and missing(name, c)
+            for method, ranking in settings.variants()
+            for c in [Condition(method, ranking, mode, 0.0) for mode in settings.modes]
+            if 0 in ratios and missing(name, c) and not (dealt and rank != 0)
         ]
+        groups: dict[tuple[str, str, str, float], int] = {}  # numbered 1, 2, ...: the ratio-0 pass is group 0
+
+        def mine(name: str, condition: Condition) -> bool:
+            key = (name, condition.label, condition.mode, float(condition.ratio))
+            return not dealt or groups.setdefault(key, len(groups) + 1) % world == rank  # noqa: B023
+
         todo = {
-            name: [c for c in conditions(settings, ratios, PROTOCOLS[name].variants(layers)) if missing(name, c)]
+            name: [
+                c
+                for c in conditions(settings, ratios, PROTOCOLS[name].variants(layers))
+                if mine(name, c) and missing(name, c)
+            ]
             for name in settings.protocols
         }
         work = Work(unit, zero, {name: c for name, c in todo.items() if c})
@@ -441,12 +489,15 @@ class RunPlan:
     forward_seconds: float
     """One plain forward pass of the first unit."""
     seconds: float
+    threads: int = 0
+    """The torch threads the passes were timed with (0: not on a CPU, or not timed)."""
 
     def describe(self) -> str:
         minutes = self.seconds / 60
+        threads = f" with {self.threads} thread{'s' if self.threads > 1 else ''}" if self.threads else ""
         return (
             f"{self.units} units, {self.passes} forward passes (one plain pass of a unit: "
-            f"{self.forward_seconds:.2f} s); estimated {minutes:.1f} min on one process"
+            f"{self.forward_seconds:.2f} s); estimated {minutes:.1f} min on one process{threads}"
         )
 
 
@@ -457,11 +508,14 @@ def plan_run(
     *,
     out: str | os.PathLike | None = None,
     time_passes: bool = True,
+    options: RunOptions | None = None,
 ) -> RunPlan:
     """Passes and estimated time of a run (what is left of it, if ``out`` holds records); writes nothing.
 
     The estimate times one plain forward and one scoring pass of the first unit and scales
     both by each unit's number of tokens: ``sum_u (t_score + (passes_u - 1) t_forward) T_u / T_0``.
+    On a CPU the passes are timed with the threads the run will use (``options.threads``, or its
+    default: `RunOptions.cpu_threads`).
     """
     units = build_units(model, data)
     done = finished(Path(out)) if out is not None else set()
@@ -470,14 +524,15 @@ def plan_run(
     if not plan or not time_passes:
         return RunPlan(len(plan), passes, 0.0, 0.0)
     first = adapter.pad_rows(model, plan[0].unit.tokens)
-    adapter.forward(model, first)  # warm-up
-    forward = _timed(lambda: adapter.forward(model, first))
-    scoring = _timed(lambda: clean_run(model, first, settings))
+    with cpu_threads(model, options or RunOptions()) as threads:
+        adapter.forward(model, first)  # warm-up
+        forward = _timed(lambda: adapter.forward(model, first))
+        scoring = _timed(lambda: clean_run(model, first, settings))
     size0 = sum(len(t) for t in plan[0].unit.tokens)
     seconds = sum(
         (scoring + (work.passes - 1) * forward) * sum(len(t) for t in work.unit.tokens) / size0 for work in plan
     )
-    return RunPlan(len(plan), passes, forward, seconds)
+    return RunPlan(len(plan), passes, forward, seconds, threads)
 
 
 def _timed(fn: Any) -> float:

@@ -14,6 +14,7 @@ Example:
     contribution_lens._settings.SettingError: max_chunks: expected a positive integer, got 0
 """
 
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -249,9 +250,29 @@ class RunOptions:
     rows_per_pass: int | None = option(
         None, "rows stacked in one forward pass (default: 64 on a GPU, none on a CPU)", check=at_least(1, optional=True)
     )
+    threads: int | None = option(
+        None,
+        "torch threads of each process on a CPU (default: the cores this process may use divided by the "
+        "processes on this machine, LOCAL_WORLD_SIZE under torchrun, and at most OMP_NUM_THREADS where set)",
+        check=at_least(1, optional=True),
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+    def cpu_threads(self) -> int:
+        """The torch threads a CPU run uses: `threads`, else the default its help states (never oversubscribed).
+
+        Example:
+            >>> RunOptions(threads=3).cpu_threads()
+            3
+        """
+        if self.threads is not None:
+            return self.threads
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        limit = os.environ.get("OMP_NUM_THREADS", "")
+        return min(threads, int(limit)) if limit.isdigit() and int(limit) > 0 else threads
 
 
 def task_name(spec: str) -> str:
