@@ -19,17 +19,11 @@ from typing import Any, TypeVar
 C = TypeVar("C", bound="Choice")
 
 
-class Choice(str, enum.Enum):
-    """A closed set of names: compares, hashes, prints and formats as its string."""
-
-    def __str__(self) -> str:
-        return str(self.value)
+class Choice(enum.StrEnum):
+    """A closed set of names: compares, hashes, prints, formats and reprs as its string."""
 
     def __repr__(self) -> str:
         return repr(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
