@@ -90,3 +90,37 @@ def test_query_and_key_edges_are_scored_and_node_scores_sum_edges() -> None:
     assert bool((scores.edge_scores[attention] != 0).any())
     assert bool((scores.edge_scores[~attention] != 0).any())
     assert len(scores.circuit(0.1).edges) == int(0.1 * len(graph.edges))
+
+
+def test_query_and_key_edges_are_the_change_when_the_component_is_removed_from_the_scores() -> None:
+    """``t(u -> h<k>) = -o_u . dm/dx``: against central differences of removing a share of ``o_u`` from that
+    input alone, every norm's scale put back at its clean value (LN1's of that input too)."""
+    from contribution_lens.circuit_wiring import circuit_pass
+    from contribution_lens.circuits import interchange as ic
+
+    model = tiny_bridge("gqa", biases=True).to(torch.float64)
+    task = random_task(model)
+    graph = cl.circuit_graph(model)
+    scores = cl.circuit_scores(model, task, method="contribution")
+    rows = torch.arange(len(task))
+    writers, inputs = graph.edge_index
+    clean: dict[str, torch.Tensor] = {}
+    names = [n for n in model.hook_dict if n.endswith(".hook_scale")]
+    model.run_with_hooks(
+        task.clean, fwd_hooks=[(n, lambda x, hook: clean.update({hook.name: x.detach()})) for n in names]
+    )
+    put_back = [(n, lambda x, hook: clean[hook.name]) for n in names]
+    for name in ["embed->L1H0<q>", "L0H1->L1KV0<k>", "L0.mlp->L1KV1<k>"]:
+        edge = graph.edge_ids[name]
+        values = []
+        for t in (1e-4, -1e-4):
+            patch = torch.zeros(graph.valid.shape, dtype=torch.float64)
+            patch[writers[edge], inputs[edge]] = t
+            zero = torch.zeros(len(task), task.clean.shape[1], len(graph.writers), 32, dtype=torch.float64)
+            stream = ic.Interchange(graph, zero, patch)  # its reads see 0 - o_u: the input loses t o_u
+            with torch.inference_mode(), model.hooks(fwd_hooks=put_back):
+                logits = circuit_pass(model, task.clean, stream, freeze_norms=True)
+            values.append(ic.metric(task, logits, rows).mean())
+        want = float((values[0] - values[1]) / 2e-4)
+        got = float(scores.edge_scores[edge])
+        assert abs(got - want) <= 1e-5 + 1e-4 * abs(want), (name, got, want)
