@@ -6,6 +6,13 @@ also as forward-pass equivalents: the same run times a plain forward pass of the
 
     python benchmarks/circuit_new_methods.py                      # SmolLM2-135M, IOI, 8 prompts
     python benchmarks/circuit_new_methods.py smollm2-135m 16      # a model and a number of prompts
+
+Measured on SmolLM2-135M, IOI, 8 prompts of 20 tokens, on a shared two-core CPU (so seconds are
+noisy; the ratios come from one run), edge level:
+
+    eap                      CPR 0.870 [0.723, 0.973]  CMD 0.129 [0.072, 0.276]  12.5 forward passes
+    contribution             CPR 0.659 [0.510, 0.773]  CMD 0.340 [0.226, 0.489]  16.7 forward passes
+    information-flow-routes  CPR 0.051 [-0.573, 0.531] CMD 0.948 [0.468, 1.572]   2.8 forward passes
 """
 
 import sys
