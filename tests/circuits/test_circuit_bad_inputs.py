@@ -42,7 +42,8 @@ def test_an_unknown_method_is_refused(model) -> None:
     with no_pass(model), pytest.raises(ValueError) as error:
         cl.circuit_scores(model, random_task(model), method="acdc")
     assert str(error.value) == (
-        "method: unknown circuit method 'acdc'; registered: eap, eap-ig, activation-patching, random"
+        "method: unknown circuit method 'acdc'; registered: eap, eap-ig, activation-patching, random, "
+        "contribution, information-flow-routes"
     )
 
 

@@ -25,8 +25,9 @@ every edge (each share replaced by the counterfactual's, with the counterfactual
 counterfactual's pass.
 """
 
+import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
 import einops
@@ -37,7 +38,7 @@ from torch import Tensor
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
 from contribution_lens.adapter.forms import PRE_LN, block_forms
 from contribution_lens.adapter.hooks import hooked, is_causal_model, output_weights
-from contribution_lens.adapter.logit_readout import FrozenNorm, post_attention_norm
+from contribution_lens.adapter.logit_readout import FrozenNorm, _frozen_norm, post_attention_norm
 from contribution_lens.adapter.qk_wiring import architecture_name
 
 READS = ("q", "k", "v", "mlp", "logits")
@@ -159,10 +160,16 @@ def _project(weights: _LayerWeights, side: str, x: Float[Tensor, "batch pos head
     return out if bias is None else out + bias
 
 
-def _layer_hooks(model: Model, layer: int, stream: Stream, dtype: torch.dtype) -> list[tuple[str, HookFn]]:
+def _layer_hooks(
+    model: Model, layer: int, stream: Stream, dtype: torch.dtype, frozen: bool = False
+) -> list[tuple[str, HookFn]]:
     weights = _weights(model, layer, dtype)
     kept: dict[str, Tensor] = {}
     block = f"blocks.{layer}"
+    if frozen:
+        # LN1 with this pass's scale, detached: the q, k, v inputs are read through a frozen norm too.
+        ln1 = _frozen_norm(model.blocks[layer].ln1)
+        weights = replace(weights, norm=lambda x: ln1.apply(_up(x), _up(kept["scale1"])))
 
     def keep_resid(tensor: Tensor, hook: Any) -> None:
         kept["resid"] = tensor
@@ -171,6 +178,9 @@ def _layer_hooks(model: Model, layer: int, stream: Stream, dtype: torch.dtype) -
         share = getattr(stream, "read_shared", None)  # one input for every head: the model's own projections
         x = None if share is None else share(layer, _up(tensor))
         return None if x is None else x.to(tensor.dtype)
+
+    def keep_scale1(tensor: Tensor, hook: Any) -> None:
+        kept["scale1"] = tensor.detach().reshape(*tensor.shape[:2], 1)
 
     def projection(side: str) -> HookFn:
         def hook(tensor: Tensor, hook: Any) -> Tensor | None:
@@ -201,6 +211,8 @@ def _layer_hooks(model: Model, layer: int, stream: Stream, dtype: torch.dtype) -
 
     out_hook = f"{block}.attn.o.hook_out" if weights.post_name is None else f"{block}.{weights.post_name}.hook_out"
     hooks: list[tuple[str, HookFn]] = [(f"{block}.hook_resid_pre", keep_resid), (f"{block}.ln1.hook_in", attention_in)]
+    if frozen:
+        hooks.append((f"{block}.ln1.hook_scale", keep_scale1))
     hooks += [(f"{block}.attn.hook_{side}", projection(side)) for side in "qkv"]
     hooks += [(f"{block}.attn.hook_z", heads)]
     if weights.post_name is not None:
@@ -228,23 +240,62 @@ def _final_hook(stream: Stream) -> HookFn:
     return hook
 
 
-def circuit_pass(model: Model, tokens: Int[Tensor, "batch pos"], stream: Stream) -> Float[Tensor, "batch pos d_vocab"]:
+def circuit_pass(
+    model: Model,
+    tokens: Int[Tensor, "batch pos"],
+    stream: Stream,
+    *,
+    freeze_norms: bool = False,
+    freeze_patterns: bool = False,
+    patterns: dict[int, Tensor] | None = None,
+) -> Float[Tensor, "batch pos d_vocab"]:
     """The logits of one forward pass on ``tokens`` with ``stream`` called at every write and read.
 
     Autograd follows the caller's mode (a gradient method runs it with gradients on). Prompts are
     right-padded and the model causal, so no attention mask is needed: a real position never sees
     the padding after it.
+
+    ``freeze_norms``: every norm's scale (each ``hook_scale``: pre-attention, pre-MLP, post-attention,
+    final, q and k norms) is detached, so neither a gradient nor a forward-mode tangent goes through
+    it, and the q, k, v inputs a stream hands over are normed with this pass's LN1 scale, detached.
+    ``freeze_patterns``: every attention pattern (``attn.hook_pattern``) is detached likewise. The
+    values are this pass's own: only the derivatives see them as constants. ``patterns`` (a dict)
+    receives every layer's attention pattern ``[batch head query key]``, detached.
     """
     dtype = model_dtype(model)
     shape = layout(model)
-    hooks = [("embed.hook_out", _embedding_hook(stream, "embed"))]
+    hooks = freezing_hooks(model, norms=freeze_norms, patterns=freeze_patterns)
+    hooks.append(("embed.hook_out", _embedding_hook(stream, "embed")))
     if shape.pos_embed:
         hooks.append(("pos_embed.hook_out", _embedding_hook(stream, "pos_embed")))
     for layer in range(shape.n_layers):
-        hooks += _layer_hooks(model, layer, stream, dtype)
+        hooks += _layer_hooks(model, layer, stream, dtype, frozen=freeze_norms)
     hooks.append(("ln_final.hook_in", _final_hook(stream)))
-    with hooked(model, hooks):
+    if patterns is not None:
+        hooks += [(f"blocks.{layer}.attn.hook_pattern", _keeper(patterns, layer)) for layer in range(shape.n_layers)]
+    with hooked(model, hooks), warnings.catch_warnings():
+        # A detached hook_scale counts as an edit: the bridge then rebuilds the norm's output from it.
+        warnings.filterwarnings("ignore", message=".*edited hook_scale.*")
         return model(tokens.to(_device(model)))
+
+
+def _keeper(store: dict[int, Tensor], layer: int) -> HookFn:
+    def hook(tensor: Tensor, hook: Any) -> None:
+        store[layer] = tensor.detach()
+
+    return hook
+
+
+def _detach(tensor: Tensor, hook: Any) -> Tensor:
+    return tensor.detach()
+
+
+def freezing_hooks(model: Model, *, norms: bool, patterns: bool) -> list[tuple[str, HookFn]]:
+    """Hooks that detach every norm's scale (``norms``) and every attention pattern (``patterns``)."""
+    names = list(model.hook_dict)
+    chosen = [name for name in names if norms and name.endswith(".hook_scale")]
+    chosen += [name for name in names if patterns and name.endswith("attn.hook_pattern")]
+    return [(name, _detach) for name in chosen]
 
 
 def _device(model: Model) -> torch.device:

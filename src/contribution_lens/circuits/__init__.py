@@ -6,7 +6,11 @@ The face of the circuits subpackage: tasks (`Task`), the graph of nodes and edge
 evaluation by interchange patching (`evaluate_circuit`, `circuit_curve`).
 """
 
-from contribution_lens.circuits import attribution  # noqa: F401  (registers the package's circuit methods)
+from contribution_lens.circuits import (
+    attribution,  # noqa: F401  (registers the package's circuit methods)
+    contribution,  # noqa: F401
+    routes,  # noqa: F401
+)
 from contribution_lens.circuits.evaluation import (
     FRACTIONS,
     CircuitCurve,

@@ -99,9 +99,19 @@ def alti_contributions(
     for start in range(0, n_query, chunk):
         stop = min(start + chunk, n_query)
         transformed, y = _transformed(alpha[:, :, start:stop], vt, x, bias, start, n_key - n_query, norm)
-        distance = (y[:, :, None] - transformed).abs().sum(-1)
-        out[:, start:stop] = (y.abs().sum(-1, keepdim=True) - distance).clamp(min=0)
+        out[:, start:stop] = manhattan_proximity(transformed, y)
     return normalise_rows(torch.where(valid, out, 0))
+
+
+def manhattan_proximity(
+    parts: Float[Tensor, "*rows part d_model"], total: Float[Tensor, "*rows d_model"]
+) -> Float[Tensor, "*rows part"]:
+    """ALTI's proximity of each part ``c`` to the sum ``y`` it is part of: ``max(0, ||y||_1 - ||y - c||_1)``.
+
+    Unnormalised (ALTI and information flow routes divide by the sum over the parts).
+    """
+    distance = (total.unsqueeze(-2) - parts).abs().sum(-1)
+    return (total.abs().sum(-1, keepdim=True) - distance).clamp(min=0)
 
 
 def _transformed(

@@ -1,0 +1,202 @@
+"""The ``contribution`` circuit method: the metric's change split exactly over edges in a stated linearisation.
+
+**The linearised model** ``L``. Every attention pattern ``alpha`` and every norm's scale (pre-attention,
+pre-MLP, post-attention, final, q and k norms) is frozen at its value in the clean pass; every MLP is
+replaced by its first-order expansion at the clean pass (its Jacobian-vector product: an MLP passes
+on a change of its input as its Jacobian at the clean input says, so MLPs keep their place in the
+circuit); the metric is expanded to first order at the clean logits (exact for the logit
+difference, which is linear in the logits). With patterns and norm scales frozen every head is a
+linear map of its inputs (``o_i^h = sum_j alpha_ij^h N_1(x_j) W_V^h W_O^h``, the contribution
+weights of the keys' components), and so ``L`` is affine in the embeddings. In ``L`` node ``u``'s
+output moves by ``delta_u = J_u (e_r - e_o)`` when the embeddings move from the clean prompt's
+``e_o`` to the counterfactual's ``e_r`` (a forward-mode derivative: one pass), and with
+``g_i = dm_L/dx_i`` the gradient at input ``i`` (one backward pass, patterns and scales detached):
+
+    t(u -> i) = mean_p sum_pos delta_u . g_i
+
+is *exactly* the change of ``m_L`` when edge ``u -> i`` alone carries the counterfactual (``L`` is
+affine). The terms of a v-edge are the upstream node's difference moved through the head's OV
+circuit with the clean pattern, ``alpha_ij N_1(delta_u[j]) W_OV``, read by the metric through logit
+attribution and every path through later heads and MLPs (``g_i``). They add up: every path from
+the embeddings to the logits crosses a cut of the graph (the edges from nodes before a point in the
+forward order to inputs after it) exactly once, so the terms of every cut sum to
+
+    sum_{u -> i crossing the cut} t(u -> i) = mean_p m_L(counterfactual) - m(clean),
+
+the edges out of the embeddings and the edges into the logits among them. Scores keep EAP's sign
+(``m(patched) - m(clean)``); EAP is the same product with the true differences ``r_u - o_u`` and
+the model's own gradient.
+
+**q- and k-edges** carry nothing in ``L`` (the patterns are frozen). They are scored from the QK
+split (`contribution_lens.qk`) instead: with the norm scales frozen, the score ``s_ij`` of a head is
+a sum over the stream's components, and component ``u``'s key-side advantage ``A_ij^u`` (query
+side likewise) says how much it makes key ``j`` win over the others. Weighted by how much the
+metric cares about each score,
+
+    t(u -> h<k>) = -mean_p sum_ij (dm/ds_ij) A_ij^u = -mean_p sum_pos o_u . dm/dx_{h<k>}
+
+(equal because ``sum_j dm/ds_ij = 0`` under the softmax, and ``s`` is linear in the component with
+scales frozen), with ``dm/ds`` the gradient of the clean pass with the norm scales frozen and the
+patterns live. That is the first-order change of the metric if ``u``'s part of the head's keys
+(queries) were removed: in metric units like the v-edges, so the two rank together, but it
+removes the clean component where a v-edge substitutes the counterfactual's difference. Under
+grouped-query attention a k-edge serves its group's heads and sums over them. With Gemma 2's
+soft-capped scores the weighted advantages differ from the gradient form by the cap's derivative;
+the gradient form is what is computed.
+
+Cost: one counterfactual pass (its embeddings), one forward-mode pass, two passes with their
+backward passes: about nine forward-pass equivalents.
+
+Example:
+    >>> import torch
+    >>> import contribution_lens as cl
+    >>> model = cl.load_model()
+    >>> ids = torch.randint(100, 1000, (2, 6), generator=torch.Generator().manual_seed(0))
+    >>> task = cl.Task("demo", ids, ids.flip(0), ids[:, 0], ids[:, 1], cl.Task.full_length(ids))
+    >>> scores = cl.circuit_scores(model, task, method="contribution")
+    >>> len(scores.edge_scores) == len(scores.graph.edges)
+    True
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.autograd.forward_ad as forward_ad
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from contribution_lens.adapter import Model, circuit_pass
+from contribution_lens.circuits import interchange as ic
+from contribution_lens.circuits.graph import Graph
+from contribution_lens.circuits.registry import CircuitContext, CircuitMethod, register_circuit_method
+from contribution_lens.circuits.task import Task
+
+COPIES = 5.0
+"""``[writer batch pos d_model]`` tensors held at once: tangents, clean outputs, scores' inputs and their gradients."""
+EMBEDDINGS = ("embed", "pos_embed")
+
+
+@dataclass
+class Tangent:
+    """A forward-mode pass of ``L``: the embeddings carry the tangent ``shift`` and every writer's tangent is kept.
+
+    ``shift[e]`` is the counterfactual's embedding minus the clean one (``e``: embed, pos_embed); the
+    tangents are kept writers first, ``[writer batch pos d_model]``, as `interchange.Record` keeps outputs.
+    """
+
+    graph: Graph
+    shift: Float[Tensor, "embedding batch pos d_model"]
+    tangents: Tensor | None = None
+
+    def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
+        lo, hi = self.graph.writer_range(kind, layer)
+        if self.tangents is None:
+            batch, pos, _, d_model = out.shape
+            self.tangents = out.new_zeros(len(self.graph.writers), batch, pos, d_model).detach()
+        if kind in EMBEDDINGS:
+            self.tangents[lo] = self.shift[lo]
+            zero = torch.zeros_like(forward_ad.unpack_dual(out).primal[:, :, 0])
+            return forward_ad.make_dual(zero, self.shift[lo].to(zero.dtype))
+        tangent = forward_ad.unpack_dual(out).tangent
+        if tangent is not None:
+            self.tangents[lo:hi] = tangent.permute(2, 0, 1, 3).to(self.tangents.dtype)
+        return None
+
+    def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
+        return None
+
+
+def linearised_differences(
+    model: Model, task: Task, graph: Graph, rows: Tensor
+) -> tuple[Float[Tensor, "writer batch pos d_model"], Float[Tensor, " batch"]]:
+    """Every writer's ``delta_u`` in ``L`` and each prompt's ``m_L(counterfactual) - m(clean)``.
+
+    The counterfactual's embeddings come from one pass on the corrupted prompts; the tangents from
+    one forward-mode pass on the clean ones with patterns and norm scales frozen.
+    """
+    corrupted, _ = ic.record(model, task, graph, rows, corrupted=True)
+    clean = ic.Record(graph)
+    with torch.inference_mode():
+        circuit_pass(model, ic.tokens(task, rows), _EmbeddingsOnly(clean))
+    assert clean.outputs is not None
+    n = graph.n_embeddings
+    shift = (corrupted[:n] - clean.outputs[:n]).clone()
+    del corrupted, clean
+    stream = Tangent(graph, shift)
+    with torch.no_grad(), forward_ad.dual_level():
+        logits = circuit_pass(model, ic.tokens(task, rows), stream, freeze_norms=True, freeze_patterns=True)
+        tangent = forward_ad.unpack_dual(ic.metric(task, logits, rows)).tangent
+        difference = torch.zeros(len(rows)) if tangent is None else tangent.detach().cpu()
+    assert stream.tangents is not None
+    return stream.tangents, difference
+
+
+@dataclass
+class _EmbeddingsOnly:
+    record: ic.Record
+
+    def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
+        return self.record.write(kind, layer, out) if kind in EMBEDDINGS else None
+
+    def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
+        return None
+
+
+def _gradient(model: Model, task: Task, graph: Graph, rows: Tensor, *, patterns: bool) -> tuple[ic.Gradient, Tensor]:
+    """A clean pass with norm scales frozen (and patterns, where ``patterns``): its inputs and summed metric."""
+    clean = ic.Record(graph)
+    placeholder = torch.zeros(1, 1, graph.n_embeddings, 1, device=_device(model))
+    stream = ic.Gradient(graph, placeholder, 1.0, clean)
+    with torch.enable_grad():
+        logits = circuit_pass(model, ic.tokens(task, rows), stream, freeze_norms=True, freeze_patterns=patterns)
+        return stream, ic.metric(task, logits, rows).sum()
+
+
+def _device(model: Model) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (AttributeError, StopIteration):
+        return torch.device("cpu")
+
+
+def attention_inputs(graph: Graph) -> Bool[Tensor, " input"]:
+    """Whether each input is a head's q or k input (no effect in ``L``: scored by the QK split)."""
+    return torch.tensor([name.endswith(("<q>", "<k>")) for name in graph.inputs])
+
+
+def contribution_scores(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, " edge"]:
+    """The ``contribution`` edge scores (module docstring): exact terms of ``L``, q/k edges from the QK split."""
+    graph = context.graph
+    d_model = int(model.cfg.d_model)
+    size = ic.batch_size(task, len(graph.writers), d_model, COPIES, context.memory)
+    attention = attention_inputs(graph)
+    scores = None
+    for rows in ic.batches(task, size):
+        tangents, _ = linearised_differences(model, task, graph, rows)
+        scores = tangents.new_zeros(graph.valid.shape) if scores is None else scores
+        linear = tangents.new_zeros(graph.valid.shape)
+        stream, value = _gradient(model, task, graph, rows, patterns=True)
+        ic.gradient_scores(graph, stream, value, tangents, linear)
+        del tangents, stream, value
+        why = linear.new_zeros(graph.valid.shape)
+        stream, value = _gradient(model, task, graph, rows, patterns=False)
+        assert stream.clean is not None and stream.clean.outputs is not None
+        ic.gradient_scores(graph, stream, value, -stream.clean.outputs.to(linear.dtype), why)
+        mask = attention.to(linear.device)[None, :]
+        scores += torch.where(mask, why, linear)
+    assert scores is not None
+    writers, inputs = graph.edge_index
+    return (scores.cpu()[writers, inputs] / len(task)).float()
+
+
+METHODS = (
+    CircuitMethod(
+        "contribution",
+        contribution_scores,
+        "edge",
+        "exact per-edge terms with patterns, norm scales frozen and MLPs linearised; q/k edges from the QK split",
+        True,
+    ),
+)
+for _method in METHODS:
+    register_circuit_method(_method)

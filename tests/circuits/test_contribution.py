@@ -1,0 +1,126 @@
+"""The ``contribution`` method against a float64 oracle: its terms add up, across every cut of the graph, to
+the metric's change in the linearised model, computed here independently by running the model with the
+clean pass's patterns and norm scales put back through hooks."""
+
+import pytest
+import torch
+from circuit_helpers import random_task
+
+import contribution_lens as cl
+from conftest import tiny_bridge
+from contribution_lens.circuits import contribution as contribution_method
+
+
+@torch.no_grad()
+def _frozen_metric(model, task, shift: float) -> torch.Tensor:
+    """Mean logit difference with the clean pass's patterns and norm scales put back, the embeddings moved
+    ``shift`` of the way to the counterfactual's."""
+    kept: dict[str, torch.Tensor] = {}
+    names = [n for n in model.hook_dict if n.endswith((".hook_scale", "attn.hook_pattern"))]
+
+    def keep(tensor, hook):
+        kept[hook.name] = tensor.clone()
+
+    model.run_with_hooks(task.clean, fwd_hooks=[(n, keep) for n in [*names, "embed.hook_out"]])
+    clean_embed = kept.pop("embed.hook_out")
+    model.run_with_hooks(task.corrupted, fwd_hooks=[("embed.hook_out", keep)])
+    corrupted_embed = kept.pop("embed.hook_out")
+
+    def put_back(tensor, hook):
+        return kept[hook.name]
+
+    def moved(tensor, hook):
+        return clean_embed + shift * (corrupted_embed - clean_embed)
+
+    logits = model.run_with_hooks(task.clean, fwd_hooks=[(n, put_back) for n in names] + [("embed.hook_out", moved)])
+    at_last = logits[torch.arange(len(task)), task.last]
+    return (at_last.gather(1, task.answer[:, None]) - at_last.gather(1, task.foil[:, None])).mean()
+
+
+def _cuts(graph):
+    """Every point in the forward order between two layers' attention or MLP: the edges that cross it."""
+    writers, inputs = graph.edge_index
+    upstream = graph.upstream[inputs]
+    carried = ~contribution_method.attention_inputs(graph)[inputs]
+    points = [graph.layer_start(layer) + offset for layer in range(graph.n_layers) for offset in (0, graph.n_heads)]
+    return {point: (writers < point) & (upstream >= point) & carried for point in [*points, len(graph.writers)]}
+
+
+def _without_mlps(model):
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".mlp." in name:
+                param.zero_()
+    return model
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa"])
+def test_terms_add_up_to_the_linearised_metric_across_every_cut(variant) -> None:
+    """No MLPs: the frozen model is affine, so one pass on the counterfactual's embeddings is the oracle."""
+    model = _without_mlps(tiny_bridge(variant, biases=True).to(torch.float64))
+    task = random_task(model)
+    want = float(_frozen_metric(model, task, 1.0) - _frozen_metric(model, task, 0.0))
+    scores = cl.circuit_scores(model, task, method="contribution")
+    terms = scores.edge_scores.double()
+    assert abs(want) > 1e-3
+    for point, crossing in _cuts(scores.graph).items():
+        assert abs(float(terms[crossing].sum()) - want) <= 1e-5 * abs(want) + 1e-6, point
+
+
+def test_terms_add_up_with_mlps_linearised() -> None:
+    """With MLPs, ``L`` expands them at the clean pass: the oracle is the frozen model's central difference."""
+    model = tiny_bridge("gqa", biases=True).to(torch.float64)
+    task = random_task(model)
+    step = 1e-4
+    want = float((_frozen_metric(model, task, step) - _frozen_metric(model, task, -step)) / (2 * step))
+    graph = cl.circuit_graph(model)
+    _, difference = contribution_method.linearised_differences(model, task, graph, torch.arange(len(task)))
+    assert abs(float(difference.mean()) - want) <= 1e-6 * abs(want) + 1e-8
+    terms = cl.circuit_scores(model, task, method="contribution").edge_scores.double()
+    for point, crossing in _cuts(graph).items():
+        assert abs(float(terms[crossing].sum()) - want) <= 1e-5 * abs(want) + 1e-6, point
+
+
+def test_query_and_key_edges_are_scored_and_node_scores_sum_edges() -> None:
+    model = tiny_bridge("gqa").to(torch.float64)
+    task = random_task(model)
+    scores = cl.circuit_scores(model, task, method="contribution")
+    graph = scores.graph
+    attention = contribution_method.attention_inputs(graph)[graph.edge_index[1]]
+    assert bool((scores.edge_scores[attention] != 0).any())
+    assert bool((scores.edge_scores[~attention] != 0).any())
+    assert len(scores.circuit(0.1).edges) == int(0.1 * len(graph.edges))
+
+
+def test_query_and_key_edges_are_the_change_when_the_component_is_removed_from_the_scores() -> None:
+    """``t(u -> h<k>) = -o_u . dm/dx``: against central differences of removing a share of ``o_u`` from that
+    input alone, every norm's scale put back at its clean value (LN1's of that input too)."""
+    from contribution_lens.adapter import circuit_pass
+    from contribution_lens.circuits import interchange as ic
+
+    model = tiny_bridge("gqa", biases=True).to(torch.float64)
+    task = random_task(model)
+    graph = cl.circuit_graph(model)
+    scores = cl.circuit_scores(model, task, method="contribution")
+    rows = torch.arange(len(task))
+    writers, inputs = graph.edge_index
+    clean: dict[str, torch.Tensor] = {}
+    names = [n for n in model.hook_dict if n.endswith(".hook_scale")]
+    model.run_with_hooks(
+        task.clean, fwd_hooks=[(n, lambda x, hook: clean.update({hook.name: x.detach()})) for n in names]
+    )
+    put_back = [(n, lambda x, hook: clean[hook.name]) for n in names]
+    for name in ["embed->L1H0<q>", "L0H1->L1KV0<k>", "L0.mlp->L1KV1<k>"]:
+        edge = graph.edge_ids[name]
+        values = []
+        for t in (1e-4, -1e-4):
+            patch = torch.zeros(graph.valid.shape, dtype=torch.float64)
+            patch[writers[edge], inputs[edge]] = t
+            zero = torch.zeros(len(graph.writers), len(task), task.clean.shape[1], 32, dtype=torch.float64)
+            stream = ic.Interchange(graph, zero, patch)  # its reads see 0 - o_u: the input loses t o_u
+            with torch.inference_mode(), model.hooks(fwd_hooks=put_back):
+                logits = circuit_pass(model, task.clean, stream, freeze_norms=True)
+            values.append(ic.metric(task, logits, rows).mean())
+        want = float((values[0] - values[1]) / 2e-4)
+        got = float(scores.edge_scores[edge])
+        assert abs(got - want) <= 1e-5 + 1e-4 * abs(want), (name, got, want)
