@@ -268,10 +268,13 @@ def run_circuits(
     _barrier(world)
     if rank != 0:
         return None
-    table = circuit_table(out_dir, settings.methods, settings.levels)
+    # The folder's other methods too (a run may add methods to a folder, one command at a time).
+    earlier = sorted(p.name for p in out_dir.iterdir() if (p / SCORES).exists() and p.name not in settings.methods)
+    methods = (*settings.methods, *earlier)
+    table = circuit_table(out_dir, methods, LEVELS)
     write_text(out_dir / TABLE, table.to_csv(index=False))
     if report:
-        write_report(model, task, table, out_dir, settings)
+        write_report(model, task, table, out_dir, replace(settings, methods=methods, levels=LEVELS))
     return table
 
 
@@ -401,9 +404,7 @@ def _cost(stage: dict[str, float] | None) -> float:
     return float(stage["seconds"] / stage["forward_seconds"])
 
 
-def write_report(
-    model: adapter.Model, task: Task, table: pd.DataFrame, out: Path, settings: RunSettings
-) -> Path:
+def write_report(model: adapter.Model, task: Task, table: pd.DataFrame, out: Path, settings: RunSettings) -> Path:
     """``report.html``: the model's accuracy on the task, the table, and every method's curve per level."""
     import warnings
 

@@ -114,14 +114,18 @@ def build_task(model: Any, settings: CircuitArgs, *, skeleton: bool = False) -> 
 
 
 def run(args: argparse.Namespace) -> int:
-    from contribution_lens.circuits import circuit_graph, runner
+    from contribution_lens.circuits import Graph, runner
 
     settings, task = args.settings, args.task_object
-    run_settings = runner.RunSettings(settings.method, settings.level, settings.seed, settings.steps, settings.bootstrap)
+    run_settings = runner.RunSettings(
+        settings.method, settings.level, settings.seed, settings.steps, settings.bootstrap
+    )
     if settings.dry_run:
         from contribution_lens import loading
+        from contribution_lens.circuit_wiring import layout
 
-        graph = circuit_graph(loading.load_skeleton(str(args.model)))
+        shape = layout(loading.load_skeleton(str(args.model)))  # the config's sizes: no weight is read
+        graph = Graph(shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.pos_embed)
         plans = runner.plan_passes(graph, settings.method, settings.level, steps=settings.steps)
         print(f"{task!r}; {graph}: {len(graph.components)} nodes, {len(graph.edges)} edges")
         print(runner.describe_plan(plans, len(task)))
