@@ -180,7 +180,9 @@ def test_a_method_registered_later_is_taken_by_name(tiny_decoder, tmp_path, caps
 
 def test_torchrun_two_processes_merge_to_the_single_process_result(tiny_decoder, tiny_run, tmp_path) -> None:
     out = tmp_path / "ddp"
+    # torchrun takes ``--n`` for an abbreviation of its own options: the run says --prompts.
     argv = [str(a) for a in tiny_args(tiny_decoder, out, *METHODS)]
+    argv[argv.index("--n")] = "--prompts"
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                "-m", "contribution_lens.cli", *argv]  # fmt: skip
@@ -205,3 +207,16 @@ def test_torchrun_two_processes_merge_to_the_single_process_result(tiny_decoder,
     got_table, want_table = pd.read_csv(out / runner.TABLE), pd.read_csv(tiny_run / runner.TABLE)
     columns = ["method", "level", "prompts", "cpr", "cmd", "cpr_low", "cpr_high", "cmd_low", "cmd_high"]
     pd.testing.assert_frame_equal(got_table[columns], want_table[columns], rtol=1e-4)
+
+
+def test_help_imports_no_torch() -> None:
+    code = (
+        "import sys\nfrom contribution_lens import cli\n"
+        "try:\n    cli.main(['circuit', '--help'])\nexcept SystemExit as exit:\n    print('exit', exit.code)\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "COLUMNS": "200"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "exit 0" in result.stdout and "torch imported: False" in result.stdout
+    assert "--method METHOD" in result.stdout and "(default: 64)" in result.stdout

@@ -84,6 +84,10 @@ class CircuitArgs:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     options.add_options(parser, CircuitArgs)
+    # torchrun's own parser reads ``--n`` as an abbreviation of its options: under torchrun, say --prompts.
+    parser.add_argument(
+        "--prompts", dest="n", type=int, default=argparse.SUPPRESS, metavar="N", help="the same as --n (for torchrun)"
+    )
 
 
 def check(args: argparse.Namespace) -> None:
