@@ -208,9 +208,12 @@ class RunSettings:
 
 
 def _distributed() -> tuple[int, int]:
-    from contribution_lens.faithfulness.runner import _distributed as start
-
-    return start()
+    """This process's rank and the number of processes (torchrun's variables; one process without them)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    return rank, world
 
 
 def _barrier(world: int) -> None:
