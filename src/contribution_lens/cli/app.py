@@ -1,4 +1,4 @@
-"""Command line: ``contribution-lens demo | faithfulness | sinks | replicate``.
+"""Command line: ``contribution-lens demo | faithfulness | sinks | replicate | circuit``.
 
 Every argument, and the output folder, is checked before a model is loaded; a mistake prints one
 line ``contribution-lens: error: ...`` and exits with status 2. A run holds a lock on its output
@@ -16,12 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from contribution_lens.cli import common, demo, faithfulness, options, outdir, replicate, sinks
+from contribution_lens.cli import circuit, common, demo, faithfulness, options, outdir, replicate, sinks
 
 PROG = "contribution-lens"
 DESCRIPTION = (
     "Which tokens really feed an attention head's output. Every argument is checked before the model "
-    "is loaded; one run at a time per output folder; an interrupted faithfulness or replicate run resumes "
+    "is loaded; one run at a time per output folder; an interrupted faithfulness, replicate or circuit run "
+    "resumes "
     "when the same command is run again."
 )
 COMMANDS = {
@@ -29,6 +30,7 @@ COMMANDS = {
     "faithfulness": (faithfulness, "causal masking of projected values: ΔPPL and accuracy", None),
     "sinks": (sinks, "attention-sink analysis and the sink-norm intervention", None),
     "replicate": (replicate, "every claim of the paper on one model: claims.json, claims.md, report.html", None),
+    "circuit": (circuit, "circuit methods scored on a task: faithfulness curves, CPR and CMD (resumable)", None),
 }
 """name -> (module, help, default output folder or None for a required --out)."""
 

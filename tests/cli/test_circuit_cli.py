@@ -1,0 +1,222 @@
+"""``contribution-lens circuit``: bad arguments named before loading, a run on a tiny checkpoint, resume, torchrun."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+import contribution_lens as cl
+from contribution_lens import cli, loading
+from contribution_lens.circuits import Graph, runner
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+METHODS = ("--method", "eap", "--method", "activation-patching", "--method", "random")
+
+
+def run_cli(capsys, *argv: object) -> tuple[int, str, str]:
+    """The exit status (argparse's own mistakes exit), stdout and stderr."""
+    try:
+        status = cli.main([str(a) for a in argv])
+    except SystemExit as exit:
+        status = int(exit.code or 0)
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loading, "load_model", refuse)
+
+
+def tiny_args(tiny_decoder: Path, out: Path, *extra: object) -> list[object]:
+    return ["circuit", "--model", tiny_decoder, "--task", "induction", "--n", 6, "--length", 4, *extra, "--out", out]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tiny_decoder: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One single-process run on the tiny checkpoint: eap, activation patching and random, both levels."""
+    out = tmp_path_factory.mktemp("circuit") / "run"
+    assert cli.main([str(a) for a in tiny_args(tiny_decoder, out, *METHODS)]) == 0
+    return out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--method", "nope"], "--method: expected a registered circuit method: eap, eap-ig, activation-patching, "
+                               "random, got 'nope'"),
+        (["--method", "eap", "--level", "both"], "--level: expected a level: edge, node, got 'both'"),
+        (["--method", "eap", "--method", "eap"], "--method: expected each method once, got 'eap,eap'"),
+        (["--method", "eap", "--n", "0"], "--n: expected a positive integer, got 0"),
+        (["--method", "eap", "--steps", "0"], "--steps: expected a positive integer, got 0"),
+        (["--method", "eap", "--task", "sst2"],
+         "--task: expected ioi, induction, capitals or a .jsonl file of prompts, got 'sst2'"),
+        (["--method", "eap", "--task", "missing.jsonl"],
+         "--task: expected ioi, induction, capitals or a .jsonl file of prompts, got 'missing.jsonl' (no such file)"),
+        (["--task", "ioi"], "the following arguments are required: --method (see contribution-lens circuit --help)"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_are_named_before_the_model_loads(
+    argv, message, tiny_decoder, tmp_path, capsys, no_model
+) -> None:
+    out = tmp_path / "out"
+    status, _, err = run_cli(capsys, "circuit", "--model", tiny_decoder, *argv, "--out", out)
+    assert status == 2
+    assert err == f"contribution-lens: error: {message}\n"
+    assert not out.exists()
+
+
+def test_a_bad_task_file_is_refused_naming_its_line_before_the_model_loads(
+    tiny_decoder, tmp_path, capsys, no_model
+) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"clean": "a b"}\n')
+    status, _, err = run_cli(capsys, "circuit", "--model", tiny_decoder, "--task", bad, "--method", "eap",
+                             "--out", tmp_path / "out")  # fmt: skip
+    assert status == 2
+    assert err == f"contribution-lens: error: --task: {bad}, line 1: field 'corrupted' is missing\n"
+
+
+def test_a_run_writes_scores_curves_the_table_and_the_report(tiny_run: Path, tiny_decoder) -> None:
+    table = pd.read_csv(tiny_run / runner.TABLE)
+    assert list(table.columns) == list(runner.COLUMNS)
+    # activation patching scores nodes: it has no edge level.
+    assert list(zip(table["method"], table["level"], strict=True)) == [
+        ("eap", "edge"), ("eap", "node"), ("activation-patching", "node"), ("random", "edge"), ("random", "node")
+    ]  # fmt: skip
+    assert (table["prompts"] == 6).all()
+    assert (table["cpr_low"] <= table["cpr_high"]).all() and (table["cmd_low"] <= table["cmd_high"]).all()
+    assert (table["scoring_cost"][table["method"] != "random"] > 0).all()
+    assert (table["curve_cost"] > 0).all()
+    assert table.loc[table["method"] == "eap", "planned_scoring"].tolist() == [4.0, 4.0]  # 2 forward + 1 backward
+    scores = cl.CircuitScores.load(tiny_run / "eap" / runner.SCORES)
+    assert (scores.method, scores.task, scores.n_prompts) == ("eap", "induction", 6)
+    curve = cl.CircuitCurve.load(tiny_run / "eap" / "curve-edge.safetensors")
+    row = table[(table["method"] == "eap") & (table["level"] == "edge")].iloc[0]
+    assert row["cpr"] == pytest.approx(curve.cpr) and row["cmd"] == pytest.approx(curve.cmd)
+    assert (tiny_run / runner.REPORT).read_text().count("Faithfulness by circuit size") == 2
+    assert json.loads((tiny_run / "config.json").read_text())["prompts"] == 6
+    assert not list(tiny_run.rglob("*.part-*")) and not (tiny_run / ".lock").exists()
+
+
+def test_a_killed_run_resumes_keeping_each_finished_method(
+    tiny_decoder, tiny_run, tmp_path, capsys, monkeypatch
+) -> None:
+    out = tmp_path / "run"
+    real_curve, real_scores = runner.circuit_curve, runner.circuit_scores
+
+    def killed(model, task, scores, level, **kwargs):
+        if scores.method == "random":
+            raise KeyboardInterrupt
+        return real_curve(model, task, scores, level, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(runner, "circuit_curve", killed)
+        status, _, err = run_cli(capsys, *tiny_args(tiny_decoder, out, "--method", "eap", "--method", "random"))
+    assert (status, err.splitlines()[-1]) == (130, "contribution-lens: error: interrupted")
+    eap_files = {p: p.stat().st_mtime_ns for p in (out / "eap").iterdir()}
+    assert {p.name for p in eap_files} == {runner.SCORES, "curve-edge.safetensors", "curve-node.safetensors",
+                                           "timing.json"}  # fmt: skip
+    assert not (out / runner.TABLE).exists()
+
+    calls: list[str] = []
+    monkeypatch.setattr(runner, "circuit_scores", lambda *a, **k: calls.append(a[2]) or real_scores(*a, **k))
+    monkeypatch.setattr(runner, "circuit_curve", lambda *a, **k: calls.append(a[2].method) or real_curve(*a, **k))
+    status, _, err = run_cli(capsys, *tiny_args(tiny_decoder, out, "--method", "eap", "--method", "random"))
+    assert status == 0, err
+    assert calls == ["random", "random"]  # random's scores were kept; its two curves run; eap is not redone
+    assert {p: p.stat().st_mtime_ns for p in (out / "eap").iterdir()} == eap_files
+    resumed, whole = pd.read_csv(out / runner.TABLE), pd.read_csv(tiny_run / runner.TABLE)
+    whole = whole[whole["method"] != "activation-patching"].reset_index(drop=True)
+    columns = ["method", "level", "cpr", "cmd", "cpr_low", "cmd_high"]
+    pd.testing.assert_frame_equal(resumed[columns], whole[columns], rtol=1e-5)
+
+    # Once results exist, other settings are refused.
+    status, _, err = run_cli(capsys, *tiny_args(tiny_decoder, out, "--method", "eap", "--seed", "1"))
+    assert status == 2
+    assert err == (
+        f"contribution-lens: error: {out} holds a run with other settings ({out / 'config.json'}); "
+        "use another --out folder\n"
+    )
+
+
+def test_dry_run_prints_the_passes_and_time_and_writes_nothing(tiny_decoder, tmp_path, capsys) -> None:
+    out = tmp_path / "plan"
+    status, printed, err = run_cli(capsys, *tiny_args(tiny_decoder, out, *METHODS, "--method", "eap-ig", "--dry-run"))
+    assert status == 0, err
+    graph = Graph(n_layers=2, n_heads=4, n_kv_heads=2, pos_embed=False)
+    assert f"{len(graph.components)} nodes, {len(graph.edges)} edges" in printed
+    assert "eap: scoring: 2 forward + 1 backward; curves: 24 forward" in printed
+    assert "eap-ig: scoring: 7 forward + 5 backward; curves: 24 forward" in printed
+    assert f"activation-patching: scoring: {2 + len(graph.components)} forward + 0 backward; curves: 12" in printed
+    assert re.search(r"6 prompts: about \d+ forward-pass equivalents \(one plain pass .*\); estimated [\d.]+ (s|min)",
+                     printed), printed  # fmt: skip
+    assert not out.exists()
+
+
+def test_a_method_registered_later_is_taken_by_name(tiny_decoder, tmp_path, capsys) -> None:
+    def later_first(model, task, context):
+        return -torch.arange(len(context.graph.components), dtype=torch.float32)
+
+    cl.register_circuit_method("later-first", later_first, level="node")
+    try:
+        status, _, err = run_cli(capsys, *tiny_args(tiny_decoder, tmp_path / "run", "--method", "later-first"))
+    finally:
+        cl.unregister_circuit_method("later-first")
+    assert status == 0, err
+    table = pd.read_csv(tmp_path / "run" / runner.TABLE)
+    assert table[["method", "level"]].values.tolist() == [["later-first", "node"]]
+    assert table["planned_scoring"].isna().all()  # the package does not know its passes
+
+
+def test_torchrun_two_processes_merge_to_the_single_process_result(tiny_decoder, tiny_run, tmp_path) -> None:
+    out = tmp_path / "ddp"
+    # torchrun takes ``--n`` for an abbreviation of its own options: the run says --prompts.
+    argv = [str(a) for a in tiny_args(tiny_decoder, out, *METHODS)]
+    argv[argv.index("--n")] = "--prompts"
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "-m", "contribution_lens.cli", *argv]  # fmt: skip
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for method in ("eap", "activation-patching", "random"):
+        got = cl.CircuitScores.load(out / method / runner.SCORES)
+        want = cl.CircuitScores.load(tiny_run / method / runner.SCORES)
+        assert got.n_prompts == want.n_prompts == 6
+        torch.testing.assert_close(got.component_scores, want.component_scores, rtol=1e-5, atol=1e-5)
+        if want.edge_scores is not None:
+            assert got.edge_scores is not None
+            torch.testing.assert_close(got.edge_scores, want.edge_scores, rtol=1e-5, atol=1e-5)
+        for level in runner.method_levels(method, ("edge", "node")):
+            name = f"curve-{level}.safetensors"
+            got_curve, want_curve = (
+                cl.CircuitCurve.load(out / method / name),
+                cl.CircuitCurve.load(tiny_run / method / name),
+            )
+            for field in ("clean", "corrupted", "patched", "sizes"):
+                torch.testing.assert_close(getattr(got_curve, field), getattr(want_curve, field), rtol=1e-5, atol=1e-5)
+    got_table, want_table = pd.read_csv(out / runner.TABLE), pd.read_csv(tiny_run / runner.TABLE)
+    columns = ["method", "level", "prompts", "cpr", "cmd", "cpr_low", "cpr_high", "cmd_low", "cmd_high"]
+    pd.testing.assert_frame_equal(got_table[columns], want_table[columns], rtol=1e-4)
+
+
+def test_help_imports_no_torch() -> None:
+    code = (
+        "import sys\nfrom contribution_lens import cli\n"
+        "try:\n    cli.main(['circuit', '--help'])\nexcept SystemExit as exit:\n    print('exit', exit.code)\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "COLUMNS": "200"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "exit 0" in result.stdout and "torch imported: False" in result.stdout
+    assert "--method METHOD" in result.stdout and "(default: 64)" in result.stdout
