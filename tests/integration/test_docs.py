@@ -32,6 +32,7 @@ from helpers import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, ROOT, chromium_driver
 FACES = (
     "contribution_lens",
     "contribution_lens.analyses",
+    "contribution_lens.circuits",
     "contribution_lens.cli",
     "contribution_lens.faithfulness",
     "contribution_lens.methods",
