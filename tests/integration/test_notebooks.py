@@ -55,8 +55,8 @@ def is_solution(cell: nbformat.NotebookNode) -> bool:
     return cell.cell_type == "code" and "solution" in cell.metadata.get("tags", [])
 
 
-def test_the_course_has_ten_lessons_in_order() -> None:
-    assert [path.name[:3] for path in NOTEBOOKS] == [f"{i:02d}_" for i in range(1, 11)], IDS
+def test_the_course_has_eleven_lessons_in_order() -> None:
+    assert [path.name[:3] for path in NOTEBOOKS] == [f"{i:02d}_" for i in range(1, 12)], IDS
 
 
 def test_the_readmes_course_table_lists_every_lesson_with_its_time() -> None:

@@ -165,7 +165,8 @@ def circuit_figure(
             without a score.
         edges: columns ``upstream``, ``downstream`` (node names), ``input`` (``"q"``, ``"k"`` or
             ``"v"`` for an edge into a head, ``""`` otherwise) and ``score``: the edges drawn.
-        n_layers, n_heads: the model's sizes, which place the nodes.
+        n_layers: the model's number of layers, which places the nodes by row.
+        n_heads: its number of heads a layer, which places them in the row.
         title: the figure's title (the edge legend is added to it).
     """
     _check_columns(nodes, "nodes", ("node", "score"))
