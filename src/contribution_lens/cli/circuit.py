@@ -59,7 +59,8 @@ class CircuitArgs:
     task: str = option("ioi", f"{', '.join(TASKS)} or FILE.jsonl (one prompt a line)", check=check_task)
     method: tuple[str, ...] = option(
         (),
-        "a registered circuit method (eap, eap-ig, activation-patching, random, or one registered "
+        "a registered circuit method (eap, eap-ig, activation-patching, contribution, information-flow-routes, "
+        "random, or one registered "
         "with register_circuit_method); repeatable",
         check=_each_of(_registered, "a registered circuit method"),
         many=True,
@@ -126,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     )
     if settings.dry_run:
         from contribution_lens import loading
-        from contribution_lens.circuit_wiring import layout
+        from contribution_lens.adapter import layout
 
         shape = layout(loading.load_skeleton(str(args.model)))  # the config's sizes: no weight is read
         graph = Graph(shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.pos_embed)
