@@ -6,7 +6,7 @@ The layers, bottom first, and why each sits where it does:
    settings; no model, no TransformerLens.
 2. **adapter** (`adapter`): the one place that knows a TransformerLens model (hooks, ``W_O``, the readout, the
    hooks a circuit is patched through), one module a concern.
-3. **engine** (`engine`, `mixing`, `interventions`, `loading`): what runs on a model through the adapter:
+3. **engine** (`engine`, `mixing`, `interventions`, `loading`, `processes`): what runs on a model through the adapter:
    the per-layer pass, the per-layer token mixing, pattern edits, loading.
 4. **drawing** (`drawing`: `plot`, `html`): figures and pages from tensors and tables. A figure function
    takes a result by what it offers (its type named under ``TYPE_CHECKING`` only), so every result's
@@ -43,7 +43,7 @@ PACKAGE = "contribution_lens"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("maths", ("_lazy", "_settings", "files", "choices", "losses", "decomposition", "qk")),
     ("adapter", ("adapter",)),
-    ("engine", ("engine", "mixing", "interventions", "loading")),
+    ("engine", ("engine", "mixing", "interventions", "loading", "processes")),
     ("drawing", ("drawing",)),
     ("analyses", ("analyses",)),
     ("methods", ("methods",)),

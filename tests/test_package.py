@@ -18,7 +18,9 @@ CORE_FOLDERS = ("adapter",)
 """Folders of the core: the adapter, one module a concern behind its face (its tests sit at the top of tests/)."""
 TESTS_OF = {"drawing": "views"}
 """Where a subpackage's tests are, where that is not ``tests/<subpackage>``."""
-CORE = ("choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "qk")
+CORE = (
+    "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "processes", "qk"
+)  # fmt: skip
 
 
 def modules() -> list[Path]:
@@ -205,13 +207,14 @@ def test_the_readmes_five_lines_run_and_give_what_their_comments_say(bundled_mod
 
 def test_the_readmes_other_examples_run_and_give_what_their_comments_say(bundled_model) -> None:
     namespace = {"cl": cl, "model": bundled_model}
-    attribution, flow, answer, sinks = run_block(
+    attribution, flow, answer, sinks, circuit = run_block(
         docs_block('cl.logit_attribution(model, text, target=" Mary"'), namespace
     )
     assert isinstance(attribution, cl.LogitAttribution) and "logit(' Mary') - logit(' John')" in repr(attribution)
     assert isinstance(flow, cl.Flow) and flow.rollout.shape[-1] == len(bundled_model.to_tokens(namespace["text"])[0])
     assert isinstance(answer, cl.GenerationExplanation) and 1 <= len(answer) <= 8
     assert isinstance(sinks, cl.SinkAnalysis)
+    assert isinstance(circuit, cl.CircuitScores) and circuit.method == "eap" and len(circuit.edges) > 0
 
 
 def test_the_documentations_examples_run(bundled_model) -> None:

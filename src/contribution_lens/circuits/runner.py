@@ -33,7 +33,6 @@ from typing import Any
 
 import pandas as pd
 import torch
-import torch.distributed as dist
 
 from contribution_lens import adapter
 from contribution_lens.circuits.evaluation import FRACTIONS, RESAMPLES, CircuitCurve, circuit_curve
@@ -42,6 +41,7 @@ from contribution_lens.circuits.registry import LEVELS, get_circuit_method
 from contribution_lens.circuits.scoring import CircuitScores, circuit_scores, node_sums
 from contribution_lens.circuits.task import Task
 from contribution_lens.files import write_text
+from contribution_lens.processes import barrier, rank_and_world
 
 SCORES = "circuit_scores.safetensors"
 TABLE = "circuits.csv"
@@ -207,20 +207,6 @@ class RunSettings:
     resamples: int = RESAMPLES
 
 
-def _distributed() -> tuple[int, int]:
-    """This process's rank and the number of processes (torchrun's variables; one process without them)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    return rank, world
-
-
-def _barrier(world: int) -> None:
-    if world > 1:
-        dist.barrier()
-
-
 def _check_config(out: Path, config: dict[str, Any]) -> None:
     path = out / "config.json"
     if path.exists():
@@ -246,15 +232,15 @@ def run_circuits(
     for method in settings.methods:
         get_circuit_method(method)
     out_dir = Path(out)
-    rank, world = _distributed()
+    rank, world = rank_and_world()
     config = {**(config or {}), "task": task.name, "prompts": len(task), "seed": settings.seed,
               "steps": settings.steps}  # fmt: skip
     _check_config(out_dir, config)
-    _barrier(world)
+    barrier(world)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         write_text(out_dir / "config.json", json.dumps(config, indent=2, sort_keys=True))
-    _barrier(world)
+    barrier(world)
     mine = shard(task, rank, world)
     forward: float | None = None
     for method in settings.methods:
@@ -268,7 +254,7 @@ def run_circuits(
         scores = _scores(model, mine, method, settings, folder, rank, world, forward)
         for level in levels:
             _curve(model, mine, scores, level, settings, folder, rank, world, forward)
-    _barrier(world)
+    barrier(world)
     if rank != 0:
         return None
     # The folder's other methods too (a run may add methods to a folder, one command at a time).
@@ -308,9 +294,9 @@ def _scores(
         scores.save(part)
         if rank == 0:
             _record_time(folder, "scores", seconds, forward, len(task))
-    _barrier(world)
+    barrier(world)
     merged = merge_scores([CircuitScores.load(folder / _part("scores", r, world)) for r in range(world)])
-    _barrier(world)  # every rank has read every part
+    barrier(world)  # every rank has read every part
     if rank == 0:
         merged.save(final)
         for r in range(world):
@@ -335,13 +321,13 @@ def _curve(
         replace(curve, resamples=settings.resamples).save(part)
         if rank == 0:
             _record_time(folder, name, seconds, forward, len(task))
-    _barrier(world)
+    barrier(world)
     if rank == 0:
         parts = [folder / _part(name, r, world) for r in range(world)]
         merge_curves([CircuitCurve.load(p) for p in parts]).save(final)
         for p in parts:
             p.unlink()
-    _barrier(world)
+    barrier(world)
 
 
 COLUMNS = (
@@ -413,7 +399,7 @@ def write_report(model: adapter.Model, task: Task, table: pd.DataFrame, out: Pat
 
     from contribution_lens.circuits.figures import curves_figure
     from contribution_lens.circuits.task import task_report
-    from contribution_lens.views import html
+    from contribution_lens.drawing import html
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,4 +1,5 @@
-"""The ``contribution-lens`` command: ``demo``, ``faithfulness``, ``sinks`` and ``replicate``, one module each.
+"""The ``contribution-lens`` command: ``demo``, ``faithfulness``, ``sinks``, ``replicate`` and ``circuit``, one
+module each.
 
 `main` parses, checks every argument before any model is loaded, locks the output folder and
 runs. Standard library only at import, so ``--help`` answers without torch.

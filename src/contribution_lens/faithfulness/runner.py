@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from tqdm.auto import tqdm
 
 from contribution_lens import adapter
@@ -47,6 +46,7 @@ from contribution_lens.faithfulness.settings import DataSettings, RunOptions, Se
 from contribution_lens.files import write_text
 from contribution_lens.losses import continuation_logprob, token_nll
 from contribution_lens.methods import ScoreContext, get_method
+from contribution_lens.processes import barrier, rank_and_world
 
 Key = tuple[str, str, str, str, str, float]
 
@@ -206,14 +206,6 @@ def _repair_tail(path: Path) -> None:
         path.write_text(text[: text.rfind("\n") + 1], encoding="utf-8")
 
 
-def _distributed() -> tuple[int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    return rank, world
-
-
 @contextmanager
 def cpu_threads(model: adapter.Model, options: RunOptions) -> Iterator[int]:
     """Run with `RunOptions.cpu_threads` torch threads where the model is on a CPU; the count (0 off a CPU).
@@ -273,16 +265,14 @@ def run(
     """
     options = options or RunOptions()
     out_dir = Path(out)
-    rank, world = _distributed()
+    rank, world = rank_and_world()
     units = build_units(model, data)  # before writing anything: bad data fails early
     check_protocols(settings, units)
     plan_layers = adapter.check_layers(model, list(settings.layers) if settings.layers is not None else None)
     out_dir.mkdir(parents=True, exist_ok=True)
-    if world > 1:
-        dist.barrier()
+    barrier(world)
     _check_config(out_dir, config_of(model_name, settings, data), rank)
-    if world > 1:
-        dist.barrier()
+    barrier(world)
     part = out_dir / f"part-{rank}.jsonl"
     _repair_tail(part)
     done = finished(out_dir)
@@ -303,8 +293,7 @@ def run(
                 if records:
                     _append(stream, records)
                 bar.update(passes)
-    if world > 1:
-        dist.barrier()
+    barrier(world)
     if rank != 0:
         return None
     records = merged_records(out_dir)
