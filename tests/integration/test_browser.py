@@ -873,12 +873,17 @@ def test_widget_without_its_kernel_says_so(browser, bundled_model, tmp_path, mon
     Select(control(browser, "layer")).select_by_value("9")
     status = "return document.querySelector('.cl-status').textContent"
     assert browser.execute_script(status) == "computing layer 9…"
-    WebDriverWait(browser, 30).until(lambda b: b.execute_script(status) == "not drawn: no kernel answered")
+    # No answer in 4 s: the change is undone (one state: the menus show the view drawn, layer 2), and said so.
+    WebDriverWait(browser, 30).until(
+        lambda b: control(b, "layer").get_attribute("value") == "2" and b.execute_script(status) == ""
+    )
     line = browser.execute_script("return document.querySelector('.cl-kernel').textContent")
     assert line.startswith("No answer from the kernel for 4 s") and "run the cell again" in line, line
+    assert "was undone: the menus show the view drawn" in line, line
     assert "ping" in browser.execute_script("return window.host.sent")
-    # A kernel that answers late still draws.
+    # A kernel that answers late still draws the change asked again.
     browser.execute_script("window.host.deaf = false")
+    Select(control(browser, "layer")).select_by_value("9")
     inspector.layer = 9
     browser.execute_script("window.host.receive('payload', arguments[0])", inspector.payload)
     wait_ready(browser, hash_too=False)

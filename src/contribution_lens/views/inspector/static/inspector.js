@@ -69,11 +69,13 @@ const STILL_STATE = [...TRAITS, "tokens"];
  * without it) until a later pong. A kernel that answered once may be gone now: each request asks again.
  * @param {WidgetModel} model
  * @param {() => void} onChange called when the kernel goes missing, answers, or comes back
- * @returns {{readonly missing: boolean, readonly answered: boolean, check: () => void}}
+ * @returns {{readonly missing: boolean, readonly answered: boolean, readonly checking: boolean, check: () => void}}
  */
 export function kernelWatch(model, onChange) {
   let answered = false;
   let missing = false;
+  // True while the views redraw on a ping's silence: that silence answers their own checks too.
+  let settling = false;
   /** @type {ReturnType<typeof setTimeout> | null} */
   let timer = null;
   model.on("msg:custom", (message) => {
@@ -92,8 +94,12 @@ export function kernelWatch(model, onChange) {
     get answered() {
       return answered;
     },
+    /** Whether a ping is on its way: until its answer or silence, a kernel thought missing may be back. */
+    get checking() {
+      return timer !== null;
+    },
     check() {
-      if (timer) return; // a ping is on its way: its answer (or silence) settles this request too
+      if (timer || settling) return; // a ping is on its way, or just went unanswered: that settles this request too
       try {
         model.send({ type: "ping" });
       } catch (error) {
@@ -102,7 +108,12 @@ export function kernelWatch(model, onChange) {
       timer = setTimeout(() => {
         timer = null;
         missing = true;
-        onChange();
+        settling = true;
+        try {
+          onChange();
+        } finally {
+          settling = false;
+        }
       }, KERNEL_WAIT_MS);
     },
   };
@@ -170,10 +181,12 @@ function widgetHost(model, kernel, why, undo) {
     open: (step, layer, head) => model.send({ type: "open", step, layer, head }),
     pending: (state) => {
       kernel.check();
-      if (kernel.missing) {
+      if (kernel.missing && !kernel.checking) {
         setTimeout(undo); // after this drawing: the menus go back to the view drawn, which is drawn again
         return "not drawn: no kernel answered";
       }
+      // A kernel thought missing is asked again first: one that is back draws this change.
+      if (kernel.missing) return "waiting for the kernel…";
       return state ? "computing layer " + state.layer + "…" : "waiting for the kernel…";
     },
     // Windows of the widget's size, half-overlapping, over the whole text.
