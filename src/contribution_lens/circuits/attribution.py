@@ -38,11 +38,6 @@ def _gradient_pass(model: Model, task: Task, rows: Tensor, stream: ic.Gradient) 
         return ic.metric(task, logits, rows).sum()
 
 
-def _per_edge(context: CircuitContext, scores: Float[Tensor, "writer input"], count: int) -> Float[Tensor, " edge"]:
-    writers, inputs = context.graph.edge_index
-    return (scores.cpu()[writers, inputs] / count).float()
-
-
 def eap(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, " edge"]:
     """Edge attribution patching: gradient x activation difference at the clean pass."""
     graph = context.graph
@@ -57,7 +52,7 @@ def eap(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, " ed
         scores = corrupted.new_zeros(graph.valid.shape) if scores is None else scores
         ic.gradient_scores(graph, stream, value, corrupted - clean.outputs, scores)
     assert scores is not None
-    return _per_edge(context, scores, len(task))
+    return ic.per_edge(graph, scores, len(task))
 
 
 def eap_ig(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, " edge"]:
@@ -76,7 +71,7 @@ def eap_ig(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, "
             value = _gradient_pass(model, task, rows, stream)
             ic.gradient_scores(graph, stream, value, delta, scores)
     assert scores is not None
-    return _per_edge(context, scores, len(task) * context.steps)
+    return ic.per_edge(graph, scores, len(task) * context.steps)
 
 
 def activation_patching(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, " component"]:

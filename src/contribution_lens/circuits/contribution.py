@@ -185,8 +185,7 @@ def contribution_scores(model: Model, task: Task, context: CircuitContext) -> Fl
         mask = attention.to(linear.device)[None, :]
         scores += torch.where(mask, why, linear)
     assert scores is not None
-    writers, inputs = graph.edge_index
-    return (scores.cpu()[writers, inputs] / len(task)).float()
+    return ic.per_edge(graph, scores, len(task))
 
 
 METHODS = (

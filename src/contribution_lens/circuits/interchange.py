@@ -240,6 +240,12 @@ def gradient_scores(
         scores[:upstream, lo:hi] += delta[:upstream].reshape(upstream, -1) @ flat
 
 
+def per_edge(graph: Graph, scores: Float[Tensor, "writer input"], count: int) -> Float[Tensor, " edge"]:
+    """``scores`` summed over ``count`` prompts (or steps) as one float32 mean an edge, in `Graph.edges` order."""
+    writers, inputs = graph.edge_index
+    return (scores.cpu()[writers, inputs] / count).float()
+
+
 def batch_size(task: Task, n_writers: int, d_model: int, copies: float, memory: int) -> int:
     """Prompts a batch holds so that ``copies`` of ``[writer batch pos d_model]`` (float32) fit ``memory`` bytes."""
     per_prompt = task.clean.shape[1] * n_writers * d_model * 4 * copies

@@ -139,8 +139,7 @@ def route_scores(model: Model, task: Task, context: CircuitContext) -> Float[Ten
         scores = route_scores_of_batch(graph, outputs, stream.streams, patterns, task.last[rows])
         total = scores.sum(0) if total is None else total + scores.sum(0)
     assert total is not None
-    writers, inputs = graph.edge_index
-    return (total.cpu()[writers, inputs] / len(task)).float()
+    return ic.per_edge(graph, total, len(task))
 
 
 METHODS = (
