@@ -63,6 +63,8 @@ _EXPORTS: dict[str, str] = {
         "register_circuit_method", "unregister_circuit_method")},
     "inspect": "contribution_lens.views.inspector:inspect",
     "Inspector": "contribution_lens.views.inspector:Inspector",
+    "inspect_circuit": "contribution_lens.views.circuit_view:inspect_circuit",
+    "CircuitInspector": "contribution_lens.views.circuit_view:CircuitInspector",
     "plot": "contribution_lens.drawing.plot",
     **{name: f"contribution_lens.{name}"
        for name in ("analyses", "circuits", "drawing", "faithfulness", "methods", "views")},
@@ -117,4 +119,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         register_method,
         unregister_method,
     )
+    from contribution_lens.views.circuit_view import CircuitInspector, inspect_circuit
     from contribution_lens.views.inspector import Inspector, inspect

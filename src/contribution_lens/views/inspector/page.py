@@ -37,6 +37,7 @@ MODULES = (
     "view.js",
     "fragment.js",
     "page.js",
+    "circuit.js",
     "inspector.js",
 )
 """The front-end's files, each after those it imports; ``inspector.js`` (the widget's entry) last."""
@@ -74,18 +75,22 @@ def render(
     payloads: dict[int, dict[str, Any]],
     steps: dict[str, Any] | None = None,
     why: dict[str, Any] | None = None,
+    circuit: dict[str, Any] | None = None,
 ) -> str:
     """The page for `contribution_lens.views.inspector.payload.meta`, those layers' payloads and explained steps.
 
     ``steps`` (`contribution_lens.views.inspector.steps.steps_payload`) adds the step control and
     the prediction view; ``why`` (``{"queries": [...], "rows": {"layer/head/query": row}}``, rows of
-    `contribution_lens.views.inspector.why.why_row`) the *why* panel of those queries.
+    `contribution_lens.views.inspector.why.why_row`) the *why* panel of those queries; ``circuit``
+    (`contribution_lens.views.circuit_view.CircuitInspector.page_data`) a circuit drawn above the
+    inspector, whose head nodes open that head (``static/circuit.js``).
     """
     data = {
         "meta": meta,
         "layers": {str(layer): {**payload, "key": str(layer)} for layer, payload in payloads.items()},
         "steps": steps,
         "why": why,
+        "circuit": circuit,
     }
     blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
     queries = meta["queries"]
@@ -96,13 +101,17 @@ def render(
             f"<title>{html.escape(title)}</title><style>{asset('inspector.css')}</style>",
             f"<script type='text/javascript'>{plotly.offline.get_plotlyjs()}</script>",
             f"</head><body><h1>{html.escape(title)}</h1>",
-            f"<div class='cl-note cl-trust'>{TRUST_HINT}</div><div class='cl-page-root'></div>",
+            f"<div class='cl-note cl-trust'>{TRUST_HINT}</div>",
+            "<div class='cl-circuit-root'></div>" if circuit else "",
+            "<div class='cl-page-root'></div>",
             f"<script type='application/json' class='cl-data'>{blob}</script>",
             "<script type='module'>",
             module(),
             "document.querySelector('.cl-trust').remove();  // scripts run: the hint is not needed",
             "const root = document.querySelector('.cl-page-root');",
-            "page(root, JSON.parse(document.querySelector('.cl-data').textContent));",
+            "const data = JSON.parse(document.querySelector('.cl-data').textContent);",
+            "const shown = page(root, data);",
+            "if (data.circuit) circuitView(document.querySelector('.cl-circuit-root'), data.circuit, shown);",
             "</script>",
             "</body></html>",
         ]

@@ -528,8 +528,9 @@ class Inspector(anywidget.AnyWidget):
         tokens: int | None = None,
         compact: bool | None = None,
         why_queries: Sequence[int] | None = None,
+        circuit: dict[str, Any] | None = None,
     ) -> str:
-        """The self-contained page of `write_html` as a string."""
+        """The self-contained page of `write_html` as a string (``circuit``: drawn above it, `page.render`)."""
         subject = self._subject
         wanted = subject.layers if layers is None else adapter.check_layers(subject.model, layers)
         window = subject.window(self.start if start is None else start, self.tokens if tokens is None else tokens)
@@ -546,7 +547,8 @@ class Inspector(anywidget.AnyWidget):
         initial["layer"] = self.layer if self.layer in wanted else wanted[-1]
         groups = next(iter(payloads.values()))["kv_groups"]
         about = meta(subject.labels, window, wanted, subject.n_heads, initial, kv_groups=groups, compact=compact)
-        return page.render(about, payloads, steps=self.steps or None, why=self._page_why(window, wanted, chosen))
+        why = self._page_why(window, wanted, chosen)
+        return page.render(about, payloads, steps=self.steps or None, why=why, circuit=circuit)
 
     def _why_queries(self, window: Window, queries: Sequence[int] | None) -> list[int] | None:
         """``why_queries`` checked (before any pass): positions (negative from the end) of the window's queries."""

@@ -124,7 +124,8 @@ function noteDroppedFragment(root) {
  * The static page's inspector in `root`, from the data the page embeds.
  * @param {HTMLElement} root
  * @param {PageData} data
- * @returns {{refresh: () => Promise<unknown>}}
+ * @returns {{refresh: () => Promise<unknown>, set: (partial: Partial<State>) => void}} `set` changes the view as
+ *   the menus do (the circuit view's head nodes call it)
  */
 export function page(root, data) {
   const meta = data.meta;
@@ -175,5 +176,5 @@ export function page(root, data) {
   showFragment(state);
   root.dataset.ready = "false";
   draw().then(() => (root.dataset.ready = "true"));
-  return view;
+  return { refresh: view.refresh, set };
 }
