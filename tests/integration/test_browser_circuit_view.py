@@ -1,0 +1,111 @@
+"""The circuit view's page (`cl.inspect_circuit(...).write_html`) in headless Chromium, without a kernel.
+
+A real click on a head node of the circuit opens that head in the inspector below at the task's
+final position: the menus, the URL fragment, the heatmap (the library's numbers, as `test_browser`
+checks them) and the *why* panel's bars (the embedded row of that head and query) follow; two heads
+draw different data; a click on an MLP opens nothing and says why.
+"""
+
+import numpy as np
+import pytest
+from test_browser import check_drawn, control, geometries, wait_ready
+
+import contribution_lens as cl
+from circuits.circuit_helpers import random_task
+from conftest import ARTIFACTS, tiny_bridge
+from contribution_lens.views.inspector.why import OTHER
+from helpers import NEEDS_CHROMIUM
+
+pytestmark = [pytest.mark.browser, NEEDS_CHROMIUM]
+
+NODES = ["L0H1", "L1H2", "L1.mlp"]
+PROMPT = 2
+PANEL = """
+const root = document.querySelector('.cl-inspector');
+const gd = root.querySelector('.cl-why-bars');
+return {caption: root.querySelector('.cl-why-caption').textContent, shown: gd.style.display !== 'none',
+        bars: (gd.data || []).map((t) => ({y: t.y, x: t.x})), hash: location.hash,
+        note: document.querySelector('.cl-circuit-note').textContent};
+"""
+
+
+@pytest.fixture(scope="module")
+def opened(tmp_path_factory):
+    """The tiny model, the circuit view of prompt 2 and its page."""
+    model = tiny_bridge("gqa", seed=3)
+    task = random_task(model, n=3, length=7)
+    circuit = cl.Circuit.from_nodes(cl.circuit_graph(model), NODES)
+    view = cl.inspect_circuit(model, task, circuit, prompt=PROMPT)
+    page = view.write_html(tmp_path_factory.mktemp("circuit") / "circuit.html")
+    return model, view, page
+
+
+def click_node(browser, node: str) -> None:
+    """A real mouse click on ``node``'s marker in the circuit figure."""
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    figure = browser.find_element("css selector", ".cl-circuit-figure")
+    dx, dy = browser.execute_script(
+        "const gd = arguments[0], fl = gd._fullLayout, r = gd.getBoundingClientRect();"
+        "const t = gd.data.find((d) => d.name === 'nodes'), n = t.text.indexOf(arguments[1]);"
+        "return [fl.xaxis.l2p(t.x[n]) + fl._size.l - r.width / 2, fl.yaxis.l2p(t.y[n]) + fl._size.t - r.height / 2];",
+        figure,
+        node,
+    )
+    ActionChains(browser).move_to_element_with_offset(figure, int(dx), int(dy)).click().perform()
+
+
+def panel_after(browser, node: str) -> dict:
+    """The why panel once the click on ``node`` has drawn it."""
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def ready(b) -> bool:
+        shown = b.execute_script(PANEL)
+        return shown["note"].startswith(node) and f"Why {node} attends" in shown["caption"]
+
+    WebDriverWait(browser, 20).until(ready)
+    return browser.execute_script(PANEL)
+
+
+def test_a_head_node_opens_that_head_at_the_final_position_with_its_why_panel(browser, opened) -> None:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    model, view, page = opened
+    browser.get(page.resolve().as_uri())
+    WebDriverWait(browser, 30).until(
+        lambda b: b.execute_script("return document.querySelector('.cl-circuit-root').dataset.ready") == "true"
+    )
+    wait_ready(browser)
+    ids = view.inspector._subject.batch.tokens
+    library = geometries(model, ids, [0, 1])
+    drawn_panels = {}
+    for node in ("L1H2", "L0H1"):
+        click_node(browser, node)
+        panel = panel_after(browser, node)
+        layer, head, query = view.target(node)
+        assert query == view.query == 4
+        assert f"layer={layer}&head={head}&" in panel["hash"] and f"&query={query}" in panel["hash"]
+        assert control(browser, "layer").get_attribute("value") == str(layer)
+        assert control(browser, "head").get_attribute("value") == str(head)
+        check_drawn(wait_ready(browser), library, layer, head, "contribution", "inter")
+        # The bars are the head's own why row at the final position, at the key it attends to most.
+        row = view.inspector.why(query, layer=layer, head=head)
+        n = int(np.argmax(row["alpha"]))
+        assert panel["shown"] and f"from query {query}:" in panel["caption"]
+        assert f"to key {row['keys'][n]}:" in panel["caption"], panel["caption"]
+        for side, bars in zip(("key_side", "query_side"), panel["bars"], strict=True):
+            split = row[side][n]
+            assert bars["y"] == [*split["names"], OTHER]
+            np.testing.assert_allclose(bars["x"], [*split["values"], split["other"]], atol=1e-6)
+            assert abs(sum(bars["x"]) - row["log_alpha_plus_entropy"][n]) < 1e-4
+        drawn_panels[node] = panel["bars"]
+    assert drawn_panels["L1H2"] != drawn_panels["L0H1"], "two heads drew the same why panel"
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    assert browser.save_screenshot(str(ARTIFACTS / "circuit_view.png"))
+    # An MLP opens nothing: the note says why, and the inspector keeps the head shown.
+    before = browser.execute_script(PANEL)["hash"]
+    click_node(browser, "L1.mlp")
+    WebDriverWait(browser, 10).until(lambda b: b.execute_script(PANEL)["note"].startswith("L1.mlp is an MLP"))
+    assert browser.execute_script(PANEL)["hash"] == before
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors
