@@ -194,10 +194,11 @@ def inspect_circuit(
     Example:
         >>> import contribution_lens as cl
         >>> model = cl.load_model()
-        >>> task = cl.Task.ioi(model, n=4)
-        >>> view = cl.inspect_circuit(model, task, cl.circuit_scores(model, task), fraction=0.001, prompt=1)
-        >>> view.target(view.heads[0])[2] == int(task.last[1])
-        True
+        >>> task = cl.Task.ioi(model, n=2)
+        >>> circuit = cl.Circuit.from_nodes(cl.circuit_graph(model), ["L4H3", "L9H0", "L9.mlp"])
+        >>> view = cl.inspect_circuit(model, task, circuit, prompt=1)  # or (model, task, scores, fraction=0.01)
+        >>> view.heads, view.target("L9H0") == (9, 0, int(task.last[1]))
+        (['L4H3', 'L9H0'], True)
     """
     task = check_task(model, task)
     prompt = check_prompt(task, prompt)
