@@ -88,7 +88,7 @@ def test_a_click_on_the_live_figure_is_a_message_from_the_front_end_that_opens_t
     assert "L1H2 opened" in note.value
     click("L1.mlp")  # an MLP opens nothing and says so
     assert (view.inspector.layer, view.inspector.head) == (1, 2)
-    assert "L1.mlp is an MLP" in note.value and "no attention pattern" in note.value
+    assert note.value.startswith("L1.mlp is an MLP: it has no attention pattern"), note.value
     click("L0H1")
     assert (view.inspector.layer, view.inspector.head) == (0, 1)
 

@@ -325,10 +325,13 @@ class CircuitInspector:
             return
         node = str(trace.text[points.point_inds[0]])
         _, note = self._live()
-        try:
-            said = self.open(node)
-        except InspectorError as refused:
-            said = str(refused)
+        if "layer" not in self._targets.get(node, {"layer": None}):
+            said = self._targets[node]["note"]  # a node that is no head says what it is, as on the page
+        else:
+            try:
+                said = self.open(node)
+            except InspectorError as refused:  # the inspector refused (it cannot show the head): why
+                said = str(refused)
         note.value = html.escape(said)
 
     def _live(self) -> "tuple[go.FigureWidget, ipywidgets.HTML]":
