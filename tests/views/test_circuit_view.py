@@ -164,6 +164,9 @@ def test_a_node_that_is_no_head_of_the_circuit_is_refused_naming_node(view, node
         ({"prompt": 1.0}, "prompt must be the index of one of the task's 3 prompts (0..2)"),
         ({"prompt": True}, "prompt must be the index of one of the task's 3 prompts"),
         ({"fraction": 0.5}, "fraction: a Circuit is shown as it is"),
+        ({"level": "node"}, "level: a Circuit is shown as it is"),
+        ({"tokens": 0}, "tokens must be a positive integer, got 0"),
+        ({"max_edges": "all"}, "max_edges must be a positive integer, got str"),
         ({"circuit": "L0H1"}, "circuit must be a Circuit or CircuitScores, got str"),
         ({"task": "ioi"}, "task must be a contribution_lens Task, got str"),
     ],
@@ -176,7 +179,7 @@ def test_bad_arguments_are_refused_naming_them_before_any_pass(model, task, circ
 
     monkeypatch.setattr(circuit_view, "inspect", no_pass)
     given = {"task": task, "circuit": circuit, **arguments}
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises((ValueError, TypeError), match=re.escape(message)):
         cl.inspect_circuit(model, given.pop("task"), given.pop("circuit"), **given)
 
 

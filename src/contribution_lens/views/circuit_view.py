@@ -25,7 +25,7 @@ import pandas as pd
 import plotly.graph_objects as go
 
 from contribution_lens import adapter
-from contribution_lens.choices import as_index
+from contribution_lens.choices import as_count, as_index
 from contribution_lens.circuits.figures import circuit_figure
 from contribution_lens.circuits.graph import circuit_graph
 from contribution_lens.circuits.scoring import Circuit, CircuitScores, check_task
@@ -66,23 +66,25 @@ def check_prompt(task: Task, prompt: Any) -> int:
 
 
 def chosen_circuit(
-    model: adapter.Model, circuit: Any, fraction: float | None, level: str
+    model: adapter.Model, circuit: Any, fraction: float | None, level: str | None
 ) -> tuple[Circuit, CircuitScores | None]:
     """The circuit to show and the scores that colour it: ``circuit`` itself, or ``circuit.circuit(fraction, level)``.
 
     Refused, naming the argument: anything else, a `CircuitScores` without ``fraction``, a
-    `Circuit` with one, a graph of another model, a circuit with no head (nothing to open).
+    `Circuit` with a ``fraction`` or a ``level``, a graph of another model, a circuit with no head
+    (nothing to open).
     """
     if isinstance(circuit, CircuitScores):
         if fraction is None:
             raise InspectorError("fraction: circuit scores need the fraction of edges (or nodes, level='node') to keep")
         scores: CircuitScores | None = circuit
-        shown = circuit.circuit(fraction, level)
+        shown = circuit.circuit(fraction, "edge" if level is None else level)
     elif isinstance(circuit, Circuit):
-        if fraction is not None:
-            raise InspectorError(
-                f"fraction: a Circuit is shown as it is (it keeps {circuit!r}); pass its scores to choose"
-            )
+        for name, value in (("fraction", fraction), ("level", level)):
+            if value is not None:
+                raise InspectorError(
+                    f"{name}: a Circuit is shown as it is (it keeps {circuit!r}); pass its scores to choose one"
+                )
         scores, shown = None, circuit
     else:
         raise InspectorError(f"circuit must be a Circuit or CircuitScores, got {type(circuit).__name__}")
@@ -164,7 +166,7 @@ def inspect_circuit(
     circuit: Circuit | CircuitScores,
     *,
     fraction: float | None = None,
-    level: str = "edge",
+    level: str | None = None,
     prompt: int = 0,
     tokens: int = DEFAULT_TOKENS,
     max_edges: int = MAX_EDGES,
@@ -183,7 +185,7 @@ def inspect_circuit(
         circuit: a `contribution_lens.Circuit`, or the `contribution_lens.CircuitScores` to choose one from
             (``scores.circuit(fraction, level)``; its scores colour the nodes and edges).
         fraction: with scores, the fraction of edges (``level="edge"``) or nodes kept.
-        level: with scores, ``"edge"`` or ``"node"``.
+        level: with scores, ``"edge"`` (default) or ``"node"``.
         prompt: which of the task's prompts the inspector shows (its clean ids, up to ``last``).
         tokens: the inspector's window of queries (it ends at the final position).
         max_edges: the most edges drawn (the strongest).
@@ -202,8 +204,8 @@ def inspect_circuit(
     """
     task = check_task(model, task)
     prompt = check_prompt(task, prompt)
+    tokens, max_edges = as_count(tokens, "tokens"), as_count(max_edges, "max_edges")
     shown, scores = chosen_circuit(model, circuit, fraction, level)
-    max_edges = as_index(max_edges, "max_edges must be an integer")
     last = int(task.last[prompt])
     ids = task.clean[prompt, : last + 1]
     targets = node_targets(shown.nodes, last, prompt)
