@@ -69,6 +69,17 @@ def test_open_moves_the_inspector_and_sends_the_heads_why_row(view, monkeypatch)
     assert sent[1]["row"]["key_side"] != message["row"]["key_side"], "two heads sent the same why row"
 
 
+def test_open_and_the_page_go_back_to_the_window_of_the_final_position(view, monkeypatch) -> None:
+    monkeypatch.setattr(view.inspector, "send", lambda message: None)
+    view.inspector.tokens, view.inspector.start = 2, 0  # the user moved to a window without the final position
+    assert view.query not in view.inspector.window.queries
+    data = page_data(view.render_html())
+    assert data["meta"]["queries"][-1] == view.query and data["why"]["queries"] == [view.query]
+    view.open("L1H2")
+    assert view.query in view.inspector.window.queries
+    assert (view.inspector.layer, view.inspector.head, view.inspector.query) == (1, 2, view.query)
+
+
 def test_a_click_on_the_live_figure_is_a_message_from_the_front_end_that_opens_the_head(view, monkeypatch) -> None:
     monkeypatch.setattr(view.inspector, "send", lambda message: None)
     figure, note = view._live()

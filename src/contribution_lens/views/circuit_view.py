@@ -240,6 +240,7 @@ class CircuitInspector:
     ) -> None:
         self.inspector, self.circuit, self.figure = inspector, circuit, figure
         self.prompt, self.query = prompt, query
+        self._window = inspector.start, inspector.tokens  # the opening window: it ends at the final position
         self._targets = targets
         self._widgets: tuple[go.FigureWidget, ipywidgets.HTML] | None = None
 
@@ -278,6 +279,8 @@ class CircuitInspector:
         layer, head, query = self.target(node)
         inspector = self.inspector
         with inspector.hold_sync():
+            if query not in inspector.window.queries:  # moved away since: the opening window again
+                inspector.tokens, inspector.start = self._window[1], self._window[0]
             inspector.group_kv = False  # the why panel splits one head, not a KV group
             inspector.view = "heatmap"
             inspector.layer, inspector.head, inspector.query = layer, head, query
@@ -308,7 +311,12 @@ class CircuitInspector:
     def render_html(self, *, compact: bool | None = None) -> str:
         """The page of `write_html` as a string."""
         return self.inspector.render_html(
-            layers=self.layers, why_queries=[self.query], compact=compact, circuit=self.page_data()
+            layers=self.layers,
+            start=self._window[0],
+            tokens=self._window[1],
+            why_queries=[self.query],
+            compact=compact,
+            circuit=self.page_data(),
         )
 
     def write_html(self, path: str | Path, *, compact: bool | None = None) -> Path:
@@ -316,7 +324,8 @@ class CircuitInspector:
 
         The page is the inspector's (`Inspector.write_html`) with the layers of the circuit's heads
         (`layers`: every head of them, so its menus work too) and their why rows at the final
-        position (``why_queries=[query]``), costing no pass where the first view's recorded them.
+        position (``why_queries=[query]``), in the window the view opened on (whatever window the live
+        inspector shows now), costing no pass where the first view's recorded them.
         It opens on the head shown last (the first head of the circuit until one is opened).
         """
         return page.write(path, self.render_html(compact=compact))
