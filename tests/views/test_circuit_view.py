@@ -214,6 +214,8 @@ def test_scores_choose_the_circuit_and_colour_it(model, task) -> None:
         cl.inspect_circuit(model, task, scores)
     view = cl.inspect_circuit(model, task, scores, fraction=0.3, level="node")
     assert view.circuit.chosen == scores.circuit(0.3, "node").chosen
+    size = f"node level: {len(view.circuit.chosen)} of {len(graph.components)} nodes"
+    assert view.figure.layout.title.text.startswith(f"{size} of given on random: "), view.figure.layout.title.text
     (nodes,) = [trace for trace in view.figure.data if trace.name == "nodes"]
     expected = dict(zip(scores.nodes["node"], scores.nodes["score"], strict=True))
     for name, hover in zip(nodes.text, nodes.hovertext, strict=True):

@@ -214,7 +214,8 @@ def inspect_circuit(
         model, ids, layer=first["layer"], head=first["head"], start=max(0, last + 1 - tokens), tokens=tokens
     )
     nodes, edges = circuit_tables(shown, scores, max_edges=max_edges)
-    title = f"{repr(shown)[8:-1]} of {scores.method} on {task.name}" if scores is not None else repr(shown)
+    size = repr(shown).removeprefix("Circuit(").removesuffix(")")  # "edge level: 70 of 70651 edges"
+    title = f"{size} of {scores.method} on {task.name}" if scores is not None else f"{size}, as given"
     figure = circuit_figure(nodes, edges, n_layers=shown.graph.n_layers, n_heads=shown.graph.n_heads, title=title)
     return CircuitInspector(inspector, shown, targets, figure, prompt=prompt, query=last)
 
