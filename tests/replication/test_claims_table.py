@@ -10,7 +10,7 @@ import pytest
 SCRIPT = Path(__file__).parents[2] / "benchmarks" / "claims_table.py"
 
 
-def table_of(*paths: Path) -> str:
+def table_of(*paths: Path | str) -> str:
     done = subprocess.run([sys.executable, str(SCRIPT), *map(str, paths)], capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
     return done.stdout
@@ -87,3 +87,45 @@ def test_what_the_families_say_together(verdicts: dict[str, str], expected: str)
     finally:
         sys.path.remove(str(SCRIPT.parent))
     assert claims_table.together(verdicts) == expected
+
+
+# The three runs the README's and docs/results.md's claims tables are printed from, kept in the repository
+# (the replicate command of docs/results.md#claims-on-three-families writes each; copied as <model>.json).
+ROOT = SCRIPT.parents[1]
+KEPT_RUNS = [ROOT / "docs" / "claims" / f"{model}.json" for model in ("smollm2-135m", "gemma3-270m", "qwen2.5-0.5b")]
+
+
+def printed_block(text: str, first_line: str) -> str:
+    """The lines of ``text`` from the table whose header is ``first_line`` to the first blank line after it,
+    with the run lines (``- `model`: ...``) that follow a blank line in the script's output."""
+    lines = text.splitlines()
+    start = lines.index(first_line)
+    end = start
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    block = lines[start:end]
+    runs = end + 1
+    while runs < len(lines) and lines[runs].startswith("- `"):
+        block.append(lines[runs])
+        runs += 1
+    return "\n".join(block)
+
+
+@pytest.mark.parametrize(("page", "short"), [("README.md", True), ("docs/results.md", False)])
+def test_the_docs_claims_tables_are_what_the_kept_runs_print(page: str, short: bool) -> None:
+    printed = table_of(*KEPT_RUNS, *(["--short"] if short else []))
+    header = printed.splitlines()[0]
+    shown = printed_block((ROOT / page).read_text(encoding="utf-8"), header)
+    table_lines = [line for line in printed.splitlines() if line.startswith("|")]
+    run_lines = [line for line in printed.splitlines() if line.startswith("- `")]
+    # The README shows the table; the results page the table and what each run rests on.
+    expected = table_lines if short else [*table_lines, *run_lines]
+    assert shown.splitlines() == expected
+
+
+def test_the_kept_runs_are_the_replications_the_docs_name() -> None:
+    for path in KEPT_RUNS:
+        saved = json.loads(path.read_text(encoding="utf-8"))
+        assert saved["format"].startswith("contribution_lens.Replication/"), path
+        assert saved["model"] == path.stem, (path, saved["model"])
+        assert path.stat().st_size < 200_000, f"{path} is {path.stat().st_size} bytes: keep claims.json only"
