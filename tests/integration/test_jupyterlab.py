@@ -429,7 +429,7 @@ def test_why_panel_draws_the_library_split_and_opens_a_head_in_jupyterlab(page) 
     first = drawn(page, "d.bars && d.caption.includes('query 20:') && d.caption.includes('to key 17:')", WHY)
     library = json.loads(kernel(page, LIBRARY_WHY.format(layer=2, head=1, query=20)))
     check_why(first, library, 17)
-    assert kernel(page, "print((2, 1, 20, '16-31') in inspector._why_rows)").strip() == "True"
+    assert kernel(page, "print((2, 1, 20, '16-31') in inspector._splits.rows)").strip() == "True"
     # Another cell: another explanation, asked of the kernel once.
     click_cell(page, 6, 3)
     second = drawn(page, "d.bars && d.caption.includes('query 22:') && d.caption.includes('to key 18:')", WHY)
@@ -520,7 +520,7 @@ def test_one_cell_holds_its_still_and_widget_and_a_live_reopen_keeps_the_still_c
     page.evaluate(f"async () => await ({PANEL}).context.save()")
     saved = json.loads((lab["folder"] / "inspect.ipynb").read_text())
     stills = [o for o in saved["cells"][0]["outputs"] if "contribution_lens" in o.get("metadata", {})]
-    view = json.loads(kernel(page, "import json; print(json.dumps(inspector._view_state()))"))
+    view = json.loads(kernel(page, "import json; print(json.dumps(inspector.view_state()))"))
     assert len(stills) == 1 and stills[0]["metadata"]["contribution_lens"]["still"] == view, (stills, view)
     assert stills[0]["metadata"]["contribution_lens"]["drawn_by"] == "browser" and stills[0]["data"]["image/png"]
     assert f"({caption(view)}: " in "".join(stills[0]["data"]["text/plain"]), stills[0]["data"]["text/plain"]
@@ -606,7 +606,7 @@ def test_stills_exports_a_restarted_kernel_and_a_reopened_notebook_in_jupyterlab
     assert all(not still["shown"] for still in shown), f"a live widget left its still shown: {shown}"
     stills = page.evaluate(STILLS)
     assert len(stills) >= 2 and all(s["png"] > 1000 and s["width"] > 300 for s in stills), stills
-    assert kernel(page, "print(inspector._still.shown == inspector._view_state())").strip() == "True"
+    assert kernel(page, "print(inspector._still.shown == inspector.view_state())").strip() == "True"
     # Saved: one PNG per inspector, no plotly.js (the widgets get theirs from the kernel).
     page.evaluate(
         f"async () => {{ const panel = {PANEL}; window.jupyterapp.shell.activateById(panel.id);"

@@ -9,9 +9,11 @@
 //   figures.js  heatmap, text and bars of a layer       prediction.js  the prediction view
 //   view.js     mount(): one inspector drawn from its host
 //   fragment.js, page.js  the static page               inspector.js   the widget (this file)
+//   settings.js the view state's settings, as the Python side describes them (meta.settings)
 //   types.js    the shapes of the payload, the state and the host (JSDoc only)
 
 import { element } from "./controls.js";
+import { settingNames } from "./settings.js";
 import { mount } from "./view.js";
 import { windowStarts } from "./windows.js";
 
@@ -59,9 +61,15 @@ function ensurePlotly(model) {
   return shared.__contributionLensPlotly;
 }
 
-const TRAITS = ["layer", "head", "factor", "scope", "query", "start", "hide_sink", "group_kv", "view", "step"];
-/** The traits that make a view (still.py's STATE), as the kernel holds them (head -1 for all heads). */
-const STILL_STATE = [...TRAITS, "tokens"];
+/**
+ * The traits that make a view (state.py's SETTINGS, as meta.settings names them), as the kernel holds them
+ * (head -1 for all heads): what the view draws, what a still records, what an undone change goes back to.
+ * @param {WidgetModel} model
+ * @returns {Record<string, unknown>}
+ */
+function viewTraits(model) {
+  return Object.fromEntries(settingNames(model.get("meta")).map((name) => [name, model.get(name)]));
+}
 
 /**
  * Whether the kernel is there: every request is followed by a ping (widget.py answers with a pong);
@@ -171,7 +179,7 @@ function widgetHost(model, kernel, why, undo) {
       return payload && payload.layer === l && payload.key === model.get("meta").key + "/" + l ? payload : null;
     },
     state: () => {
-      const state = /** @type {State} */ (Object.fromEntries(TRAITS.map((name) => [name, model.get(name)])));
+      const state = /** @type {State} */ (viewTraits(model));
       state.head = /** @type {number} */ (state.head) < 0 ? "all" : state.head;
       return state;
     },
@@ -272,7 +280,7 @@ function stillKeeper(model, root, kernel) {
     timer = null;
     const status = root.querySelector(".cl-status");
     if (kernel.missing || (status && status.textContent)) return; // not drawn yet, or nobody to keep it
-    const state = Object.fromEntries(STILL_STATE.map((name) => [name, model.get(name)]));
+    const state = viewTraits(model);
     const key = JSON.stringify([state, model.get("meta").key, root.getBoundingClientRect().width]);
     if (key === sent) return;
     const drawn = state.view === "text" ? null : await drawnImage(root).catch(() => null);
@@ -334,12 +342,12 @@ export function drawnState(model, root) {
     drawn() {
       const status = root.querySelector(".cl-status");
       if (status && status.textContent) return; // waiting for a layer: not what is drawn
-      last = Object.fromEntries(STILL_STATE.map((name) => [name, model.get(name)]));
+      last = viewTraits(model);
     },
     undo() {
       if (!last) return false;
       const kept = /** @type {Record<string, unknown>} */ (last);
-      const changed = STILL_STATE.filter((name) => JSON.stringify(model.get(name)) !== JSON.stringify(kept[name]));
+      const changed = Object.keys(kept).filter((name) => JSON.stringify(model.get(name)) !== JSON.stringify(kept[name]));
       if (!changed.length) return false;
       for (const name of changed) model.set(name, kept[name]);
       try {
@@ -364,9 +372,9 @@ async function render({ model, el }) {
   /** @type {{refresh: () => Promise<unknown>} | null} */
   let view = null;
   let undone = false;
-  const state = drawnState(model, el);
+  const drawn = drawnState(model, el);
   const undo = () => {
-    if (state.undo()) undone = true;
+    if (drawn.undo()) undone = true;
     line.textContent = kernel.missing ? NO_KERNEL + (undone ? " " + UNDONE : "") : "";
   };
   const kernel = kernelWatch(model, () => {
@@ -395,10 +403,10 @@ async function render({ model, el }) {
   const settled = stillKeeper(model, el, kernel);
   const redraw = () =>
     /** @type {{refresh: () => Promise<unknown>}} */ (view).refresh().then(() => {
-      state.drawn();
+      drawn.drawn();
       settled();
     });
-  const names = [...TRAITS, "payload", "meta", "error", "steps"];
+  const names = [...settingNames(model.get("meta")), "payload", "meta", "error", "steps"];
   for (const name of names) model.on("change:" + name, redraw);
   await redraw();
   return () => {
