@@ -715,3 +715,45 @@ def test_a_shut_down_kernel_and_saved_widget_state_in_jupyterlab(page, lab) -> N
     assert shown[0]["shown"] and shown[0]["next"].startswith("No answer from the kernel for 4 s"), shown
     page.screenshot(path=str(ARTIFACTS / "jupyterlab_reopened_saved_state.png"), full_page=True)
     save_widget_state(lab, False)
+
+
+def test_a_new_kernel_draws_again_and_a_view_drawn_without_a_kernel_is_its_still_in_jupyterlab(page, lab) -> None:
+    # Failed before: reopened with saved widget state and a new kernel, the restored widget asked its absent kernel for
+    # plotly.js, and the cell run again waited on that question ("waiting for the kernel..." for ever); and a view a
+    # widget drew without its kernel (a head drawn from the layer it holds) never reached the still: the notebook
+    # kept an older view there, under the widget state of the new one.
+    save_widget_state(lab, True)
+    page.reload()
+    page.wait_for_function(
+        f"({PANEL})?.sessionContext.session?.kernel?.connectionStatus === 'connected'", timeout=120_000
+    )
+    page.locator(".jp-OutputArea-output .cl-kernel", has_text="No answer from the kernel").first.wait_for(
+        timeout=60_000
+    )  # the restored widget asked for plotly.js, and nobody answered
+    page.evaluate(
+        f"async () => {{ const panel = {PANEL}; window.jupyterapp.shell.activateById(panel.id);"
+        " panel.content.activeCellIndex = 0; await window.jupyterapp.commands.execute('notebook:run-cell'); }"
+    )
+    live = drawn(page, "d.shown && d.status === '' && d.kernel === ''", FIRST, timeout=120_000)
+    # The new kernel restarted: the widget keeps what it holds, and draws another head from it.
+    page.evaluate(f"({PANEL}).sessionContext.session.kernel.restart()")
+    page.wait_for_function(f"({PANEL}).sessionContext.session?.kernel?.status === 'idle'", timeout=120_000)
+    first = page.locator(".cl-inspector").first
+    first.locator("select[data-control='head']").select_option("1")
+    head = drawn(page, "d.status === '' && d.shown", FIRST, timeout=15_000)
+    assert head["z"] != live["z"], "head 1 was not drawn from the layer the widget holds"
+    first.locator(".cl-kernel", has_text="No answer from the kernel").wait_for(timeout=15_000)
+    page.wait_for_function(
+        f"({STILLS})().some((s) => s.cell === 0 && s.state.head === 1 && s.by === 'browser' && s.png > 1000)",
+        timeout=30_000,
+    )
+    page.evaluate(f"async () => await ({PANEL}).context.save()")
+    saved = json.loads((lab["folder"] / "inspect.ipynb").read_text())
+    stills = [o for o in saved["cells"][0]["outputs"] if "contribution_lens" in o.get("metadata", {})]
+    assert len(stills) == 1, stills
+    view = stills[0]["metadata"]["contribution_lens"]["still"]
+    assert view["head"] == 1 and stills[0]["metadata"]["contribution_lens"]["drawn_by"] == "browser", view
+    assert f"({caption(view)}: " in "".join(stills[0]["data"]["text/plain"]), stills[0]["data"]["text/plain"]
+    assert WIDGET_STATE in saved["metadata"].get("widgets", {}), "the widget state was not saved with the notebook"
+    page.screenshot(path=str(ARTIFACTS / "jupyterlab_still_without_kernel.png"), full_page=True)
+    save_widget_state(lab, False)

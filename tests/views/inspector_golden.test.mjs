@@ -224,6 +224,16 @@ test("writeStill", () => {
   assert.equal(js.writeStill({ get: () => null }, still), false, "no notebook model (the page, VS Code): nothing");
 });
 
+test("ownStill", () => {
+  // Without a kernel the widget writes its still itself: the kernel's bundle, line, image and metadata alike.
+  for (const { state, caption } of golden.still.captions) assert.equal(js.stillCaption(state), caption, JSON.stringify(state));
+  const model = { get: (name) => (name === "model_ref" ? "w1" : undefined) };
+  const { drawn, undrawn } = golden.still;
+  const own = js.ownStill(model, drawn.state, { png: drawn.png, width: drawn.width });
+  assert.deepEqual(own, { model_id: "w1", data: drawn.data, metadata: drawn.metadata });
+  assert.deepEqual(js.ownStill(model, undrawn.state, null), { model_id: "w1", data: undrawn.data, metadata: undrawn.metadata });
+});
+
 test("drawnState", () => {
   // One state: a change no kernel answered goes back to the view drawn, and the kernel is told.
   const traits = { layer: 1, head: -1, factor: "contribution", scope: "inter", query: 20, start: 16, hide_sink: false,

@@ -9,6 +9,7 @@ widget and the page load it, against them. Each check is shown able to fail: a m
 one JavaScript function makes its check, and it, fail.
 """
 
+import base64
 import json
 import re
 import shutil
@@ -23,7 +24,7 @@ import contribution_lens as cl
 from conftest import tiny_bridge, tiny_encoder
 from contribution_lens import qk
 from contribution_lens.drawing import plot
-from contribution_lens.views.inspector import codecs, compact, page, payload, state, steps, why, windows
+from contribution_lens.views.inspector import codecs, compact, page, payload, state, steps, still, why, windows
 from contribution_lens.views.inspector.compute import compute_windows
 from contribution_lens.views.inspector.exports import opening_view
 from contribution_lens.views.inspector.figure import outside_view, view_factors
@@ -237,6 +238,22 @@ def settings_case() -> dict:
     }
 
 
+def still_case() -> dict:
+    """The still of a view as the kernel writes it (`still.bundle`, `still.caption`): a widget without a kernel
+    writes the same (``ownStill``), with and without its drawing."""
+    base = {s.name: s.default for s in state.SETTINGS} | {"layer": 3, "query": 7}
+    states = [base, base | {"head": 2, "view": "text", "factor": "cosine", "scope": "intra"},
+              base | {"view": "prediction", "step": -1}, base | {"view": "prediction", "step": 4}]  # fmt: skip
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n....").decode()
+    drawn = still.bundle(base64.b64decode(png), 300, states[1], drawn_by="browser")
+    undrawn = still.bundle(None, None, states[2])
+    return {
+        "captions": [{"state": s, "caption": still.caption(s)} for s in states],
+        "drawn": {"state": states[1], "png": png, "width": 300, "data": drawn[0], "metadata": drawn[1]},
+        "undrawn": {"state": states[2], "data": undrawn[0], "metadata": undrawn[1]},
+    }
+
+
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory) -> Path:
     """A folder of golden files (what the Python side computes) and the front-end's module as the page loads it."""
@@ -248,7 +265,8 @@ def golden(tmp_path_factory) -> Path:
         layer_case("encoder, every pair", tiny_encoder("mha"), ids[:, :8], 0, 8),
     ]
     cases = {"layers": layers, "hide_sink": hide_sink_case(), "steps": steps_case(), "windows": window_cases(),
-             "labels": label_cases(), "half": half_case(), "why": why_case(), "settings": settings_case()}  # fmt: skip
+             "labels": label_cases(), "half": half_case(), "why": why_case(), "settings": settings_case(),
+             "still": still_case()}  # fmt: skip
     (folder / "golden.json").write_text(json.dumps(cases), encoding="utf-8")
     (folder / "inspector.mjs").write_text(page.module(), encoding="utf-8")
     return folder
@@ -272,7 +290,7 @@ def node_test(folder: Path) -> tuple[int, set[str], set[str], str]:
 
 CHECKS = {"dequantise", "cellIndex", "windowStarts", "escapeToken", "combine", "decodeCompact", "hideSink",
           "viewFactors", "shownFactors", "outsideShares", "decodeSteps", "droppedFragment", "why", "writeStill",
-          "drawnState", "settings"}  # fmt: skip
+          "drawnState", "settings", "ownStill"}  # fmt: skip
 
 
 @pytest.mark.skipif(NODE is None, reason=NO_NODE)
@@ -304,6 +322,8 @@ MUTATIONS = [
     ("settings", 'return setting.type === "bool" ? (reading', 'return setting.type === "int" ? (reading'),
     ("settings", '(s) => s.link === "always" || (values', '(s) => s.link === "changed" || (values'),
     ("settings", '.filter((setting) => setting.link !== "never");', ";"),
+    ("ownStill", 'const shown = state.view === "text" ? "text view, " : "";', 'const shown = "";'),
+    ("ownStill", 'drawn_by: drawn ? "browser" : null', 'drawn_by: "browser"'),
     ("why", "values: side.values.concat(side.other)", "values: side.values.concat(0)"),
     ("why", "const match = /^L(\\d+)H(\\d+)$/.exec(name);", "const match = /^L(\\d+)H?(\\d*)/.exec(name);"),
     ("why", "if ((a ?? 0) > (row.alpha[best] ?? 0)) best = n;", "if ((a ?? 0) < (row.alpha[best] ?? 0)) best = n;"),

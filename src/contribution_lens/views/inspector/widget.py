@@ -143,6 +143,9 @@ class Inspector(ViewTraits):
     error = traitlets.Unicode("").tag(sync=True)
     meta = traitlets.Dict().tag(sync=True)
     payload = traitlets.Dict().tag(sync=True)
+    model_ref = traitlets.Unicode("").tag(sync=True)
+    """The widget's own model id: a front-end without a kernel (restored from saved widget state, or its kernel
+    restarted) finds by it the still before each of its outputs, and writes the view it draws there."""
 
     def __init__(self, subject: Subject, opening: dict[str, Any]) -> None:
         """The widget of ``subject`` opened on ``opening`` (both checked: build it with `inspect`)."""
@@ -154,6 +157,7 @@ class Inspector(ViewTraits):
         self._exports = Export(subject, self._payloads, self._splits)
         sent = {} if subject.steps is None else {"steps": steps_payload(subject.steps, subject.labels)}
         super().__init__(**opening, **sent)
+        self.model_ref = self.model_id
         self._still = still.Still(self.view_state, self._view_figure, self._send_still)
         self._ready = True
         self._refresh_window()

@@ -12,6 +12,7 @@
 //   settings.js the view state's settings, as the Python side describes them (meta.settings)
 //   types.js    the shapes of the payload, the state and the host (JSDoc only)
 
+import { stillCaption } from "./captions.js";
 import { element } from "./controls.js";
 import { settingNames } from "./settings.js";
 import { mount } from "./view.js";
@@ -39,26 +40,38 @@ const UNDONE = "The change that needed it was undone: the menus show the view dr
 const WIDGET_VIEW = "application/vnd.jupyter.widget-view+json";
 
 /**
- * plotly.js, loaded once per notebook page: the first widget that finds no globalThis.Plotly asks
- * the kernel for the plotly.min.js of the installed plotly package (one custom message) and
- * evaluates it; every later widget in the page reuses it. Nothing is fetched from the network.
+ * plotly.js, loaded once per notebook page: a widget that finds no globalThis.Plotly asks its kernel for
+ * the plotly.min.js of the installed plotly package (one custom message) and evaluates it; every widget
+ * waiting in the page then draws with it. A widget asks only where no other asked within KERNEL_WAIT_MS:
+ * one restored from saved widget state asks nobody (no kernel holds its model), and must not keep a
+ * widget of the new kernel waiting on its question. Nothing is fetched from the network.
  * @param {WidgetModel} model
  * @returns {Promise<unknown>}
  */
 function ensurePlotly(model) {
   const shared = /** @type {any} */ (globalThis);
   if (shared.Plotly) return Promise.resolve(shared.Plotly);
-  if (!shared.__contributionLensPlotly) {
-    shared.__contributionLensPlotly = new Promise((resolve) => {
-      model.on("msg:custom", (message) => {
-        if (message.type !== "plotly" || shared.Plotly) return;
-        new Function(message.source)();
-        resolve(shared.Plotly);
-      });
-      model.send({ type: "need_plotly" });
+  const loading = (shared.__contributionLensPlotly ||= { waiting: [], asked: -Infinity });
+  return new Promise((resolve) => {
+    loading.waiting.push(resolve);
+    model.on("msg:custom", (message) => {
+      if (!message || message.type !== "plotly") return;
+      if (!shared.Plotly) new Function(message.source)();
+      for (const waiting of loading.waiting.splice(0)) waiting(shared.Plotly);
     });
-  }
-  return shared.__contributionLensPlotly;
+    const ask = () => {
+      if (shared.Plotly || Date.now() - loading.asked < KERNEL_WAIT_MS) return;
+      loading.asked = Date.now();
+      try {
+        model.send({ type: "need_plotly" });
+      } catch (error) {
+        // A closed comm (no kernel holds this model): another widget's kernel may answer.
+      }
+    };
+    ask();
+    // An unanswered question (a widget without a kernel asked first) is asked again by this widget.
+    const again = setInterval(() => (shared.Plotly ? clearInterval(again) : ask()), KERNEL_WAIT_MS);
+  });
 }
 
 /**
@@ -265,8 +278,30 @@ export async function drawnImage(root) {
 }
 
 /**
- * The still kept current: the view the widget settles on is sent to the kernel (which replaces the
- * still through its display id) once it has stayed drawn SETTLE_MS, while the kernel answers.
+ * The still of a view drawn without a kernel, as the kernel writes it (still.py's bundle): the still's line
+ * naming the view, the PNG the widget drew (none for the text view) and the view in its metadata.
+ * @param {WidgetModel} model
+ * @param {Record<string, any>} state the view's traits (`viewTraits`)
+ * @param {{png: string, width: number} | null} drawn
+ * @returns {{model_id: string, data: Record<string, unknown>, metadata: Record<string, unknown>}}
+ */
+export function ownStill(model, state, drawn) {
+  /** @type {Record<string, unknown>} */
+  const data = { "text/plain": RUN_AGAIN + " (" + stillCaption(state) + ": its numbers come from the Python kernel.)" };
+  /** @type {Record<string, unknown>} */
+  const metadata = { contribution_lens: { still: state, drawn_by: drawn ? "browser" : null } };
+  if (drawn) {
+    data["image/png"] = drawn.png;
+    metadata["image/png"] = { width: drawn.width };
+  }
+  return { model_id: model.get("model_ref"), data, metadata };
+}
+
+/**
+ * The still kept current: the view the widget settles on (drawn SETTLE_MS unchanged) is sent to the
+ * kernel, which replaces the still through its display id; where no kernel answers (restarted, shut
+ * down, or a notebook reopened with its widget state and a new kernel) the widget writes it into its
+ * notebook itself (`ownStill`), so the still is the last view drawn in every life of the notebook.
  * @param {WidgetModel} model
  * @param {HTMLElement} root
  * @param {ReturnType<typeof kernelWatch>} kernel
@@ -279,11 +314,18 @@ function stillKeeper(model, root, kernel) {
   const send = async () => {
     timer = null;
     const status = root.querySelector(".cl-status");
-    if (kernel.missing || (status && status.textContent)) return; // not drawn yet, or nobody to keep it
+    if (status && status.textContent) return; // not drawn yet
+    // Whether a kernel keeps the still is being asked: sent once that is known.
+    if (kernel.checking) return void (timer = setTimeout(send, SETTLE_MS));
     const state = viewTraits(model);
-    const key = JSON.stringify([state, model.get("meta").key, root.getBoundingClientRect().width]);
+    const key = JSON.stringify([state, model.get("meta").key, root.getBoundingClientRect().width, kernel.missing]);
     if (key === sent) return;
     const drawn = state.view === "text" ? null : await drawnImage(root).catch(() => null);
+    if (kernel.missing) {
+      writeStill(model, ownStill(model, state, drawn));
+      sent = key;
+      return;
+    }
     try {
       model.send({ type: "snapshot", state, png: drawn ? drawn.png : null, width: drawn ? drawn.width : null });
       sent = key;
