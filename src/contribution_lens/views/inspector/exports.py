@@ -29,8 +29,8 @@ def settings_of(function: Callable[..., Any], state: dict[str, Any]) -> dict[str
     """The settings of ``state`` that ``function`` takes as keywords (a figure takes the ones it draws).
 
     Example:
-        >>> settings_of(figure.view_caption, {"layer": 3, "head": 1, "scope": "inter", "group_kv": True})
-        {'layer': 3, 'head': 1, 'group_kv': True}
+        >>> settings_of(figure.view_caption, {"layer": 3, "head": 1, "scope": "inter", "hide_sink": True})
+        {'layer': 3, 'head': 1, 'hide_sink': True}
     """
     return {name: state[name] for name in inspect.signature(function).parameters if name in state}
 
