@@ -724,6 +724,7 @@ def test_a_new_kernel_draws_again_and_a_view_drawn_without_a_kernel_is_its_still
     # kept an older view there, under the widget state of the new one.
     save_widget_state(lab, True)
     page.reload()
+    page.wait_for_function("window.jupyterapp && window.jupyterapp.shell.currentWidget", timeout=120_000)
     page.wait_for_function(
         f"({PANEL})?.sessionContext.session?.kernel?.connectionStatus === 'connected'", timeout=120_000
     )
