@@ -222,6 +222,14 @@ test("writeStill", () => {
   assert.equal(cells.get(1).outputs.get(0), other, "another inspector's still is its own");
   assert.equal(js.writeStill(model, still), false, "a still already written is not written again");
   assert.equal(js.writeStill({ get: () => null }, still), false, "no notebook model (the page, VS Code): nothing");
+  // A widget without a kernel keeps a drawn still of the view it draws again (sorted keys, as a saved notebook has).
+  const again = { model_id: "w1", data: { "image/png": "redrawn" },
+                  metadata: { contribution_lens: { still: { view: "heatmap", layer: 8 }, drawn_by: "browser" } } };
+  for (const [c, i] of [[0, 1], [2, 0]]) {
+    cells.get(c).outputs.get(i).metadata = { contribution_lens: { still: { layer: 8, view: "heatmap" }, drawn_by: "browser" } };
+  }
+  assert.equal(js.writeStill(model, again, true), false, "the same view, drawn: kept");
+  assert.equal(js.writeStill(model, { ...again, metadata: { contribution_lens: { still: { view: "text", layer: 8 } } } }, true), true);
 });
 
 test("ownStill", () => {

@@ -324,6 +324,8 @@ MUTATIONS = [
     ("settings", '.filter((setting) => setting.link !== "never");', ";"),
     ("ownStill", 'const shown = state.view === "text" ? "text view, " : "";', 'const shown = "";'),
     ("ownStill", 'drawn_by: drawn ? "browser" : null', 'drawn_by: "browser"'),
+    ("writeStill", "names.every((name) => JSON.stringify(one[name]) === JSON.stringify(other[name]))", "true"),
+    ("writeStill", "if (keepView && sameView(", "if (!keepView && sameView("),
     ("why", "values: side.values.concat(side.other)", "values: side.values.concat(0)"),
     ("why", "const match = /^L(\\d+)H(\\d+)$/.exec(name);", "const match = /^L(\\d+)H?(\\d*)/.exec(name);"),
     ("why", "if ((a ?? 0) > (row.alpha[best] ?? 0)) best = n;", "if ((a ?? 0) < (row.alpha[best] ?? 0)) best = n;"),

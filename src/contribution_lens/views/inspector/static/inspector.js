@@ -322,7 +322,7 @@ function stillKeeper(model, root, kernel) {
     if (key === sent) return;
     const drawn = state.view === "text" ? null : await drawnImage(root).catch(() => null);
     if (kernel.missing) {
-      writeStill(model, ownStill(model, state, drawn));
+      writeStill(model, ownStill(model, state, drawn), true);
       sent = key;
       return;
     }
@@ -340,15 +340,32 @@ function stillKeeper(model, root, kernel) {
 }
 
 /**
+ * Whether a still's metadata `a` (`contribution_lens`) records, drawn, the view `b` records (the order of
+ * the settings aside: a saved notebook's keys are sorted).
+ * @param {{still?: Record<string, unknown>, drawn_by?: string | null} | undefined} a
+ * @param {{still?: Record<string, unknown>, drawn_by?: string | null} | undefined} b
+ * @returns {boolean}
+ */
+function sameView(a, b) {
+  if (!a || !b || !a.drawn_by || !a.still || !b.still) return false;
+  const [one, other] = [a.still, b.still];
+  const names = Object.keys(one);
+  return names.length === Object.keys(other).length && names.every((name) => JSON.stringify(one[name]) === JSON.stringify(other[name]));
+}
+
+/**
  * The still of this widget written into JupyterLab's notebook model, every output of it (the output just
  * before each of the widget's own): what the kernel's update of its display id does, for a front-end that
  * did not see the still displayed (a notebook reopened while its kernel runs), whose file kept an older
  * view. True where a still was written; nothing happens elsewhere (no notebook model: the page, VS Code).
+ * `keepView`: a still that already shows the same view, drawn, is kept (a widget without a kernel redrawing the
+ * view of its still leaves the notebook unchanged).
  * @param {WidgetModel} model
- * @param {{model_id?: string, data?: Record<string, unknown>, metadata?: Record<string, unknown>}} still
+ * @param {{model_id?: string, data?: Record<string, unknown>, metadata?: Record<string, any>}} still
+ * @param {boolean} [keepView]
  * @returns {boolean}
  */
-export function writeStill(model, still) {
+export function writeStill(model, still, keepView = false) {
   const manager = model.widget_manager;
   const notebook = manager && manager.context && manager.context.model;
   if (!notebook || !notebook.cells || !still.model_id || !still.data) return false;
@@ -363,6 +380,7 @@ export function writeStill(model, still) {
       const metadata = before.metadata || {};
       if (!view || view.model_id !== still.model_id || !metadata.contribution_lens) continue;
       if (JSON.stringify(before.data) === JSON.stringify(still.data)) continue; // already this still
+      if (keepView && sameView(metadata.contribution_lens, (still.metadata || {}).contribution_lens)) continue;
       outputs.set(i - 1, { output_type: "display_data", data: still.data, metadata: still.metadata || {} });
       written = true;
     }
