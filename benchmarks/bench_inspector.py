@@ -36,8 +36,8 @@ import torch
 
 import contribution_lens as cl
 from contribution_lens.analyses.qk_attribution import QKTape
+from contribution_lens.views.inspector import caches as caches_module
 from contribution_lens.views.inspector import codecs, compact, payload, windows
-from contribution_lens.views.inspector import widget as widget_module
 
 DATA = Path(os.environ.get("CONTRIBUTION_LENS_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 SHARED = DATA / "fineweb_edu" / "sample-10BT_first150.jsonl"
@@ -212,12 +212,12 @@ def load() -> str:
 
 def first_views(model, ids, repeats: int = 3) -> dict[str, float]:
     """The widget's first view with and without the why panel's tape, interleaved, best of ``repeats`` each."""
-    n, budget = ids.shape[1], widget_module.WHY_TAPE_BYTES
+    n, budget = ids.shape[1], caches_module.WHY_TAPE_BYTES
     times: dict[str, list[float]] = {"with": [], "without": []}
     try:
         for _ in range(repeats):
             for kept, name in ((budget, "with"), (0, "without")):
-                widget_module.WHY_TAPE_BYTES = kept
+                caches_module.WHY_TAPE_BYTES = kept
                 began = time.perf_counter()
                 inspector = cl.inspect(model, ids, layer=29, head=0, start=n - 128)
                 times[name].append(time.perf_counter() - began)
@@ -225,7 +225,7 @@ def first_views(model, ids, repeats: int = 3) -> dict[str, float]:
                 del inspector
                 gc.collect()
     finally:
-        widget_module.WHY_TAPE_BYTES = budget
+        caches_module.WHY_TAPE_BYTES = budget
     return {name: min(values) for name, values in times.items()}
 
 
@@ -235,7 +235,7 @@ def why_panel(model, ids) -> None:
     cl.inspect(model, ids[:, :32])  # warm: the block forms' probe, the first allocations
     views = first_views(model, ids)
     inspector = cl.inspect(model, ids, layer=29, head=0, tokens=128, start=n - 128)
-    tape = inspector._tape
+    tape = inspector._splits.tape
     with torch.inference_mode():
         plain = min(timed(lambda: model(ids)) for _ in range(2))
     clicks = [
@@ -264,14 +264,14 @@ def why_panel(model, ids) -> None:
 
 def off_the_tape(model, ids) -> float:
     """The first click in another window where the budget holds only the shown window's queries."""
-    n, budget = ids.shape[1], widget_module.WHY_TAPE_BYTES
-    widget_module.WHY_TAPE_BYTES = QKTape.estimate_bytes(model, n, 128, model.cfg.n_layers - 1)
+    n, budget = ids.shape[1], caches_module.WHY_TAPE_BYTES
+    caches_module.WHY_TAPE_BYTES = QKTape.estimate_bytes(model, n, 128, model.cfg.n_layers - 1)
     try:
         inspector = cl.inspect(model, ids, layer=29, head=0, start=n - 128)
         took = timed(lambda: move_and_click(inspector, 0, 63))
         inspector.close()
     finally:
-        widget_module.WHY_TAPE_BYTES = budget
+        caches_module.WHY_TAPE_BYTES = budget
     return took
 
 

@@ -147,13 +147,33 @@ test("decodeSteps", () => {
 });
 
 test("droppedFragment", () => {
+  const names = golden.settings.linked;
   // JupyterLab's viewer opened at /lab/tree/page.html#layer=2&head=1: the view is in the outer address only.
-  assert.equal(js.droppedFragment("", "#layer=2&head=1"), "layer=2&head=1");
+  assert.equal(js.droppedFragment("", "#layer=2&head=1", names), "layer=2&head=1");
   // Opened plainly, from a notebook's link (which leaves no trace), or in a tab that kept its fragment: no note.
-  assert.equal(js.droppedFragment("", ""), "");
-  assert.equal(js.droppedFragment("#layer=2&head=1", "#layer=2&head=1"), "");
-  assert.equal(js.droppedFragment("", "#Section-heading"), "");
-  assert.equal(js.droppedFragment("", "#view=prediction&step=3"), "view=prediction&step=3");
+  assert.equal(js.droppedFragment("", "", names), "");
+  assert.equal(js.droppedFragment("#layer=2&head=1", "#layer=2&head=1", names), "");
+  assert.equal(js.droppedFragment("", "#Section-heading", names), "");
+  assert.equal(js.droppedFragment("", "#view=prediction&step=3", names), "view=prediction&step=3");
+});
+
+test("settings", () => {
+  // The view state described once (state.py's SETTINGS, sent as meta.settings): the front-end reads it, names no other.
+  const { meta, steps, names, linked, toggles, labels, off_default: off, plain } = golden.settings;
+  assert.deepEqual(js.settingNames(meta), names);
+  assert.deepEqual(js.linkedSettings(meta).map((s) => s.name), linked);
+  assert.deepEqual(js.toggleSettings(meta).map((s) => [s.name, s.label]), toggles.map((name, i) => [name, labels[i]]));
+  for (const name of Object.keys(js.READERS)) assert.ok(names.includes(name), `the front-end reads ${name}, no setting of the table`);
+  // A view off every default, written as a link and read back, is itself: every setting the table links is read.
+  const link = js.fragment({ ...off, start: 7, tokens: 2 }, meta);
+  assert.ok(!/start=|tokens=/.test(link), link + ": the window is not named in a link");
+  const { state, problems } = js.readFragment(meta, link, steps);
+  assert.deepEqual(problems, [], link);
+  for (const [name, value] of Object.entries(off)) assert.deepEqual(state[name], value, `${name} from ${link}`);
+  // The defaults are left out but for the settings a link always names, in the table's order.
+  assert.equal(js.fragment(meta.initial, meta), plain);
+  assert.deepEqual(js.readFragment(meta, plain, steps).state, meta.initial);
+  assert.match(js.readFragment(meta, "#start=3", steps).problems[0], /^start=3 is not a view setting \(layer, head/);
 });
 
 test("why", () => {
@@ -202,12 +222,30 @@ test("writeStill", () => {
   assert.equal(cells.get(1).outputs.get(0), other, "another inspector's still is its own");
   assert.equal(js.writeStill(model, still), false, "a still already written is not written again");
   assert.equal(js.writeStill({ get: () => null }, still), false, "no notebook model (the page, VS Code): nothing");
+  // A widget without a kernel keeps a drawn still of the view it draws again (sorted keys, as a saved notebook has).
+  const again = { model_id: "w1", data: { "image/png": "redrawn" },
+                  metadata: { contribution_lens: { still: { view: "heatmap", layer: 8 }, drawn_by: "browser" } } };
+  for (const [c, i] of [[0, 1], [2, 0]]) {
+    cells.get(c).outputs.get(i).metadata = { contribution_lens: { still: { layer: 8, view: "heatmap" }, drawn_by: "browser" } };
+  }
+  assert.equal(js.writeStill(model, again, true), false, "the same view, drawn: kept");
+  assert.equal(js.writeStill(model, { ...again, metadata: { contribution_lens: { still: { view: "text", layer: 8 } } } }, true), true);
+});
+
+test("ownStill", () => {
+  // Without a kernel the widget writes its still itself: the kernel's bundle, line, image and metadata alike.
+  for (const { state, caption } of golden.still.captions) assert.equal(js.stillCaption(state), caption, JSON.stringify(state));
+  const model = { get: (name) => (name === "model_ref" ? "w1" : undefined) };
+  const { drawn, undrawn } = golden.still;
+  const own = js.ownStill(model, drawn.state, { png: drawn.png, width: drawn.width });
+  assert.deepEqual(own, { model_id: "w1", data: drawn.data, metadata: drawn.metadata });
+  assert.deepEqual(js.ownStill(model, undrawn.state, null), { model_id: "w1", data: undrawn.data, metadata: undrawn.metadata });
 });
 
 test("drawnState", () => {
   // One state: a change no kernel answered goes back to the view drawn, and the kernel is told.
   const traits = { layer: 1, head: -1, factor: "contribution", scope: "inter", query: 20, start: 16, hide_sink: false,
-                   group_kv: false, view: "heatmap", step: -1, tokens: 16 };
+                   group_kv: false, view: "heatmap", step: -1, tokens: 16, meta: golden.settings.meta };
   const model = fakeModel(traits);
   const status = { textContent: "" };
   const state = js.drawnState(model, { querySelector: () => status });

@@ -13,7 +13,7 @@ import contribution_lens as cl
 from conftest import tiny_bridge, tiny_encoder
 from contribution_lens.drawing import plot
 from contribution_lens.views import inspector as ins
-from contribution_lens.views.inspector import codecs, compact, widget, windows
+from contribution_lens.views.inspector import caches, codecs, compact, widget, windows
 
 
 def codes(payload: dict, name: str) -> np.ndarray:
@@ -186,7 +186,7 @@ def test_bad_values_are_refused_before_anything_changes(gqa_inspector, monkeypat
 
 def test_a_bad_keyword_is_refused_before_the_model_runs(monkeypatch) -> None:
     model = tiny_bridge("mha")
-    monkeypatch.setattr(widget, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
+    monkeypatch.setattr(caches, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
     with pytest.raises(ins.InspectorError, match=re.escape("start 300 is outside the text of 6 tokens")):
         cl.inspect(model, torch.arange(6), start=300)
     with pytest.raises(ins.InspectorError, match="head 7 does not exist"):
@@ -197,8 +197,8 @@ def test_every_layer_and_window_is_ready_after_the_first_view(monkeypatch) -> No
     model = tiny_bridge("gqa", biases=True, n_layers=3)
     ids = torch.randint(0, 50, (1, 20), generator=torch.Generator().manual_seed(1))
     passes = []
-    original = widget.compute_windows
-    monkeypatch.setattr(widget, "compute_windows", lambda *a, **k: passes.append(1) or original(*a, **k))
+    original = caches.compute_windows
+    monkeypatch.setattr(caches, "compute_windows", lambda *a, **k: passes.append(1) or original(*a, **k))
     inspector = cl.inspect(model, ids, layer=0, tokens=8)
     assert len(passes) == 1
     for layer, start in [(2, 0), (1, 4), (2, 12), (0, 8), (2, 12)]:  # the windows the front-end offers
@@ -450,14 +450,14 @@ STEP_REFUSALS = [
 @pytest.mark.parametrize(("keywords", "message"), STEP_REFUSALS, ids=["step", "view"])
 def test_bad_steps_and_views_are_refused_before_the_model_runs(explained, monkeypatch, keywords, message) -> None:
     model, answer = explained
-    monkeypatch.setattr(widget, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
+    monkeypatch.setattr(caches, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
     with pytest.raises(ins.InspectorError, match=re.escape(message)):
         cl.inspect(model, answer, **keywords)
 
 
 def test_steps_need_explained_predictions_of_this_model(explained, monkeypatch) -> None:
     model, answer = explained
-    monkeypatch.setattr(widget, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
+    monkeypatch.setattr(caches, "compute_windows", lambda *a, **k: pytest.fail("the model ran"))
     with pytest.raises(ValueError, match=re.escape("step=1 needs explained predictions")):
         cl.inspect(model, answer.tokens, step=1)
     with pytest.raises(ins.InspectorError, match="the prediction view needs explained predictions"):

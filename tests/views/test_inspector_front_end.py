@@ -9,6 +9,7 @@ widget and the page load it, against them. Each check is shown able to fail: a m
 one JavaScript function makes its check, and it, fail.
 """
 
+import base64
 import json
 import re
 import shutil
@@ -23,8 +24,9 @@ import contribution_lens as cl
 from conftest import tiny_bridge, tiny_encoder
 from contribution_lens import qk
 from contribution_lens.drawing import plot
-from contribution_lens.views.inspector import codecs, compact, page, payload, steps, why, windows
+from contribution_lens.views.inspector import codecs, compact, page, payload, state, steps, still, why, windows
 from contribution_lens.views.inspector.compute import compute_windows
+from contribution_lens.views.inspector.exports import opening_view
 from contribution_lens.views.inspector.figure import outside_view, view_factors
 
 NODE = shutil.which("node")
@@ -207,6 +209,51 @@ def why_case() -> dict:
     }
 
 
+OFF_DEFAULT = {"layer": 2, "head": 3, "factor": "cosine", "scope": "intra", "query": 5, "view": "text",
+               "hide_sink": True, "group_kv": True, "step": 1}  # fmt: skip
+"""A value off its default of every setting a page's link names, on the page of `settings_case`."""
+
+
+def settings_case() -> dict:
+    """The view state's description as the Python side sends it (a page's meta), and a view off every default.
+
+    The front-end must read every setting the table names and name none it lacks: the view `OFF_DEFAULT`
+    written as a link and read back is itself, whatever settings the table holds.
+    """
+    assert set(OFF_DEFAULT) == set(state.LINKED), "a setting a link names has no value off its default here"
+    defaults = {s.name: s.default for s in state.SETTINGS}
+    window = windows.token_window(8, start=3, tokens=3, causal=True)
+    initial = opening_view(defaults, head="all", query=window.queries[-1])
+    about = payload.meta([f"{i}:t" for i in range(8)], window, [0, 1, 2], 4, initial, kv_groups=[[0, 1], [2, 3]])
+    plain = "#" + "&".join(f"{s.name}={about['initial'][s.name]}" for s in state.SETTINGS if s.link == "always")
+    return {
+        "meta": about,
+        "steps": {"steps": [{"position": 4}, {"position": 5}]},
+        "names": list(state.NAMES),
+        "linked": list(state.LINKED),
+        "toggles": [s.name for s in state.SETTINGS if s.kind is bool],
+        "labels": [s.label for s in state.SETTINGS if s.kind is bool],
+        "off_default": OFF_DEFAULT,
+        "plain": plain,
+    }
+
+
+def still_case() -> dict:
+    """The still of a view as the kernel writes it (`still.bundle`, `still.caption`): a widget without a kernel
+    writes the same (``ownStill``), with and without its drawing."""
+    base = {s.name: s.default for s in state.SETTINGS} | {"layer": 3, "query": 7}
+    states = [base, base | {"head": 2, "view": "text", "factor": "cosine", "scope": "intra"},
+              base | {"view": "prediction", "step": -1}, base | {"view": "prediction", "step": 4}]  # fmt: skip
+    png = base64.b64encode(b"\x89PNG\r\n\x1a\n....").decode()
+    drawn = still.bundle(base64.b64decode(png), 300, states[1], drawn_by="browser")
+    undrawn = still.bundle(None, None, states[2])
+    return {
+        "captions": [{"state": s, "caption": still.caption(s)} for s in states],
+        "drawn": {"state": states[1], "png": png, "width": 300, "data": drawn[0], "metadata": drawn[1]},
+        "undrawn": {"state": states[2], "data": undrawn[0], "metadata": undrawn[1]},
+    }
+
+
 @pytest.fixture(scope="module")
 def golden(tmp_path_factory) -> Path:
     """A folder of golden files (what the Python side computes) and the front-end's module as the page loads it."""
@@ -218,7 +265,8 @@ def golden(tmp_path_factory) -> Path:
         layer_case("encoder, every pair", tiny_encoder("mha"), ids[:, :8], 0, 8),
     ]
     cases = {"layers": layers, "hide_sink": hide_sink_case(), "steps": steps_case(), "windows": window_cases(),
-             "labels": label_cases(), "half": half_case(), "why": why_case()}  # fmt: skip
+             "labels": label_cases(), "half": half_case(), "why": why_case(), "settings": settings_case(),
+             "still": still_case()}  # fmt: skip
     (folder / "golden.json").write_text(json.dumps(cases), encoding="utf-8")
     (folder / "inspector.mjs").write_text(page.module(), encoding="utf-8")
     return folder
@@ -242,7 +290,7 @@ def node_test(folder: Path) -> tuple[int, set[str], set[str], str]:
 
 CHECKS = {"dequantise", "cellIndex", "windowStarts", "escapeToken", "combine", "decodeCompact", "hideSink",
           "viewFactors", "shownFactors", "outsideShares", "decodeSteps", "droppedFragment", "why", "writeStill",
-          "drawnState"}  # fmt: skip
+          "drawnState", "settings", "ownStill"}  # fmt: skip
 
 
 @pytest.mark.skipif(NODE is None, reason=NO_NODE)
@@ -270,7 +318,14 @@ MUTATIONS = [
     ("outsideShares", "(out[name][qi] * S) / left;", "out[name][qi];"),
     ("decodeSteps", "keys: dequantise(step.keys, exact)", "keys: dequantise(step.heads, exact)"),
     ("droppedFragment", "return !names(own) && names(outer)", "return names(outer)"),
-    ("droppedFragment", "(name) => SETTINGS.includes(name)", "() => true"),
+    ("droppedFragment", "(name) => settings.includes(name)", "() => true"),
+    ("settings", 'return setting.type === "bool" ? (reading', 'return setting.type === "int" ? (reading'),
+    ("settings", '(s) => s.link === "always" || (values', '(s) => s.link === "changed" || (values'),
+    ("settings", '.filter((setting) => setting.link !== "never");', ";"),
+    ("ownStill", 'const shown = state.view === "text" ? "text view, " : "";', 'const shown = "";'),
+    ("ownStill", 'drawn_by: drawn ? "browser" : null', 'drawn_by: "browser"'),
+    ("writeStill", "names.every((name) => JSON.stringify(one[name]) === JSON.stringify(other[name]))", "true"),
+    ("writeStill", "if (keepView && sameView(", "if (!keepView && sameView("),
     ("why", "values: side.values.concat(side.other)", "values: side.values.concat(0)"),
     ("why", "const match = /^L(\\d+)H(\\d+)$/.exec(name);", "const match = /^L(\\d+)H?(\\d*)/.exec(name);"),
     ("why", "if ((a ?? 0) > (row.alpha[best] ?? 0)) best = n;", "if ((a ?? 0) < (row.alpha[best] ?? 0)) best = n;"),

@@ -16,7 +16,7 @@ import contribution_lens as cl
 from conftest import tiny_bridge
 from contribution_lens.analyses.qk_attribution import QKTape
 from contribution_lens.views import inspector as ins
-from contribution_lens.views.inspector import widget
+from contribution_lens.views.inspector import caches
 from contribution_lens.views.inspector.compute import compute_windows
 from contribution_lens.views.inspector.why import PICK_ONE_HEAD, TOP, why_row
 from contribution_lens.views.inspector.windows import token_window
@@ -85,17 +85,17 @@ def test_why_row_on_tiny_models_every_key(variant) -> None:
 
 
 def test_widget_caches_each_split_and_row(monkeypatch) -> None:
-    monkeypatch.setattr(widget, "WHY_TAPE_BYTES", 0)  # no tape: every split is a pass of its own
+    monkeypatch.setattr(caches, "WHY_TAPE_BYTES", 0)  # no tape: every split is a pass of its own
     model = tiny_bridge("mha")
     inspector = cl.inspect(model, torch.arange(12), layer=1, head=0)
     calls = []
-    original = widget.qk_attribution
+    original = caches.qk_attribution
 
     def counted(*args, **kwargs):
         calls.append(args[2:4])
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(widget, "qk_attribution", counted)
+    monkeypatch.setattr(caches, "qk_attribution", counted)
     first = inspector.why(11)
     assert calls == [(1, 0)]
     assert inspector.why(11) is first and inspector.why(4) is not first and calls == [(1, 0)]
@@ -134,9 +134,9 @@ def test_a_window_off_the_tape_is_recorded_once_then_every_head_there_is_free(mo
     model = tiny_bridge("mha")
     ids = torch.arange(3, 23)
     # Room for one window of 8 queries: the first view keeps the shown window's rows only.
-    monkeypatch.setattr(widget, "WHY_TAPE_BYTES", QKTape.estimate_bytes(model, len(ids), 8, 1))
+    monkeypatch.setattr(caches, "WHY_TAPE_BYTES", QKTape.estimate_bytes(model, len(ids), 8, 1))
     inspector = cl.inspect(model, ids, layer=1, head=0, tokens=8, start=12)
-    assert inspector._tape is not None and list(inspector._tape.rows) == inspector.window.queries
+    assert inspector._splits.tape is not None and list(inspector._splits.tape.rows) == inspector.window.queries
     inspector.start = 0
     passes = count_passes(model)
     try:
@@ -154,13 +154,13 @@ def test_a_window_off_the_tape_is_recorded_once_then_every_head_there_is_free(mo
 def test_a_page_off_the_tape_leaves_the_widgets_tape_in_place(monkeypatch) -> None:
     model = tiny_bridge("mha")
     ids = torch.arange(3, 23)
-    monkeypatch.setattr(widget, "WHY_TAPE_BYTES", QKTape.estimate_bytes(model, len(ids), 8, 1))
+    monkeypatch.setattr(caches, "WHY_TAPE_BYTES", QKTape.estimate_bytes(model, len(ids), 8, 1))
     inspector = cl.inspect(model, ids, layer=1, head=0, tokens=8, start=12)
-    kept = inspector._tape
+    kept = inspector._splits.tape
     # The page's query is off the tape, and the shown window with it passes the budget: a pass per layer.
     page = inspector.render_html(start=0, tokens=8, why_queries=[5])
     assert "1/0/5" in page_data(page)["why"]["rows"]
-    assert inspector._tape is kept
+    assert inspector._splits.tape is kept
     passes = count_passes(model)
     try:
         inspector.why(17)
@@ -230,9 +230,9 @@ def test_page_refuses_why_queries_off_its_window_before_any_pass(monkeypatch) ->
     def no_pass(*args, **kwargs):
         raise AssertionError("a pass ran before why_queries was checked")
 
-    monkeypatch.setattr(widget, "compute_windows", no_pass)
-    monkeypatch.setattr(widget, "qk_attribution", no_pass)
-    inspector._computed.clear()
+    monkeypatch.setattr(caches, "compute_windows", no_pass)
+    monkeypatch.setattr(caches, "qk_attribution", no_pass)
+    inspector._payloads.computed.clear()
     with pytest.raises(ins.InspectorError, match=r"why_queries \[3\] are not queries of the page's window 8..11"):
         inspector.render_html(why_queries=[3, 9])
     with pytest.raises(ins.InspectorError, match="why_queries: position 40 does not exist"):

@@ -12,6 +12,7 @@ import contribution_lens as cl
 from conftest import tiny_bridge
 from contribution_lens.views import export
 from contribution_lens.views.inspector import page, still
+from contribution_lens.views.inspector.state import NAMES
 
 IDS = torch.tensor([[3, 7, 7, 7, 2, 9, 7, 1, 4, 5]])
 
@@ -66,7 +67,7 @@ def test_displaying_an_inspector_writes_a_still_of_its_view_then_the_widget(mode
         data["text/plain"].startswith(still.RUN_AGAIN)
         and "L1, head 2, attention (inter), query 7" in data["text/plain"]
     )
-    assert metadata["contribution_lens"]["still"] == {**inspector._view_state(), "head": 2, "layer": 1, "query": 7}
+    assert metadata["contribution_lens"]["still"] == {**inspector.view_state(), "head": 2, "layer": 1, "query": 7}
     pixels = png_pixels(base64.b64decode(data["image/png"]))
     assert pixels.shape[1] == 2 * metadata["image/png"]["width"] and coloured_share(pixels) > 0.02
     assert export.WIDGET_VIEW in widget and "text/html" not in widget, "the widget output carries no plotly.js"
@@ -93,12 +94,12 @@ def test_the_front_ends_drawing_replaces_the_still_when_it_shows_the_kernels_vie
     inspector._ipython_display_()
     assert "image/png" not in shown[0][1] and shown[0][1]["text/plain"].startswith(still.RUN_AGAIN)
     drawing = png_of(np.full((3, 4, 3), (200, 30, 30)))
-    state = {**inspector._view_state(), "query": 2}  # drawn before the kernel moved the query: an older view
+    state = {**inspector.view_state(), "query": 2}  # drawn before the kernel moved the query: an older view
     inspector._on_message(
         inspector, {"type": "snapshot", "state": state, "png": base64.b64encode(drawing).decode(), "width": 2}, []
     )
     assert len(shown) == 2, "a drawing of another view replaced the still"
-    message = {"type": "snapshot", "state": inspector._view_state(), "width": 2}
+    message = {"type": "snapshot", "state": inspector.view_state(), "width": 2}
     inspector._on_message(inspector, {**message, "png": base64.b64encode(drawing).decode()}, [])
     kind, data, metadata, display_id = shown[-1]
     assert kind == "update" and display_id == inspector._still.display_id
@@ -108,12 +109,13 @@ def test_the_front_ends_drawing_replaces_the_still_when_it_shows_the_kernels_vie
     assert "image/png" not in shown[-1][1], "what is not a PNG is not shown as one"
 
 
-def test_the_widget_and_its_still_share_the_line_and_the_view_traits() -> None:
-    # The front-end draws the line into its PNG and sends the traits still.py records.
+def test_the_widget_and_its_still_share_the_line_and_the_view_traits(model) -> None:
+    # The front-end draws the line into its PNG and sends the traits meta.settings names: the view a still records.
     source = page.asset("inspector.js")
     assert f'const RUN_AGAIN = "{still.RUN_AGAIN}";' in source
-    traits = re.search(r"const TRAITS = \[([^\]]*)\]", source).group(1)
-    assert set(re.findall(r'"(\w+)"', traits)) | {"tokens"} == set(still.STATE)
+    inspector = cl.inspect(model, IDS, layer=0)
+    assert [setting["name"] for setting in inspector.meta["settings"]] == list(inspector.view_state()) == list(NAMES)
+    assert 'settingNames(model.get("meta"))' in source
     assert 'type: "snapshot"' in source and "KERNEL_WAIT_S = 4" in source
 
 
@@ -123,7 +125,7 @@ def test_the_still_shows_the_line_alone_when_the_figure_fails(model, shown, monk
     def fail(*args, **kwargs):
         raise RuntimeError("no memory")
 
-    monkeypatch.setattr(inspector, "_view_figure", fail)
+    monkeypatch.setattr(inspector._exports, "view_figure", fail)
     inspector._still._draw = fail
     inspector._ipython_display_()
     (_, data, _, _), (_, widget, _, _) = shown

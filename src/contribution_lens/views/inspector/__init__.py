@@ -5,6 +5,7 @@ static page) and may catch `InspectorError`, the ``ValueError`` a refused value 
 one module a concern, each importing only those before it:
 
 * `windows`: the token window shown (`windows.Window`, the half-overlapping menu) and token labels;
+* `state`: the view state described once (`state.SETTINGS`): inspect's defaults, the traits, the front-end's list;
 * `codecs`: how numbers are written for the page and read back (`codecs.CODECS`);
 * `payload`: one layer's numbers for a window, all heads and KV groups combined (`payload.layer_payload`);
 * `compact`: the compact codec of large pages (cosines from int8 unit vectors);
@@ -13,6 +14,7 @@ one module a concern, each importing only those before it:
 * `subject`: the model, text and layers inspected, and every check of a setting's value;
 * `figure`: one view as numbers and as a figure (what exports and ``save_image`` show);
 * `why`: the *why* panel's rows, one head's score split at a query (`contribution_lens.qk_attribution`'s advantages);
+* `caches`: what the widget keeps (precomputed windows, *why* splits); `exports`: the figures and page it writes;
 * `widget`: `inspect` and `Inspector`; `page`: the static page and the front-end's module.
 
 Both front-ends run the same ES module, assembled from ``static/*.js`` (``static/inspector.js`` is

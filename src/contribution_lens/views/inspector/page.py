@@ -30,6 +30,7 @@ MODULES = (
     "factors.js",
     "captions.js",
     "colours.js",
+    "settings.js",
     "controls.js",
     "figures.js",
     "why.js",

@@ -37,6 +37,7 @@ from contribution_lens.decomposition import Decomposition
 from contribution_lens.drawing.plot import DIVERGING, SEQUENTIAL
 from contribution_lens.views.inspector._deprecated import inspector_names
 from contribution_lens.views.inspector.codecs import CODECS, COMPACT_CODECS, HALF_MAX, quantise, to_base64
+from contribution_lens.views.inspector.state import schema
 from contribution_lens.views.inspector.windows import Window
 
 _DEPRECATED = inspector_names(__name__)
@@ -339,7 +340,12 @@ def meta(
     kv_groups: list[list[int]] | None = None,
     compact: bool = False,
 ) -> dict[str, Any]:
-    """What the page needs besides the layers' numbers: tokens, window, layers, KV groups, codecs, colour scales."""
+    """What the page needs besides the layers' numbers: tokens, window, layers, KV groups, codecs, colour scales.
+
+    ``settings`` is the view state's description (`contribution_lens.views.inspector.state.schema`):
+    the front-end reads the settings' names, defaults and links from it, never from a list of its own.
+    """
+    groups = kv_groups or [[h] for h in range(n_heads)]
     return {
         "queries": window.queries,
         "keys": window.keys,
@@ -348,10 +354,11 @@ def meta(
         "outside": key_ranges(outside_keys(window, len(labels))),
         "causal": window.causal,
         "n_heads": n_heads,
-        "kv_groups": kv_groups or [[h] for h in range(n_heads)],
+        "kv_groups": groups,
         "n_tokens": len(labels),
         "layers": layers,
         "initial": initial,
+        "settings": schema(groups),
         "key": window.key,
         "factors": list(FACTORS),
         "signed": [str(factor) for factor in Factor if factor.signed],

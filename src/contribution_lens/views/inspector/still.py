@@ -32,15 +32,13 @@ if TYPE_CHECKING:
 
 RUN_AGAIN = "The inspector's last view: run the cell again to explore it."
 """The line every still carries (drawn into the image, and its ``text/plain``)."""
-STATE = ("view", "layer", "head", "factor", "scope", "query", "start", "tokens", "hide_sink", "group_kv", "step")
-"""The traits that make a view: a still records them in its output's metadata (``contribution_lens``)."""
 MAX_PNG_BYTES = 8_000_000
 """The largest PNG the front-end may send (a 4x device-pixel drawing of a wide output is under 2 MB)."""
 _PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def caption(state: dict[str, Any]) -> str:
-    """The view ``state`` (`STATE`'s traits) in words, as the still's line names it."""
+    """The view ``state`` (`contribution_lens.views.inspector.state.NAMES`' values) in words, as the still says it."""
     if state["view"] == "prediction":
         return f"prediction view, step {max(0, state['step'])}"
     head = "all heads" if state["head"] < 0 else f"head {state['head']}"
@@ -54,7 +52,8 @@ def bundle(
     """The still's MIME bundle and metadata: ``image/png`` (when there is one) and the line as ``text/plain``.
 
     ``width`` is the image's width in CSS pixels (a front-end drawing is sent at the screen's
-    pixel density); the metadata records under ``contribution_lens`` the view (``still``: `STATE`)
+    pixel density); the metadata records under ``contribution_lens`` the view (``still``: every setting,
+    `contribution_lens.views.inspector.state.NAMES`)
     and who drew it (``drawn_by``: ``"browser"``, the widget itself, or ``"kaleido"``, in the kernel).
     """
     line = f"{RUN_AGAIN} ({caption(state)}: its numbers come from the Python kernel.)"
@@ -102,7 +101,7 @@ def kernel_png(figure: "go.Figure") -> tuple[bytes, int] | None:
 class Still:
     """One inspector's still: its display id, the view it shows, and how to replace it.
 
-    ``draw`` gives the current view's figure (`Inspector._view_figure`); ``state`` its `STATE`;
+    ``draw`` gives the current view's figure (`Export.view_figure`); ``state`` its settings (`ViewTraits.view_state`);
     ``sent`` (when given) is called with each new still's bundle and metadata: the widget sends them
     to its front-end, which writes them into a notebook whose front-end never saw the still
     displayed (reopened while its kernel ran: the display id's update reaches no output there).

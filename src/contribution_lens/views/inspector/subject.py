@@ -2,12 +2,12 @@
 
 A `Subject` is the model, one text (its tokens and labels), the layers offered and, for
 explained predictions, the steps; it is built once, by `Subject.of`, which checks the text and
-the layers. `Subject.refusal` says why a value of a setting (``layer``, ``head``, ``factor``,
-``scope``, ``start``, ``tokens``, ``view``, ``step``, ``query``) cannot be shown, and
-`Subject.opening` checks the first view and places its token window, before the model runs.
+the layers. `Subject.refusal` says why a value of a setting (each of
+`contribution_lens.views.inspector.state.CHECKED`) cannot be shown, and `Subject.opening` checks
+the first view and places its token window, before the model runs.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,34 +18,16 @@ from contribution_lens import adapter
 from contribution_lens.analyses.generation import GenerationExplanation
 from contribution_lens.analyses.logit_attribution import LogitAttribution
 from contribution_lens.choices import FACTORS, SCOPES
+from contribution_lens.views.inspector.state import ARGUMENTS, CHECKED, VIEWS
 from contribution_lens.views.inspector.steps import Steps
-from contribution_lens.views.inspector.windows import DEFAULT_TOKENS, Window, token_label, token_window, window_start
+from contribution_lens.views.inspector.windows import Window, token_label, token_window, window_start
 
-VIEWS = ("heatmap", "text", "prediction")
-"""The inspector's views: the per-layer heatmap, the text coloured by it, and (with explained steps) the prediction."""
 Explained = GenerationExplanation | LogitAttribution | Sequence[LogitAttribution]
 """Explained predictions of one text, which the inspector shows with a step control and the prediction view."""
 
 
 class InspectorError(traitlets.TraitError, ValueError):
     """A value the inspector refuses; its message is also in the widget's ``error`` trait."""
-
-
-@dataclass(frozen=True)
-class Opening:
-    """The first view of an inspector, checked: the trait values it opens with."""
-
-    layer: int
-    head: int
-    factor: str
-    scope: str
-    start: int
-    tokens: int
-    query: int
-    hide_sink: bool
-    group_kv: bool
-    view: str
-    step: int
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,51 +92,41 @@ class Subject:
         if message:
             raise InspectorError(message)
 
-    def opening(
-        self,
-        *,
-        layer: int | None = None,
-        head: int | None = None,
-        factor: str = "contribution",
-        scope: str = "inter",
-        start: int | None = None,
-        tokens: int = DEFAULT_TOKENS,
-        hide_sink: bool = False,
-        group_kv: bool = False,
-        view: str | None = None,
-        step: int | None = None,
-    ) -> Opening:
-        """The first view, every value checked (`InspectorError`) before the model runs.
+    def opening(self, chosen: Mapping[str, Any]) -> dict[str, Any]:
+        """The first view's settings from `inspect`'s arguments ``chosen``, checked (`InspectorError`) before any pass.
 
-        ``layer`` defaults to the last offered, ``head`` to all heads (-1), ``view`` to
-        ``prediction`` with explained steps (else ``heatmap``), ``step`` to 0 with steps. The
-        window starts at ``start`` (default 0); with steps, where it does not hold the step's
-        position, at the first menu window that does (`window_start`), and the query is that
-        position; else the window's last query.
+        What ``chosen`` leaves out takes `contribution_lens.views.inspector.state.ARGUMENTS`; a
+        `CHOSEN` one is picked here: ``layer`` the last offered, ``head`` all heads (-1), ``view``
+        ``prediction`` with explained steps (else ``heatmap``), ``step`` 0 with steps. The window
+        starts at ``start`` (default 0); with steps, where it does not hold the step's position,
+        at the first menu window that does (`window_start`), and the query is that position; else
+        the window's last query.
         """
+        given = {**ARGUMENTS, **chosen}
+        step = given["step"]
         if self.steps is None and step is not None:
             raise InspectorError(
                 f"step={step} needs explained predictions: "
                 "inspect cl.explain_generation(...) or cl.logit_attribution(...)"
             )
-        step_shown = -1 if self.steps is None else 0 if step is None else step
-        view_shown = view or ("heatmap" if self.steps is None else "prediction")
-        layer_shown = self.layers[-1] if layer is None else layer
-        head_shown = -1 if head is None else head
-        first = 0 if start is None else start
-        checked = (("layer", layer_shown), ("head", head_shown), ("factor", factor), ("scope", scope),
-                   ("start", first), ("tokens", tokens), ("step", step_shown), ("view", view_shown))  # fmt: skip
-        for name, value in checked:
-            self.check(name, value)
-        query = self.window(first, tokens).queries[-1]
+        shown = {
+            **given,
+            "step": -1 if self.steps is None else 0 if step is None else step,
+            "view": given["view"] or ("heatmap" if self.steps is None else "prediction"),
+            "layer": self.layers[-1] if given["layer"] is None else given["layer"],
+            "head": -1 if given["head"] is None else given["head"],
+            "start": 0 if given["start"] is None else given["start"],
+        }
+        for name in CHECKED:
+            if name != "query":  # placed below, in the checked window
+                self.check(name, shown[name])
+        first, tokens = shown["start"], shown["tokens"]
+        shown["query"] = self.window(first, tokens).queries[-1]
         if self.steps is not None:
-            query = self.steps.positions[step_shown]
-            if query not in self.window(first, tokens).queries:
-                first = window_start(len(self.labels), query, tokens)
-        return Opening(
-            layer=layer_shown, head=head_shown, factor=factor, scope=scope, start=first, tokens=tokens, query=query,
-            hide_sink=hide_sink, group_kv=group_kv, view=view_shown, step=step_shown,
-        )  # fmt: skip
+            shown["query"] = self.steps.positions[shown["step"]]
+            if shown["query"] not in self.window(first, tokens).queries:
+                shown["start"] = window_start(len(self.labels), shown["query"], tokens)
+        return shown
 
 
 def _layer(subject: Subject, value: int, window: Window | None) -> str:

@@ -14,61 +14,46 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import anywidget
 import plotly.offline
 import traitlets
 from torch import Tensor
 
 from contribution_lens import adapter
-from contribution_lens.analyses.qk_attribution import QKAttribution, QKTape, qk_attribution
-from contribution_lens.choices import as_count, as_indices, as_position
+from contribution_lens.choices import as_count
 from contribution_lens.drawing import plot
-from contribution_lens.views.inspector import figure, page, still
-from contribution_lens.views.inspector.compute import compute_windows
-from contribution_lens.views.inspector.payload import meta, payload_bytes
+from contribution_lens.views.inspector import page, still
+from contribution_lens.views.inspector.caches import LayerCache, WhyCache
+from contribution_lens.views.inspector.exports import Export, opening_view
+from contribution_lens.views.inspector.payload import meta
 from contribution_lens.views.inspector.progress import Progress, kernel_shell
+from contribution_lens.views.inspector.state import ARGUMENTS, CHECKED, NAMES, ViewTraits
 from contribution_lens.views.inspector.steps import steps_payload
-from contribution_lens.views.inspector.subject import Explained, InspectorError, Opening, Subject
-from contribution_lens.views.inspector.why import PICK_ONE_HEAD, row_key, why_row
-from contribution_lens.views.inspector.windows import DEFAULT_TOKENS, Window, window_start, window_starts
+from contribution_lens.views.inspector.subject import Explained, InspectorError, Subject
+from contribution_lens.views.inspector.why import PICK_ONE_HEAD
+from contribution_lens.views.inspector.windows import Window, window_start
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
 
-COMPACT_ABOVE_BYTES = 20_000_000
-"""A page whose fine payloads would pass this many bytes is written in the compact codec (`write_html`)."""
-PRECOMPUTE_BYTES = 400_000_000
-"""The most payload bytes one pass precomputes beyond the window shown (other windows of the same size)."""
 WIDGET_TEXT = "(the live inspector: it needs its kernel; the image above is the last view it drew)"
 """The widget output's ``text/plain``: what a front-end without the widget shows in its place."""
-CHECKED = ("layer", "head", "factor", "scope", "start", "tokens", "query", "view", "step")
-"""The traits whose values are checked (`Subject.refusal`) before they change anything."""
-WHY_KEPT = 3
-"""The (layer, head) splits the *why* panel keeps: a click on another query of one of them computes no pass."""
-WHY_TAPE_BYTES = 1_000_000_000
-"""The most bytes the first view's pass keeps for the *why* panel (`contribution_lens.analyses.qk_attribution.QKTape`).
-
-Every precomputed window's queries where they fit, else the shown window's, else none (each
-split then runs its own pass); set it to 0 to keep nothing. Upper bounds (`QKTape.estimate_bytes`)
-for SmolLM2 in float32: 802 MB for all 512 queries of 512 tokens (kept: no click needs a pass);
-at 1,024 tokens 2.7 GB for all, 755 MB for a window of 128 (kept)."""
 
 
 def inspect(
     model: adapter.Model,
     text: str | Tensor | Explained,
-    layer: int | None = None,
-    head: int | None = None,
+    layer: int | None = ARGUMENTS["layer"],
+    head: int | None = ARGUMENTS["head"],
     *,
     layers: Sequence[int] | None = None,
-    factor: str = "contribution",
-    scope: str = "inter",
-    start: int | None = None,
-    tokens: int = DEFAULT_TOKENS,
-    hide_sink: bool = False,
-    group_kv: bool = False,
-    view: str | None = None,
-    step: int | None = None,
+    factor: str = ARGUMENTS["factor"],
+    scope: str = ARGUMENTS["scope"],
+    start: int | None = ARGUMENTS["start"],
+    tokens: int = ARGUMENTS["tokens"],
+    hide_sink: bool = ARGUMENTS["hide_sink"],
+    group_kv: bool = ARGUMENTS["group_kv"],
+    view: str | None = ARGUMENTS["view"],
+    step: int | None = ARGUMENTS["step"],
     prepend_bos: bool | None = None,
 ) -> "Inspector":
     """A live inspector of every layer, head, factor and scope of one text (display it in Jupyter).
@@ -97,6 +82,7 @@ def inspect(
         step: the explained step shown (default 0); the query starts at its position.
         prepend_bos: BOS before a text (None: the model's own choice, ``cfg.default_prepend_bos``).
 
+    Each setting's default, type and accepted values are `contribution_lens.views.inspector.state.SETTINGS`'s.
     Every value is checked once, here, before the model runs: a bad one raises `InspectorError`
     (a ``ValueError``). The first view then runs one forward pass for every layer and every
     window of ``tokens`` queries; switching layer or window afterwards sends what is ready.
@@ -108,16 +94,14 @@ def inspect(
         >>> inspector.layer, inspector.meta["key_labels"][:2]
         (3, ['0:<|im_start|>', '1:The'])
     """
-    tokens = as_count(tokens, "tokens")  # before the text is read or any window is laid out
+    given = locals()  # the arguments, before any other name is bound
+    chosen = {name: given[name] for name in ARGUMENTS}
+    chosen["tokens"] = as_count(tokens, "tokens")  # before the text is read or any window is laid out
     subject = Subject.of(model, text, layers, prepend_bos=prepend_bos)
-    opening = subject.opening(
-        layer=layer, head=head, factor=factor, scope=scope, start=start, tokens=tokens, hide_sink=hide_sink,
-        group_kv=group_kv, view=view, step=step,
-    )  # fmt: skip
-    return Inspector(subject, opening)
+    return Inspector(subject, subject.opening(chosen))
 
 
-class Inspector(anywidget.AnyWidget):
+class Inspector(ViewTraits):
     """The live inspector (built by `inspect`): every layer's payload computed once, in one forward pass.
 
     ``head`` is -1 for all heads (token level); ``query`` is the position whose per-key factors
@@ -134,51 +118,47 @@ class Inspector(anywidget.AnyWidget):
     that view) opens that head's per-layer view there.
 
     The first view runs one forward pass that decomposes every layer once and cuts from it the
-    payload of every half-overlapping window of ``tokens`` queries (`PRECOMPUTE_BYTES` at most
-    beyond the shown window): a later layer or window switch only sends what is ready. A new
+    payload of every half-overlapping window of ``tokens`` queries
+    (`contribution_lens.views.inspector.caches.PRECOMPUTE_BYTES` at most beyond the shown
+    window): a later layer or window switch only sends what is ready. A new
     ``tokens`` (or a start off those windows) runs one more pass.
 
     With one head shown, a click on a cell asks the kernel for the *why* panel of that query: the
     head's score at each key split over the upstream components (`why`, computed on demand as
     `contribution_lens.qk_attribution` computes it, and kept). The first view's pass records what
-    these splits read (`WHY_TAPE_BYTES` at most), so a click needs no pass of its own.
+    these splits read (`contribution_lens.views.inspector.caches.WHY_TAPE_BYTES` at most), so a
+    click needs no pass of its own.
 
-    A bad value (``start``, ``tokens``, ``layer``, ``head``, ``query``, ``factor``, ``scope``,
-    ``view``, ``step``) is refused before anything changes: Python gets an `InspectorError` (a
-    ``TraitError`` and a ``ValueError``), the front-end the reason in the ``error`` trait (""
-    when all is well) and the value it had.
+    The settings are `contribution_lens.views.inspector.state.ViewTraits`' traits (one table,
+    `contribution_lens.views.inspector.state.SETTINGS`, which the front-end reads too); what it
+    keeps between views is a `LayerCache` and a `WhyCache`, what it writes an `Export`. A bad value
+    (each setting of `contribution_lens.views.inspector.state.CHECKED`) is refused before
+    anything changes: Python gets an `InspectorError` (a ``TraitError`` and a ``ValueError``),
+    the front-end the reason in the ``error`` trait ("" when all is well) and the value it had.
     """
 
     _esm = page.module()
     _css = page.asset("inspector.css")
-    layer = traitlets.Int().tag(sync=True)
-    head = traitlets.Int(-1).tag(sync=True)
-    factor = traitlets.Unicode("contribution").tag(sync=True)
-    scope = traitlets.Unicode("inter").tag(sync=True)
-    query = traitlets.Int(-1).tag(sync=True)
-    start = traitlets.Int(0).tag(sync=True)
-    tokens = traitlets.Int(DEFAULT_TOKENS).tag(sync=True)
-    hide_sink = traitlets.Bool(False).tag(sync=True)
-    group_kv = traitlets.Bool(False).tag(sync=True)
-    view = traitlets.Unicode("heatmap").tag(sync=True)
-    step = traitlets.Int(-1).tag(sync=True)
     steps = traitlets.Dict().tag(sync=True)
     error = traitlets.Unicode("").tag(sync=True)
     meta = traitlets.Dict().tag(sync=True)
     payload = traitlets.Dict().tag(sync=True)
+    model_ref = traitlets.Unicode("").tag(sync=True)
+    """The widget's own model id: a front-end without a kernel (restored from saved widget state, or its kernel
+    restarted) finds by it the still before each of its outputs, and writes the view it draws there."""
 
-    def __init__(self, subject: Subject, opening: Opening) -> None:
+    def __init__(self, subject: Subject, opening: dict[str, Any]) -> None:
         """The widget of ``subject`` opened on ``opening`` (both checked: build it with `inspect`)."""
         self._subject = subject
         self._ready = False
-        self._computed: dict[str, dict[int, dict[str, Any]]] = {}
-        self._why_splits: dict[tuple[int, int, str], QKAttribution] = {}
-        self._why_rows: dict[tuple[int, int, int, str], dict[str, Any]] = {}
-        self._tape: QKTape | None = None
         self._last_pass: Progress | None = None
+        self._splits = WhyCache(subject)
+        self._payloads = LayerCache(subject, self._splits, self._progress)
+        self._exports = Export(subject, self._payloads, self._splits)
         sent = {} if subject.steps is None else {"steps": steps_payload(subject.steps, subject.labels)}
-        super().__init__(**vars(opening), **sent)
-        self._still = still.Still(self._view_state, self._view_figure, self._send_still)
+        super().__init__(**opening, **sent)
+        self.model_ref = self.model_id
+        self._still = still.Still(self.view_state, self._view_figure, self._send_still)
         self._ready = True
         self._refresh_window()
         self.on_msg(self._on_message)
@@ -198,7 +178,7 @@ class Inspector(anywidget.AnyWidget):
             self._check(proposal["trait"].name, proposal["value"])
         return proposal["value"]
 
-    @traitlets.observe(*CHECKED, "hide_sink", "group_kv")
+    @traitlets.observe(*NAMES)
     def _accepted(self, change: dict) -> None:
         self.error = ""
 
@@ -214,7 +194,7 @@ class Inspector(anywidget.AnyWidget):
         """The view shown, in the still's words (`contribution_lens.views.inspector.still.caption`)."""
         queries = self.meta["queries"]
         return (
-            f"Inspector({still.caption(self._view_state())}; tokens {queries[0]}..{queries[-1]} of "
+            f"Inspector({still.caption(self.view_state())}; tokens {queries[0]}..{queries[-1]} of "
             f"{len(self._subject.labels)}); display it, or .write_html(path)"
         )
 
@@ -283,74 +263,19 @@ class Inspector(anywidget.AnyWidget):
                 self.head = -1 if head is None else head
                 self.view = "heatmap"
 
-    def _initial(self, *, head: int | str, query: int) -> dict[str, Any]:
-        """The view the front-end opens on (``meta.initial``)."""
-        shown = {
-            name: getattr(self, name) for name in ("layer", "factor", "scope", "hide_sink", "group_kv", "view", "step")
-        }
-        return {**shown, "head": head, "query": query}
+    def _layer_payload(self, window: Window, layer: int) -> dict[str, Any]:
+        """``layer``'s payload of ``window`` (`LayerCache.payload`: a pass around the shown window if not here)."""
+        return self._payloads.payload(window, layer, self.window, self.tokens)
 
     def _refresh_window(self) -> None:
         window = self.window
         if self.query not in window.queries:
             self.query = window.queries[-1]
         groups = self._layer_payload(window, self.layer)["kv_groups"]
-        initial = self._initial(head="all", query=self.query)
+        initial = opening_view(self.view_state(), head="all", query=self.query)
         subject = self._subject
         self.meta = meta(subject.labels, window, subject.layers, subject.n_heads, initial, kv_groups=groups)
         self._compute()
-
-    def _windows_to_precompute(self) -> list[Window]:
-        """The shown window first, then the other half-overlapping windows of its size, nearest first, within budget."""
-        subject, shown = self._subject, self.window
-        first = shown.queries[0]
-        starts = sorted(
-            set(window_starts(len(subject.labels), self.tokens)) - {first}, key=lambda s: (abs(s - first), s)
-        )
-        chosen, budget = [shown], PRECOMPUTE_BYTES
-        for start in starts:
-            window = subject.window(start, self.tokens)
-            budget -= payload_bytes(window, subject.n_heads, subject.n_kv_heads) * len(subject.layers)
-            if budget < 0:
-                break
-            chosen.append(window)
-        return chosen
-
-    def _layer_payload(self, window: Window, layer: int) -> dict[str, Any]:
-        if window.key not in self._computed:
-            windows, subject = self._windows_to_precompute(), self._subject
-            every = sorted({query for each in windows for query in each.queries})
-            self._tape = tape = self._new_tape([every, self.window.queries])
-            computed = compute_windows(
-                subject.model, subject.batch, subject.layers, windows, progress=self._progress(), tape=tape
-            )
-            # Windows of an earlier size are dropped: the memory goes to the size in use.
-            self._computed = {w.key: {layer: computed[layer][w.key] for layer in subject.layers} for w in windows}
-        return self._computed[window.key][layer]
-
-    def _new_tape(self, choices: list[list[int]]) -> QKTape | None:
-        """The tape to record of the first rows among ``choices`` that fit `WHY_TAPE_BYTES` (None: none fits)."""
-        subject = self._subject
-        length, last = len(subject.labels), max(subject.layers)
-        for rows in choices:
-            if QKTape.estimate_bytes(subject.model, length, len(rows), last) <= WHY_TAPE_BYTES:
-                return QKTape.plan(subject.model, subject.batch, last, rows)
-        return None
-
-    def _split(self, layer: int, head: int | None, queries: list[int]) -> QKAttribution:
-        """The split of ``layer``'s ``head`` (None: all) at ``queries``: from a tape if one fits, else a pass.
-
-        A tape not holding ``queries`` (another window) is recorded again, in a pass of its own,
-        for the shown window and them: one pass, and then no pass for any other head there.
-        """
-        tape = self._tape
-        if tape is None or not tape.covers(layer, queries):
-            fresh = self._new_tape([sorted(set(self.window.queries) | set(queries))])
-            if fresh is not None:  # else the tape kept still serves the queries it holds
-                self._tape = tape = fresh.run()
-        if tape is not None and tape.covers(layer, queries):
-            return tape.attribution(layer, head, queries)
-        return qk_attribution(self._subject.model, self._subject.batch.tokens[0], layer, head, queries)
 
     def _compute(self) -> None:
         window = self.window
@@ -387,10 +312,11 @@ class Inspector(anywidget.AnyWidget):
         `contribution_lens.qk_attribution`). Defaults: the widget's layer, head and query.
 
         The first call for a (layer, head) splits its scores at the window's queries: from what
-        the first view's pass recorded (`WHY_TAPE_BYTES`; no pass), else with
-        `contribution_lens.qk_attribution` (one pass up to that layer). Another query of it is cut
-        from that split (the last `WHY_KEPT` are kept) and every row is kept, so a repeated click
-        costs nothing.
+        the first view's pass recorded (`contribution_lens.views.inspector.caches.WHY_TAPE_BYTES`;
+        no pass), else with `contribution_lens.qk_attribution` (one pass up to that layer).
+        Another query of it is cut from that split (the last
+        `contribution_lens.views.inspector.caches.WHY_KEPT` are kept) and every row is kept, so a
+        repeated click costs nothing.
         A head of -1 (all heads) is refused (`InspectorError`), as is a layer, head or query the
         inspector does not show.
 
@@ -409,22 +335,7 @@ class Inspector(anywidget.AnyWidget):
         window = self.window
         for name, value in (("layer", layer), ("head", head), ("query", query)):
             self._subject.check(name, value, window)  # unlike self._check, leaves `error` alone
-        row = self._why_rows.get((layer, head, query, window.key))
-        if row is None:
-            row = why_row(self._why_split(layer, head, window), head, query, window.keys)
-            self._why_rows[(layer, head, query, window.key)] = row
-        return row
-
-    def _why_split(self, layer: int, head: int, window: Window) -> QKAttribution:
-        """One head's split for the window's queries, computed once while among the last `WHY_KEPT`."""
-        key = (layer, head, window.key)
-        split = self._why_splits.pop(key, None)
-        if split is None:
-            split = self._split(layer, head, window.queries)
-        self._why_splits[key] = split  # last in: the most recently used
-        while len(self._why_splits) > WHY_KEPT:
-            del self._why_splits[next(iter(self._why_splits))]
-        return split
+        return self._splits.row(layer, head, query, window)
 
     def _answer_why(self, content: dict) -> None:
         """The front-end's request for a row (layer, head, query): the row, or why it cannot be had."""
@@ -435,16 +346,16 @@ class Inspector(anywidget.AnyWidget):
             answer = {"error": str(refused)}
         self.send({"type": "why", "key": content.get("key"), **answer})
 
-    # --- what is left when the widget cannot run: a still, a figure, an image, a page ---------------
+    # --- what is left when the widget cannot run: a still, an image, a page ---------------------------
 
     def _send_still(self, data: dict[str, Any], metadata: dict[str, Any]) -> None:
         """A new still to the front-end, which writes it into its notebook (`still.Still`'s ``sent``)."""
         if kernel_shell() is not None:
             self.send({"type": "still", "model_id": self.model_id, "data": data, "metadata": metadata})
 
-    def _view_state(self) -> dict[str, Any]:
-        """The traits that make the view shown (`contribution_lens.views.inspector.still.STATE`)."""
-        return {name: getattr(self, name) for name in still.STATE}
+    def _view_figure(self) -> "go.Figure":
+        """The view shown as a figure (`Export.view_figure`): what the still and ``save_image`` draw."""
+        return self._exports.view_figure(self.view_state())
 
     def _snapshot(self, content: dict) -> None:
         """The still replaced by the front-end's drawing, if it shows the view the kernel holds.
@@ -452,7 +363,7 @@ class Inspector(anywidget.AnyWidget):
         A drawing of an older view (a change is on its way) is dropped; a view the front-end
         does not draw as a figure (the text view) comes without an image and is drawn here.
         """
-        state = self._view_state()
+        state = self.view_state()
         drawn = content.get("state")
         if not isinstance(drawn, dict) or any(state.get(name) != value for name, value in drawn.items()):
             return
@@ -489,36 +400,8 @@ class Inspector(anywidget.AnyWidget):
         """
         if include not in ("view", "bars"):
             raise ValueError(f"include must be 'view' or 'bars', got {include!r}")
-        if include == "bars":
-            shown = figure.bars_figure(
-                self._layer_payload(self.window, self.layer), self.window, self._subject.labels, layer=self.layer,
-                head=self.head, scope=self.scope, query=self.query, hide_sink=self.hide_sink, group_kv=self.group_kv,
-            )  # fmt: skip
-            return plot.save_image(shown, path, scale=scale)
-        return plot.save_image(self._view_figure(), path, scale=scale)
-
-    def _view_figure(self) -> "go.Figure":
-        steps = self._subject.steps
-        if self.view == "prediction" and steps is not None:
-            step = max(0, self.step)
-            return figure.prediction_figure(steps.results[step], step)
-        # The payload of the layer shown is already here: the figure needs no forward pass.
-        return figure.inspector_figure(
-            self._layer_payload(self.window, self.layer), self.window, self._subject.labels,
-            layer=self.layer, head=self.head, factor=self.factor, scope=self.scope, query=self.query,
-            hide_sink=self.hide_sink, group_kv=self.group_kv,
-        )  # fmt: skip
-
-    def _page_payloads(self, window: Window, layers: list[int], compact: bool) -> dict[int, dict[str, Any]]:
-        """Each layer's payload of ``window``: those computed already, else from one more pass."""
-        cached = None if compact else self._computed.get(window.key)
-        if cached is not None:
-            return {layer: cached[layer] for layer in layers}
-        subject = self._subject
-        computed = compute_windows(
-            subject.model, subject.batch, layers, [window], progress=self._progress(), compact=compact
-        )
-        return {layer: by_window[window.key] for layer, by_window in computed.items()}
+        shown = self._exports.bars_figure(self.view_state()) if include == "bars" else self._view_figure()
+        return plot.save_image(shown, path, scale=scale)
 
     def render_html(
         self,
@@ -531,54 +414,10 @@ class Inspector(anywidget.AnyWidget):
         circuit: dict[str, Any] | None = None,
     ) -> str:
         """The self-contained page of `write_html` as a string (``circuit``: drawn above it, `page.render`)."""
-        subject = self._subject
-        wanted = subject.layers if layers is None else adapter.check_layers(subject.model, layers)
-        window = subject.window(self.start if start is None else start, self.tokens if tokens is None else tokens)
-        if compact is None:
-            fine = payload_bytes(window, subject.n_heads, subject.n_kv_heads) * len(wanted)
-            compact = fine > COMPACT_ABOVE_BYTES
-        chosen = self._why_queries(window, why_queries)
-        payloads = self._page_payloads(window, wanted, compact)
-        # The page opens on the window's last query, whatever the widget's query, or on the explained step's position.
-        query = window.queries[-1]
-        if subject.steps is not None and subject.steps.positions[max(0, self.step)] in window.queries:
-            query = subject.steps.positions[max(0, self.step)]
-        initial = self._initial(head="all" if self.head < 0 else self.head, query=query)
-        initial["layer"] = self.layer if self.layer in wanted else wanted[-1]
-        groups = next(iter(payloads.values()))["kv_groups"]
-        about = meta(subject.labels, window, wanted, subject.n_heads, initial, kv_groups=groups, compact=compact)
-        why = self._page_why(window, wanted, chosen)
-        return page.render(about, payloads, steps=self.steps or None, why=why, circuit=circuit)
-
-    def _why_queries(self, window: Window, queries: Sequence[int] | None) -> list[int] | None:
-        """``why_queries`` checked (before any pass): positions (negative from the end) of the window's queries."""
-        if queries is None:
-            return None
-        n = len(self._subject.labels)
-        try:
-            chosen = sorted({as_position(q, n) for q in as_indices(queries, "why_queries")})
-        except ValueError as error:
-            raise InspectorError(f"why_queries: {error}") from error
-        outside = [q for q in chosen if q not in window.queries]
-        if outside or not chosen:
-            first, last = window.queries[0], window.queries[-1]
-            raise InspectorError(
-                f"why_queries {outside or list(queries)} are not queries of the page's window {first}..{last}: "
-                "name positions the page shows (or set start= and tokens=)"
-            )
-        return chosen
-
-    def _page_why(self, window: Window, layers: list[int], chosen: list[int] | None) -> dict[str, Any] | None:
-        """The *why* rows a page embeds: every head of ``layers`` at each ``chosen`` query, the window's keys."""
-        if chosen is None:
-            return None
-        rows = {}
-        for layer in layers:
-            split = self._split(layer, None, chosen)
-            for head in split.heads:
-                for query in chosen:
-                    rows[row_key(layer, head, query)] = why_row(split, head, query, window.keys)
-        return {"queries": chosen, "rows": rows}
+        return self._exports.render_html(
+            self.view_state(), self.steps or None, layers=layers, start=start, tokens=tokens, compact=compact,
+            why_queries=why_queries, circuit=circuit,
+        )  # fmt: skip
 
     def write_html(
         self,
@@ -601,14 +440,16 @@ class Inspector(anywidget.AnyWidget):
                 (attention in one byte, ``|da| <= 0.5/255``; cosines from int8 unit vectors, within
                 `contribution_lens.views.inspector.compact.cosine_error_bound`, about 0.03 at most
                 for ``d_head = 64``) instead of the fine codecs (``|da|, |dcos| <= 1.5e-5``).
-                None (default): compact when the fine page would pass `COMPACT_ABOVE_BYTES`
+                None (default): compact when the fine page would pass
+                `contribution_lens.views.inspector.exports.COMPACT_ABOVE_BYTES`
                 (all 30 layers of SmolLM2 at 512 tokens: 290 MB fine, under 50 MB compact).
             why_queries: query positions (of the window) whose *why* panel the page carries
                 (`why`): for each, every head of every embedded layer, every key of the window,
                 the `contribution_lens.views.inspector.why.TOP` largest advantage terms per side.
                 Each (layer, head, query) row is about 35 bytes per key and drawn term (about
                 35 KB at 128 keys), so one query of 30 layers x 9 heads adds about 10 MB; it
-                costs no pass where the first view's recorded the queries (`WHY_TAPE_BYTES`),
+                costs no pass where the first view's recorded the queries
+                (`contribution_lens.views.inspector.caches.WHY_TAPE_BYTES`),
                 else one pass that records them (or, past that budget, one
                 `contribution_lens.qk_attribution` pass per layer). The panel of any
                 other query says it was not embedded and names this argument. Default: none.

@@ -209,3 +209,15 @@ export function hoverText(index, both, qLabels, kLabels) {
     return row;
   });
 }
+
+/**
+ * The view a still shows, in words (still.py's caption): the state as the kernel holds it (head -1: all heads).
+ * @param {Record<string, any>} state
+ * @returns {string}
+ */
+export function stillCaption(state) {
+  if (state.view === "prediction") return "prediction view, step " + Math.max(0, state.step);
+  const head = state.head < 0 ? "all heads" : "head " + state.head;
+  const shown = state.view === "text" ? "text view, " : "";
+  return shown + "L" + state.layer + ", " + head + ", " + state.factor + " (" + state.scope + "), query " + state.query;
+}

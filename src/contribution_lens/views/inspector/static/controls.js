@@ -3,6 +3,7 @@
 // Every element is found inside the inspector's own root: several inspectors live on one page.
 
 import { LABELS, headLabel } from "./captions.js";
+import { toggleSettings } from "./settings.js";
 
 /** @typedef {import("./types.js").Host} Host */
 /** @typedef {import("./types.js").Meta} Meta */
@@ -81,11 +82,6 @@ const VIEWS = [
   ["text", "text"],
   ["prediction", "prediction"],
 ];
-/** @type {Array<["hide_sink" | "group_kv", string]>} */
-const TOGGLES = [
-  ["hide_sink", "hide sink"],
-  ["group_kv", "group KV heads"],
-];
 /** The per-layer menus, hidden in the prediction view (they would change nothing drawn). */
 const PER_LAYER = ["layer", "head", "factor", "scope", "query"];
 
@@ -117,10 +113,13 @@ export function buildParts(root, host) {
   controls.view = select(bar, "view", (value) => host.set({ view: value }));
   // The explained step: shown where the host has steps (an explained answer or logit).
   controls.step = select(bar, "step", (value) => host.set({ step: Number(value) }));
-  // Sink hiding and KV grouping are computed by the library: a toggle shows where the host has the setting.
+  // The boolean settings (meta.settings: sink hiding, KV grouping, computed by the library): a toggle each,
+  // shown where the host has the setting.
   /** @type {Record<string, HTMLInputElement>} */
   const toggles = {};
-  for (const [name, text] of TOGGLES) toggles[name] = checkbox(bar, name, text, (on) => host.set({ [name]: on }));
+  for (const { name, label } of toggleSettings(host.meta())) {
+    toggles[name] = checkbox(bar, name, label, (on) => host.set({ [name]: on }));
+  }
   const status = element("span", { className: "cl-status" }, bar);
   const problem = element("div", { className: "cl-error" }, root);
   problem.setAttribute("role", "alert");
@@ -181,9 +180,11 @@ export function showControls(parts, host, meta, state, view, steps) {
     setOptions(controls.window, starts.map(([start, end]) => [start, "tokens " + start + "–" + end]), meta.queries[0]);
     showControl(controls.window, starts.length > 1 && perLayer);
   }
-  for (const [name] of TOGGLES) {
-    const useful = name !== "group_kv" || (meta.kv_groups || []).some((heads) => heads.length > 1);
-    showControl(toggles[name], typeof state[name] === "boolean" && useful && perLayer);
-    toggles[name].checked = Boolean(state[name]);
+  const values = /** @type {Record<string, unknown>} */ (state);
+  for (const { name, offered } of toggleSettings(meta)) {
+    if (!toggles[name]) continue; // a setting the host's first meta did not describe
+    // `offered`: the Python side shows KV grouping only where a value head serves several query heads.
+    showControl(toggles[name], typeof values[name] === "boolean" && offered && perLayer);
+    toggles[name].checked = Boolean(values[name]);
   }
 }

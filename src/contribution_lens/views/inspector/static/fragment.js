@@ -1,14 +1,14 @@
 // @ts-check
-// The static page's view, named in its URL fragment: #layer=L&head=H&factor=F&scope=S&query=Q
-// (and view, hide_sink, group_kv, step where they are not the default).
+// The static page's view, named in its URL fragment: #layer=L&head=H&factor=F&scope=S&query=Q and each other
+// setting where it is not the default (meta.settings says which, in what order, and the defaults).
 
 import { viewsOf } from "./controls.js";
+import { linkValue, linkedSettings } from "./settings.js";
 
 /** @typedef {import("./types.js").Meta} Meta */
 /** @typedef {import("./types.js").State} State */
 /** @typedef {import("./types.js").StepsPayload} StepsPayload */
-
-const SETTINGS = ["layer", "head", "factor", "scope", "query", "view", "hide_sink", "group_kv", "step"];
+/** @typedef {import("./types.js").Setting} Setting */
 
 /**
  * A decimal integer, or NaN.
@@ -27,10 +27,11 @@ const integer = (text) => (/^-?[0-9]+$/.test(text) ? Number(text) : NaN);
  */
 
 /**
- * How each setting of a fragment is read: it sets `state` or says why it cannot (`refuse`).
+ * How each setting of a fragment that needs the page's own data is read: it sets `state` or says why it
+ * cannot (`refuse`). A boolean setting is read as a flag (`readerOf`).
  * @type {Record<string, (reading: Reading, value: string) => void>}
  */
-const READERS = {
+export const READERS = {
   layer({ meta, state, refuse }, value) {
     if (meta.layers.includes(integer(value))) state.layer = integer(value);
     else refuse("layer", value, "is not on this page (it holds layers " + meta.layers.join(", ") + ")", "layer " + state.layer);
@@ -66,9 +67,17 @@ const READERS = {
       refuse("step", value, why, nSteps ? "step " + state.step : "no step");
     }
   },
-  hide_sink: (reading, value) => flag(reading, "hide_sink", value),
-  group_kv: (reading, value) => flag(reading, "group_kv", value),
 };
+
+/**
+ * How a setting of the fragment is read (null: the front-end cannot read it).
+ * @param {Setting} setting
+ * @returns {((reading: Reading, value: string) => void) | null}
+ */
+export function readerOf(setting) {
+  if (setting.name in READERS) return READERS[setting.name];
+  return setting.type === "bool" ? (reading, value) => flag(reading, setting.name, value) : null;
+}
 
 /**
  * A setting whose value must be one of `allowed`.
@@ -85,12 +94,13 @@ function oneOf({ state, refuse }, name, value, allowed) {
 /**
  * A setting that is on (1) or off (0).
  * @param {Reading} reading
- * @param {"hide_sink" | "group_kv"} name
+ * @param {string} name
  * @param {string} value
  */
 function flag({ state, refuse }, name, value) {
-  if (value === "1" || value === "0") state[name] = value === "1";
-  else refuse(name, value, "is not 1 or 0", state[name] ? "1" : "0");
+  const flags = /** @type {Record<string, unknown>} */ (state);
+  if (value === "1" || value === "0") flags[name] = value === "1";
+  else refuse(name, value, "is not 1 or 0", flags[name] ? "1" : "0");
 }
 
 /**
@@ -102,8 +112,9 @@ function flag({ state, refuse }, name, value) {
  * @returns {{state: State, problems: string[]}}
  */
 export function readFragment(meta, hash, steps = null) {
+  const linked = linkedSettings(meta);
   /** @type {State} */
-  const state = Object.assign({ view: "heatmap" }, meta.initial);
+  const state = Object.assign(Object.fromEntries(linked.map((setting) => [setting.name, setting.default])), meta.initial);
   if (!steps && state.view === "prediction") state.view = "heatmap";
   /** @type {string[]} */
   const problems = [];
@@ -114,8 +125,10 @@ export function readFragment(meta, hash, steps = null) {
     refuse: (name, value, why, shown) => problems.push(name + "=" + value + " " + why + "; showing " + shown),
   };
   for (const [name, value] of params) {
-    if (name in READERS) READERS[name](reading, value);
-    else problems.push(name + "=" + value + " is not a view setting (" + SETTINGS.join(", ") + "); ignored");
+    const setting = linked.find((s) => s.name === name);
+    const read = setting ? readerOf(setting) : null;
+    if (read) read(reading, value);
+    else problems.push(name + "=" + value + " is not a view setting (" + linked.map((s) => s.name).join(", ") + "); ignored");
   }
   return { state, problems };
 }
@@ -129,22 +142,26 @@ export function readFragment(meta, hash, steps = null) {
  * is reported for it.
  * @param {string} own the page's own `location.hash`
  * @param {string} outer the enclosing window's `location.hash` ("" when there is none or it cannot be read)
+ * @param {string[]} settings the names a fragment may hold (`linkedSettings`)
  * @returns {string}
  */
-export function droppedFragment(own, outer) {
+export function droppedFragment(own, outer, settings) {
   /** @param {string} hash */
-  const names = (hash) => [...new URLSearchParams(hash.replace(/^#/, "")).keys()].some((name) => SETTINGS.includes(name));
+  const names = (hash) => [...new URLSearchParams(hash.replace(/^#/, "")).keys()].some((name) => settings.includes(name));
   return !names(own) && names(outer) ? outer.replace(/^#/, "") : "";
 }
 
 /**
- * The fragment naming a view (the defaults of view, hide_sink, group_kv and step left out).
+ * The fragment naming a view: each linked setting in the table's order, those at their default left out
+ * where the table says so (view, the toggles, step).
  * @param {State} state
+ * @param {Meta} meta
  * @returns {string}
  */
-export function fragment(state) {
-  return "#layer=" + state.layer + "&head=" + state.head + "&factor=" + state.factor + "&scope=" + state.scope +
-    "&query=" + state.query + (state.view && state.view !== "heatmap" ? "&view=" + state.view : "") +
-    (state.hide_sink ? "&hide_sink=1" : "") + (state.group_kv ? "&group_kv=1" : "") +
-    (state.step !== undefined && state.step >= 0 ? "&step=" + state.step : "");
+export function fragment(state, meta) {
+  const values = /** @type {Record<string, unknown>} */ (state);
+  const named = linkedSettings(meta).filter(
+    (s) => s.link === "always" || (values[s.name] !== undefined && values[s.name] !== s.default),
+  );
+  return "#" + named.map((s) => s.name + "=" + linkValue(s, values[s.name])).join("&");
 }

@@ -9,9 +9,12 @@
 //   figures.js  heatmap, text and bars of a layer       prediction.js  the prediction view
 //   view.js     mount(): one inspector drawn from its host
 //   fragment.js, page.js  the static page               inspector.js   the widget (this file)
+//   settings.js the view state's settings, as the Python side describes them (meta.settings)
 //   types.js    the shapes of the payload, the state and the host (JSDoc only)
 
+import { stillCaption } from "./captions.js";
 import { element } from "./controls.js";
+import { settingNames } from "./settings.js";
 import { mount } from "./view.js";
 import { windowStarts } from "./windows.js";
 
@@ -37,31 +40,49 @@ const UNDONE = "The change that needed it was undone: the menus show the view dr
 const WIDGET_VIEW = "application/vnd.jupyter.widget-view+json";
 
 /**
- * plotly.js, loaded once per notebook page: the first widget that finds no globalThis.Plotly asks
- * the kernel for the plotly.min.js of the installed plotly package (one custom message) and
- * evaluates it; every later widget in the page reuses it. Nothing is fetched from the network.
+ * plotly.js, loaded once per notebook page: a widget that finds no globalThis.Plotly asks its kernel for
+ * the plotly.min.js of the installed plotly package (one custom message) and evaluates it; every widget
+ * waiting in the page then draws with it. A widget asks only where no other asked within KERNEL_WAIT_MS:
+ * one restored from saved widget state asks nobody (no kernel holds its model), and must not keep a
+ * widget of the new kernel waiting on its question. Nothing is fetched from the network.
  * @param {WidgetModel} model
  * @returns {Promise<unknown>}
  */
 function ensurePlotly(model) {
   const shared = /** @type {any} */ (globalThis);
   if (shared.Plotly) return Promise.resolve(shared.Plotly);
-  if (!shared.__contributionLensPlotly) {
-    shared.__contributionLensPlotly = new Promise((resolve) => {
-      model.on("msg:custom", (message) => {
-        if (message.type !== "plotly" || shared.Plotly) return;
-        new Function(message.source)();
-        resolve(shared.Plotly);
-      });
-      model.send({ type: "need_plotly" });
+  const loading = (shared.__contributionLensPlotly ||= { waiting: [], asked: -Infinity });
+  return new Promise((resolve) => {
+    loading.waiting.push(resolve);
+    model.on("msg:custom", (message) => {
+      if (!message || message.type !== "plotly") return;
+      if (!shared.Plotly) new Function(message.source)();
+      for (const waiting of loading.waiting.splice(0)) waiting(shared.Plotly);
     });
-  }
-  return shared.__contributionLensPlotly;
+    const ask = () => {
+      if (shared.Plotly || Date.now() - loading.asked < KERNEL_WAIT_MS) return;
+      loading.asked = Date.now();
+      try {
+        model.send({ type: "need_plotly" });
+      } catch (error) {
+        // A closed comm (no kernel holds this model): another widget's kernel may answer.
+      }
+    };
+    ask();
+    // An unanswered question (a widget without a kernel asked first) is asked again by this widget.
+    const again = setInterval(() => (shared.Plotly ? clearInterval(again) : ask()), KERNEL_WAIT_MS);
+  });
 }
 
-const TRAITS = ["layer", "head", "factor", "scope", "query", "start", "hide_sink", "group_kv", "view", "step"];
-/** The traits that make a view (still.py's STATE), as the kernel holds them (head -1 for all heads). */
-const STILL_STATE = [...TRAITS, "tokens"];
+/**
+ * The traits that make a view (state.py's SETTINGS, as meta.settings names them), as the kernel holds them
+ * (head -1 for all heads): what the view draws, what a still records, what an undone change goes back to.
+ * @param {WidgetModel} model
+ * @returns {Record<string, unknown>}
+ */
+function viewTraits(model) {
+  return Object.fromEntries(settingNames(model.get("meta")).map((name) => [name, model.get(name)]));
+}
 
 /**
  * Whether the kernel is there: every request is followed by a ping (widget.py answers with a pong);
@@ -171,7 +192,7 @@ function widgetHost(model, kernel, why, undo) {
       return payload && payload.layer === l && payload.key === model.get("meta").key + "/" + l ? payload : null;
     },
     state: () => {
-      const state = /** @type {State} */ (Object.fromEntries(TRAITS.map((name) => [name, model.get(name)])));
+      const state = /** @type {State} */ (viewTraits(model));
       state.head = /** @type {number} */ (state.head) < 0 ? "all" : state.head;
       return state;
     },
@@ -257,8 +278,30 @@ export async function drawnImage(root) {
 }
 
 /**
- * The still kept current: the view the widget settles on is sent to the kernel (which replaces the
- * still through its display id) once it has stayed drawn SETTLE_MS, while the kernel answers.
+ * The still of a view drawn without a kernel, as the kernel writes it (still.py's bundle): the still's line
+ * naming the view, the PNG the widget drew (none for the text view) and the view in its metadata.
+ * @param {WidgetModel} model
+ * @param {Record<string, any>} state the view's traits (`viewTraits`)
+ * @param {{png: string, width: number} | null} drawn
+ * @returns {{model_id: string, data: Record<string, unknown>, metadata: Record<string, unknown>}}
+ */
+export function ownStill(model, state, drawn) {
+  /** @type {Record<string, unknown>} */
+  const data = { "text/plain": RUN_AGAIN + " (" + stillCaption(state) + ": its numbers come from the Python kernel.)" };
+  /** @type {Record<string, unknown>} */
+  const metadata = { contribution_lens: { still: state, drawn_by: drawn ? "browser" : null } };
+  if (drawn) {
+    data["image/png"] = drawn.png;
+    metadata["image/png"] = { width: drawn.width };
+  }
+  return { model_id: model.get("model_ref"), data, metadata };
+}
+
+/**
+ * The still kept current: the view the widget settles on (drawn SETTLE_MS unchanged) is sent to the
+ * kernel, which replaces the still through its display id; where no kernel answers (restarted, shut
+ * down, or a notebook reopened with its widget state and a new kernel) the widget writes it into its
+ * notebook itself (`ownStill`), so the still is the last view drawn in every life of the notebook.
  * @param {WidgetModel} model
  * @param {HTMLElement} root
  * @param {ReturnType<typeof kernelWatch>} kernel
@@ -271,11 +314,18 @@ function stillKeeper(model, root, kernel) {
   const send = async () => {
     timer = null;
     const status = root.querySelector(".cl-status");
-    if (kernel.missing || (status && status.textContent)) return; // not drawn yet, or nobody to keep it
-    const state = Object.fromEntries(STILL_STATE.map((name) => [name, model.get(name)]));
-    const key = JSON.stringify([state, model.get("meta").key, root.getBoundingClientRect().width]);
+    if (status && status.textContent) return; // not drawn yet
+    // Whether a kernel keeps the still is being asked: sent once that is known.
+    if (kernel.checking) return void (timer = setTimeout(send, SETTLE_MS));
+    const state = viewTraits(model);
+    const key = JSON.stringify([state, model.get("meta").key, root.getBoundingClientRect().width, kernel.missing]);
     if (key === sent) return;
     const drawn = state.view === "text" ? null : await drawnImage(root).catch(() => null);
+    if (kernel.missing) {
+      writeStill(model, ownStill(model, state, drawn), true);
+      sent = key;
+      return;
+    }
     try {
       model.send({ type: "snapshot", state, png: drawn ? drawn.png : null, width: drawn ? drawn.width : null });
       sent = key;
@@ -290,15 +340,32 @@ function stillKeeper(model, root, kernel) {
 }
 
 /**
+ * Whether a still's metadata `a` (`contribution_lens`) records, drawn, the view `b` records (the order of
+ * the settings aside: a saved notebook's keys are sorted).
+ * @param {{still?: Record<string, unknown>, drawn_by?: string | null} | undefined} a
+ * @param {{still?: Record<string, unknown>, drawn_by?: string | null} | undefined} b
+ * @returns {boolean}
+ */
+function sameView(a, b) {
+  if (!a || !b || !a.drawn_by || !a.still || !b.still) return false;
+  const [one, other] = [a.still, b.still];
+  const names = Object.keys(one);
+  return names.length === Object.keys(other).length && names.every((name) => JSON.stringify(one[name]) === JSON.stringify(other[name]));
+}
+
+/**
  * The still of this widget written into JupyterLab's notebook model, every output of it (the output just
  * before each of the widget's own): what the kernel's update of its display id does, for a front-end that
  * did not see the still displayed (a notebook reopened while its kernel runs), whose file kept an older
  * view. True where a still was written; nothing happens elsewhere (no notebook model: the page, VS Code).
+ * `keepView`: a still that already shows the same view, drawn, is kept (a widget without a kernel redrawing the
+ * view of its still leaves the notebook unchanged).
  * @param {WidgetModel} model
- * @param {{model_id?: string, data?: Record<string, unknown>, metadata?: Record<string, unknown>}} still
+ * @param {{model_id?: string, data?: Record<string, unknown>, metadata?: Record<string, any>}} still
+ * @param {boolean} [keepView]
  * @returns {boolean}
  */
-export function writeStill(model, still) {
+export function writeStill(model, still, keepView = false) {
   const manager = model.widget_manager;
   const notebook = manager && manager.context && manager.context.model;
   if (!notebook || !notebook.cells || !still.model_id || !still.data) return false;
@@ -313,6 +380,7 @@ export function writeStill(model, still) {
       const metadata = before.metadata || {};
       if (!view || view.model_id !== still.model_id || !metadata.contribution_lens) continue;
       if (JSON.stringify(before.data) === JSON.stringify(still.data)) continue; // already this still
+      if (keepView && sameView(metadata.contribution_lens, (still.metadata || {}).contribution_lens)) continue;
       outputs.set(i - 1, { output_type: "display_data", data: still.data, metadata: still.metadata || {} });
       written = true;
     }
@@ -334,12 +402,12 @@ export function drawnState(model, root) {
     drawn() {
       const status = root.querySelector(".cl-status");
       if (status && status.textContent) return; // waiting for a layer: not what is drawn
-      last = Object.fromEntries(STILL_STATE.map((name) => [name, model.get(name)]));
+      last = viewTraits(model);
     },
     undo() {
       if (!last) return false;
       const kept = /** @type {Record<string, unknown>} */ (last);
-      const changed = STILL_STATE.filter((name) => JSON.stringify(model.get(name)) !== JSON.stringify(kept[name]));
+      const changed = Object.keys(kept).filter((name) => JSON.stringify(model.get(name)) !== JSON.stringify(kept[name]));
       if (!changed.length) return false;
       for (const name of changed) model.set(name, kept[name]);
       try {
@@ -364,9 +432,9 @@ async function render({ model, el }) {
   /** @type {{refresh: () => Promise<unknown>} | null} */
   let view = null;
   let undone = false;
-  const state = drawnState(model, el);
+  const drawn = drawnState(model, el);
   const undo = () => {
-    if (state.undo()) undone = true;
+    if (drawn.undo()) undone = true;
     line.textContent = kernel.missing ? NO_KERNEL + (undone ? " " + UNDONE : "") : "";
   };
   const kernel = kernelWatch(model, () => {
@@ -395,10 +463,10 @@ async function render({ model, el }) {
   const settled = stillKeeper(model, el, kernel);
   const redraw = () =>
     /** @type {{refresh: () => Promise<unknown>}} */ (view).refresh().then(() => {
-      state.drawn();
+      drawn.drawn();
       settled();
     });
-  const names = [...TRAITS, "payload", "meta", "error", "steps"];
+  const names = [...settingNames(model.get("meta")), "payload", "meta", "error", "steps"];
   for (const name of names) model.on("change:" + name, redraw);
   await redraw();
   return () => {

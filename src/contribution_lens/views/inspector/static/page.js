@@ -4,6 +4,7 @@
 import { element } from "./controls.js";
 import { inflate } from "./factors.js";
 import { droppedFragment, fragment, readFragment } from "./fragment.js";
+import { linkedSettings } from "./settings.js";
 import { mount } from "./view.js";
 
 /** @typedef {import("./types.js").Meta} Meta */
@@ -39,10 +40,11 @@ export function pageWhy(data, layer, head, query) {
  * Rewrite the URL's fragment where the page may: JupyterLab's HTML viewer serves the page from a
  * blob: URL, where history.replaceState throws.
  * @param {State} state
+ * @param {Meta} meta
  */
-function showFragment(state) {
+function showFragment(state, meta) {
   try {
-    history.replaceState(null, "", fragment(state));
+    history.replaceState(null, "", fragment(state, meta));
   } catch (error) {
     // The view still changes; only the address does not name it.
   }
@@ -109,9 +111,11 @@ function outerHash() {
  * A view named in the address the page was opened from that the page did not receive: say so above the
  * inspector (shown only then; a page opened plainly, or from a link whose fragment left no trace, has no note).
  * @param {HTMLElement} root
+ * @param {Meta} meta
  */
-function noteDroppedFragment(root) {
-  const dropped = droppedFragment(window.location.hash, outerHash());
+function noteDroppedFragment(root, meta) {
+  const names = linkedSettings(meta).map((setting) => setting.name);
+  const dropped = droppedFragment(window.location.hash, outerHash(), names);
   if (!dropped) return;
   const note = element("div", { className: "cl-note" });
   note.textContent =
@@ -154,7 +158,7 @@ export function page(root, data) {
     }
     problems = [];
     refusal = "";
-    showFragment(state);
+    showFragment(state, meta);
     draw();
   }
   // A head clicked in the prediction view: its per-layer view at the step's position, where the page holds both.
@@ -172,8 +176,8 @@ export function page(root, data) {
     refusal = ""; // a new view: the last clicked head's refusal goes, as with set()
     draw();
   });
-  noteDroppedFragment(root);
-  showFragment(state);
+  noteDroppedFragment(root, meta);
+  showFragment(state, meta);
   root.dataset.ready = "false";
   draw().then(() => (root.dataset.ready = "true"));
   return { refresh: view.refresh, set };

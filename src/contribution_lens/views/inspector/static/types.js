@@ -15,7 +15,19 @@
 /** @typedef {Array<[number, string]>} Colorscale plotly's: [[t, "rgb(r, g, b)" or "#rrggbb"], ...], t in [0, 1] */
 
 /**
- * The view a page or widget opens on, and what the host holds as the current view.
+ * One setting of the view state as the Python side describes it (state.py, schema): the front-end's one list.
+ * @typedef {object} Setting
+ * @property {string} name
+ * @property {"int" | "str" | "bool"} type a "bool" setting is a toggle
+ * @property {number | string | boolean} default the widget's value before anything is chosen
+ * @property {"always" | "changed" | "never"} link whether a page's URL fragment names it: always, off its default, never
+ * @property {string} label a toggle's text
+ * @property {boolean} offered whether its control is shown (KV grouping: only where heads share a value head)
+ */
+
+/**
+ * The view a page or widget opens on, and what the host holds as the current view (its properties are
+ * the settings of meta.settings; a test checks both lists agree).
  * @typedef {object} State
  * @property {number} layer
  * @property {number | "all"} head
@@ -24,6 +36,7 @@
  * @property {number} query
  * @property {string} [view] "heatmap", "text" or "prediction"
  * @property {number} [start] the token window's first query (the widget's)
+ * @property {number} [tokens] the token window's queries (the widget's)
  * @property {boolean} [hide_sink]
  * @property {boolean} [group_kv]
  * @property {number} [step] the explained step (-1: none)
@@ -43,6 +56,7 @@
  * @property {number} n_tokens the text's length
  * @property {number[]} layers
  * @property {State} initial
+ * @property {Setting[]} settings the view state's settings (state.py, schema)
  * @property {string} key the window's name, "first-last"
  * @property {string[]} factors
  * @property {string[]} signed the factors drawn on a diverging scale

@@ -4,8 +4,8 @@
 // host: the static page (page.js) or the widget's model (inspector.js), as types.js's Host says:
 // it answers meta(), layer(L) (the payload, or null while it is not here), state() and set(partial),
 // and, where it has them, windows(), error(), pending(state), steps() and open(step, layer, head).
-// state: layer, head ("all" or a number), factor, scope, query, view ("heatmap", "text" or
-// "prediction") and, where the host has them, start, hide_sink, group_kv, step.
+// state: the settings of meta.settings (state.py's SETTINGS): layer, head ("all" or a number), factor, scope,
+// query, view ("heatmap", "text" or "prediction") and, where the host has them, the window and the toggles.
 
 import { decodeSteps } from "./codecs.js";
 import { buildParts, showControls } from "./controls.js";
