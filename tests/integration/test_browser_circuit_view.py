@@ -6,6 +6,8 @@ checks them) and the *why* panel's bars (the embedded row of that head and query
 draw different data; a click on an MLP opens nothing and says why.
 """
 
+import time
+
 import numpy as np
 import pytest
 from test_browser import check_drawn, control, geometries, wait_ready
@@ -43,8 +45,11 @@ def opened(tmp_path_factory):
 def click_node(browser, node: str) -> None:
     """A real mouse click on ``node``'s marker in the circuit figure."""
     from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.support.ui import WebDriverWait
 
     figure = browser.find_element("css selector", ".cl-circuit-figure")
+    # The checks between clicks scroll to the heatmap: bring the whole figure back into view first.
+    browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", figure)
     dx, dy = browser.execute_script(
         "const gd = arguments[0], fl = gd._fullLayout, r = gd.getBoundingClientRect();"
         "const t = gd.data.find((d) => d.name === 'nodes'), n = t.text.indexOf(arguments[1]);"
@@ -52,7 +57,18 @@ def click_node(browser, node: str) -> None:
         figure,
         node,
     )
-    ActionChains(browser).move_to_element_with_offset(figure, int(dx), int(dy)).click().perform()
+    ActionChains(browser).move_to_element_with_offset(figure, int(dx), int(dy)).perform()
+    # plotly gives a click the point it last hovered: click once the pointer's hover is on this node.
+    WebDriverWait(browser, 10).until(
+        lambda b: b.execute_script(
+            "return (arguments[0]._hoverdata || []).some((p) => p.data.name === 'nodes' && p.text === arguments[1]);",
+            figure,
+            node,
+        )
+    )
+    # A second click within plotly's doubleClickDelay (300 ms) of the last is a double click, not a click.
+    time.sleep(0.4)
+    ActionChains(browser).click().perform()
 
 
 def panel_after(browser, node: str) -> dict:

@@ -52,6 +52,10 @@ def click_node(tab, node: str) -> None:
         }""",
         node,
     )
+    # plotly clicks the point it last hovered, and a click within 300 ms of the last is a double click:
+    # hover first, then click after that delay.
+    tab.mouse.move(x, y)
+    tab.wait_for_timeout(400)
     tab.mouse.click(x, y)
 
 
