@@ -5,6 +5,7 @@ counterfactual's first half resampled; or ``--task ioi`` where the package has `
 measured against ``plain``, one forward pass over the clean prompts (batched as the methods batch):
 
 * ``eap``: ``cl.circuit_scores(model, task, method="eap")`` (target: at most 3 on Qwen2.5-0.5B, 64 IOI prompts);
+* ``contribution``: the same with ``method="contribution"`` (target: at most 5 at that setting);
 * ``eap-ig``: the same with ``method="eap-ig"`` (MIB's 5 steps);
 * ``curve``: ``cl.circuit_curve(model, task, scores)``, the ten sizes at edge level (target: at most 12).
 
@@ -45,6 +46,11 @@ def _peak_rss_mb() -> float:
     return float("nan")
 
 
+def _load() -> str:
+    """The 1, 5 and 15 minute load averages (other jobs on the machine make timings noisy)."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def _timed(fn: Callable[[], Any], cuda: bool) -> tuple[float, float]:
     if cuda:
         torch.cuda.synchronize()
@@ -68,7 +74,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--memory", type=int, default=2**30, help="bytes a batch's activation differences may take")
+    parser.add_argument(
+        "--methods", default="eap,contribution,eap-ig,curve", help="comma-separated: eap, contribution, eap-ig, curve"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's own)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = cl.load_model(args.model) if args.model else cl.load_model()
     model = model.to(args.device)
     cuda = args.device.startswith("cuda")
@@ -88,9 +100,16 @@ def main() -> None:
     methods: dict[str, Callable[[], Any]] = {
         "plain": plain,
         "eap": lambda: cl.circuit_scores(model, task, method="eap", memory=args.memory),
+        "contribution": lambda: cl.circuit_scores(model, task, method="contribution", memory=args.memory),
         "eap-ig": lambda: cl.circuit_scores(model, task, method="eap-ig", memory=args.memory),
         "curve": lambda: cl.circuit_curve(model, task, scores, memory=args.memory),
     }
+    chosen = args.methods.split(",")
+    unknown = sorted(set(chosen) - set(methods))
+    if unknown:
+        raise SystemExit(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(list(methods)[1:])}")
+    methods = {name: fn for name, fn in methods.items() if name == "plain" or name in chosen}
+    load = _load()
     best = {name: float("inf") for name in methods}
     peaks = {name: 0.0 for name in methods}
     for _ in range(args.repeats):
@@ -103,9 +122,10 @@ def main() -> None:
         f"{task.clean.shape[1]} tokens, {len(graph.edges)} edges, {len(graph.components)} nodes, batches of {size}"
     )
     unit = "peak CUDA MiB" if cuda else "peak RSS growth MiB"
-    print(f"{'method':<8} {'seconds':>9} {'forward passes':>15} {unit:>20}")
+    print(f"torch threads {torch.get_num_threads()}, load average before and after: {load} / {_load()}")
+    print(f"{'method':<12} {'seconds':>9} {'forward passes':>15} {unit:>20}")
     for name in methods:
-        print(f"{name:<8} {best[name]:>9.3f} {best[name] / best['plain']:>15.2f} {peaks[name]:>20.1f}")
+        print(f"{name:<12} {best[name]:>9.3f} {best[name] / best['plain']:>15.2f} {peaks[name]:>20.1f}")
 
 
 if __name__ == "__main__":
