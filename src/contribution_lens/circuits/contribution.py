@@ -65,7 +65,7 @@ import torch.autograd.forward_ad as forward_ad
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from contribution_lens.adapter import Model, circuit_pass
+from contribution_lens.adapter import Model, embedding_pass
 from contribution_lens.circuits import interchange as ic
 from contribution_lens.circuits.graph import Graph
 from contribution_lens.circuits.registry import CircuitContext, CircuitMethod, register_circuit_method
@@ -111,45 +111,53 @@ def linearised_differences(
 ) -> tuple[Float[Tensor, "writer batch pos d_model"], Float[Tensor, " batch"]]:
     """Every writer's ``delta_u`` in ``L`` and each prompt's ``m_L(counterfactual) - m(clean)``.
 
-    The counterfactual's embeddings come from one pass on the corrupted prompts; the tangents from
-    one forward-mode pass on the clean ones with patterns and norm scales frozen.
+    The embeddings come from passes stopped before the first block; the tangents from one
+    forward-mode pass on the clean prompts with patterns and norm scales frozen.
     """
-    corrupted, _ = ic.record(model, task, graph, rows, corrupted=True)
-    clean = ic.Record(graph)
-    with torch.inference_mode():
-        circuit_pass(model, ic.tokens(task, rows), _EmbeddingsOnly(clean))
-    assert clean.outputs is not None
     n = graph.n_embeddings
-    shift = (corrupted[:n] - clean.outputs[:n]).clone()
-    del corrupted, clean
+    shift = _embeddings(model, ic.tokens(task, rows, True), n) - _embeddings(model, ic.tokens(task, rows), n)
     stream = Tangent(graph, shift)
     with torch.no_grad(), forward_ad.dual_level():
-        logits = circuit_pass(model, ic.tokens(task, rows), stream, freeze_norms=True, freeze_patterns=True)
-        tangent = forward_ad.unpack_dual(ic.metric(task, logits, rows)).tangent
+        value = ic.metric_pass(model, task, rows, stream, freeze_norms=True, freeze_patterns=True)
+        tangent = forward_ad.unpack_dual(value).tangent
         difference = torch.zeros(len(rows)) if tangent is None else tangent.detach().cpu()
     assert stream.tangents is not None
     return stream.tangents, difference
 
 
 @dataclass
-class _EmbeddingsOnly:
-    record: ic.Record
+class _Embeddings:
+    """Keeps the embeddings' outputs, ``[embedding batch pos d_model]`` in the graph's writer order."""
+
+    outputs: list[Tensor | None]
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
-        return self.record.write(kind, layer, out) if kind in EMBEDDINGS else None
+        self.outputs[EMBEDDINGS.index(kind)] = out.detach()[:, :, 0]
+        return None
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
         return None
 
 
+def _embeddings(model: Model, tokens: Tensor, n: int) -> Float[Tensor, "embedding batch pos d_model"]:
+    """The embeddings of ``tokens`` alone (a pass stopped before the first block)."""
+    stream = _Embeddings([None] * n)
+    with torch.inference_mode():
+        embedding_pass(model, tokens, stream)
+    return torch.stack([x for x in stream.outputs if x is not None])  # out of inference mode: a normal tensor
+
+
 def _gradient(model: Model, task: Task, graph: Graph, rows: Tensor, *, patterns: bool) -> tuple[ic.Gradient, Tensor]:
-    """A clean pass with norm scales frozen (and patterns, where ``patterns``): its inputs and summed metric."""
-    clean = ic.Record(graph)
+    """A clean pass with norm scales frozen (and patterns, where ``patterns``): its inputs and summed metric.
+
+    Where the patterns are live, the pass's outputs are kept too (the q and k edges' ``o_u``).
+    """
+    clean = None if patterns else ic.Record(graph)
     placeholder = torch.zeros(1, 1, graph.n_embeddings, 1, device=_device(model))
     stream = ic.Gradient(graph, placeholder, 1.0, clean)
     with torch.enable_grad():
-        logits = circuit_pass(model, ic.tokens(task, rows), stream, freeze_norms=True, freeze_patterns=patterns)
-        return stream, ic.metric(task, logits, rows).sum()
+        value = ic.metric_pass(model, task, rows, stream, freeze_norms=True, freeze_patterns=patterns)
+        return stream, value.sum()
 
 
 def _device(model: Model) -> torch.device:
@@ -178,12 +186,12 @@ def contribution_scores(model: Model, task: Task, context: CircuitContext) -> Fl
         stream, value = _gradient(model, task, graph, rows, patterns=True)
         ic.gradient_scores(graph, stream, value, tangents, linear)
         del tangents, stream, value
-        why = linear.new_zeros(graph.valid.shape)
+        removed = linear.new_zeros(graph.valid.shape)  # sum o_u . dm/dx_i, only where i is a q or k input
         stream, value = _gradient(model, task, graph, rows, patterns=False)
         assert stream.clean is not None and stream.clean.outputs is not None
-        ic.gradient_scores(graph, stream, value, -stream.clean.outputs.to(linear.dtype), why)
+        ic.gradient_scores(graph, stream, value, stream.clean.outputs.to(linear.dtype), removed, only=attention)
         mask = attention.to(linear.device)[None, :]
-        scores += torch.where(mask, why, linear)
+        scores += torch.where(mask, -removed, linear)
     assert scores is not None
     return ic.per_edge(graph, scores, len(task))
 
