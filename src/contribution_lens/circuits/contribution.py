@@ -44,8 +44,11 @@ grouped-query attention a k-edge serves its group's heads and sums over them. Wi
 soft-capped scores the weighted advantages differ from the gradient form by the cap's derivative;
 the gradient form is what is computed.
 
-Cost: one counterfactual pass (its embeddings), one forward-mode pass, two passes with their
-backward passes: about nine forward-pass equivalents.
+Cost: the embeddings of both prompts (passes stopped before the first block), one forward-mode
+pass of ``L`` that is differentiable too (the tangents and ``g_i`` share it) with its backward
+pass, and one pass with live patterns with its backward pass (the q- and k-edges); each unembeds
+only the last position. About five passes' work, measured at six to eight forward-pass
+equivalents (docs/results.md, circuit cost).
 
 Example:
     >>> import torch
@@ -87,6 +90,8 @@ class Tangent:
     graph: Graph
     shift: Float[Tensor, "embedding batch pos d_model"]
     tangents: Tensor | None = None
+    gradient: ic.Gradient | None = None
+    """Where given, the pass is differentiable too and keeps its inputs there (``dm_L/dx_i`` by one backward pass)."""
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         lo, hi = self.graph.writer_range(kind, layer)
@@ -95,15 +100,16 @@ class Tangent:
             self.tangents = out.new_zeros(len(self.graph.writers), batch, pos, d_model).detach()
         if kind in EMBEDDINGS:
             self.tangents[lo] = self.shift[lo]
-            zero = torch.zeros_like(forward_ad.unpack_dual(out).primal[:, :, 0])
+            zero = torch.zeros_like(forward_ad.unpack_dual(out).primal[:, :, 0].detach())
+            zero.requires_grad_(self.gradient is not None)
             return forward_ad.make_dual(zero, self.shift[lo].to(zero.dtype))
         tangent = forward_ad.unpack_dual(out).tangent
         if tangent is not None:
-            self.tangents[lo:hi] = tangent.permute(2, 0, 1, 3).to(self.tangents.dtype)
+            self.tangents[lo:hi] = tangent.detach().permute(2, 0, 1, 3).to(self.tangents.dtype)
         return None
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
-        return None
+        return None if self.gradient is None else self.gradient.read(kind, layer, stream)
 
 
 def linearised_differences(
@@ -114,15 +120,26 @@ def linearised_differences(
     The embeddings come from passes stopped before the first block; the tangents from one
     forward-mode pass on the clean prompts with patterns and norm scales frozen.
     """
-    n = graph.n_embeddings
-    shift = _embeddings(model, ic.tokens(task, rows, True), n) - _embeddings(model, ic.tokens(task, rows), n)
-    stream = Tangent(graph, shift)
     with torch.no_grad(), forward_ad.dual_level():
-        value = ic.metric_pass(model, task, rows, stream, freeze_norms=True, freeze_patterns=True)
+        stream, value = _linearised_pass(model, task, graph, rows, gradient=False)
         tangent = forward_ad.unpack_dual(value).tangent
         difference = torch.zeros(len(rows)) if tangent is None else tangent.detach().cpu()
     assert stream.tangents is not None
     return stream.tangents, difference
+
+
+def _linearised_pass(model: Model, task: Task, graph: Graph, rows: Tensor, *, gradient: bool) -> tuple[Tangent, Tensor]:
+    """The forward-mode pass of ``L`` (`Tangent`) and the prompts' metric, a dual tensor (call in a dual level).
+
+    With ``gradient`` (and autograd on) the same pass is differentiable: its inputs are kept in
+    ``stream.gradient`` for ``dm_L/dx_i``, so the tangents and the gradient share one forward pass.
+    """
+    n = graph.n_embeddings
+    shift = _embeddings(model, ic.tokens(task, rows, True), n) - _embeddings(model, ic.tokens(task, rows), n)
+    placeholder = torch.zeros(1, 1, n, 1, device=shift.device)
+    stream = Tangent(graph, shift, gradient=ic.Gradient(graph, placeholder) if gradient else None)
+    value = ic.metric_pass(model, task, rows, stream, freeze_norms=True, freeze_patterns=True)
+    return stream, value
 
 
 @dataclass
@@ -147,16 +164,12 @@ def _embeddings(model: Model, tokens: Tensor, n: int) -> Float[Tensor, "embeddin
     return torch.stack([x for x in stream.outputs if x is not None])  # out of inference mode: a normal tensor
 
 
-def _gradient(model: Model, task: Task, graph: Graph, rows: Tensor, *, patterns: bool) -> tuple[ic.Gradient, Tensor]:
-    """A clean pass with norm scales frozen (and patterns, where ``patterns``): its inputs and summed metric.
-
-    Where the patterns are live, the pass's outputs are kept too (the q and k edges' ``o_u``).
-    """
-    clean = None if patterns else ic.Record(graph)
+def _live_gradient(model: Model, task: Task, graph: Graph, rows: Tensor) -> tuple[ic.Gradient, Tensor]:
+    """A clean pass with norm scales frozen and patterns live: its inputs, outputs (``o_u``) and summed metric."""
     placeholder = torch.zeros(1, 1, graph.n_embeddings, 1, device=_device(model))
-    stream = ic.Gradient(graph, placeholder, 1.0, clean)
+    stream = ic.Gradient(graph, placeholder, 1.0, ic.Record(graph))
     with torch.enable_grad():
-        value = ic.metric_pass(model, task, rows, stream, freeze_norms=True, freeze_patterns=patterns)
+        value = ic.metric_pass(model, task, rows, stream, freeze_norms=True)
         return stream, value.sum()
 
 
@@ -180,14 +193,16 @@ def contribution_scores(model: Model, task: Task, context: CircuitContext) -> Fl
     attention = attention_inputs(graph)
     scores = None
     for rows in ic.batches(task, size):
-        tangents, _ = linearised_differences(model, task, graph, rows)
-        scores = tangents.new_zeros(graph.valid.shape) if scores is None else scores
-        linear = tangents.new_zeros(graph.valid.shape)
-        stream, value = _gradient(model, task, graph, rows, patterns=True)
-        ic.gradient_scores(graph, stream, value, tangents, linear)
-        del tangents, stream, value
+        with torch.enable_grad(), forward_ad.dual_level():
+            linearised, value = _linearised_pass(model, task, graph, rows, gradient=True)
+            value = forward_ad.unpack_dual(value).primal.sum()
+        assert linearised.tangents is not None and linearised.gradient is not None
+        scores = linearised.tangents.new_zeros(graph.valid.shape) if scores is None else scores
+        linear = linearised.tangents.new_zeros(graph.valid.shape)
+        ic.gradient_scores(graph, linearised.gradient, value, linearised.tangents, linear)
+        del linearised, value
         removed = linear.new_zeros(graph.valid.shape)  # sum o_u . dm/dx_i, only where i is a q or k input
-        stream, value = _gradient(model, task, graph, rows, patterns=False)
+        stream, value = _live_gradient(model, task, graph, rows)
         assert stream.clean is not None and stream.clean.outputs is not None
         ic.gradient_scores(graph, stream, value, stream.clean.outputs.to(linear.dtype), removed, only=attention)
         mask = attention.to(linear.device)[None, :]
