@@ -222,11 +222,11 @@ class Gradient:
         return shift.requires_grad_(True)
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
-        start, end = self.graph.input_group(kind, layer)
-        if not self.inputs or self.inputs[-1][0] != start:  # one tensor for a layer's q, k and v inputs
-            self.inputs.append((start, end, stream[:, :, None].expand(-1, -1, end - start, -1)))
+        # One tensor for each kind of input (not one for the layer's q, k and v sliced three ways:
+        # the backward pass of a slice fills a zero gradient of the whole group).
         lo, hi = self.graph.input_range(kind, layer)
-        return self.inputs[-1][2][:, :, lo - start : hi - start]
+        self.inputs.append((lo, hi, stream[:, :, None].expand(-1, -1, hi - lo, -1)))
+        return self.inputs[-1][2]
 
 
 def _moved(
@@ -250,8 +250,8 @@ def gradient_scores(
 ) -> None:
     """Add ``sum_{batch, pos} delta_u . dm/dx_i`` to ``scores[u, i]`` for every edge (``value``: the summed metric).
 
-    ``only``: the inputs wanted; a layer's group of inputs (its q, k and v inputs, its MLP's, the
-    logits') holding none of them is skipped (each group reads every upstream difference once).
+    ``only``: the inputs wanted; a layer's inputs of one kind (its q inputs, k inputs, v inputs, its
+    MLP's, the logits') holding none of them are skipped (each kind reads every upstream difference).
     """
     groups = [(lo, hi, x) for lo, hi, x in stream.inputs if only is None or bool(only[lo:hi].any())]
     grads = torch.autograd.grad(value, [x for _, _, x in groups], allow_unused=True)
