@@ -5,11 +5,14 @@ counterfactual's first half resampled; or ``--task ioi`` where the package has `
 measured against ``plain``, one forward pass over the clean prompts (batched as the methods batch):
 
 * ``eap``: ``cl.circuit_scores(model, task, method="eap")`` (target: at most 3 on Qwen2.5-0.5B, 64 IOI prompts);
+* ``contribution``: the same with ``method="contribution"`` (target: at most 5 at that setting);
 * ``eap-ig``: the same with ``method="eap-ig"`` (MIB's 5 steps);
 * ``curve``: ``cl.circuit_curve(model, task, scores)``, the ten sizes at edge level (target: at most 12).
 
 Time: in one process the methods alternate ``--repeats`` times and the fastest run of each counts;
-its ratio to ``plain`` is the number of forward-pass equivalents. Memory: the peak CUDA memory of
+its ratio to ``plain`` is the number of forward-pass equivalents, by wall clock and by the
+process's CPU time (on a CPU shared with other jobs the second is the steadier: with one torch
+thread it counts only this process's work). Memory: the peak CUDA memory of
 each method (``torch.cuda.max_memory_allocated``, reset before it) on a GPU, else the growth of the
 process's peak RSS (``VmHWM``) over the loaded model, in the order run. Run:
 ``python benchmarks/bench_circuits.py --prompts 8`` (bundled SmolLM2), or
@@ -45,18 +48,24 @@ def _peak_rss_mb() -> float:
     return float("nan")
 
 
-def _timed(fn: Callable[[], Any], cuda: bool) -> tuple[float, float]:
+def _load() -> str:
+    """The 1, 5 and 15 minute load averages (other jobs on the machine make timings noisy)."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def _timed(fn: Callable[[], Any], cuda: bool) -> tuple[float, float, float]:
+    """Wall-clock seconds, the process's CPU seconds (its work, whatever else the machine runs) and peak MiB."""
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     before = _peak_rss_mb()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     fn()
     if cuda:
         torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     peak = torch.cuda.max_memory_allocated() / 2**20 if cuda else _peak_rss_mb() - before
-    return elapsed, peak
+    return elapsed, cpu, peak
 
 
 def main() -> None:
@@ -68,7 +77,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--memory", type=int, default=2**30, help="bytes a batch's activation differences may take")
+    parser.add_argument(
+        "--methods", default="eap,contribution,eap-ig,curve", help="comma-separated: eap, contribution, eap-ig, curve"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's own)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model = cl.load_model(args.model) if args.model else cl.load_model()
     model = model.to(args.device)
     cuda = args.device.startswith("cuda")
@@ -88,24 +103,37 @@ def main() -> None:
     methods: dict[str, Callable[[], Any]] = {
         "plain": plain,
         "eap": lambda: cl.circuit_scores(model, task, method="eap", memory=args.memory),
+        "contribution": lambda: cl.circuit_scores(model, task, method="contribution", memory=args.memory),
         "eap-ig": lambda: cl.circuit_scores(model, task, method="eap-ig", memory=args.memory),
         "curve": lambda: cl.circuit_curve(model, task, scores, memory=args.memory),
     }
+    chosen = args.methods.split(",")
+    unknown = sorted(set(chosen) - set(methods))
+    if unknown:
+        raise SystemExit(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(list(methods)[1:])}")
+    methods = {name: fn for name, fn in methods.items() if name == "plain" or name in chosen}
+    load = _load()
     best = {name: float("inf") for name in methods}
+    best_cpu = {name: float("inf") for name in methods}
     peaks = {name: 0.0 for name in methods}
-    for _ in range(args.repeats):
+    for repeat in range(args.repeats):
         for name, fn in methods.items():
-            elapsed, peak = _timed(fn, cuda)
-            best[name] = min(best[name], elapsed)
+            elapsed, cpu, peak = _timed(fn, cuda)
+            best[name], best_cpu[name] = min(best[name], elapsed), min(best_cpu[name], cpu)
             peaks[name] = max(peaks[name], peak)
+            print(f"  run {repeat + 1}: {name} {elapsed:.2f} s, {cpu:.2f} CPU s, load {_load()}", flush=True)
     print(
         f"{args.model or 'SmolLM2-135M'} on {args.device}, {args.task}: {len(task)} prompts of "
         f"{task.clean.shape[1]} tokens, {len(graph.edges)} edges, {len(graph.components)} nodes, batches of {size}"
     )
     unit = "peak CUDA MiB" if cuda else "peak RSS growth MiB"
-    print(f"{'method':<8} {'seconds':>9} {'forward passes':>15} {unit:>20}")
+    print(f"torch threads {torch.get_num_threads()}, load average before and after: {load} / {_load()}")
+    print(f"{'method':<12} {'seconds':>9} {'forward passes':>15} {'CPU s':>9} {'by CPU':>7} {unit:>20}")
     for name in methods:
-        print(f"{name:<8} {best[name]:>9.3f} {best[name] / best['plain']:>15.2f} {peaks[name]:>20.1f}")
+        ratio, by_cpu = best[name] / best["plain"], best_cpu[name] / best_cpu["plain"]
+        print(
+            f"{name:<12} {best[name]:>9.3f} {ratio:>15.2f} {best_cpu[name]:>9.2f} {by_cpu:>7.2f} {peaks[name]:>20.1f}"
+        )
 
 
 if __name__ == "__main__":

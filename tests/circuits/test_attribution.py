@@ -121,3 +121,37 @@ def test_batches_under_a_small_memory_budget_give_the_same_scores_and_curve() ->
     assert_close(one_by_one.edge_scores, whole.edge_scores, rtol=1e-4, atol=1e-6)
     curves = [cl.circuit_curve(model, task, whole, memory=memory) for memory in (2**30, 1)]
     assert_close(curves[1].patched, curves[0].patched, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["eap", "eap-ig", "contribution", "curve"])
+def test_a_budget_of_two_prompts_holds_two_prompts_differences_and_keeps_the_scores(method, monkeypatch) -> None:
+    """A budget of two prompts' ``[writer batch pos d_model]`` copies: every recorded pass holds at most two
+    prompts (batches 2, 2, 1 of five), and the scores (the curve's metrics) are those of one batch of five."""
+    from contribution_lens.circuits import attribution, contribution
+
+    model = tiny_bridge("gqa", biases=True)
+    task = random_task(model, n=5, seed=3)
+    graph = cl.circuit_graph(model)
+    copies = {"eap": attribution.GRADIENT_COPIES, "eap-ig": attribution.GRADIENT_COPIES}
+    copies |= {"contribution": contribution.COPIES, "curve": 2.0}
+    per_prompt = task.clean.shape[1] * len(graph.writers) * int(model.cfg.d_model) * 4 * copies[method]
+
+    eap = cl.circuit_scores(model, task, method="eap")
+
+    def run(memory: int) -> torch.Tensor:
+        if method == "curve":
+            return cl.circuit_curve(model, task, eap, memory=memory).patched
+        return cl.circuit_scores(model, task, method=method, memory=memory).edge_scores
+
+    whole = run(2**30)
+    held: list[int] = []
+    write = ic.Record.write
+
+    def counted(self, kind, layer, out):
+        held.append(out.shape[0])
+        return write(self, kind, layer, out)
+
+    monkeypatch.setattr(ic.Record, "write", counted)
+    two = run(int(2 * per_prompt))
+    assert sorted(set(held)) == [1, 2]
+    assert_close(two, whole, rtol=1e-4, atol=1e-6)

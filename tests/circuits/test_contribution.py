@@ -124,3 +124,59 @@ def test_query_and_key_edges_are_the_change_when_the_component_is_removed_from_t
         want = float((values[0] - values[1]) / 2e-4)
         got = float(scores.edge_scores[edge])
         assert abs(got - want) <= 1e-5 + 1e-4 * abs(want), (name, got, want)
+
+
+def _eap_in_the_linearised_model(model, task, step: float = 1e-4) -> torch.Tensor:
+    """EAP run in ``L``, from its definition: ``mean_p sum_pos (r_u^L - o_u) . dm_L/dx_i`` for every edge.
+
+    ``L`` is the frozen model ``F`` (every norm's scale and attention pattern put back at the clean pass's
+    values by hooks) with its MLPs expanded at the clean pass, so ``L(e) = F(e_o) + J_F(e_o) (e - e_o)``:
+    ``r_u^L - o_u`` is the central difference of ``F``'s outputs with the embeddings moved ``+-step`` towards
+    the counterfactual's (the embeddings' own: ``e_r - e_o``), and ``dm_L/dx_i`` is ``F``'s gradient at the
+    clean pass (an MLP and its expansion share their Jacobian there). Neither uses the forward-mode pass
+    `contribution` runs.
+    """
+    from contribution_lens.adapter import circuit_pass
+    from contribution_lens.circuits import interchange as ic
+
+    graph = cl.circuit_graph(model)
+    rows = torch.arange(len(task))
+    clean: dict[str, torch.Tensor] = {}
+    names = [n for n in model.hook_dict if n.endswith((".hook_scale", "attn.hook_pattern"))]
+    model.run_with_hooks(
+        task.clean, fwd_hooks=[(n, lambda x, hook: clean.update({hook.name: x.detach()})) for n in names]
+    )
+    put_back = [(n, lambda x, hook: clean[hook.name]) for n in names]
+    corrupted, _ = ic.record(model, task, graph, rows, corrupted=True)
+    moved = []
+    for shift in (step, -step):
+        record = ic.Record(graph)
+        with torch.no_grad(), model.hooks(fwd_hooks=put_back):  # embeddings e_o + shift (e_r - e_o)
+            circuit_pass(model, task.clean, ic.Gradient(graph, corrupted, 1.0 - shift, record), freeze_norms=True)
+        moved.append(record.outputs)
+    difference = (moved[0] - moved[1]) / (2 * step)
+    n = graph.n_embeddings  # a record keeps the clean embeddings (the shift is added after): r - o there exactly
+    difference[:n] = corrupted[:n] - moved[0][:n]
+    stream = ic.Gradient(graph, corrupted, 1.0)
+    with torch.enable_grad(), model.hooks(fwd_hooks=put_back):
+        value = ic.metric(task, circuit_pass(model, task.clean, stream, freeze_norms=True), rows).sum()
+    scores = torch.zeros(graph.valid.shape, dtype=torch.float64)
+    ic.gradient_scores(graph, stream, value, difference, scores)
+    return ic.per_edge(graph, scores, len(task)).double()
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa"])
+def test_eap_in_the_linearised_model_is_contribution_on_every_edge_but_q_and_k(variant) -> None:
+    """In ``L`` gradient x difference is exact, so EAP there is ``contribution``'s v-, MLP- and logits-edge terms;
+    EAP's q- and k-edges are 0 in ``L`` (patterns frozen), where ``contribution`` scores them by the QK split."""
+    model = tiny_bridge(variant, biases=True).to(torch.float64)
+    task = random_task(model)
+    graph = cl.circuit_graph(model)
+    want = _eap_in_the_linearised_model(model, task)
+    got = cl.circuit_scores(model, task, method="contribution").edge_scores.double()
+    attention = contribution_method.attention_inputs(graph)[graph.edge_index[1]]
+    carried = ~attention
+    assert float(want[carried].abs().max()) > 1e-3
+    torch.testing.assert_close(got[carried], want[carried], rtol=1e-6, atol=1e-7)
+    assert bool((want[attention] == 0).all())
+    assert float(got[attention].abs().max()) > 1e-3

@@ -105,3 +105,30 @@ def test_the_identities_hold_on_smollm2(bundled_model) -> None:
     )
     scores = cl.circuit_scores(bundled_model, task, method="eap")
     assert len(scores.edges) == len(graph.edges) and bool(torch.isfinite(scores.edge_scores).all())
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_unembedding_of_the_last_positions_alone_gives_the_full_passes_metric(models, form) -> None:
+    """`metric_pass` unembeds ``[batch 1 d_model]`` (each prompt's last real position) and reads the metric the
+    full logits give; `embedding_pass` (stopped before the first block) records the full pass's embeddings."""
+    from contribution_lens.adapter import circuit_pass, embedding_pass
+
+    model = models[form]
+    task = random_task(model)
+    rows = torch.arange(len(task))
+    graph = cl.circuit_graph(model)
+    shapes = []
+    with model.hooks(fwd_hooks=[("unembed.hook_out", lambda x, hook: shapes.append(tuple(x.shape)))]):
+        got = ic.metric_pass(model, task, rows, ic.Null(), corrupted=True)
+    assert shapes == [(len(task), 1, int(model.cfg.d_vocab))]
+    with torch.inference_mode():
+        want = ic.metric(task, circuit_pass(model, task.corrupted, ic.Null()), rows)
+    assert_close(got, want, rtol=1e-5, atol=1e-6)
+    full, embeddings = ic.Record(graph), ic.Record(graph)
+    with torch.inference_mode():
+        circuit_pass(model, task.clean, full)
+        embedding_pass(model, task.clean, embeddings)
+    n = graph.n_embeddings
+    assert full.outputs is not None and embeddings.outputs is not None
+    assert torch.equal(embeddings.outputs[:n], full.outputs[:n])
+    assert not bool(embeddings.outputs[n:].any()), "a block ran"

@@ -9,7 +9,8 @@ QK wiring. This face is what the rest of the package uses (``from contribution_l
 * `forms`: the form of the attention block for ALTI, pre-LN or post-LN (`block_forms`);
 * `logit_readout`: the readout between the residual stream and the logit (`Readout`, `readout`);
 * `qk_wiring`: what the QK split reads (`qk_form`, `qk_plan`, `layer_writes`, `target_reads`);
-* `circuit_wiring`: where each node of a circuit graph writes and reads the stream (`circuit_pass`, `layout`).
+* `circuit_wiring`: where each node of a circuit graph writes and reads the stream (`circuit_pass`,
+  `embedding_pass`, `layout`).
 """
 
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
@@ -21,6 +22,7 @@ from contribution_lens.adapter.circuit_wiring import (
     check_circuit_model,
     circuit_pass,
     circuit_refusal,
+    embedding_pass,
     layout,
 )
 from contribution_lens.adapter.forms import POST_LN, PRE_LN, PostNorm, apply_post_norm, block_forms, post_norm
@@ -167,6 +169,7 @@ __all__ = [
     "circuit_refusal",
     "context_length",
     "embedding_hooks",
+    "embedding_pass",
     "embedding_writes",
     "exclusive",
     "final_hooks",

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
 from contribution_lens.adapter.forms import PRE_LN, block_forms
-from contribution_lens.adapter.hooks import hooked, is_causal_model, output_weights
+from contribution_lens.adapter.hooks import StopForward, hooked, is_causal_model, output_weights
 from contribution_lens.adapter.logit_readout import FrozenNorm, _frozen_norm, post_attention_norm
 from contribution_lens.adapter.qk_wiring import architecture_name
 
@@ -248,7 +248,8 @@ def circuit_pass(
     freeze_norms: bool = False,
     freeze_patterns: bool = False,
     patterns: dict[int, Tensor] | None = None,
-) -> Float[Tensor, "batch pos d_vocab"]:
+    last: Int[Tensor, " batch"] | None = None,
+) -> Float[Tensor, "batch logit_pos d_vocab"]:
     """The logits of one forward pass on ``tokens`` with ``stream`` called at every write and read.
 
     Autograd follows the caller's mode (a gradient method runs it with gradients on). Prompts are
@@ -260,7 +261,10 @@ def circuit_pass(
     it, and the q, k, v inputs a stream hands over are normed with this pass's LN1 scale, detached.
     ``freeze_patterns``: every attention pattern (``attn.hook_pattern``) is detached likewise. The
     values are this pass's own: only the derivatives see them as constants. ``patterns`` (a dict)
-    receives every layer's attention pattern ``[batch head query key]``, detached.
+    receives every layer's attention pattern ``[batch head query key]``, detached. ``last`` (one
+    position a prompt): the unembedding reads only those positions and the logits are
+    ``[batch 1 d_vocab]``; a circuit's metric reads nothing else, and the unembedding of every
+    position is a quarter of a forward pass of a model with a large vocabulary (Qwen2.5-0.5B).
     """
     dtype = model_dtype(model)
     shape = layout(model)
@@ -273,10 +277,39 @@ def circuit_pass(
     hooks.append(("ln_final.hook_in", _final_hook(stream)))
     if patterns is not None:
         hooks += [(f"blocks.{layer}.attn.hook_pattern", _keeper(patterns, layer)) for layer in range(shape.n_layers)]
+    if last is not None and "unembed.hook_in" in model.hook_dict:
+        hooks.append(("unembed.hook_in", _at_positions(last)))
     with hooked(model, hooks), warnings.catch_warnings():
         # A detached hook_scale counts as an edit: the bridge then rebuilds the norm's output from it.
         warnings.filterwarnings("ignore", message=".*edited hook_scale.*")
         return model(tokens.to(_device(model)))
+
+
+def embedding_pass(model: Model, tokens: Int[Tensor, "batch pos"], stream: Stream) -> None:
+    """Call ``stream.write`` at the embeddings of ``tokens`` (``embed``, ``pos_embed``) and stop: no block runs."""
+    hooks = [("embed.hook_out", _embedding_hook(stream, "embed"))]
+    if layout(model).pos_embed:
+        hooks.append(("pos_embed.hook_out", _embedding_hook(stream, "pos_embed")))
+    hooks.append(("blocks.0.hook_resid_pre", _stop))
+    with hooked(model, hooks):
+        try:
+            model(tokens.to(_device(model)))
+        except StopForward:
+            pass
+
+
+def _stop(tensor: Tensor, hook: Any) -> None:
+    raise StopForward
+
+
+def _at_positions(last: Tensor) -> HookFn:
+    """The unembedding's input at each prompt's position ``last``: ``[batch 1 d_model]``."""
+
+    def hook(tensor: Tensor, hook: Any) -> Tensor:
+        rows = torch.arange(tensor.shape[0], device=tensor.device)
+        return tensor[rows, last.to(tensor.device)][:, None]
+
+    return hook
 
 
 def _keeper(store: dict[int, Tensor], layer: int) -> HookFn:

@@ -19,7 +19,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from contribution_lens.adapter import Model, circuit_pass
+from contribution_lens.adapter import Model
 from contribution_lens.circuits import interchange as ic
 from contribution_lens.circuits.registry import CircuitContext, CircuitMethod, register_circuit_method
 from contribution_lens.circuits.task import Task
@@ -34,8 +34,7 @@ def _d_model(model: Model) -> int:
 
 def _gradient_pass(model: Model, task: Task, rows: Tensor, stream: ic.Gradient) -> Tensor:
     with torch.enable_grad():
-        logits = circuit_pass(model, ic.tokens(task, rows), stream)
-        return ic.metric(task, logits, rows).sum()
+        return ic.metric_pass(model, task, rows, stream).sum()
 
 
 def eap(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, " edge"]:

@@ -44,8 +44,11 @@ grouped-query attention a k-edge serves its group's heads and sums over them. Wi
 soft-capped scores the weighted advantages differ from the gradient form by the cap's derivative;
 the gradient form is what is computed.
 
-Cost: one counterfactual pass (its embeddings), one forward-mode pass, two passes with their
-backward passes: about nine forward-pass equivalents.
+Cost: the embeddings of both prompts (passes stopped before the first block), one forward-mode
+pass of ``L`` that is differentiable too (the tangents and ``g_i`` share it) with its backward
+pass, and one pass with live patterns with its backward pass (the q- and k-edges); each unembeds
+only the last position. About five passes' work: 8.2 forward-pass equivalents of CPU time on
+Qwen2.5-0.5B with 64 IOI prompts (docs/results.md, circuit cost).
 
 Example:
     >>> import torch
@@ -65,7 +68,7 @@ import torch.autograd.forward_ad as forward_ad
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from contribution_lens.adapter import Model, circuit_pass
+from contribution_lens.adapter import Model, embedding_pass
 from contribution_lens.circuits import interchange as ic
 from contribution_lens.circuits.graph import Graph
 from contribution_lens.circuits.registry import CircuitContext, CircuitMethod, register_circuit_method
@@ -87,6 +90,8 @@ class Tangent:
     graph: Graph
     shift: Float[Tensor, "embedding batch pos d_model"]
     tangents: Tensor | None = None
+    gradient: ic.Gradient | None = None
+    """Where given, the pass is differentiable too and keeps its inputs there (``dm_L/dx_i`` by one backward pass)."""
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         lo, hi = self.graph.writer_range(kind, layer)
@@ -95,15 +100,16 @@ class Tangent:
             self.tangents = out.new_zeros(len(self.graph.writers), batch, pos, d_model).detach()
         if kind in EMBEDDINGS:
             self.tangents[lo] = self.shift[lo]
-            zero = torch.zeros_like(forward_ad.unpack_dual(out).primal[:, :, 0])
+            zero = torch.zeros_like(forward_ad.unpack_dual(out).primal[:, :, 0].detach())
+            zero.requires_grad_(self.gradient is not None)
             return forward_ad.make_dual(zero, self.shift[lo].to(zero.dtype))
         tangent = forward_ad.unpack_dual(out).tangent
         if tangent is not None:
-            self.tangents[lo:hi] = tangent.permute(2, 0, 1, 3).to(self.tangents.dtype)
+            self.tangents[lo:hi] = tangent.detach().permute(2, 0, 1, 3).to(self.tangents.dtype)
         return None
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
-        return None
+        return None if self.gradient is None else self.gradient.read(kind, layer, stream)
 
 
 def linearised_differences(
@@ -111,45 +117,60 @@ def linearised_differences(
 ) -> tuple[Float[Tensor, "writer batch pos d_model"], Float[Tensor, " batch"]]:
     """Every writer's ``delta_u`` in ``L`` and each prompt's ``m_L(counterfactual) - m(clean)``.
 
-    The counterfactual's embeddings come from one pass on the corrupted prompts; the tangents from
-    one forward-mode pass on the clean ones with patterns and norm scales frozen.
+    The embeddings come from passes stopped before the first block; the tangents from one
+    forward-mode pass on the clean prompts with patterns and norm scales frozen.
     """
-    corrupted, _ = ic.record(model, task, graph, rows, corrupted=True)
-    clean = ic.Record(graph)
-    with torch.inference_mode():
-        circuit_pass(model, ic.tokens(task, rows), _EmbeddingsOnly(clean))
-    assert clean.outputs is not None
-    n = graph.n_embeddings
-    shift = (corrupted[:n] - clean.outputs[:n]).clone()
-    del corrupted, clean
-    stream = Tangent(graph, shift)
     with torch.no_grad(), forward_ad.dual_level():
-        logits = circuit_pass(model, ic.tokens(task, rows), stream, freeze_norms=True, freeze_patterns=True)
-        tangent = forward_ad.unpack_dual(ic.metric(task, logits, rows)).tangent
+        stream, value = _linearised_pass(model, task, graph, rows, gradient=False)
+        tangent = forward_ad.unpack_dual(value).tangent
         difference = torch.zeros(len(rows)) if tangent is None else tangent.detach().cpu()
     assert stream.tangents is not None
     return stream.tangents, difference
 
 
+def _linearised_pass(model: Model, task: Task, graph: Graph, rows: Tensor, *, gradient: bool) -> tuple[Tangent, Tensor]:
+    """The forward-mode pass of ``L`` (`Tangent`) and the prompts' metric, a dual tensor (call in a dual level).
+
+    With ``gradient`` (and autograd on) the same pass is differentiable: its inputs are kept in
+    ``stream.gradient`` for ``dm_L/dx_i``, so the tangents and the gradient share one forward pass.
+    """
+    n = graph.n_embeddings
+    shift = _embeddings(model, ic.tokens(task, rows, True), n) - _embeddings(model, ic.tokens(task, rows), n)
+    placeholder = torch.zeros(1, 1, n, 1, device=shift.device)
+    stream = Tangent(graph, shift, gradient=ic.Gradient(graph, placeholder) if gradient else None)
+    value = ic.metric_pass(model, task, rows, stream, freeze_norms=True, freeze_patterns=True)
+    return stream, value
+
+
 @dataclass
-class _EmbeddingsOnly:
-    record: ic.Record
+class _Embeddings:
+    """Keeps the embeddings' outputs, ``[embedding batch pos d_model]`` in the graph's writer order."""
+
+    outputs: list[Tensor | None]
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
-        return self.record.write(kind, layer, out) if kind in EMBEDDINGS else None
+        self.outputs[EMBEDDINGS.index(kind)] = out.detach()[:, :, 0]
+        return None
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
         return None
 
 
-def _gradient(model: Model, task: Task, graph: Graph, rows: Tensor, *, patterns: bool) -> tuple[ic.Gradient, Tensor]:
-    """A clean pass with norm scales frozen (and patterns, where ``patterns``): its inputs and summed metric."""
-    clean = ic.Record(graph)
+def _embeddings(model: Model, tokens: Tensor, n: int) -> Float[Tensor, "embedding batch pos d_model"]:
+    """The embeddings of ``tokens`` alone (a pass stopped before the first block)."""
+    stream = _Embeddings([None] * n)
+    with torch.inference_mode():
+        embedding_pass(model, tokens, stream)
+    return torch.stack([x for x in stream.outputs if x is not None])  # out of inference mode: a normal tensor
+
+
+def _live_gradient(model: Model, task: Task, graph: Graph, rows: Tensor) -> tuple[ic.Gradient, Tensor]:
+    """A clean pass with norm scales frozen and patterns live: its inputs, outputs (``o_u``) and summed metric."""
     placeholder = torch.zeros(1, 1, graph.n_embeddings, 1, device=_device(model))
-    stream = ic.Gradient(graph, placeholder, 1.0, clean)
+    stream = ic.Gradient(graph, placeholder, 1.0, ic.Record(graph))
     with torch.enable_grad():
-        logits = circuit_pass(model, ic.tokens(task, rows), stream, freeze_norms=True, freeze_patterns=patterns)
-        return stream, ic.metric(task, logits, rows).sum()
+        value = ic.metric_pass(model, task, rows, stream, freeze_norms=True)
+        return stream, value.sum()
 
 
 def _device(model: Model) -> torch.device:
@@ -172,18 +193,20 @@ def contribution_scores(model: Model, task: Task, context: CircuitContext) -> Fl
     attention = attention_inputs(graph)
     scores = None
     for rows in ic.batches(task, size):
-        tangents, _ = linearised_differences(model, task, graph, rows)
-        scores = tangents.new_zeros(graph.valid.shape) if scores is None else scores
-        linear = tangents.new_zeros(graph.valid.shape)
-        stream, value = _gradient(model, task, graph, rows, patterns=True)
-        ic.gradient_scores(graph, stream, value, tangents, linear)
-        del tangents, stream, value
-        why = linear.new_zeros(graph.valid.shape)
-        stream, value = _gradient(model, task, graph, rows, patterns=False)
+        with torch.enable_grad(), forward_ad.dual_level():
+            linearised, value = _linearised_pass(model, task, graph, rows, gradient=True)
+            value = forward_ad.unpack_dual(value).primal.sum()
+        assert linearised.tangents is not None and linearised.gradient is not None
+        scores = linearised.tangents.new_zeros(graph.valid.shape) if scores is None else scores
+        linear = linearised.tangents.new_zeros(graph.valid.shape)
+        ic.gradient_scores(graph, linearised.gradient, value, linearised.tangents, linear)
+        del linearised, value
+        removed = linear.new_zeros(graph.valid.shape)  # sum o_u . dm/dx_i, only where i is a q or k input
+        stream, value = _live_gradient(model, task, graph, rows)
         assert stream.clean is not None and stream.clean.outputs is not None
-        ic.gradient_scores(graph, stream, value, -stream.clean.outputs.to(linear.dtype), why)
+        ic.gradient_scores(graph, stream, value, stream.clean.outputs.to(linear.dtype), removed, only=attention)
         mask = attention.to(linear.device)[None, :]
-        scores += torch.where(mask, why, linear)
+        scores += torch.where(mask, -removed, linear)
     assert scores is not None
     return ic.per_edge(graph, scores, len(task))
 

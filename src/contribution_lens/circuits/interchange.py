@@ -19,6 +19,7 @@ apart), and `NodePatch` replaces whole nodes' outputs (activation patching).
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import einops
 import torch
@@ -53,10 +54,27 @@ def check_metric(task: Task) -> MetricFn:
 def metric(task: Task, logits: Float[Tensor, "batch pos d_vocab"], rows: Int[Tensor, " batch"]) -> Tensor:
     """The task's metric of each prompt in ``rows`` (float32), read at its last real position."""
     device = logits.device
-    last = task.last[rows].to(device)
-    at_last = logits[torch.arange(len(rows), device=device), last]
+    return _metric(task, logits[torch.arange(len(rows), device=device), task.last[rows].to(device)], rows)
+
+
+def _metric(task: Task, at_last: Float[Tensor, "batch d_vocab"], rows: Int[Tensor, " batch"]) -> Tensor:
     at_last = at_last if at_last.dtype == torch.float64 else at_last.float()
+    device = at_last.device
     return check_metric(task)(at_last, task.answer[rows].to(device), task.foil[rows].to(device))
+
+
+def metric_pass(model: Model, task: Task, rows: Int[Tensor, " batch"], stream: Any, **options: Any) -> Tensor:
+    """The metric of the prompts ``rows`` in one circuit pass through ``stream`` (``options``: `circuit_pass`'s).
+
+    Only each prompt's last real position is unembedded (`circuit_pass`'s ``last``): the metric reads
+    nothing else. ``corrupted=True`` runs the counterfactual prompts.
+    """
+    corrupted = options.pop("corrupted", False)
+    last = task.last[rows]
+    logits = circuit_pass(model, tokens(task, rows, corrupted), stream, last=last, **options)
+    if logits.shape[1] == 1:  # unembedded at ``last`` alone
+        return _metric(task, logits[:, 0], rows)
+    return metric(task, logits, rows)
 
 
 class Null:
@@ -204,11 +222,11 @@ class Gradient:
         return shift.requires_grad_(True)
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
-        start, end = self.graph.input_group(kind, layer)
-        if not self.inputs or self.inputs[-1][0] != start:  # one tensor for a layer's q, k and v inputs
-            self.inputs.append((start, end, stream[:, :, None].expand(-1, -1, end - start, -1)))
+        # One tensor for each kind of input (not one for the layer's q, k and v sliced three ways:
+        # the backward pass of a slice fills a zero gradient of the whole group).
         lo, hi = self.graph.input_range(kind, layer)
-        return self.inputs[-1][2][:, :, lo - start : hi - start]
+        self.inputs.append((lo, hi, stream[:, :, None].expand(-1, -1, hi - lo, -1)))
+        return self.inputs[-1][2]
 
 
 def _moved(
@@ -228,11 +246,16 @@ def gradient_scores(
     value: Tensor,
     delta: Float[Tensor, "writer batch pos d_model"],
     scores: Float[Tensor, "writer input"],
+    only: Bool[Tensor, " input"] | None = None,
 ) -> None:
-    """Add ``sum_{batch, pos} delta_u . dm/dx_i`` to ``scores[u, i]`` for every edge (``value``: the summed metric)."""
-    tensors = [x for _, _, x in stream.inputs]
-    grads = torch.autograd.grad(value, tensors, allow_unused=True)
-    for (lo, hi, _), grad in zip(stream.inputs, grads, strict=True):
+    """Add ``sum_{batch, pos} delta_u . dm/dx_i`` to ``scores[u, i]`` for every edge (``value``: the summed metric).
+
+    ``only``: the inputs wanted; a layer's inputs of one kind (its q inputs, k inputs, v inputs, its
+    MLP's, the logits') holding none of them are skipped (each kind reads every upstream difference).
+    """
+    groups = [(lo, hi, x) for lo, hi, x in stream.inputs if only is None or bool(only[lo:hi].any())]
+    grads = torch.autograd.grad(value, [x for _, _, x in groups], allow_unused=True)
+    for (lo, hi, _), grad in zip(groups, grads, strict=True):
         if grad is None:
             continue
         upstream = int(graph.upstream[lo])
@@ -266,12 +289,12 @@ def record(model: Model, task: Task, graph: Graph, rows: Tensor, corrupted: bool
     """One pass without autograd: every writer's output and the prompts' metric."""
     stream = Record(graph)
     with torch.inference_mode():
-        logits = circuit_pass(model, tokens(task, rows, corrupted), stream)
+        value = metric_pass(model, task, rows, stream, corrupted=corrupted)
     assert stream.outputs is not None
-    return stream.outputs, metric(task, logits, rows)
+    return stream.outputs, value
 
 
 def patched_metric(model: Model, task: Task, rows: Tensor, stream: Interchange | NodePatch | Null) -> Tensor:
     """The metric of the clean prompts ``rows`` in a pass through ``stream``."""
     with torch.inference_mode():
-        return metric(task, circuit_pass(model, tokens(task, rows), stream), rows)
+        return metric_pass(model, task, rows, stream)
