@@ -42,16 +42,20 @@ const WIDGET_VIEW = "application/vnd.jupyter.widget-view+json";
 /**
  * plotly.js, loaded once per notebook page: a widget that finds no globalThis.Plotly asks its kernel for
  * the plotly.min.js of the installed plotly package (one custom message) and evaluates it; every widget
- * waiting in the page then draws with it. A widget asks only where no other asked within KERNEL_WAIT_MS:
- * one restored from saved widget state asks nobody (no kernel holds its model), and must not keep a
- * widget of the new kernel waiting on its question. Nothing is fetched from the network.
+ * waiting in the page then draws with it. Nothing is fetched from the network. Each widget asks at most
+ * once, and only where no question is pending (asked within KERNEL_WAIT_MS), so that a notebook run whole
+ * is sent plotly.js once. A widget whose kernel has answered a ping asks even then, unless the pending
+ * question came from such a widget too: a widget restored from saved widget state asks a kernel that is
+ * gone, and must not keep the live widget of the cell run again waiting on its question.
  * @param {WidgetModel} model
+ * @param {{readonly missing: boolean, readonly answered: boolean}} kernel this widget's kernelWatch
  * @returns {Promise<unknown>}
  */
-function ensurePlotly(model) {
+function ensurePlotly(model, kernel) {
   const shared = /** @type {any} */ (globalThis);
   if (shared.Plotly) return Promise.resolve(shared.Plotly);
-  const loading = (shared.__contributionLensPlotly ||= { waiting: [], asked: -Infinity });
+  const loading = (shared.__contributionLensPlotly ||= { waiting: [], asked: -Infinity, live: false });
+  let asked = false;
   return new Promise((resolve) => {
     loading.waiting.push(resolve);
     model.on("msg:custom", (message) => {
@@ -60,8 +64,11 @@ function ensurePlotly(model) {
       for (const waiting of loading.waiting.splice(0)) waiting(shared.Plotly);
     });
     const ask = () => {
-      if (shared.Plotly || Date.now() - loading.asked < KERNEL_WAIT_MS) return;
+      const live = kernel.answered && !kernel.missing;
+      if (asked || (Date.now() - loading.asked < KERNEL_WAIT_MS && (loading.live || !live))) return;
+      asked = true;
       loading.asked = Date.now();
+      loading.live = live;
       try {
         model.send({ type: "need_plotly" });
       } catch (error) {
@@ -69,8 +76,8 @@ function ensurePlotly(model) {
       }
     };
     ask();
-    // An unanswered question (a widget without a kernel asked first) is asked again by this widget.
-    const again = setInterval(() => (shared.Plotly ? clearInterval(again) : ask()), KERNEL_WAIT_MS);
+    // Asked again as the kernel answers its ping, or as another widget's question goes unanswered.
+    const again = setInterval(() => (shared.Plotly || asked ? clearInterval(again) : ask()), KERNEL_WAIT_MS / 8);
   });
 }
 
@@ -456,7 +463,7 @@ async function render({ model, el }) {
   });
   kernel.check();
   const waiting = element("div", { className: "cl-status", textContent: "waiting for the kernel…" }, el);
-  await ensurePlotly(model);
+  await ensurePlotly(model, kernel);
   waiting.remove();
   const why = whyRows(model, kernel, () => view && view.refresh());
   view = mount(el, widgetHost(model, kernel, why, undo));
