@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_browser import WIDGET_HOST, click_heatmap_cell, control, script_json, wait_ready, widget_state
+from test_browser import click_heatmap_cell, control, wait_ready, widget_page
 
 import contribution_lens as cl
 from conftest import ARTIFACTS
@@ -137,18 +137,11 @@ def test_page_why_panel_draws_the_library_split_and_opens_a_clicked_head(
 
 
 def kernel_page(inspector, folder: Path, monkeypatch) -> tuple[Path, list[dict]]:
-    """`WIDGET_HOST` with a way for the test to hand the kernel's custom messages to the page; what the kernel sent."""
+    """`widget_page` with a way for the test to hand the kernel's custom messages to the page; what the kernel sent."""
+    host = widget_page(inspector, folder, monkeypatch)
+    host.write_text(host.read_text().replace("window.hosts.push(host);", "host.emit = emit; window.hosts.push(host);"))
     sent: list[dict] = []
     monkeypatch.setattr(inspector, "send", sent.append)
-    inspector._on_message(inspector, {"type": "need_plotly"}, [])
-    host = folder / "widget.html"
-    host.write_text(
-        WIDGET_HOST.replace("window.hosts.push(host);", "host.emit = emit; window.hosts.push(host);")
-        .replace("ROOTS", "<div class='widget-root'></div>")
-        .replace("STATES", script_json([widget_state(inspector)]))
-        .replace("ESM", script_json(inspector._esm))
-        .replace("PLOTLY", script_json(sent.pop()["source"]))
-    )
     return host, sent
 
 
