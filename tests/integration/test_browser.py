@@ -384,6 +384,7 @@ for (const [index, state] of states.entries()) {
       }
     },
   };
+  host.emit = emit; // the kernel's custom messages, handed to the page by a test that answers them
   window.hosts.push(host);
   host.renderedAt = performance.now();
   const rendered = widget.default.render({ model: host.model, el: roots[index] });

@@ -137,9 +137,8 @@ def test_page_why_panel_draws_the_library_split_and_opens_a_clicked_head(
 
 
 def kernel_page(inspector, folder: Path, monkeypatch) -> tuple[Path, list[dict]]:
-    """`widget_page` with a way for the test to hand the kernel's custom messages to the page; what the kernel sent."""
+    """`widget_page`, whose ``host.emit`` hands the kernel's custom messages to the page; what the kernel sent."""
     host = widget_page(inspector, folder, monkeypatch)
-    host.write_text(host.read_text().replace("window.hosts.push(host);", "host.emit = emit; window.hosts.push(host);"))
     sent: list[dict] = []
     monkeypatch.setattr(inspector, "send", sent.append)
     return host, sent
