@@ -26,7 +26,8 @@ counterfactual's pass.
 """
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Protocol, runtime_checkable
 
@@ -279,10 +280,29 @@ def circuit_pass(
         hooks += [(f"blocks.{layer}.attn.hook_pattern", _keeper(patterns, layer)) for layer in range(shape.n_layers)]
     if last is not None and "unembed.hook_in" in model.hook_dict:
         hooks.append(("unembed.hook_in", _at_positions(last)))
-    with hooked(model, hooks), warnings.catch_warnings():
+    with hooked(model, hooks), _weights_need_no_gradient(model), warnings.catch_warnings():
         # A detached hook_scale counts as an edit: the bridge then rebuilds the norm's output from it.
         warnings.filterwarnings("ignore", message=".*edited hook_scale.*")
         return model(tokens.to(_device(model)))
+
+
+@contextmanager
+def _weights_need_no_gradient(model: Model) -> Iterator[None]:
+    """The weights marked as needing no gradient for one pass, then as they were.
+
+    The circuit methods differentiate with respect to activations only: a pass that records no
+    weight in autograd's graph keeps fewer tensors, and its backward pass computes no weight
+    gradient (7 % of ``eap``'s time on SmolLM2). Nothing is changed where autograd is off.
+    """
+    parameters = getattr(model, "parameters", None)
+    marked = [p for p in parameters() if p.requires_grad] if parameters and torch.is_grad_enabled() else []
+    for weight in marked:
+        weight.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for weight in marked:
+            weight.requires_grad_(True)
 
 
 def embedding_pass(model: Model, tokens: Int[Tensor, "batch pos"], stream: Stream) -> None:

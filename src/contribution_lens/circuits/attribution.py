@@ -43,13 +43,12 @@ def eap(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, " ed
     scores = None
     size = ic.batch_size(task, len(graph.writers), _d_model(model), GRADIENT_COPIES, context.memory)
     for rows in ic.batches(task, size):
-        corrupted, _ = ic.record(model, task, graph, rows, corrupted=True)
-        clean = ic.Record(graph)
-        stream = ic.Gradient(graph, corrupted, 1.0, clean)
+        delta, _ = ic.record(model, task, graph, rows, corrupted=True)
+        # The clean pass turns the counterfactual's outputs into the differences as it writes its own.
+        stream = ic.Gradient(graph, delta, 1.0, ic.Difference(graph, delta))
         value = _gradient_pass(model, task, rows, stream)
-        assert clean.outputs is not None
-        scores = corrupted.new_zeros(graph.valid.shape) if scores is None else scores
-        ic.gradient_scores(graph, stream, value, corrupted - clean.outputs, scores)
+        scores = delta.new_zeros(graph.valid.shape) if scores is None else scores
+        ic.gradient_scores(graph, stream, value, delta, scores)
     assert scores is not None
     return ic.per_edge(graph, scores, len(task))
 
