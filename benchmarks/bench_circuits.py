@@ -9,6 +9,10 @@ measured against ``plain``, one forward pass over the clean prompts (batched as 
 * ``eap-ig``: the same with ``method="eap-ig"`` (MIB's 5 steps);
 * ``curve``: ``cl.circuit_curve(model, task, scores)``, the ten sizes at edge level (target: at most 12).
 
+With ``--parts``, the CPU time of each part of ``eap`` and ``contribution`` is printed too (in plain
+passes): the counterfactual's recording pass, the clean gradient pass, the forward-mode pass, the
+backward pass and the products of differences and gradients.
+
 Time: in one process the methods alternate ``--repeats`` times and the fastest run of each counts;
 its ratio to ``plain`` is the number of forward-pass equivalents, by wall clock and by the
 process's CPU time (on a CPU shared with other jobs the second is the steadier: with one torch
@@ -68,6 +72,35 @@ def _timed(fn: Callable[[], Any], cuda: bool) -> tuple[float, float, float]:
     return elapsed, cpu, peak
 
 
+PARTS = {
+    "recording pass": ("contribution_lens.circuits.interchange", "record"),
+    "clean gradient pass": ("contribution_lens.circuits.attribution", "_gradient_pass"),
+    "forward-mode pass": ("contribution_lens.circuits.contribution", "_linearised_pass"),
+    "embeddings": ("contribution_lens.circuits.contribution", "_embeddings"),
+    "backward pass": ("contribution_lens.circuits.interchange", "input_gradients"),
+    "products": ("contribution_lens.circuits.interchange", "add_products"),
+}
+"""Parts of the scoring methods timed by ``--parts``: the module and function each is."""
+
+
+def time_parts(spent: dict[str, float]) -> None:
+    """Wrap every function of `PARTS` so that its CPU seconds add up in ``spent`` (outer parts count their inner)."""
+    import importlib
+
+    for part, (module_name, name) in PARTS.items():
+        module = importlib.import_module(module_name)
+        inner = getattr(module, name)
+
+        def timed(*args: Any, _inner: Any = inner, _part: str = part, **kwargs: Any) -> Any:
+            start = time.process_time()
+            try:
+                return _inner(*args, **kwargs)
+            finally:
+                spent[_part] = spent.get(_part, 0.0) + time.process_time() - start
+
+        setattr(module, name, timed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=None, help="a name cl.load_model takes (default: the bundled SmolLM2)")
@@ -81,6 +114,7 @@ def main() -> None:
         "--methods", default="eap,contribution,eap-ig,curve", help="comma-separated: eap, contribution, eap-ig, curve"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's own)")
+    parser.add_argument("--parts", action="store_true", help="print the CPU time of each part of eap and contribution")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -112,13 +146,20 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--methods: unknown {', '.join(unknown)}; known: {', '.join(list(methods)[1:])}")
     methods = {name: fn for name, fn in methods.items() if name == "plain" or name in chosen}
+    spent: dict[str, float] = {}
+    parts: dict[str, dict[str, float]] = {}
+    if args.parts:
+        time_parts(spent)
     load = _load()
     best = {name: float("inf") for name in methods}
     best_cpu = {name: float("inf") for name in methods}
     peaks = {name: 0.0 for name in methods}
     for repeat in range(args.repeats):
         for name, fn in methods.items():
+            spent.clear()
             elapsed, cpu, peak = _timed(fn, cuda)
+            if cpu < best_cpu[name]:
+                parts[name] = dict(spent)
             best[name], best_cpu[name] = min(best[name], elapsed), min(best_cpu[name], cpu)
             peaks[name] = max(peaks[name], peak)
             print(f"  run {repeat + 1}: {name} {elapsed:.2f} s, {cpu:.2f} CPU s, load {_load()}", flush=True)
@@ -134,6 +175,10 @@ def main() -> None:
         print(
             f"{name:<12} {best[name]:>9.3f} {ratio:>15.2f} {best_cpu[name]:>9.2f} {by_cpu:>7.2f} {peaks[name]:>20.1f}"
         )
+    for name in ("eap", "contribution"):
+        if parts.get(name):
+            shares = ", ".join(f"{part} {seconds / best_cpu['plain']:.2f}" for part, seconds in parts[name].items())
+            print(f"{name}, parts in plain passes of CPU time (the fastest run): {shares}")
 
 
 if __name__ == "__main__":

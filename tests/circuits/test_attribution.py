@@ -155,3 +155,39 @@ def test_a_budget_of_two_prompts_holds_two_prompts_differences_and_keeps_the_sco
     two = run(int(2 * per_prompt))
     assert sorted(set(held)) == [1, 2]
     assert_close(two, whole, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["eap", "eap-ig", "contribution"])
+def test_a_prompt_longer_than_the_budget_is_scored_in_windows_of_positions_with_the_same_scores(
+    method, monkeypatch
+) -> None:
+    """A budget of a third of one prompt's copies: every difference (tangent) and gradient the products read spans
+    at most a third of the positions, one prompt at a time, and the windows add up to the whole prompts' scores."""
+    from contribution_lens.circuits import attribution, contribution
+
+    model = tiny_bridge("gqa", biases=True)
+    task = random_task(model, n=3, seed=4)
+    graph = cl.circuit_graph(model)
+    copies = {
+        "eap": attribution.GRADIENT_COPIES,
+        "eap-ig": attribution.GRADIENT_COPIES,
+        "contribution": contribution.COPIES,
+    }
+    length = task.clean.shape[1]
+    per_position = len(graph.writers) * int(model.cfg.d_model) * 4 * copies[method]
+    window = length // 3
+    whole = cl.circuit_scores(model, task, method=method).edge_scores
+
+    read: list[tuple[int, int, int]] = []
+    add_products = ic.add_products
+
+    def counted(graph, found, delta, scores):
+        read.append((delta.shape[1], delta.shape[2], max(grad.shape[1] for _, _, grad in found)))
+        return add_products(graph, found, delta, scores)
+
+    monkeypatch.setattr(ic, "add_products", counted)
+    windowed = cl.circuit_scores(model, task, method=method, memory=int(window * per_position)).edge_scores
+    assert length >= 6 and read
+    assert {batch for batch, _, _ in read} == {1}
+    assert max(max(positions, grads) for _, positions, grads in read) == window
+    assert_close(windowed, whole, rtol=1e-4, atol=1e-6)

@@ -93,8 +93,9 @@ def test_query_and_key_edges_are_scored_and_node_scores_sum_edges() -> None:
 
 
 def test_query_and_key_edges_are_the_change_when_the_component_is_removed_from_the_scores() -> None:
-    """``t(u -> h<k>) = -o_u . dm/dx``: against central differences of removing a share of ``o_u`` from that
-    input alone, every norm's scale put back at its clean value (LN1's of that input too)."""
+    """``t(u -> h<k>) = -o_u . dm_h/dx``: against central differences of removing a share of ``o_u`` from that
+    input alone, every norm's scale put back at its clean value (LN1's of that input too) and every other
+    layer's patterns too (the head's own layer computes its patterns; its other heads do not see the change)."""
     from contribution_lens.adapter import circuit_pass
     from contribution_lens.circuits import interchange as ic
 
@@ -105,12 +106,15 @@ def test_query_and_key_edges_are_the_change_when_the_component_is_removed_from_t
     rows = torch.arange(len(task))
     writers, inputs = graph.edge_index
     clean: dict[str, torch.Tensor] = {}
-    names = [n for n in model.hook_dict if n.endswith(".hook_scale")]
+    names = [n for n in model.hook_dict if n.endswith((".hook_scale", "attn.hook_pattern"))]
     model.run_with_hooks(
         task.clean, fwd_hooks=[(n, lambda x, hook: clean.update({hook.name: x.detach()})) for n in names]
     )
-    put_back = [(n, lambda x, hook: clean[hook.name]) for n in names]
-    for name in ["embed->L1H0<q>", "L0H1->L1KV0<k>", "L0.mlp->L1KV1<k>"]:
+    # Edges into layer 0 have a later layer whose pattern the change would move were it live.
+    for name in ["embed->L1H0<q>", "L0H1->L1KV0<k>", "L0.mlp->L1KV1<k>", "embed->L0H1<q>", "embed->L0KV0<k>"]:
+        layer = int(name.split("->L")[1].split("H")[0].split("K")[0])
+        kept = [n for n in names if not n.startswith(f"blocks.{layer}.attn.hook_pattern")]
+        put_back = [(n, lambda x, hook: clean[hook.name]) for n in kept]
         edge = graph.edge_ids[name]
         values = []
         for t in (1e-4, -1e-4):

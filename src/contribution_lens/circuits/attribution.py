@@ -41,11 +41,10 @@ def eap(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, " ed
     """Edge attribution patching: gradient x activation difference at the clean pass."""
     graph = context.graph
     scores = None
-    size = ic.batch_size(task, len(graph.writers), _d_model(model), GRADIENT_COPIES, context.memory)
-    for rows in ic.batches(task, size):
-        delta, _ = ic.record(model, task, graph, rows, corrupted=True)
+    for rows, window in ic.pieces(task, len(graph.writers), _d_model(model), GRADIENT_COPIES, context.memory):
+        delta, _ = ic.record(model, task, graph, rows, corrupted=True, window=window)
         # The clean pass turns the counterfactual's outputs into the differences as it writes its own.
-        stream = ic.Gradient(graph, delta, 1.0, ic.Difference(graph, delta))
+        stream = ic.Gradient(graph, delta, 1.0, ic.Difference(graph, delta, window), window=window)
         value = _gradient_pass(model, task, rows, stream)
         scores = delta.new_zeros(graph.valid.shape) if scores is None else scores
         ic.gradient_scores(graph, stream, value, delta, scores)
@@ -57,15 +56,17 @@ def eap_ig(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, "
     """EAP with integrated gradients along the input embeddings (counterfactual to clean, left Riemann sum)."""
     graph = context.graph
     scores = None
-    size = ic.batch_size(task, len(graph.writers), _d_model(model), GRADIENT_COPIES, context.memory)
-    for rows in ic.batches(task, size):
-        corrupted, _ = ic.record(model, task, graph, rows, corrupted=True)
-        clean, _ = ic.record(model, task, graph, rows, corrupted=False)
-        delta = corrupted - clean
+    for rows, window in ic.pieces(task, len(graph.writers), _d_model(model), GRADIENT_COPIES, context.memory):
+        delta, _ = ic.record(model, task, graph, rows, corrupted=True, window=window)
+        clean, _ = ic.record(model, task, graph, rows, corrupted=False, window=window)
+        with torch.inference_mode():  # both were recorded in it
+            delta -= clean
         del clean
-        scores = corrupted.new_zeros(graph.valid.shape) if scores is None else scores
+        # The interpolation moves every position's embeddings: the counterfactual's, whole.
+        start = ic.embeddings(model, ic.tokens(task, rows, corrupted=True), graph.n_embeddings)
+        scores = delta.new_zeros(graph.valid.shape) if scores is None else scores
         for step in range(context.steps):
-            stream = ic.Gradient(graph, corrupted, step / context.steps)
+            stream = ic.Gradient(graph, start, step / context.steps, window=window)
             value = _gradient_pass(model, task, rows, stream)
             ic.gradient_scores(graph, stream, value, delta, scores)
     assert scores is not None

@@ -33,22 +33,26 @@ a sum over the stream's components, and component ``u``'s key-side advantage ``A
 side likewise) says how much it makes key ``j`` win over the others. Weighted by how much the
 metric cares about each score,
 
-    t(u -> h<k>) = -mean_p sum_ij (dm/ds_ij) A_ij^u = -mean_p sum_pos o_u . dm/dx_{h<k>}
+    t(u -> h<k>) = -mean_p sum_ij (dm_h/ds_ij) A_ij^u = -mean_p sum_pos o_u . dm_h/dx_{h<k>}
 
-(equal because ``sum_j dm/ds_ij = 0`` under the softmax, and ``s`` is linear in the component with
-scales frozen), with ``dm/ds`` the gradient of the clean pass with the norm scales frozen and the
-patterns live. That is the first-order change of the metric if ``u``'s part of the head's keys
-(queries) were removed: in metric units like the v-edges, so the two rank together, but it
-removes the clean component where a v-edge substitutes the counterfactual's difference. Under
-grouped-query attention a k-edge serves its group's heads and sums over them. With Gemma 2's
-soft-capped scores the weighted advantages differ from the gradient form by the cap's derivative;
-the gradient form is what is computed.
+(equal because ``sum_j dm_h/ds_ij = 0`` under the softmax, and ``s`` is linear in the component
+with scales frozen), where ``m_h`` is ``L`` with head ``h``'s own pattern live (a softmax of its
+scores) and every other pattern frozen: the first-order change of the metric if ``u``'s part of
+the head's keys (queries) were removed, every other head and MLP reading the change as ``L`` does.
+That is in metric units like the v-edges, so the two rank together, but it removes the clean
+component where a v-edge substitutes the counterfactual's difference. Every ``dm_h/dx_{h<k>}``
+comes from ``L``'s own backward pass: a head's q and k inputs are read as leaves (a gradient kept,
+none passed upstream), so its pattern answers its scores while the v-, MLP- and logits-edges see
+``L`` unchanged. Under grouped-query attention a k-edge serves its group's heads and sums over
+them. With Gemma 2's soft-capped scores the weighted advantages differ from the gradient form by
+the cap's derivative; the gradient form is what is computed.
 
-Cost: the embeddings of both prompts (passes stopped before the first block), one forward-mode
-pass of ``L`` that is differentiable too (the tangents and ``g_i`` share it) with its backward
-pass, and one pass with live patterns with its backward pass (the q- and k-edges); each unembeds
-only the last position. About five passes' work: 8.2 forward-pass equivalents of CPU time on
-Qwen2.5-0.5B with 64 IOI prompts (docs/results.md, circuit cost).
+Cost: the embeddings of both prompts (passes stopped before the first block), then one
+forward-mode pass of ``L`` on the clean prompts that is differentiable too (the tangents
+``delta_u``, the clean outputs ``o_u`` and every ``g_i`` share it) and its backward pass; each
+unembeds only the last position. Its products of activations and weights are computed apart
+(`contribution_lens.circuits.tangents`). 4.1 forward-pass equivalents of CPU time on Qwen2.5-0.5B
+with 64 IOI prompts (docs/results.md, circuit cost).
 
 Example:
     >>> import torch
@@ -61,21 +65,23 @@ Example:
     True
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.autograd.forward_ad as forward_ad
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from contribution_lens.adapter import Model, embedding_pass
+from contribution_lens.adapter import Model
 from contribution_lens.circuits import interchange as ic
 from contribution_lens.circuits.graph import Graph
 from contribution_lens.circuits.registry import CircuitContext, CircuitMethod, register_circuit_method
+from contribution_lens.circuits.tangents import TangentsApart
 from contribution_lens.circuits.task import Task
 
 COPIES = 5.0
-"""``[writer batch pos d_model]`` tensors held at once: tangents, clean outputs, scores' inputs and their gradients."""
+"""``[writer batch pos d_model]`` tensors held at once: tangents, clean outputs, and the inputs' gradients."""
+ATTENTION_SIDES = ("q", "k")
 EMBEDDINGS = ("embed", "pos_embed")
 
 
@@ -84,7 +90,8 @@ class Tangent:
     """A forward-mode pass of ``L``: the embeddings carry the tangent ``shift`` and every writer's tangent is kept.
 
     ``shift[e]`` is the counterfactual's embedding minus the clean one (``e``: embed, pos_embed); the
-    tangents are kept writers first, ``[writer batch pos d_model]``, as `interchange.Record` keeps outputs.
+    tangents are kept writers first, ``[writer batch pos d_model]``, as `interchange.Record` keeps outputs,
+    at ``window``'s positions.
     """
 
     graph: Graph
@@ -92,20 +99,25 @@ class Tangent:
     tangents: Tensor | None = None
     gradient: ic.Gradient | None = None
     """Where given, the pass is differentiable too and keeps its inputs there (``dm_L/dx_i`` by one backward pass)."""
+    outputs: ic.Record | None = None
+    """Where given, keeps every writer's clean output ``o_u`` (the pass's primal)."""
+    window: slice = field(default_factory=lambda: ic.ALL)
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         lo, hi = self.graph.writer_range(kind, layer)
         if self.tangents is None:
-            batch, pos, _, d_model = out.shape
+            batch, pos, _, d_model = out[:, self.window].shape
             self.tangents = out.new_zeros(len(self.graph.writers), batch, pos, d_model).detach()
+        if self.outputs is not None:
+            self.outputs.write(kind, layer, forward_ad.unpack_dual(out).primal)
         if kind in EMBEDDINGS:
-            self.tangents[lo] = self.shift[lo]
+            self.tangents[lo] = self.shift[lo][:, self.window]
             zero = torch.zeros_like(forward_ad.unpack_dual(out).primal[:, :, 0].detach())
             zero.requires_grad_(self.gradient is not None)
             return forward_ad.make_dual(zero, self.shift[lo].to(zero.dtype))
         tangent = forward_ad.unpack_dual(out).tangent
         if tangent is not None:
-            self.tangents[lo:hi] = tangent.detach().permute(2, 0, 1, 3).to(self.tangents.dtype)
+            self.tangents[lo:hi] = tangent[:, self.window].detach().permute(2, 0, 1, 3).to(self.tangents.dtype)
         return None
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
@@ -128,56 +140,27 @@ def linearised_differences(
     return stream.tangents, difference
 
 
-def _linearised_pass(model: Model, task: Task, graph: Graph, rows: Tensor, *, gradient: bool) -> tuple[Tangent, Tensor]:
+def _linearised_pass(
+    model: Model, task: Task, graph: Graph, rows: Tensor, *, gradient: bool, window: slice = ic.ALL
+) -> tuple[Tangent, Tensor]:
     """The forward-mode pass of ``L`` (`Tangent`) and the prompts' metric, a dual tensor (call in a dual level).
 
     With ``gradient`` (and autograd on) the same pass is differentiable: its inputs are kept in
-    ``stream.gradient`` for ``dm_L/dx_i``, so the tangents and the gradient share one forward pass.
+    ``stream.gradient`` for ``dm_L/dx_i`` and its clean outputs in ``stream.outputs``, so the
+    tangents and every gradient share one forward pass. The patterns are then computed, not frozen:
+    the q and k inputs are leaves carrying no tangent, so a pattern moves nothing but the gradient
+    of its own head's q and k inputs (``dm_h/dx``, the module docstring). Tangents, outputs and
+    inputs are kept at ``window``'s positions (`interchange.pieces`).
     """
     n = graph.n_embeddings
-    shift = _embeddings(model, ic.tokens(task, rows, True), n) - _embeddings(model, ic.tokens(task, rows), n)
+    shift = ic.embeddings(model, ic.tokens(task, rows, True), n) - ic.embeddings(model, ic.tokens(task, rows), n)
     placeholder = torch.zeros(1, 1, n, 1, device=shift.device)
-    stream = Tangent(graph, shift, gradient=ic.Gradient(graph, placeholder) if gradient else None)
-    value = ic.metric_pass(model, task, rows, stream, freeze_norms=True, freeze_patterns=True)
+    inputs = ic.Gradient(graph, placeholder, leaves=ATTENTION_SIDES, window=window) if gradient else None
+    outputs = ic.Record(graph, window=window) if gradient else None
+    stream = Tangent(graph, shift, gradient=inputs, outputs=outputs, window=window)
+    with TangentsApart():  # no dense zero tangent for any weight (`contribution_lens.circuits.tangents`)
+        value = ic.metric_pass(model, task, rows, stream, freeze_norms=True, freeze_patterns=not gradient)
     return stream, value
-
-
-@dataclass
-class _Embeddings:
-    """Keeps the embeddings' outputs, ``[embedding batch pos d_model]`` in the graph's writer order."""
-
-    outputs: list[Tensor | None]
-
-    def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
-        self.outputs[EMBEDDINGS.index(kind)] = out.detach()[:, :, 0]
-        return None
-
-    def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
-        return None
-
-
-def _embeddings(model: Model, tokens: Tensor, n: int) -> Float[Tensor, "embedding batch pos d_model"]:
-    """The embeddings of ``tokens`` alone (a pass stopped before the first block)."""
-    stream = _Embeddings([None] * n)
-    with torch.inference_mode():
-        embedding_pass(model, tokens, stream)
-    return torch.stack([x for x in stream.outputs if x is not None])  # out of inference mode: a normal tensor
-
-
-def _live_gradient(model: Model, task: Task, graph: Graph, rows: Tensor) -> tuple[ic.Gradient, Tensor]:
-    """A clean pass with norm scales frozen and patterns live: its inputs, outputs (``o_u``) and summed metric."""
-    placeholder = torch.zeros(1, 1, graph.n_embeddings, 1, device=_device(model))
-    stream = ic.Gradient(graph, placeholder, 1.0, ic.Record(graph))
-    with torch.enable_grad():
-        value = ic.metric_pass(model, task, rows, stream, freeze_norms=True)
-        return stream, value.sum()
-
-
-def _device(model: Model) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except (AttributeError, StopIteration):
-        return torch.device("cpu")
 
 
 def attention_inputs(graph: Graph) -> Bool[Tensor, " input"]:
@@ -189,24 +172,25 @@ def contribution_scores(model: Model, task: Task, context: CircuitContext) -> Fl
     """The ``contribution`` edge scores (module docstring): exact terms of ``L``, q/k edges from the QK split."""
     graph = context.graph
     d_model = int(model.cfg.d_model)
-    size = ic.batch_size(task, len(graph.writers), d_model, COPIES, context.memory)
     attention = attention_inputs(graph)
     scores = None
-    for rows in ic.batches(task, size):
+    for rows, window in ic.pieces(task, len(graph.writers), d_model, COPIES, context.memory):
         with torch.enable_grad(), forward_ad.dual_level():
-            linearised, value = _linearised_pass(model, task, graph, rows, gradient=True)
+            stream, value = _linearised_pass(model, task, graph, rows, gradient=True, window=window)
             value = forward_ad.unpack_dual(value).primal.sum()
-        assert linearised.tangents is not None and linearised.gradient is not None
-        scores = linearised.tangents.new_zeros(graph.valid.shape) if scores is None else scores
-        linear = linearised.tangents.new_zeros(graph.valid.shape)
-        ic.gradient_scores(graph, linearised.gradient, value, linearised.tangents, linear)
-        del linearised, value
-        removed = linear.new_zeros(graph.valid.shape)  # sum o_u . dm/dx_i, only where i is a q or k input
-        stream, value = _live_gradient(model, task, graph, rows)
-        assert stream.clean is not None and stream.clean.outputs is not None
-        ic.gradient_scores(graph, stream, value, stream.clean.outputs.to(linear.dtype), removed, only=attention)
-        mask = attention.to(linear.device)[None, :]
-        scores += torch.where(mask, -removed, linear)
+        assert stream.tangents is not None and stream.gradient is not None and stream.outputs is not None
+        outputs = stream.outputs.outputs
+        assert outputs is not None
+        found = ic.input_gradients(stream.gradient, value)
+        del value
+        scores = stream.tangents.new_zeros(graph.valid.shape) if scores is None else scores
+        carried = [group for group in found if not bool(attention[group[0]])]
+        ic.add_products(graph, carried, stream.tangents, scores)
+        removed = scores.new_zeros(graph.valid.shape)  # sum o_u . dm_h/dx_i where i is a q or k input
+        ic.add_products(
+            graph, [group for group in found if bool(attention[group[0]])], outputs.to(scores.dtype), removed
+        )
+        scores -= removed
     assert scores is not None
     return ic.per_edge(graph, scores, len(task))
 

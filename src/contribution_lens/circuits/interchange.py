@@ -26,7 +26,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from contribution_lens.adapter import Model, circuit_pass
+from contribution_lens.adapter import Model, circuit_pass, embedding_pass
 from contribution_lens.circuits.graph import Graph
 from contribution_lens.circuits.task import Task
 
@@ -87,14 +87,20 @@ class Null:
         return None
 
 
+ALL = slice(None)
+"""Every position: the window of a pass that holds a whole batch of prompts."""
+
+
 @dataclass
 class Record:
-    """Keeps every writer's output ``[writer batch pos d_model]`` (detached, float32 at least)."""
+    """Keeps every writer's output ``[writer batch pos d_model]`` (detached, float32 at least) at ``window``."""
 
     graph: Graph
     outputs: Tensor | None = None
+    window: slice = field(default_factory=lambda: ALL)
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
+        out = out[:, self.window]
         if self.outputs is None:
             batch, pos, _, d_model = out.shape
             self.outputs = out.new_zeros(len(self.graph.writers), batch, pos, d_model)
@@ -115,12 +121,13 @@ class Difference:
 
     graph: Graph
     delta: Float[Tensor, "writer batch pos d_model"]
+    window: slice = field(default_factory=lambda: ALL)
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         lo, hi = self.graph.writer_range(kind, layer)
         # ``delta`` was recorded in inference mode: it may be changed in place only there.
         with torch.inference_mode():
-            self.delta[lo:hi] -= out.detach().permute(2, 0, 1, 3)
+            self.delta[lo:hi] -= out[:, self.window].detach().permute(2, 0, 1, 3)
         return None
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
@@ -222,9 +229,12 @@ class Gradient:
     """A differentiable pass that keeps each input ``x_i`` (read as the stream itself) for ``dm/dx_i``.
 
     ``alpha`` (integrated gradients) moves the embeddings to ``r + alpha (o - r)``: the
-    counterfactual's at 0, the clean pass's at 1; the shift is a leaf that needs a gradient, so
-    the pass is differentiable whether or not the model's weights are. ``clean`` (when given)
-    keeps this pass's outputs (`Record`) or subtracts them from the counterfactual's (`Difference`).
+    counterfactual's at 0, the clean pass's at 1 (``corrupted`` holds the counterfactual's
+    embeddings first, every position: read only where ``alpha < 1``); the shift is a leaf that
+    needs a gradient, so the pass is differentiable whether or not the model's weights are.
+    ``clean`` (when given) keeps this pass's outputs (`Record`) or subtracts them from the
+    counterfactual's (`Difference`). The inputs kept are those at ``window``'s positions: a
+    prompt too long for the memory budget is scored a window at a time (`pieces`).
     """
 
     graph: Graph
@@ -232,12 +242,16 @@ class Gradient:
     alpha: float = 1.0
     clean: Record | Difference | None = None
     inputs: list[tuple[int, int, Tensor]] = field(default_factory=list)
+    leaves: tuple[str, ...] = ()
+    """Kinds of input (``"q"``, ``"k"``) read as leaves: their gradient is kept, nothing flows on upstream."""
+    window: slice = field(default_factory=lambda: ALL)
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         shift = None
         if kind in ("embed", "pos_embed"):  # read before ``clean`` may turn ``corrupted`` into differences
             lo, _ = self.graph.writer_range(kind, layer)
-            shift = ((1.0 - self.alpha) * (self.corrupted[lo] - out[:, :, 0].detach())).requires_grad_(True)
+            toward = self.corrupted[lo] - out[:, :, 0].detach() if self.alpha != 1.0 else 0.0
+            shift = ((1.0 - self.alpha) * toward + torch.zeros_like(out[:, :, 0].detach())).requires_grad_(True)
         if self.clean is not None:
             self.clean.write(kind, layer, out)
         return shift
@@ -246,8 +260,16 @@ class Gradient:
         # One tensor for each kind of input (not one for the layer's q, k and v sliced three ways:
         # the backward pass of a slice fills a zero gradient of the whole group).
         lo, hi = self.graph.input_range(kind, layer)
-        self.inputs.append((lo, hi, stream[:, :, None].expand(-1, -1, hi - lo, -1)))
-        return self.inputs[-1][2]
+        source = stream.detach() if kind in self.leaves else stream  # detached: no tangent either (forward mode)
+        kept = source[:, self.window, None].expand(-1, -1, hi - lo, -1)
+        if kind in self.leaves:
+            kept.requires_grad_(True)
+        self.inputs.append((lo, hi, kept))
+        if self.window == ALL:
+            return kept
+        start, stop, _ = self.window.indices(stream.shape[1])
+        outside = source[:, :, None].expand(-1, -1, hi - lo, -1)
+        return torch.cat([outside[:, :start], kept, outside[:, stop:]], dim=1)
 
 
 def _moved(
@@ -278,9 +300,25 @@ def gradient_scores(
     ``only``: the inputs wanted; a layer's inputs of one kind (its q inputs, k inputs, v inputs, its
     MLP's, the logits') holding none of them are skipped (each kind reads every upstream difference).
     """
+    add_products(graph, input_gradients(stream, value, only), delta, scores)
+
+
+def input_gradients(
+    stream: Gradient, value: Tensor, only: Bool[Tensor, " input"] | None = None
+) -> list[tuple[int, int, Tensor]]:
+    """``dm/dx_i`` of every kind of input (``only``: as `gradient_scores`), one backward pass: ``(lo, hi, grad)``."""
     groups = [(lo, hi, x) for lo, hi, x in stream.inputs if only is None or bool(only[lo:hi].any())]
     grads = torch.autograd.grad(value, [x for _, _, x in groups], allow_unused=True)
-    found = [(lo, hi, grad) for (lo, hi, _), grad in zip(groups, grads, strict=True) if grad is not None]
+    return [(lo, hi, grad) for (lo, hi, _), grad in zip(groups, grads, strict=True) if grad is not None]
+
+
+def add_products(
+    graph: Graph,
+    found: list[tuple[int, int, Tensor]],
+    delta: Float[Tensor, "writer batch pos d_model"],
+    scores: Float[Tensor, "writer input"],
+) -> None:
+    """Add ``sum_{batch, pos} delta_u . grad_i`` to ``scores[u, i]`` for the inputs ``found`` (`input_gradients`)."""
     flat = delta.reshape(len(delta), -1)
     for chunk in _chunks(found, CHUNK_INPUTS):
         _add_products(graph, flat, chunk, scores)
@@ -331,6 +369,33 @@ def batch_size(task: Task, n_writers: int, d_model: int, copies: float, memory: 
     return max(1, min(len(task), int(memory // max(per_prompt, 1))))
 
 
+def pieces(task: Task, n_writers: int, d_model: int, copies: float, memory: int) -> Iterator[tuple[Tensor, slice]]:
+    """The prompts' rows and the window of positions each scoring pass holds, so ``copies`` fit ``memory`` bytes.
+
+    Batches of whole prompts (`batch_size`) where one prompt fits; otherwise one prompt at a time,
+    its positions split into windows that fit, each window its own passes: scores are sums over
+    positions, so the windows add up to the whole prompt's, at the cost of a pass pair a window.
+
+    Example:
+        >>> import torch
+        >>> from contribution_lens.circuits.task import Task
+        >>> ids = torch.zeros(2, 5, dtype=torch.long)
+        >>> task = Task("t", ids, ids, ids[:, 0], ids[:, 0] + 1, Task.full_length(ids))
+        >>> [(rows.tolist(), (w.start, w.stop)) for rows, w in pieces(task, 1, 1, 1.0, 8)]
+        [([0], (0, 2)), ([0], (2, 4)), ([0], (4, 5)), ([1], (0, 2)), ([1], (2, 4)), ([1], (4, 5))]
+    """
+    per_position = n_writers * d_model * 4 * copies
+    length = task.clean.shape[1]
+    if length * per_position <= memory:
+        for rows in batches(task, batch_size(task, n_writers, d_model, copies, memory)):
+            yield rows, ALL
+        return
+    window = max(1, int(memory // per_position))
+    for row in range(len(task)):
+        for start in range(0, length, window):
+            yield torch.tensor([row]), slice(start, min(start + window, length))
+
+
 def batches(task: Task, size: int) -> Iterator[Int[Tensor, " batch"]]:
     """Row indices of the task's prompts, ``size`` at a time."""
     for start in range(0, len(task), size):
@@ -341,13 +406,40 @@ def tokens(task: Task, rows: Tensor, corrupted: bool = False) -> Int[Tensor, "ba
     return (task.corrupted if corrupted else task.clean)[rows]
 
 
-def record(model: Model, task: Task, graph: Graph, rows: Tensor, corrupted: bool) -> tuple[Tensor, Tensor]:
-    """One pass without autograd: every writer's output and the prompts' metric."""
-    stream = Record(graph)
+def record(
+    model: Model, task: Task, graph: Graph, rows: Tensor, corrupted: bool, window: slice = ALL
+) -> tuple[Tensor, Tensor]:
+    """One pass without autograd: every writer's output (at ``window``'s positions) and the prompts' metric."""
+    stream = Record(graph, window=window)
     with torch.inference_mode():
         value = metric_pass(model, task, rows, stream, corrupted=corrupted)
     assert stream.outputs is not None
     return stream.outputs, value
+
+
+_EMBEDDINGS = ("embed", "pos_embed")
+
+
+@dataclass
+class _Embeddings:
+    """Keeps the embeddings' outputs, ``[embedding batch pos d_model]`` in the graph's writer order."""
+
+    outputs: list[Tensor | None]
+
+    def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
+        self.outputs[_EMBEDDINGS.index(kind)] = out.detach()[:, :, 0]
+        return None
+
+    def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
+        return None
+
+
+def embeddings(model: Model, tokens: Tensor, n: int) -> Float[Tensor, "embedding batch pos d_model"]:
+    """The embeddings of ``tokens`` alone (a pass stopped before the first block)."""
+    stream = _Embeddings([None] * n)
+    with torch.inference_mode():
+        embedding_pass(model, tokens, stream)
+    return torch.stack([x for x in stream.outputs if x is not None])  # out of inference mode: a normal tensor
 
 
 def patched_metric(model: Model, task: Task, rows: Tensor, stream: Interchange | NodePatch | Null) -> Tensor:

@@ -52,13 +52,16 @@ PASSES: dict[str, PassCount] = {
     "eap": lambda graph, steps: (2, 1),
     "eap-ig": lambda graph, steps: (2 + steps, steps),
     "activation-patching": lambda graph, steps: (2 + len(graph.components), 0),
+    "contribution": lambda graph, steps: (2, 1),
     "random": lambda graph, steps: (0, 0),
 }
 """Forward and backward passes a prompt of the package's circuit methods (a method not here: unknown).
 
 ``eap``: the counterfactual's pass, the clean pass and its backward pass; ``eap-ig``: both passes
 recorded, then ``steps`` interpolated passes with their backward passes; ``activation-patching``:
-both passes, then one patched pass a head or MLP; ``random``: none.
+both passes, then one patched pass a head or MLP; ``contribution``: one forward-mode pass (its primal and
+its tangent, two passes' work; the embeddings' passes stop before the first block) and its backward
+pass; ``random``: none.
 """
 BACKWARD_COST = 2.0
 """Forward-pass equivalents of one backward pass (the usual estimate), for the planned cost."""

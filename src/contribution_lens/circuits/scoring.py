@@ -218,7 +218,8 @@ def circuit_scores(
 ) -> CircuitScores:
     """Score every edge (or node) of ``model``'s circuit graph on ``task`` with the circuit method ``method``.
 
-    ``memory``: bytes one batch's activation differences may take (prompts are batched to fit);
+    ``memory``: bytes one batch's activation differences may take (prompts are batched to fit; the
+    gradient methods split a prompt that does not fit alone into windows of positions, each its own passes);
     ``steps``: integrated-gradient steps (``eap-ig``). Everything is checked before any pass.
     """
     chosen = get_circuit_method(method)
