@@ -76,7 +76,7 @@ PARTS = {
     "recording pass": ("contribution_lens.circuits.interchange", "record"),
     "clean gradient pass": ("contribution_lens.circuits.attribution", "_gradient_pass"),
     "forward-mode pass": ("contribution_lens.circuits.contribution", "_linearised_pass"),
-    "embeddings": ("contribution_lens.circuits.contribution", "_embeddings"),
+    "embeddings": ("contribution_lens.circuits.interchange", "embeddings"),
     "backward pass": ("contribution_lens.circuits.interchange", "input_gradients"),
     "products": ("contribution_lens.circuits.interchange", "add_products"),
 }

@@ -191,3 +191,19 @@ def test_a_prompt_longer_than_the_budget_is_scored_in_windows_of_positions_with_
     assert {batch for batch, _, _ in read} == {1}
     assert max(max(positions, grads) for _, positions, grads in read) == window
     assert_close(windowed, whole, rtol=1e-4, atol=1e-6)
+
+
+def test_the_cost_benchmarks_parts_name_functions_the_methods_call() -> None:
+    """``bench_circuits.py --parts`` times functions by name: each must exist (a renamed one failed only when run)."""
+    import importlib
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "benchmarks" / "bench_circuits.py"
+    spec = importlib.util.spec_from_file_location("bench_circuits", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert len(bench.PARTS) >= 5
+    for part, (module, name) in bench.PARTS.items():
+        assert callable(getattr(importlib.import_module(module), name, None)), part

@@ -51,7 +51,7 @@ Cost: the embeddings of both prompts (passes stopped before the first block), th
 forward-mode pass of ``L`` on the clean prompts that is differentiable too (the tangents
 ``delta_u``, the clean outputs ``o_u`` and every ``g_i`` share it) and its backward pass; each
 unembeds only the last position. Its products of activations and weights are computed apart
-(`contribution_lens.circuits.tangents`). 4.1 forward-pass equivalents of CPU time on Qwen2.5-0.5B
+(`contribution_lens.circuits.tangents`). 4.1 and 4.5 forward-pass equivalents of CPU time (two runs) on Qwen2.5-0.5B
 with 64 IOI prompts (docs/results.md, circuit cost).
 
 Example:
