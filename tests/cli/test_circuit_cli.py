@@ -220,3 +220,18 @@ def test_help_imports_no_torch() -> None:
     assert result.returncode == 0, result.stderr
     assert "exit 0" in result.stdout and "torch imported: False" in result.stdout
     assert "--method METHOD" in result.stdout and "(default: 64)" in result.stdout
+
+
+def test_a_plan_counts_the_windows_a_prompt_too_long_for_the_budget_is_scored_in() -> None:
+    """The gradient methods repeat their passes a window of positions at a time; the plan says so and counts them."""
+    from contribution_lens.circuits import runner
+
+    graph = Graph(n_layers=2, n_heads=4, n_kv_heads=2, pos_embed=False)
+    per_position = len(graph.writers) * 32 * 4 * runner.WINDOWED["eap"]
+    memory = int(5 * per_position)
+    plans = runner.plan_passes(graph, ["eap", "random"], ["edge"], length=23, d_model=32, memory=memory)
+    assert [(p.method, p.windows) for p in plans] == [("eap", 5), ("random", 1)]
+    assert plans[0].equivalents == 5 * (2 + runner.BACKWARD_COST)
+    assert "each of 5 windows of positions" in runner.describe_plan(plans, 3)
+    whole = runner.plan_passes(graph, ["eap"], ["edge"], length=5, d_model=32, memory=memory)
+    assert whole[0].windows == 1

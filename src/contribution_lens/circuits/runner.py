@@ -35,9 +35,11 @@ import pandas as pd
 import torch
 
 from contribution_lens import adapter
+from contribution_lens.circuits.attribution import GRADIENT_COPIES
+from contribution_lens.circuits.contribution import COPIES as CONTRIBUTION_COPIES
 from contribution_lens.circuits.evaluation import FRACTIONS, RESAMPLES, CircuitCurve, circuit_curve
 from contribution_lens.circuits.graph import Graph
-from contribution_lens.circuits.registry import LEVELS, get_circuit_method
+from contribution_lens.circuits.registry import DEFAULT_MEMORY, LEVELS, get_circuit_method
 from contribution_lens.circuits.scoring import CircuitScores, circuit_scores, node_sums
 from contribution_lens.circuits.task import Task
 from contribution_lens.files import write_text
@@ -63,6 +65,27 @@ both passes, then one patched pass a head or MLP; ``contribution``: one forward-
 its tangent, two passes' work; the embeddings' passes stop before the first block) and its backward
 pass; ``random``: none.
 """
+WINDOWED: dict[str, float] = {"eap": GRADIENT_COPIES, "eap-ig": GRADIENT_COPIES, "contribution": CONTRIBUTION_COPIES}
+"""Methods that score a prompt too long for the memory budget a window of positions at a time, and the
+``[writer batch pos d_model]`` copies each holds (`interchange.pieces`)."""
+
+
+def windows(graph: Graph, method: str, length: int, d_model: int, memory: int = DEFAULT_MEMORY) -> int:
+    """Windows of positions ``method`` splits a prompt of ``length`` tokens into (1: the prompt fits whole).
+
+    Example:
+        >>> from contribution_lens.circuits.graph import Graph
+        >>> graph = Graph(n_layers=2, n_heads=4, n_kv_heads=2, pos_embed=False)
+        >>> windows(graph, "eap", 20, 32, memory=2**30), windows(graph, "eap", 20, 32, memory=20_000)
+        (1, 7)
+    """
+    copies = WINDOWED.get(method)
+    per_position = len(graph.writers) * d_model * 4 * (copies or 0)
+    if copies is None or length * per_position <= memory:
+        return 1
+    return math.ceil(length / max(1, int(memory // per_position)))
+
+
 BACKWARD_COST = 2.0
 """Forward-pass equivalents of one backward pass (the usual estimate), for the planned cost."""
 
@@ -87,17 +110,31 @@ class PlannedPasses:
     backwards: int | None
     curves: int
     """Passes a prompt of its curves, every level together."""
+    windows: int = 1
+    """Windows of positions a prompt's scoring runs in (`windows`): each repeats the scoring's passes."""
 
     @property
     def equivalents(self) -> float | None:
         """Forward-pass equivalents a prompt of the scoring (a backward pass counted as `BACKWARD_COST`)."""
         if self.forwards is None or self.backwards is None:
             return None
-        return self.forwards + BACKWARD_COST * self.backwards
+        return (self.forwards + BACKWARD_COST * self.backwards) * self.windows
 
 
-def plan_passes(graph: Graph, methods: Sequence[str], levels: Sequence[str], *, steps: int = 5) -> list[PlannedPasses]:
+def plan_passes(
+    graph: Graph,
+    methods: Sequence[str],
+    levels: Sequence[str],
+    *,
+    steps: int = 5,
+    length: int = 0,
+    d_model: int = 0,
+    memory: int = DEFAULT_MEMORY,
+) -> list[PlannedPasses]:
     """The passes a prompt of each method's scoring and of its curves.
+
+    With ``length`` (tokens a prompt) and ``d_model``, a scoring that splits a prompt too long for
+    ``memory`` into windows of positions counts each window's passes (`windows`).
 
     Example:
         >>> from contribution_lens.circuits.graph import Graph
@@ -110,7 +147,8 @@ def plan_passes(graph: Graph, methods: Sequence[str], levels: Sequence[str], *, 
         count = PASSES.get(get_circuit_method(method).name)
         forwards, backwards = count(graph, steps) if count is not None else (None, None)
         curves = curve_passes() * len(method_levels(method, levels))
-        plans.append(PlannedPasses(method, forwards, backwards, curves))
+        split = windows(graph, get_circuit_method(method).name, length, d_model, memory)
+        plans.append(PlannedPasses(method, forwards, backwards, curves, split))
     return plans
 
 
@@ -122,6 +160,8 @@ def describe_plan(plans: Sequence[PlannedPasses], n_prompts: int, forward_second
             scoring = "scoring: passes unknown (not one of the package's methods)"
         else:
             scoring = f"scoring: {plan.forwards} forward + {plan.backwards} backward"
+            if plan.windows > 1:
+                scoring += f", each of {plan.windows} windows of positions (a prompt does not fit the memory budget)"
             total += plan.equivalents
         total += plan.curves
         lines.append(f"{plan.method}: {scoring}; curves: {plan.curves} forward (passes a prompt)")

@@ -129,9 +129,11 @@ def run(args: argparse.Namespace) -> int:
         from contribution_lens import loading
         from contribution_lens.adapter import layout
 
-        shape = layout(loading.load_skeleton(str(args.model)))  # the config's sizes: no weight is read
+        skeleton = loading.load_skeleton(str(args.model))  # the config's sizes: no weight is read
+        shape = layout(skeleton)
         graph = Graph(shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.pos_embed)
-        plans = runner.plan_passes(graph, settings.method, settings.level, steps=settings.steps)
+        sizes = {"length": int(task.clean.shape[1]), "d_model": int(skeleton.cfg.d_model)}
+        plans = runner.plan_passes(graph, settings.method, settings.level, steps=settings.steps, **sizes)
         print(f"{task!r}; {graph}: {len(graph.components)} nodes, {len(graph.edges)} edges")
         print(runner.describe_plan(plans, len(task)))
         model = common.load(args)
