@@ -16,7 +16,9 @@ backward pass and the products of differences and gradients.
 Time: in one process the methods alternate ``--repeats`` times and the fastest run of each counts;
 its ratio to ``plain`` is the number of forward-pass equivalents, by wall clock and by the
 process's CPU time (on a CPU shared with other jobs the second is the steadier: with one torch
-thread it counts only this process's work). Memory: the peak CUDA memory of
+thread it counts only this process's work). ``plain`` is timed again before every method and its
+median counts: one plain pass is short, and its time alone moved by 15 % between runs on a quiet
+virtual machine, while a method's longer time averages such swings out. Memory: the peak CUDA memory of
 each method (``torch.cuda.max_memory_allocated``, reset before it) on a GPU, else the growth of the
 process's peak RSS (``VmHWM``) over the loaded model, in the order run. Run:
 ``python benchmarks/bench_circuits.py --prompts 8`` (bundled SmolLM2), or
@@ -154,21 +156,30 @@ def main() -> None:
     best = {name: float("inf") for name in methods}
     best_cpu = {name: float("inf") for name in methods}
     peaks = {name: 0.0 for name in methods}
+    plains: list[tuple[float, float]] = []
     for repeat in range(args.repeats):
         for name, fn in methods.items():
+            if name != "plain":  # the plain pass again, beside each method
+                elapsed, cpu, _ = _timed(plain, cuda)
+                plains.append((elapsed, cpu))
             spent.clear()
             elapsed, cpu, peak = _timed(fn, cuda)
+            if name == "plain":
+                plains.append((elapsed, cpu))
             if cpu < best_cpu[name]:
                 parts[name] = dict(spent)
             best[name], best_cpu[name] = min(best[name], elapsed), min(best_cpu[name], cpu)
             peaks[name] = max(peaks[name], peak)
             print(f"  run {repeat + 1}: {name} {elapsed:.2f} s, {cpu:.2f} CPU s, load {_load()}", flush=True)
+    best["plain"], best_cpu["plain"] = (float(torch.tensor(column).median()) for column in zip(*plains, strict=True))
     print(
         f"{args.model or 'SmolLM2-135M'} on {args.device}, {args.task}: {len(task)} prompts of "
         f"{task.clean.shape[1]} tokens, {len(graph.edges)} edges, {len(graph.components)} nodes, batches of {size}"
     )
     unit = "peak CUDA MiB" if cuda else "peak RSS growth MiB"
     print(f"torch threads {torch.get_num_threads()}, load average before and after: {load} / {_load()}")
+    cpus = sorted(cpu for _, cpu in plains)
+    print(f"plain: the median of {len(plains)} timings (CPU s from {cpus[0]:.2f} to {cpus[-1]:.2f})")
     print(f"{'method':<12} {'seconds':>9} {'forward passes':>15} {'CPU s':>9} {'by CPU':>7} {unit:>20}")
     for name in methods:
         ratio, by_cpu = best[name] / best["plain"], best_cpu[name] / best_cpu["plain"]

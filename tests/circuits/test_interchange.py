@@ -132,3 +132,29 @@ def test_the_unembedding_of_the_last_positions_alone_gives_the_full_passes_metri
     assert full.outputs is not None and embeddings.outputs is not None
     assert torch.equal(embeddings.outputs[:n], full.outputs[:n])
     assert not bool(embeddings.outputs[n:].any()), "a block ran"
+
+
+def test_a_recording_in_an_earlier_batchs_memory_is_the_fresh_recording(models) -> None:
+    """The memory is the earlier tensor's (no fresh allocation) and every writer is written over."""
+    model = models["gqa-biases"]
+    task = random_task(model, n=3, seed=5)
+    graph = cl.circuit_graph(model)
+    earlier, _ = ic.record(model, task, graph, torch.arange(3), corrupted=False)
+    with torch.inference_mode():  # recorded in it
+        earlier.fill_(float("nan"))  # what a writer left unwritten would keep
+    fresh, _ = ic.record(model, task, graph, torch.arange(2), corrupted=True)
+    again, _ = ic.record(model, task, graph, torch.arange(2), corrupted=True, storage=earlier)
+    assert again.data_ptr() == earlier.data_ptr()
+    assert torch.equal(again, fresh)
+
+
+def test_a_recording_that_misses_a_writer_is_refused(models, monkeypatch) -> None:
+    model = models["mha"]
+    task = random_task(model, n=2, seed=6)
+    graph = cl.circuit_graph(model)
+    write = ic.Record.write
+    monkeypatch.setattr(
+        ic.Record, "write", lambda self, kind, *rest: None if kind == "mlp" else write(self, kind, *rest)
+    )
+    with pytest.raises(RuntimeError, match=r"wrote \d+ of the graph's \d+ writers"):
+        ic.record(model, task, graph, torch.arange(2), corrupted=True)

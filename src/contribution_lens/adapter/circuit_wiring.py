@@ -35,6 +35,7 @@ import einops
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
 from contribution_lens.adapter.forms import PRE_LN, block_forms
@@ -156,9 +157,53 @@ def _weights(model: Model, layer: int, dtype: torch.dtype) -> _LayerWeights:
 
 def _project(weights: _LayerWeights, side: str, x: Float[Tensor, "batch pos head d_model"]) -> Tensor:
     """``LN1(x^h) W^h + b^h`` per head: each head's own input normed with its own scale."""
-    out = einops.einsum(weights.norm(x), weights.W[side], "b p h d, h d e -> b p h e")
+    if _one_input_expanded(x):
+        out = _SharedInput.apply(x, weights.W[side], weights.norm)
+    else:
+        out = einops.einsum(weights.norm(x), weights.W[side], "b p h d, h d e -> b p h e")
     bias = weights.b[side]
     return out if bias is None else out + bias
+
+
+def _one_input_expanded(x: Tensor) -> bool:
+    """Whether ``x`` is one ``[batch pos d_model]`` tensor expanded over heads, in a pass autograd records."""
+    return (
+        x.shape[2] > 1
+        and x.stride(2) == 0
+        and x.requires_grad
+        and torch.is_grad_enabled()
+        and forward_ad.unpack_dual(x).tangent is None
+    )
+
+
+class _SharedInput(torch.autograd.Function):
+    """``LN1(x^h) W^h`` for heads whose inputs ``x^h`` are one tensor ``s``, with each head's own gradient.
+
+    The gradient methods need ``dm/dx^h`` for every head apart, ``J_LN1(s)^T W^h dm/dq^h``; the
+    per-head forward pass that gives it autograd's way norms ``s`` once a head, and that pass and
+    its backward, elementwise on ``[batch pos head d_model]``, cost a third of a forward pass of
+    Qwen2.5-0.5B. Here ``s`` is normed once and projected by every head in one product; the
+    backward pass applies the norm's own vector-Jacobian product to every head's gradient at once
+    (batched), recomputing the norm. Forward-mode tangents are not defined: a pass that carries
+    them takes the per-head way (`_one_input_expanded`).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, W: Tensor, norm: Callable[[Tensor], Tensor]) -> Tensor:
+        shared = x[:, :, :1].detach()  # ``[batch pos 1 d_model]``: the norm takes a head axis
+        ctx.norm = norm
+        ctx.save_for_backward(shared, W)
+        with torch.no_grad():
+            return einops.einsum(norm(shared)[:, :, 0], W, "b p d, h d e -> b p h e")
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        shared, W = ctx.saved_tensors
+        grad_normed = einops.einsum(grad, W.to(grad.dtype), "b p h e, h d e -> h b p d")[:, :, :, None]
+        with torch.enable_grad():
+            leaf = shared.detach().requires_grad_(True)
+            (grads,) = torch.autograd.grad(ctx.norm(leaf), leaf, grad_normed, is_grads_batched=True)
+        return grads[:, :, :, 0].permute(1, 2, 0, 3), None, None
 
 
 def _layer_hooks(

@@ -40,9 +40,9 @@ def _gradient_pass(model: Model, task: Task, rows: Tensor, stream: ic.Gradient) 
 def eap(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, " edge"]:
     """Edge attribution patching: gradient x activation difference at the clean pass."""
     graph = context.graph
-    scores = None
+    scores, delta = None, None
     for rows, window in ic.pieces(task, len(graph.writers), _d_model(model), GRADIENT_COPIES, context.memory):
-        delta, _ = ic.record(model, task, graph, rows, corrupted=True, window=window)
+        delta, _ = ic.record(model, task, graph, rows, corrupted=True, window=window, storage=delta)
         # The clean pass turns the counterfactual's outputs into the differences as it writes its own.
         stream = ic.Gradient(graph, delta, 1.0, ic.Difference(graph, delta, window), window=window)
         value = _gradient_pass(model, task, rows, stream)
@@ -55,13 +55,13 @@ def eap(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, " ed
 def eap_ig(model: Model, task: Task, context: CircuitContext) -> Float[Tensor, " edge"]:
     """EAP with integrated gradients along the input embeddings (counterfactual to clean, left Riemann sum)."""
     graph = context.graph
-    scores = None
+    scores, delta = None, None
     for rows, window in ic.pieces(task, len(graph.writers), _d_model(model), GRADIENT_COPIES, context.memory):
-        delta, _ = ic.record(model, task, graph, rows, corrupted=True, window=window)
+        delta, _ = ic.record(model, task, graph, rows, corrupted=True, window=window, storage=delta)
         clean, _ = ic.record(model, task, graph, rows, corrupted=False, window=window)
         with torch.inference_mode():  # both were recorded in it
             delta -= clean
-        del clean
+        del clean  # not kept for the next batch: the gradient passes hold their own tensors meanwhile
         # The interpolation moves every position's embeddings: the counterfactual's, whole.
         start = ic.embeddings(model, ic.tokens(task, rows, corrupted=True), graph.n_embeddings)
         scores = delta.new_zeros(graph.valid.shape) if scores is None else scores

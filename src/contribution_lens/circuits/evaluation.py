@@ -219,9 +219,13 @@ def _clean_and_corrupted(model: Model, task: Task, rows: Tensor) -> tuple[Tensor
     return record, ic.patched_metric(model, task, rows, ic.Null()), corrupted
 
 
-def _patched(model: Model, task: Task, rows: Tensor, record: Tensor, circuit: Circuit) -> Tensor:
+def _patched(
+    model: Model, task: Task, rows: Tensor, record: Tensor, circuit: Circuit, work: Tensor | None = None
+) -> Tensor:
+    """The metric with ``circuit`` kept; ``work`` (shaped as ``record``) is overwritten with the differences."""
     patch = circuit.patch().to(record.device)
-    return ic.patched_metric(model, task, rows, ic.Interchange(circuit.graph, record.clone(), patch))
+    work = torch.empty_like(record) if work is None else work
+    return ic.patched_metric(model, task, rows, ic.Interchange(circuit.graph, work, patch, corrupted=record))
 
 
 def evaluate_circuit(
@@ -263,7 +267,10 @@ def circuit_curve(
     parts: list[tuple[Tensor, Tensor, Tensor]] = []
     for rows in ic.batches(task, size):
         record, clean, corrupted = _clean_and_corrupted(model, task, rows)
-        patched = [_size_metric(model, task, rows, record, circuit, clean, corrupted) for circuit in circuits]
+        # One tensor for every size's differences (a fresh one a size costs, on a CPU, as much in
+        # page faults as writing it), the recording left as it is.
+        work = torch.empty_like(record)
+        patched = [_size_metric(model, task, rows, record, circuit, clean, corrupted, work) for circuit in circuits]
         parts.append((clean.cpu(), corrupted.cpu(), torch.stack(patched).cpu()))
     counts = [len(c.chosen) if level == "node" else int(c.kept.sum()) for c in circuits]
     return CircuitCurve(
@@ -280,7 +287,14 @@ def circuit_curve(
 
 
 def _size_metric(
-    model: Model, task: Task, rows: Tensor, record: Tensor, circuit: Circuit, clean: Tensor, corrupted: Tensor
+    model: Model,
+    task: Task,
+    rows: Tensor,
+    record: Tensor,
+    circuit: Circuit,
+    clean: Tensor,
+    corrupted: Tensor,
+    work: Tensor,
 ) -> Tensor:
     if circuit.level == "edge" and bool(circuit.kept.all()):
         return clean
@@ -289,4 +303,4 @@ def _size_metric(
         return clean
     if bool(patch.sum() == circuit.graph.valid.sum()):
         return corrupted
-    return _patched(model, task, rows, record, circuit)
+    return _patched(model, task, rows, record, circuit, work)

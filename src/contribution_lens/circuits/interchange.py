@@ -17,6 +17,8 @@ keeps those tensors, so ``dm/dx_i`` is the gradient at each input (the q, k, v i
 apart), and `NodePatch` replaces whole nodes' outputs (activation patching).
 """
 
+import math
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,14 +100,19 @@ class Record:
     graph: Graph
     outputs: Tensor | None = None
     window: slice = field(default_factory=lambda: ALL)
+    storage: Tensor | None = None
+    """An earlier batch's outputs, whose memory this pass's may take (`reused`)."""
+    written: int = 0
+    """Writers written so far: every one by the end of a pass, or `record` refuses its outputs."""
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         out = out[:, self.window]
         if self.outputs is None:
             batch, pos, _, d_model = out.shape
-            self.outputs = out.new_zeros(len(self.graph.writers), batch, pos, d_model)
+            self.outputs = reused(self.storage, (len(self.graph.writers), batch, pos, d_model), out)
         lo, hi = self.graph.writer_range(kind, layer)
         self.outputs[lo:hi] = out.detach().permute(2, 0, 1, 3)
+        self.written += hi - lo
         return None
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
@@ -139,8 +146,11 @@ class Interchange:
     """The patched pass of a circuit: ``patch[u, i]`` is 1 where edge ``u -> i`` carries the counterfactual.
 
     ``delta`` starts as the counterfactual's outputs; each write subtracts this pass's, leaving
-    ``r_u - o_u`` by the time any input downstream reads it. ``patch`` may hold any weights
-    (``t`` patches a fraction ``t`` of the difference: the EAP tests' finite differences).
+    ``r_u - o_u`` by the time any input downstream reads it. With ``corrupted`` (the
+    counterfactual's outputs, left as they are) ``delta`` is only where the differences go, so
+    passes of several circuits share one recording and one tensor to write in, copying nothing.
+    ``patch`` may hold any weights (``t`` patches a fraction ``t`` of the difference: the EAP
+    tests' finite differences).
     """
 
     graph: Graph
@@ -148,12 +158,17 @@ class Interchange:
     patch: Float[Tensor, "writer input"]
     skip_unpatched: bool = True
     share_identical: bool = True
+    corrupted: Float[Tensor, "writer batch pos d_model"] | None = None
     _group: tuple[tuple[int, int], Tensor | None] = ((-1, -1), None)
     _total: Tensor | None = None
+    _buffers: dict[tuple[int, ...], Tensor] = field(default_factory=dict)
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         lo, hi = self.graph.writer_range(kind, layer)
-        self.delta[lo:hi] -= out.detach().permute(2, 0, 1, 3)
+        if self.corrupted is None:
+            self.delta[lo:hi] -= out.detach().permute(2, 0, 1, 3)
+        else:
+            torch.sub(self.corrupted[lo:hi], out.detach().permute(2, 0, 1, 3), out=self.delta[lo:hi])
         total = self.delta[lo:hi].sum(0)
         self._total = total if self._total is None else self._total + total
         return None
@@ -192,16 +207,28 @@ class Interchange:
         kept = 1 - patched
         rows_patched = torch.nonzero(patched.any(1))[:, 0]
         rows_kept = torch.nonzero(kept.any(1))[:, 0]
-        base = stream[:, :, None].expand(-1, -1, patched.shape[1], -1)
         if len(rows_kept) < len(rows_patched) and self._total is not None:
-            return base + self._total[:, :, None] - self._sum(rows_kept, kept)
-        return base + self._sum(rows_patched, patched)
+            moved = self._sum(rows_kept, kept).neg_()
+            return moved.add_((stream + self._total)[:, :, None])
+        return self._sum(rows_patched, patched).add_(stream[:, :, None])
 
     def _sum(self, rows: Tensor, weights: Tensor) -> Tensor:
-        """``sum_u weights[u, i] delta_u`` over ``rows`` (gathered when few, else the contiguous block read whole)."""
+        """``sum_u weights[u, i] delta_u`` over ``rows`` (gathered when few, else the contiguous block read whole).
+
+        Written into a buffer this pass keeps for inputs of that many slots: a layer's inputs are
+        read by its own hooks before the next layer's are made, and a fresh tensor of this size
+        costs, on a CPU, as much in page faults as the product that fills it.
+        """
+        _, batch, pos, d_model = self.delta.shape
+        shape = (batch * pos, weights.shape[1], d_model)
+        if self._buffers.get(shape) is None:
+            self._buffers[shape] = self.delta.new_empty(shape)
+        out = self._buffers[shape]
         if 2 * len(rows) > weights.shape[0]:
-            return _moved(self.delta[: weights.shape[0]], weights)
-        return _moved(self.delta[rows], weights[rows])
+            _moved(self.delta[: weights.shape[0]], weights, out)
+        else:
+            _moved(self.delta[rows], weights[rows], out)
+        return out.view(batch, pos, weights.shape[1], d_model)
 
 
 @dataclass
@@ -273,14 +300,20 @@ class Gradient:
 
 
 def _moved(
-    delta: Float[Tensor, "upstream batch pos d_model"], weights: Float[Tensor, "upstream slot"]
-) -> Float[Tensor, "batch pos slot d_model"]:
-    """``sum_u weights[u, i] delta_u`` for every input ``i``: one matrix product over contiguous writers."""
+    delta: Float[Tensor, "upstream batch pos d_model"],
+    weights: Float[Tensor, "upstream slot"],
+    out: Float[Tensor, "batch_pos slot d_model"],
+) -> None:
+    """``sum_u weights[u, i] delta_u`` for every input ``i`` into ``out``: one product a position, no copy.
+
+    ``[slot upstream] @ [upstream d_model]`` at each position leaves the result already laid out
+    ``[batch pos slot d_model]``.
+    """
     upstream, batch, pos, d_model = delta.shape
     if upstream == 0:
-        return delta.new_zeros(batch, pos, weights.shape[1], d_model)
-    moved = weights.T @ delta.reshape(upstream, -1)
-    return einops.rearrange(moved, "i (b p d) -> b p i d", b=batch, p=pos)
+        out.zero_()
+        return
+    torch.matmul(weights.T, delta.reshape(upstream, batch * pos, d_model).transpose(0, 1), out=out)
 
 
 CHUNK_INPUTS = 64
@@ -320,8 +353,13 @@ def add_products(
 ) -> None:
     """Add ``sum_{batch, pos} delta_u . grad_i`` to ``scores[u, i]`` for the inputs ``found`` (`input_gradients`)."""
     flat = delta.reshape(len(delta), -1)
-    for chunk in _chunks(found, CHUNK_INPUTS):
-        _add_products(graph, flat, chunk, scores)
+    chunks = list(_chunks(found, CHUNK_INPUTS))
+    widest = max((sum(hi - lo for lo, hi, _ in chunk) for chunk in chunks), default=0)
+    # One buffer for every chunk's gradients: a fresh tensor a chunk costs, on a CPU, as much again
+    # in page faults as the copy itself (0.3 of a forward pass of Qwen2.5-0.5B at 13 IOI prompts).
+    buffer = flat.new_empty(widest, flat.shape[1])
+    for chunk in chunks:
+        _add_products(graph, flat, chunk, scores, buffer)
 
 
 def _chunks(found: list[tuple[int, int, Tensor]], size: int) -> Iterator[list[tuple[int, int, Tensor]]]:
@@ -341,19 +379,22 @@ def _add_products(
     flat: Float[Tensor, "writer batch_pos_d_model"],
     chunk: list[tuple[int, int, Tensor]],
     scores: Float[Tensor, "writer input"],
+    buffer: Float[Tensor, "slot batch_pos_d_model"],
 ) -> None:
     """One matrix product for a chunk of groups; each group keeps only its own upstream writers' rows.
 
     The product is bound by reading ``flat`` (skinny on the inputs' side): one read for a whole
     chunk instead of one per group makes it several times faster, at the cost of a few rows
-    computed for the chunk's first groups and dropped.
+    computed for the chunk's first groups and dropped. The gradients go inputs first into
+    ``buffer``: autograd lays each group's out slot-major, so that is a copy of contiguous blocks.
     """
     upstream = [int(graph.upstream[lo]) for lo, _, _ in chunk]
-    grads = torch.cat([grad.to(flat.dtype) for _, _, grad in chunk], dim=2)
-    product = flat[: max(upstream)] @ einops.rearrange(grads, "b p i d -> (b p d) i")
+    grads = buffer[: sum(hi - lo for lo, hi, _ in chunk)]
+    torch.cat([einops.rearrange(grad.to(flat.dtype), "b p i d -> i (b p d)") for _, _, grad in chunk], out=grads)
+    product = grads @ flat[: max(upstream)].T  # [input writer]
     start = 0
     for (lo, hi, _), rows in zip(chunk, upstream, strict=True):
-        scores[:rows, lo:hi] += product[:rows, start : start + hi - lo]
+        scores[:rows, lo:hi] += product[start : start + hi - lo, :rows].T
         start += hi - lo
 
 
@@ -364,8 +405,20 @@ def per_edge(graph: Graph, scores: Float[Tensor, "writer input"], count: int) ->
 
 
 def batch_size(task: Task, n_writers: int, d_model: int, copies: float, memory: int) -> int:
-    """Prompts a batch holds so that ``copies`` of ``[writer batch pos d_model]`` (float32) fit ``memory`` bytes."""
+    """Prompts a batch holds so that ``copies`` of ``[writer batch pos d_model]`` (float32) fit ``memory`` bytes.
+
+    At least one: a pass that reads every position's differences at once (a patched pass) holds a
+    prompt whole, and says so where one prompt alone is over the budget.
+    """
     per_prompt = task.clean.shape[1] * n_writers * d_model * 4 * copies
+    if per_prompt > memory:
+        warnings.warn(
+            f"memory={memory:,} bytes: one prompt of {task.clean.shape[1]} positions needs {per_prompt / 2**30:.2f} "
+            "GiB of differences in a pass that reads every position's at once (a patched pass, activation "
+            "patching, information-flow routes); it is held whole, over the budget (the gradient methods "
+            "score such a prompt in windows of positions)",
+            stacklevel=2,
+        )
     return max(1, min(len(task), int(memory // max(per_prompt, 1))))
 
 
@@ -406,14 +459,40 @@ def tokens(task: Task, rows: Tensor, corrupted: bool = False) -> Int[Tensor, "ba
     return (task.corrupted if corrupted else task.clean)[rows]
 
 
+def reused(storage: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """Zeros of ``shape`` (``like``'s dtype and device), in ``storage``'s memory where it is big enough.
+
+    A method scoring batch after batch hands each batch's differences the last one's memory: on a
+    CPU a fresh tensor this size costs as much in page faults as filling it.
+    """
+    numel = math.prod(shape)
+    if (
+        storage is not None
+        and (storage.dtype, storage.device) == (like.dtype, like.device)
+        and storage.numel() >= numel
+    ):
+        return storage.reshape(-1)[:numel].view(shape).zero_()
+    return like.new_zeros(shape)
+
+
 def record(
-    model: Model, task: Task, graph: Graph, rows: Tensor, corrupted: bool, window: slice = ALL
+    model: Model,
+    task: Task,
+    graph: Graph,
+    rows: Tensor,
+    corrupted: bool,
+    window: slice = ALL,
+    storage: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """One pass without autograd: every writer's output (at ``window``'s positions) and the prompts' metric."""
-    stream = Record(graph, window=window)
+    """One pass without autograd: every writer's output (at ``window``'s positions) and the prompts' metric.
+
+    ``storage``: an earlier batch's outputs, no longer needed, whose memory these may take.
+    """
+    stream = Record(graph, window=window, storage=storage)
     with torch.inference_mode():
         value = metric_pass(model, task, rows, stream, corrupted=corrupted)
-    assert stream.outputs is not None
+    if stream.outputs is None or stream.written != len(graph.writers):
+        raise RuntimeError(f"a recording pass wrote {stream.written} of the graph's {len(graph.writers)} writers")
     return stream.outputs, value
 
 
