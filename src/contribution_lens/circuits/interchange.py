@@ -165,10 +165,8 @@ class Interchange:
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         lo, hi = self.graph.writer_range(kind, layer)
-        if self.corrupted is None:
-            self.delta[lo:hi] -= out.detach().permute(2, 0, 1, 3)
-        else:
-            torch.sub(self.corrupted[lo:hi], out.detach().permute(2, 0, 1, 3), out=self.delta[lo:hi])
+        source = self.delta if self.corrupted is None else self.corrupted
+        torch.sub(source[lo:hi], out.detach().permute(2, 0, 1, 3), out=self.delta[lo:hi])
         total = self.delta[lo:hi].sum(0)
         self._total = total if self._total is None else self._total + total
         return None
@@ -437,16 +435,23 @@ def pieces(task: Task, n_writers: int, d_model: int, copies: float, memory: int)
         >>> [(rows.tolist(), (w.start, w.stop)) for rows, w in pieces(task, 1, 1, 1.0, 8)]
         [([0], (0, 2)), ([0], (2, 4)), ([0], (4, 5)), ([1], (0, 2)), ([1], (2, 4)), ([1], (4, 5))]
     """
-    per_position = n_writers * d_model * 4 * copies
     length = task.clean.shape[1]
-    if length * per_position <= memory:
+    window = window_length(length, n_writers, d_model, copies, memory)
+    if window is None:
         for rows in batches(task, batch_size(task, n_writers, d_model, copies, memory)):
             yield rows, ALL
         return
-    window = max(1, int(memory // per_position))
     for row in range(len(task)):
         for start in range(0, length, window):
             yield torch.tensor([row]), slice(start, min(start + window, length))
+
+
+def window_length(length: int, n_writers: int, d_model: int, copies: float, memory: int) -> int | None:
+    """Positions a window of a prompt of ``length`` holds so ``copies`` fit ``memory`` bytes (None: it fits whole)."""
+    per_position = n_writers * d_model * 4 * copies
+    if length * per_position <= memory:
+        return None
+    return max(1, int(memory // per_position))
 
 
 def batches(task: Task, size: int) -> Iterator[Int[Tensor, " batch"]]:

@@ -39,6 +39,7 @@ from contribution_lens.circuits.attribution import GRADIENT_COPIES
 from contribution_lens.circuits.contribution import COPIES as CONTRIBUTION_COPIES
 from contribution_lens.circuits.evaluation import FRACTIONS, RESAMPLES, CircuitCurve, circuit_curve
 from contribution_lens.circuits.graph import Graph
+from contribution_lens.circuits.interchange import window_length
 from contribution_lens.circuits.registry import DEFAULT_MEMORY, LEVELS, get_circuit_method
 from contribution_lens.circuits.scoring import CircuitScores, circuit_scores, node_sums
 from contribution_lens.circuits.task import Task
@@ -80,10 +81,8 @@ def windows(graph: Graph, method: str, length: int, d_model: int, memory: int = 
         (1, 7)
     """
     copies = WINDOWED.get(method)
-    per_position = len(graph.writers) * d_model * 4 * (copies or 0)
-    if copies is None or length * per_position <= memory:
-        return 1
-    return math.ceil(length / max(1, int(memory // per_position)))
+    window = None if copies is None else window_length(length, len(graph.writers), d_model, copies, memory)
+    return 1 if window is None else math.ceil(length / window)
 
 
 BACKWARD_COST = 2.0
