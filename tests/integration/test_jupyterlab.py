@@ -485,6 +485,9 @@ def test_one_cell_holds_its_still_and_widget_and_a_live_reopen_keeps_the_still_c
         " && o.mimes.includes('image/png')))",
         timeout=120_000,
     )
+    # The still comes before the widget, each its own message: read the cell once its run is over (JupyterLab sets
+    # its execution count after the kernel's reply and its last output), not between the two.
+    page.wait_for_function(f"({PANEL}).context.model.toJSON().cells.at(-1).execution_count !== null", timeout=120_000)
     cells = page.evaluate(OUTPUTS)
     third = next(outs for outs in cells if any(o["still"] and o["still"]["layer"] == 0 for o in outs))
     assert [bool(o["still"]) for o in third] == [True, False], third
@@ -514,9 +517,14 @@ def test_one_cell_holds_its_still_and_widget_and_a_live_reopen_keeps_the_still_c
     page.locator(".cl-inspector").first.locator("select[data-control='layer']").select_option(layer)
     drawn(page, f"d.layer === '{layer}' && d.status === '' && d.shown", FIRST)
     assert kernel_follows(page, "inspector.layer", layer) == layer
-    page.wait_for_function(
-        f"({STILLS})().some((s) => s.cell === 0 && s.state.layer === {layer} && s.by === 'browser')", timeout=60_000
-    )
+    try:  # a loaded 2-core machine has taken over a minute here
+        page.wait_for_function(
+            f"({STILLS})().some((s) => s.cell === 0 && s.state.layer === {layer} && s.by === 'browser')",
+            timeout=150_000,
+        )
+    except Exception:  # what the notebook holds instead, and the view the kernel holds
+        view = kernel(page, "import json; print(json.dumps(inspector.view_state()))")
+        pytest.fail(f"no browser still of layer {layer} in cell 0: {page.evaluate(STILLS)}; the kernel's view: {view}")
     page.evaluate(f"async () => await ({PANEL}).context.save()")
     saved = json.loads((lab["folder"] / "inspect.ipynb").read_text())
     stills = [o for o in saved["cells"][0]["outputs"] if "contribution_lens" in o.get("metadata", {})]
