@@ -158,3 +158,30 @@ def test_a_recording_that_misses_a_writer_is_refused(models, monkeypatch) -> Non
     )
     with pytest.raises(RuntimeError, match=r"wrote \d+ of the graph's \d+ writers"):
         ic.record(model, task, graph, torch.arange(2), corrupted=True)
+
+
+def test_the_curves_sizes_sharing_memory_are_each_sizes_own_patched_pass(models, monkeypatch) -> None:
+    """The curve's passes share their sums' and gathers' memory: each size still reads only its own circuit.
+
+    Small sizes gather a few writers' differences, large ones read the block whole; a gather left
+    stale by an earlier size, or a sum buffer read before it is filled, changes a size's metric.
+    """
+    from contribution_lens.circuits import evaluation
+
+    model = models["Qwen2ForCausalLM"]
+    task = random_task(model, n=3, seed=7)
+    scores = cl.circuit_scores(model, task, method="eap")
+    gathered: list[int] = []
+    gather = ic.Interchange._gathered
+
+    def counted(self, rows):
+        gathered.append(len(rows))
+        return gather(self, rows)
+
+    with monkeypatch.context() as patched:
+        patched.setattr(ic.Interchange, "_gathered", counted)
+        curve = cl.circuit_curve(model, task, scores)
+    assert len(set(gathered)) > 1  # gathers of several sizes went through the shared memory
+    for k, fraction in enumerate(evaluation.FRACTIONS):
+        alone = cl.evaluate_circuit(model, task, scores.circuit(fraction, "edge"))
+        assert_close(curve.patched[k], alone.patched, rtol=1e-5, atol=1e-5)

@@ -220,12 +220,24 @@ def _clean_and_corrupted(model: Model, task: Task, rows: Tensor) -> tuple[Tensor
 
 
 def _patched(
-    model: Model, task: Task, rows: Tensor, record: Tensor, circuit: Circuit, work: Tensor | None = None
+    model: Model,
+    task: Task,
+    rows: Tensor,
+    record: Tensor,
+    circuit: Circuit,
+    work: Tensor | None = None,
+    buffers: dict[Any, Tensor] | None = None,
 ) -> Tensor:
-    """The metric with ``circuit`` kept; ``work`` (shaped as ``record``) is overwritten with the differences."""
+    """The metric with ``circuit`` kept; ``work`` (shaped as ``record``) is overwritten with the differences.
+
+    ``buffers``, given to every pass of a batch, keeps the memory the sums are written in.
+    """
     patch = circuit.patch().to(record.device)
     work = torch.empty_like(record) if work is None else work
-    return ic.patched_metric(model, task, rows, ic.Interchange(circuit.graph, work, patch, corrupted=record))
+    buffers = {} if buffers is None else buffers
+    return ic.patched_metric(
+        model, task, rows, ic.Interchange(circuit.graph, work, patch, corrupted=record, buffers=buffers)
+    )
 
 
 def evaluate_circuit(
@@ -269,8 +281,10 @@ def circuit_curve(
         record, clean, corrupted = _clean_and_corrupted(model, task, rows)
         # One tensor for every size's differences (a fresh one a size costs, on a CPU, as much in
         # page faults as writing it), the recording left as it is.
-        work = torch.empty_like(record)
-        patched = [_size_metric(model, task, rows, record, circuit, clean, corrupted, work) for circuit in circuits]
+        work, buffers = torch.empty_like(record), dict[Any, Tensor]()
+        patched = [
+            _size_metric(model, task, rows, record, circuit, (clean, corrupted), work, buffers) for circuit in circuits
+        ]
         parts.append((clean.cpu(), corrupted.cpu(), torch.stack(patched).cpu()))
     counts = [len(c.chosen) if level == "node" else int(c.kept.sum()) for c in circuits]
     return CircuitCurve(
@@ -292,10 +306,11 @@ def _size_metric(
     rows: Tensor,
     record: Tensor,
     circuit: Circuit,
-    clean: Tensor,
-    corrupted: Tensor,
+    ends: tuple[Tensor, Tensor],
     work: Tensor,
+    buffers: dict[Any, Tensor],
 ) -> Tensor:
+    clean, corrupted = ends
     if circuit.level == "edge" and bool(circuit.kept.all()):
         return clean
     patch = circuit.patch()
@@ -303,4 +318,4 @@ def _size_metric(
         return clean
     if bool(patch.sum() == circuit.graph.valid.sum()):
         return corrupted
-    return _patched(model, task, rows, record, circuit, work)
+    return _patched(model, task, rows, record, circuit, work, buffers)

@@ -161,7 +161,8 @@ class Interchange:
     corrupted: Float[Tensor, "writer batch pos d_model"] | None = None
     _group: tuple[tuple[int, int], Tensor | None] = ((-1, -1), None)
     _total: Tensor | None = None
-    _buffers: dict[tuple[int, ...], Tensor] = field(default_factory=dict)
+    buffers: dict[Any, Tensor] = field(default_factory=dict)
+    """Memory the sums are written in: passes of one batch given the same dict reuse it."""
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         lo, hi = self.graph.writer_range(kind, layer)
@@ -219,14 +220,28 @@ class Interchange:
         """
         _, batch, pos, d_model = self.delta.shape
         shape = (batch * pos, weights.shape[1], d_model)
-        if self._buffers.get(shape) is None:
-            self._buffers[shape] = self.delta.new_empty(shape)
-        out = self._buffers[shape]
+        if self.buffers.get(shape) is None:
+            self.buffers[shape] = self.delta.new_empty(shape)
+        out = self.buffers[shape]
         if 2 * len(rows) > weights.shape[0]:
             _moved(self.delta[: weights.shape[0]], weights, out)
         else:
-            _moved(self.delta[rows], weights[rows], out)
+            _moved(self._gathered(rows), weights[rows], out)
         return out.view(batch, pos, weights.shape[1], d_model)
+
+    def _gathered(self, rows: Int[Tensor, " row"]) -> Float[Tensor, "row batch pos d_model"]:
+        """``delta[rows]``, gathered into memory already held (the largest gather so far).
+
+        An indexing gather allocates its result afresh each layer; on a CPU the page faults of
+        that allocation cost several times the copy itself.
+        """
+        shape = (len(rows), *self.delta.shape[1:])
+        size = math.prod(shape)
+        held = self.buffers.get("gather")
+        if held is None or held.numel() < size or held.dtype != self.delta.dtype:
+            held = self.buffers["gather"] = self.delta.new_empty(size)
+        out = held[:size].view(shape)
+        return torch.index_select(self.delta, 0, rows, out=out)
 
 
 @dataclass
