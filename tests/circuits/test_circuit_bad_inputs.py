@@ -97,7 +97,11 @@ def test_a_task_the_model_cannot_read_is_refused(model) -> None:
     odd = cl.Task("odd", task.clean, task.corrupted, task.answer, task.foil, task.last, metric="kl")
     with (
         no_pass(model),
-        pytest.raises(ValueError, match=r"^task.metric: unknown metric 'kl'; known: logit_diff, prob$"),
+        pytest.raises(
+            ValueError,
+            match=r"^task.metric: circuits read logit_diff or probability at the last position, not 'kl' "
+            r"\(use task.with_metric\('logit_diff'\)\)$",
+        ),
     ):
         cl.circuit_scores(model, odd, method="eap")
     with no_pass(model), pytest.raises(ValueError, match=r"^task must be a contribution_lens Task, got tuple$"):

@@ -107,23 +107,30 @@ def test_the_identities_hold_on_smollm2(bundled_model) -> None:
     assert len(scores.edges) == len(graph.edges) and bool(torch.isfinite(scores.edge_scores).all())
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_the_unembedding_of_the_last_positions_alone_gives_the_full_passes_metric(models, form) -> None:
-    """`metric_pass` unembeds ``[batch 1 d_model]`` (each prompt's last real position) and reads the metric the
-    full logits give; `embedding_pass` (stopped before the first block) records the full pass's embeddings."""
-    from contribution_lens.adapter import circuit_pass, embedding_pass
+@pytest.mark.parametrize("form", [*FORMS, "Gemma2ForCausalLM"])
+def test_the_unembedding_of_the_last_positions_alone_gives_the_full_passes_metric(models, form, tmp_path) -> None:
+    """`metric_pass` unembeds each prompt's last real position alone: for the logit difference only the answer's
+    and the foil's columns (the pass stops at the unembedding's input; Gemma 2's logit soft-cap applied), for the
+    probability ``[batch 1 d_vocab]``; each reads the metric the full logits give. `embedding_pass` (stopped before
+    the first block) records the full pass's embeddings."""
+    from contribution_lens.adapter import circuit_pass, embedding_pass, logit_softcap
 
+    if form not in models:
+        models[form] = cl.load_model(str(architectures.build(form, tmp_path / form)))
     model = models[form]
+    assert (logit_softcap(model) is not None) == (form == "Gemma2ForCausalLM")
     task = random_task(model)
     rows = torch.arange(len(task))
     graph = cl.circuit_graph(model)
-    shapes = []
-    with model.hooks(fwd_hooks=[("unembed.hook_out", lambda x, hook: shapes.append(tuple(x.shape)))]):
-        got = ic.metric_pass(model, task, rows, ic.Null(), corrupted=True)
-    assert shapes == [(len(task), 1, int(model.cfg.d_vocab))]
-    with torch.inference_mode():
-        want = ic.metric(task, circuit_pass(model, task.corrupted, ic.Null()), rows)
-    assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for metric, unembedded in (("logit_diff", []), ("probability", [(len(task), 1, int(model.cfg.d_vocab))])):
+        read = task.with_metric(metric)
+        shapes: list[tuple[int, ...]] = []
+        with model.hooks(fwd_hooks=[("unembed.hook_out", lambda x, hook, seen=shapes: seen.append(tuple(x.shape)))]):
+            got = ic.metric_pass(model, read, rows, ic.Null(), corrupted=True)
+        assert shapes == unembedded, metric
+        with torch.inference_mode():
+            want = read.metric_values(circuit_pass(model, read.corrupted, ic.Null()))
+        assert_close(got, want, rtol=1e-5, atol=1e-6)
     full, embeddings = ic.Record(graph), ic.Record(graph)
     with torch.inference_mode():
         circuit_pass(model, task.clean, full)
@@ -131,7 +138,7 @@ def test_the_unembedding_of_the_last_positions_alone_gives_the_full_passes_metri
     n = graph.n_embeddings
     assert full.outputs is not None and embeddings.outputs is not None
     assert torch.equal(embeddings.outputs[:n], full.outputs[:n])
-    assert not bool(embeddings.outputs[n:].any()), "a block ran"
+    assert embeddings.written == n and full.written == len(graph.writers), "a block ran"
 
 
 def test_a_recording_in_an_earlier_batchs_memory_is_the_fresh_recording(models) -> None:

@@ -1,5 +1,8 @@
 """The circuit wiring's shared-input projection: each head's own gradient from one norm and one product."""
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
 import torch.autograd.forward_ad as forward_ad
@@ -8,26 +11,56 @@ from torch import nn
 import contribution_lens as cl
 from conftest import tiny_bridge
 from contribution_lens.adapter import circuit_wiring
-from contribution_lens.adapter.circuit_wiring import _one_input_expanded, _SharedInput
+from contribution_lens.adapter.circuit_wiring import _Norm, _one_input_expanded, _SharedInput
+from contribution_lens.adapter.logit_readout import FrozenNorm
 
 GENERATOR = torch.Generator().manual_seed(0)
 HEADS, D_MODEL, D_HEAD = 3, 6, 2
 
 
-def _norms() -> dict[str, nn.Module]:
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMS norm: ``x / sqrt(mean(x^2) + eps) * (1 + w)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.rand(D_MODEL, generator=GENERATOR, dtype=torch.float64) - 0.5)
+        self.eps = 1e-6
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def _norms() -> dict[str, object]:
     layer, rms = nn.LayerNorm(D_MODEL).double(), nn.RMSNorm(D_MODEL, eps=1e-5).double()
+    offset = OffsetRMSNorm()
     with torch.no_grad():
         for module in (layer, rms):
             module.weight.copy_(torch.rand(D_MODEL, generator=GENERATOR, dtype=torch.float64) + 0.5)
         layer.bias.copy_(torch.randn(D_MODEL, generator=GENERATOR, dtype=torch.float64))
     scale = torch.rand(2, 4, 1, generator=GENERATOR, dtype=torch.float64) + 0.5
-    return {"LayerNorm": layer, "RMSNorm": rms, "frozen scale": lambda x: x * layer.weight / scale[..., None]}
+    f64 = torch.float64
+    return {
+        "LayerNorm": layer,
+        "RMSNorm": rms,
+        "frozen scale": lambda x: x * layer.weight / scale[..., None],
+        "LayerNorm, closed form": _Norm(layer, f64, FrozenNorm(True, layer.weight.detach(), layer.bias.detach()), 1e-5),
+        "RMSNorm, closed form": _Norm(rms, f64, FrozenNorm(False, rms.weight.detach(), None), 1e-5),
+        "offset RMSNorm, closed form": _Norm(offset, f64, FrozenNorm(False, 1.0 + offset.weight.detach(), None), 1e-6),
+    }
 
 
-@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm", "frozen scale"])
-def test_each_heads_gradient_is_the_one_of_its_own_normed_input(name) -> None:
-    """Against the per-head way: every head normed apart, in float64, with a different gradient a head."""
+CLOSED = ["LayerNorm, closed form", "RMSNorm, closed form", "offset RMSNorm, closed form"]
+
+
+@pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm", "frozen scale", *CLOSED])
+def test_each_heads_gradient_is_the_one_of_its_own_normed_input(name, monkeypatch) -> None:
+    """Against the per-head way: every head normed apart, in float64, with a different gradient a head; a norm
+    of known form (`_Norm`: LayerNorm, RMSNorm, Gemma's offset gain) takes the closed-form product, any other
+    autograd's."""
     norm = _norms()[name]
+    closed = []
+    vjp = circuit_wiring._norm_vjp
+    monkeypatch.setattr(circuit_wiring, "_norm_vjp", lambda *args: closed.append(1) or vjp(*args))
     W = torch.randn(HEADS, D_MODEL, D_HEAD, generator=GENERATOR, dtype=torch.float64)
     stream = torch.randn(2, 4, D_MODEL, generator=GENERATOR, dtype=torch.float64).requires_grad_(True)
     upstream = torch.randn(2, 4, HEADS, D_HEAD, generator=GENERATOR, dtype=torch.float64)
@@ -41,6 +74,21 @@ def test_each_heads_gradient_is_the_one_of_its_own_normed_input(name) -> None:
     for mine, theirs in zip(found[0], found[1], strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-12, atol=1e-12)
     assert not torch.allclose(found[0][1][:, :, 0], found[0][1][:, :, 1])  # the heads' gradients differ
+    assert len(closed) == (name in CLOSED)
+
+
+def test_the_norms_of_the_bundled_families_are_known_forms() -> None:
+    """GPT-2's LayerNorm and the RMS norms of Llama-like and Gemma models take the closed-form product (with the
+    model's own eps); a norm of another kind keeps autograd's."""
+    import architectures
+
+    for name, centre in (("LlamaForCausalLM", False), ("Gemma3ForCausalLM", False), ("GPT2LMHeadModel", True)):
+        model = cl.load_model(str(architectures.build(name, Path(tempfile.mkdtemp()) / name)))
+        norm = _Norm.of(model.blocks[0].ln1, torch.float32)
+        module = model.blocks[0].ln1.original_component
+        assert norm.form is not None and norm.form.centre == centre, name
+        assert norm.eps == getattr(module, "variance_epsilon", getattr(module, "eps", None)), name
+    assert _Norm.of(nn.Identity(), torch.float32).form is None
 
 
 def test_the_shared_way_is_taken_only_for_one_expanded_input_autograd_records() -> None:
@@ -55,13 +103,34 @@ def test_the_shared_way_is_taken_only_for_one_expanded_input_autograd_records() 
         assert not _one_input_expanded(dual[:, :, None].expand(-1, -1, HEADS, -1))
 
 
-def test_eaps_gradient_pass_norms_each_layers_input_once_a_side(monkeypatch) -> None:
-    """A clean gradient pass projects every layer's q, k and v inputs the shared way (3 a layer)."""
-    model = tiny_bridge("gqa")
+@pytest.mark.parametrize("biases", [False, True])
+def test_eaps_gradient_pass_norms_each_layers_input_once_a_side(monkeypatch, biases) -> None:
+    """A clean gradient pass projects every layer's q, k and v inputs the shared way (3 a layer), taking the
+    model's own projections as their values (none computed twice); the scores are those of projections of its own."""
+    model = tiny_bridge("gqa", biases=biases)
     calls = []
     apply = _SharedInput.apply
-    monkeypatch.setattr(circuit_wiring._SharedInput, "apply", lambda *args: calls.append(1) or apply(*args))
+    monkeypatch.setattr(circuit_wiring._SharedInput, "apply", lambda *args: calls.append(args[3]) or apply(*args))
     ids = torch.randint(0, 50, (2, 5), generator=GENERATOR)
     task = cl.Task("t", ids, ids.flip(0), ids[:, 0], ids[:, 1], cl.Task.full_length(ids))
-    cl.circuit_scores(model, task, method="eap")
+    reused = cl.circuit_scores(model, task, method="eap").edge_scores
     assert len(calls) == 3 * model.cfg.n_layers
+    assert all(own is not None for own in calls), "a projection computed twice"
+    monkeypatch.setattr(circuit_wiring, "_expands", lambda x, stream: False)
+    calls.clear()
+    own = cl.circuit_scores(model, task, method="eap").edge_scores
+    assert len(calls) == 3 * model.cfg.n_layers and all(x is None for x in calls)
+    torch.testing.assert_close(reused, own, rtol=1e-5, atol=1e-6)
+    assert bool(reused.abs().max() > 1e-3)
+
+
+@pytest.mark.parametrize("name", CLOSED)
+def test_each_heads_own_input_is_normed_and_projected_in_closed_form(name) -> None:
+    """A patched pass's inputs differ by head: ``N(x^h) W^h`` in closed form is the module's own norm of each
+    head's input, projected (float64; inputs whose mean is far from 0, where centring matters)."""
+    norm = _norms()[name]
+    assert isinstance(norm, _Norm)
+    W = torch.randn(HEADS, D_MODEL, D_HEAD, generator=GENERATOR, dtype=torch.float64)
+    x = 3 * torch.randn(2, 4, HEADS, D_MODEL, generator=GENERATOR, dtype=torch.float64) + 2
+    want = torch.einsum("bphd,hde->bphe", norm.module(x), W)
+    torch.testing.assert_close(norm.projected(x, W), want, rtol=1e-12, atol=1e-12)

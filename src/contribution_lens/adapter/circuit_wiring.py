@@ -40,7 +40,13 @@ from torch.autograd import forward_ad
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
 from contribution_lens.adapter.forms import PRE_LN, block_forms
 from contribution_lens.adapter.hooks import StopForward, hooked, is_causal_model, output_weights
-from contribution_lens.adapter.logit_readout import FrozenNorm, _frozen_norm, post_attention_norm
+from contribution_lens.adapter.logit_readout import (
+    FrozenNorm,
+    _frozen_norm,
+    logit_softcap,
+    post_attention_norm,
+    unembedding,
+)
 from contribution_lens.adapter.qk_wiring import architecture_name
 
 READS = ("q", "k", "v", "mlp", "logits")
@@ -114,6 +120,60 @@ def layout(model: Model) -> Layout:
 
 
 @dataclass(frozen=True)
+class _Norm:
+    """A layer's pre-attention norm on any ``[..., d_model]``: the model's own module (in its dtype, then float32
+    at least), and its form where that is known, for a vector-Jacobian product in closed form (`_SharedInput`).
+
+    Known forms, ``N(x) = gain * P(x) / r(x) + bias`` with ``r(x) = sqrt(mean(P(x)^2) + eps)``: a
+    ``torch.nn.LayerNorm`` (``P`` subtracts the mean) and a Hugging Face ``*RMSNorm`` (``P`` is the
+    identity; Gemma's ``1 + w`` as the gain). Any other module keeps autograd's product.
+    """
+
+    module: Any
+    dtype: torch.dtype
+    form: FrozenNorm | None = None
+    eps: float | None = None
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return _up(self.module(x.to(self.dtype)))
+
+    def projected(
+        self, x: Float[Tensor, "batch pos head d_model"], W: Float[Tensor, "head d_model d_head"]
+    ) -> Float[Tensor, "batch pos head d_head"]:
+        """``N(x^h) W^h`` for every head's own input, in closed form (a known form: ``form`` is set).
+
+        ``(gain * P(x) / r + bias) W = (x W_gain - mean(x) 1 W_gain) / r + bias W`` with ``W_gain``
+        the gain folded into ``W``: the scale ``r`` a head and position, and no normed copy of
+        ``[batch pos head d_model]`` (the module's own norm makes several, elementwise).
+        """
+        assert self.form is not None and self.eps is not None
+        form, x = self.form, _up(x)
+        W = W.to(x.dtype)
+        W_gain = W if form.gain is None else W * _up(form.gain).to(x.dtype)[None, :, None]
+        out = einops.einsum(x, W_gain, "b p h d, h d e -> b p h e")
+        if form.centre:
+            mean = x.mean(-1, keepdim=True)
+            square = (x - mean).pow(2).mean(-1, keepdim=True)
+            out = out - mean * W_gain.sum(1)
+        else:
+            square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).pow(2) / x.shape[-1]
+        out = out * torch.rsqrt(square + self.eps)
+        if form.bias is not None:
+            out = out + einops.einsum(_up(form.bias).to(x.dtype), W, "d, h d e -> h e")
+        return out
+
+    @classmethod
+    def of(cls, component: Any, dtype: torch.dtype) -> "_Norm":
+        module = getattr(component, "original_component", None) or component
+        form, eps = _frozen_norm(component), getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        layer_norm = isinstance(module, torch.nn.LayerNorm)
+        known = (layer_norm and form.centre) or (type(module).__name__.endswith("RMSNorm") and not form.centre)
+        if not known or not isinstance(eps, float):
+            return cls(module, dtype)
+        return cls(module, dtype, form, eps)
+
+
+@dataclass(frozen=True)
 class _LayerWeights:
     W: dict[str, Float[Tensor, "head d_model d_head"]]
     b: dict[str, Float[Tensor, "head d_head"] | None]
@@ -126,12 +186,6 @@ class _LayerWeights:
 def _up(tensor: Tensor) -> Tensor:
     """``tensor`` in float32 at least: float32 accumulation whatever the model's dtype (float64 stays)."""
     return tensor if tensor.dtype == torch.float64 else tensor.float()
-
-
-def _norm_fn(component: Any, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
-    """The model's own pre-attention norm on any ``[..., d_model]`` (in the model's dtype, then float32 at least)."""
-    module = getattr(component, "original_component", None) or component
-    return lambda x: _up(module(x.to(dtype)))
 
 
 def _weights(model: Model, layer: int, dtype: torch.dtype) -> _LayerWeights:
@@ -149,20 +203,43 @@ def _weights(model: Model, layer: int, dtype: torch.dtype) -> _LayerWeights:
         W={side: _up(getattr(attn, f"W_{side.upper()}").detach()) for side in "qkv"},
         b={side: bias(f"b_{side.upper()}") for side in "qkv"},
         W_O=_up(W_O),
-        norm=_norm_fn(model.blocks[layer].ln1, dtype),
+        norm=_Norm.of(model.blocks[layer].ln1, dtype),
         post=post_attention_norm(model, layer),
         post_name=post_name,
     )
 
 
-def _project(weights: _LayerWeights, side: str, x: Float[Tensor, "batch pos head d_model"]) -> Tensor:
-    """``LN1(x^h) W^h + b^h`` per head: each head's own input normed with its own scale."""
+def _project(
+    weights: _LayerWeights,
+    side: str,
+    x: Float[Tensor, "batch pos head d_model"],
+    own: Float[Tensor, "batch pos head d_head"] | None = None,
+) -> Tensor:
+    """``LN1(x^h) W^h + b^h`` per head: each head's own input normed with its own scale.
+
+    ``own``: the model's own projection of ``x``, where ``x`` is the stream the model read expanded
+    over heads: its value is then this one, and only the heads' gradients are added (`_SharedInput`).
+    """
+    bias = weights.b[side]
     if _one_input_expanded(x):
-        out = _SharedInput.apply(x, weights.W[side], weights.norm)
+        unbiased = own if own is None or bias is None else own - bias
+        out = _SharedInput.apply(x, weights.W[side], weights.norm, unbiased)
+    elif isinstance(weights.norm, _Norm) and weights.norm.form is not None:
+        out = weights.norm.projected(x, weights.W[side])
     else:
         out = einops.einsum(weights.norm(x), weights.W[side], "b p h d, h d e -> b p h e")
-    bias = weights.b[side]
     return out if bias is None else out + bias
+
+
+def _expands(x: Tensor, stream: Tensor) -> bool:
+    """Whether ``x`` ``[batch pos head d_model]`` is ``stream`` ``[batch pos d_model]`` itself, expanded over heads."""
+    return (
+        x.data_ptr() == stream.data_ptr()
+        and x.shape[:2] == stream.shape[:2]
+        and x.shape[3] == stream.shape[2]
+        and (x.stride(0), x.stride(1), x.stride(2), x.stride(3))
+        == (stream.stride(0), stream.stride(1), 0, stream.stride(2))
+    )
 
 
 def _one_input_expanded(x: Tensor) -> bool:
@@ -182,28 +259,77 @@ class _SharedInput(torch.autograd.Function):
     The gradient methods need ``dm/dx^h`` for every head apart, ``J_LN1(s)^T W^h dm/dq^h``; the
     per-head forward pass that gives it autograd's way norms ``s`` once a head, and that pass and
     its backward, elementwise on ``[batch pos head d_model]``, cost a third of a forward pass of
-    Qwen2.5-0.5B. Here ``s`` is normed once and projected by every head in one product; the
-    backward pass applies the norm's own vector-Jacobian product to every head's gradient at once
-    (batched), recomputing the norm. Forward-mode tangents are not defined: a pass that carries
-    them takes the per-head way (`_one_input_expanded`).
+    Qwen2.5-0.5B. Here ``s`` is normed once and projected by every head in one product, or, given
+    ``own``, the model's own projection of ``s`` (bias apart) is the value. In the backward pass a
+    norm of known form (`_Norm`) takes its product in closed form: with
+    ``n = P(s) / r``, ``u = gain * (W^h g^h)`` and ``d`` the width,
+
+        J^T u = (P(u) - n (n . u) / d) / r,
+
+    where ``n . u = (gain * n) W^h . g^h`` is read off this pass's projection: one product and one
+    rank-one correction a head, nothing elementwise on ``[batch pos head d_model]`` beyond them. Any
+    other norm applies its own vector-Jacobian product to every head's gradient at once (batched),
+    recomputing the norm. Forward-mode tangents are not defined: a pass that carries them takes the
+    per-head way (`_one_input_expanded`).
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, W: Tensor, norm: Callable[[Tensor], Tensor]) -> Tensor:
+    def forward(ctx: Any, x: Tensor, W: Tensor, norm: Callable[[Tensor], Tensor], own: Tensor | None = None) -> Tensor:
         shared = x[:, :, :1].detach()  # ``[batch pos 1 d_model]``: the norm takes a head axis
         ctx.norm = norm
-        ctx.save_for_backward(shared, W)
         with torch.no_grad():
-            return einops.einsum(norm(shared)[:, :, 0], W, "b p d, h d e -> b p h e")
+            # The model's own projection where it computed this one (bias apart): not computed twice.
+            out = einops.einsum(norm(shared)[:, :, 0], W, "b p d, h d e -> b p h e") if own is None else own.detach()
+            if not isinstance(norm, _Norm) or norm.form is None or norm.eps is None:
+                ctx.save_for_backward(shared, W)
+                return out
+            form, s = norm.form, shared[:, :, 0]
+            centred = s - s.mean(-1, keepdim=True) if form.centre else s
+            r = (centred.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
+            W_gain = W if form.gain is None else W * _up(form.gain).to(W.dtype)[None, :, None]
+            bias = None if form.bias is None else einops.einsum(_up(form.bias).to(W.dtype), W, "d, h d e -> h e")
+        ctx.centre = form.centre
+        ctx.save_for_backward(centred / r, r, W_gain, out if bias is None else out - bias)
+        return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+        if len(ctx.saved_tensors) == 4:
+            return _norm_vjp(ctx.centre, grad, *ctx.saved_tensors), None, None, None
         shared, W = ctx.saved_tensors
         grad_normed = einops.einsum(grad, W.to(grad.dtype), "b p h e, h d e -> h b p d")[:, :, :, None]
         with torch.enable_grad():
             leaf = shared.detach().requires_grad_(True)
             (grads,) = torch.autograd.grad(ctx.norm(leaf), leaf, grad_normed, is_grads_batched=True)
-        return grads[:, :, :, 0].permute(1, 2, 0, 3), None, None
+        return grads[:, :, :, 0].permute(1, 2, 0, 3), None, None, None
+
+
+def _norm_vjp(
+    centre: bool,
+    grad: Float[Tensor, "batch pos head d_head"],
+    n: Float[Tensor, "batch pos d_model"],
+    r: Float[Tensor, "batch pos 1"],
+    W_gain: Float[Tensor, "head d_model d_head"],
+    linear: Float[Tensor, "batch pos head d_head"],
+) -> Float[Tensor, "batch pos head d_model"]:
+    """``(P(u) - n (n . u) / d) / r`` for every head, ``u = gain * (W^h g^h)`` (`_SharedInput`).
+
+    ``W_gain`` is ``W`` with the gain folded in and ``linear`` the projection ``(gain * n) W^h``:
+    then ``u / r = W_gain (g / r)``, ``(n . u) / r = linear . (g / r)`` and ``mean(u) / r = mean_d(W_gain) . (g / r)``.
+    The result is laid out heads first (a view ``[batch pos head d_model]``), as the products of
+    differences and gradients read each head's gradient: one contiguous block a head.
+    """
+    batch, pos = grad.shape[:2]
+    scaled = grad / r[..., None].to(grad.dtype)
+    W_gain = W_gain.to(grad.dtype)
+    out = torch.bmm(einops.rearrange(scaled, "b p h e -> h (b p) e"), W_gain.transpose(1, 2))
+    d_model = out.shape[-1]
+    along_n = einops.rearrange((linear.to(grad.dtype) * scaled).sum(-1), "b p h -> h (b p) 1")
+    out.addcmul_(along_n, n.to(grad.dtype).reshape(1, batch * pos, d_model), value=-1.0 / d_model)
+    if centre:  # P(u) = u - mean(u); n is centred already
+        mean = einops.einsum(scaled, W_gain.mean(1), "b p h e, h e -> h b p")
+        out.sub_(einops.rearrange(mean, "h b p -> h (b p) 1"))
+    return einops.rearrange(out, "h (b p) d -> b p h d", b=batch, p=pos)
 
 
 def _layer_hooks(
@@ -211,6 +337,7 @@ def _layer_hooks(
 ) -> list[tuple[str, HookFn]]:
     weights = _weights(model, layer, dtype)
     kept: dict[str, Tensor] = {}
+    edited = {"attention_in": False}  # whether this pass replaced the layer's attention input (`read_shared`)
     block = f"blocks.{layer}"
     if frozen:
         # LN1 with this pass's scale, detached: the q, k, v inputs are read through a frozen norm too.
@@ -223,6 +350,7 @@ def _layer_hooks(
     def attention_in(tensor: Tensor, hook: Any) -> Tensor | None:
         share = getattr(stream, "read_shared", None)  # one input for every head: the model's own projections
         x = None if share is None else share(layer, _up(tensor))
+        edited["attention_in"] = x is not None
         return None if x is None else x.to(tensor.dtype)
 
     def keep_scale1(tensor: Tensor, hook: Any) -> None:
@@ -230,8 +358,17 @@ def _layer_hooks(
 
     def projection(side: str) -> HookFn:
         def hook(tensor: Tensor, hook: Any) -> Tensor | None:
-            x = stream.read(side, layer, _up(kept["resid"]))
-            return None if x is None else _project(weights, side, x).reshape(tensor.shape).to(tensor.dtype)
+            resid = _up(kept["resid"])
+            x = stream.read(side, layer, resid)
+            if x is None:
+                return None
+            # The stream read as it is, expanded over heads: the model projected that very input (and its
+            # projection carries no forward-mode tangent, which the shared way does not define).
+            reusable = (
+                not edited["attention_in"] and _expands(x, resid) and forward_ad.unpack_dual(tensor).tangent is None
+            )
+            own = _up(tensor).reshape(*x.shape[:3], -1) if reusable else None
+            return _project(weights, side, x, own).reshape(tensor.shape).to(tensor.dtype)
 
         return hook
 
@@ -295,6 +432,7 @@ def circuit_pass(
     freeze_patterns: bool = False,
     patterns: dict[int, Tensor] | None = None,
     last: Int[Tensor, " batch"] | None = None,
+    columns: Int[Tensor, "batch column"] | None = None,
 ) -> Float[Tensor, "batch logit_pos d_vocab"]:
     """The logits of one forward pass on ``tokens`` with ``stream`` called at every write and read.
 
@@ -311,6 +449,11 @@ def circuit_pass(
     position a prompt): the unembedding reads only those positions and the logits are
     ``[batch 1 d_vocab]``; a circuit's metric reads nothing else, and the unembedding of every
     position is a quarter of a forward pass of a model with a large vocabulary (Qwen2.5-0.5B).
+    ``columns`` (with ``last``; a few vocabulary ids a prompt): the logits of those ids alone,
+    ``[batch 1 column]`` in float32 (the model's logit soft-cap applied); the pass stops at the
+    unembedding. A metric that reads two logits then reads two columns of ``W_U``, not all of it: on
+    a CPU the unembedding of a few rows is bound by reading its weights (545 MB in Qwen2.5-0.5B),
+    once in the pass and once more in a backward pass.
     """
     dtype = model_dtype(model)
     shape = layout(model)
@@ -323,12 +466,19 @@ def circuit_pass(
     hooks.append(("ln_final.hook_in", _final_hook(stream)))
     if patterns is not None:
         hooks += [(f"blocks.{layer}.attn.hook_pattern", _keeper(patterns, layer)) for layer in range(shape.n_layers)]
+    found: dict[str, Tensor] = {}
     if last is not None and "unembed.hook_in" in model.hook_dict:
-        hooks.append(("unembed.hook_in", _at_positions(last)))
+        read = _at_positions(last) if columns is None else _columns_at(model, last, columns, found)
+        hooks.append(("unembed.hook_in", read))
     with hooked(model, hooks), _weights_need_no_gradient(model), warnings.catch_warnings():
         # A detached hook_scale counts as an edit: the bridge then rebuilds the norm's output from it.
         warnings.filterwarnings("ignore", message=".*edited hook_scale.*")
-        return model(tokens.to(_device(model)))
+        try:
+            return model(tokens.to(_device(model)))
+        except StopForward:
+            if "logits" not in found:
+                raise
+            return found["logits"]
 
 
 @contextmanager
@@ -373,6 +523,27 @@ def _at_positions(last: Tensor) -> HookFn:
     def hook(tensor: Tensor, hook: Any) -> Tensor:
         rows = torch.arange(tensor.shape[0], device=tensor.device)
         return tensor[rows, last.to(tensor.device)][:, None]
+
+    return hook
+
+
+def _columns_at(model: Model, last: Tensor, columns: Tensor, found: dict[str, Tensor]) -> HookFn:
+    """``z[b, c] = x_b . W_U[:, columns[b, c]] (+ b_U)`` at each prompt's ``last``, kept in ``found``; then stop.
+
+    The soft-cap ``cap * tanh(z / cap)`` (Gemma 2) is what the model applies after the unembedding.
+    """
+    W_U, b_U = unembedding(model)
+    cap = logit_softcap(model)
+
+    def hook(tensor: Tensor, hook: Any) -> None:
+        rows = torch.arange(tensor.shape[0], device=tensor.device)
+        chosen = columns.to(tensor.device)
+        x = _up(tensor[rows, last.to(tensor.device)])
+        z = einops.einsum(x, _up(W_U[:, chosen]).to(x.dtype), "batch d, d batch column -> batch column")
+        if b_U is not None:
+            z = z + _up(b_U[chosen]).to(x.dtype)
+        found["logits"] = (z if cap is None else cap * torch.tanh(z / cap))[:, None]
+        raise StopForward
 
     return hook
 

@@ -43,13 +43,21 @@ def _prob(logits: Tensor, answer: Tensor, foil: Tensor) -> Tensor:
     return logits.softmax(-1).gather(1, answer[:, None])[:, 0]
 
 
-METRICS: dict[str, MetricFn] = {"logit_diff": _logit_diff, "prob": _prob}
-"""Per-prompt metrics at the last position: the logit difference answer - foil, or the answer's probability."""
+METRICS: dict[str, MetricFn] = {"logit_diff": _logit_diff, "probability": _prob}
+"""Per-prompt metrics a circuit pass reads at the last position (`Task`'s names): the logit difference
+answer - foil, or the answer's probability. Not ``kl``: it compares a run with the clean run's whole
+distribution, which a patched pass does not hold."""
+
+TWO_LOGITS = frozenset({"logit_diff"})
+"""The metrics that read the answer's and the foil's logits alone: a pass unembeds only those two columns."""
 
 
 def check_metric(task: Task) -> MetricFn:
     if task.metric not in METRICS:
-        raise ValueError(f"task.metric: unknown metric {task.metric!r}; known: {', '.join(METRICS)}")
+        raise ValueError(
+            f"task.metric: circuits read {' or '.join(METRICS)} at the last position, not {task.metric!r} "
+            "(use task.with_metric('logit_diff'))"
+        )
     return METRICS[task.metric]
 
 
@@ -68,12 +76,20 @@ def _metric(task: Task, at_last: Float[Tensor, "batch d_vocab"], rows: Int[Tenso
 def metric_pass(model: Model, task: Task, rows: Int[Tensor, " batch"], stream: Any, **options: Any) -> Tensor:
     """The metric of the prompts ``rows`` in one circuit pass through ``stream`` (``options``: `circuit_pass`'s).
 
-    Only each prompt's last real position is unembedded (`circuit_pass`'s ``last``): the metric reads
-    nothing else. ``corrupted=True`` runs the counterfactual prompts.
+    Only each prompt's last real position is unembedded (`circuit_pass`'s ``last``), and of it only
+    the answer's and the foil's logits where the metric reads no other (`TWO_LOGITS`).
+    ``corrupted=True`` runs the counterfactual prompts.
     """
     corrupted = options.pop("corrupted", False)
     last = task.last[rows]
-    logits = circuit_pass(model, tokens(task, rows, corrupted), stream, last=last, **options)
+    read = check_metric(task)
+    two = task.metric in TWO_LOGITS and "unembed.hook_in" in model.hook_dict
+    columns = torch.stack([task.answer[rows], task.foil[rows]], 1) if two else None
+    logits = circuit_pass(model, tokens(task, rows, corrupted), stream, last=last, columns=columns, **options)
+    if columns is not None:  # the two columns alone: the answer's, then the foil's
+        pair = logits[:, 0] if logits.dtype == torch.float64 else logits[:, 0].float()
+        first = torch.zeros(len(rows), dtype=torch.long, device=pair.device)
+        return read(pair, first, first + 1)
     if logits.shape[1] == 1:  # unembedded at ``last`` alone
         return _metric(task, logits[:, 0], rows)
     return metric(task, logits, rows)
@@ -109,7 +125,8 @@ class Record:
         out = out[:, self.window]
         if self.outputs is None:
             batch, pos, _, d_model = out.shape
-            self.outputs = reused(self.storage, (len(self.graph.writers), batch, pos, d_model), out)
+            # Not zeroed: every writer's rows are written before `record` hands them over (it counts them).
+            self.outputs = reused(self.storage, (len(self.graph.writers), batch, pos, d_model), out, zeroed=False)
         lo, hi = self.graph.writer_range(kind, layer)
         self.outputs[lo:hi] = out.detach().permute(2, 0, 1, 3)
         self.written += hi - lo
@@ -479,11 +496,12 @@ def tokens(task: Task, rows: Tensor, corrupted: bool = False) -> Int[Tensor, "ba
     return (task.corrupted if corrupted else task.clean)[rows]
 
 
-def reused(storage: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tensor:
+def reused(storage: Tensor | None, shape: tuple[int, ...], like: Tensor, zeroed: bool = True) -> Tensor:
     """Zeros of ``shape`` (``like``'s dtype and device), in ``storage``'s memory where it is big enough.
 
     A method scoring batch after batch hands each batch's differences the last one's memory: on a
-    CPU a fresh tensor this size costs as much in page faults as filling it.
+    CPU a fresh tensor this size costs as much in page faults as filling it. ``zeroed=False``: left
+    as the memory was, for a caller that writes every element.
     """
     numel = math.prod(shape)
     if (
@@ -491,8 +509,9 @@ def reused(storage: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tens
         and (storage.dtype, storage.device) == (like.dtype, like.device)
         and storage.numel() >= numel
     ):
-        return storage.reshape(-1)[:numel].view(shape).zero_()
-    return like.new_zeros(shape)
+        held = storage.reshape(-1)[:numel].view(shape)
+        return held.zero_() if zeroed else held
+    return like.new_zeros(shape) if zeroed else like.new_empty(shape)
 
 
 def record(
