@@ -192,3 +192,21 @@ def test_the_curves_sizes_sharing_memory_are_each_sizes_own_patched_pass(models,
     for k, fraction in enumerate(evaluation.FRACTIONS):
         alone = cl.evaluate_circuit(model, task, scores.circuit(fraction, "edge"))
         assert_close(curve.patched[k], alone.patched, rtol=1e-5, atol=1e-5)
+
+
+def test_a_bridge_without_an_unembedding_hook_reads_the_two_columns_off_the_full_logits(models, monkeypatch) -> None:
+    """Where the pass cannot stop at the unembedding's input, the logit difference reads the answer's and the foil's
+    columns of the full logits at ``last``: the same metric."""
+    model = models["gqa-biases"]
+    task = random_task(model)
+    rows = torch.arange(len(task))
+    want = ic.metric_pass(model, task, rows, ic.Null())
+    names = type(model).hook_dict
+    hidden = property(lambda self: {k: v for k, v in names.fget(self).items() if k != "unembed.hook_in"})
+    monkeypatch.setattr(type(model), "hook_dict", hidden)
+    assert "unembed.hook_in" not in model.hook_dict
+    shapes: list[tuple[int, ...]] = []
+    with model.hooks(fwd_hooks=[("unembed.hook_out", lambda x, hook, seen=shapes: seen.append(tuple(x.shape)))]):
+        got = ic.metric_pass(model, task, rows, ic.Null())
+    assert shapes == [(len(task), task.clean.shape[1], int(model.cfg.d_vocab))]  # the full logits ran
+    assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -451,9 +451,10 @@ def circuit_pass(
     position is a quarter of a forward pass of a model with a large vocabulary (Qwen2.5-0.5B).
     ``columns`` (with ``last``; a few vocabulary ids a prompt): the logits of those ids alone,
     ``[batch 1 column]`` in float32 (the model's logit soft-cap applied); the pass stops at the
-    unembedding. A metric that reads two logits then reads two columns of ``W_U``, not all of it: on
-    a CPU the unembedding of a few rows is bound by reading its weights (545 MB in Qwen2.5-0.5B),
-    once in the pass and once more in a backward pass.
+    unembedding (or, in a bridge without an unembedding hook, reads them off the full logits). A
+    metric that reads two logits then reads two columns of ``W_U``, not all of it: on a CPU the
+    unembedding of a few rows is bound by reading its weights (545 MB in Qwen2.5-0.5B), once in
+    the pass and once more in a backward pass.
     """
     dtype = model_dtype(model)
     shape = layout(model)
@@ -474,11 +475,17 @@ def circuit_pass(
         # A detached hook_scale counts as an edit: the bridge then rebuilds the norm's output from it.
         warnings.filterwarnings("ignore", message=".*edited hook_scale.*")
         try:
-            return model(tokens.to(_device(model)))
+            logits = model(tokens.to(_device(model)))
         except StopForward:
             if "logits" not in found:
                 raise
             return found["logits"]
+    if columns is None or last is None:
+        return logits
+    # No unembedding hook to stop at: the columns of the full logits at ``last``.
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    at_last = _up(logits[rows, last.to(logits.device)])
+    return at_last.gather(1, columns.to(logits.device))[:, None]
 
 
 @contextmanager

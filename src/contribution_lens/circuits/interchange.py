@@ -83,8 +83,7 @@ def metric_pass(model: Model, task: Task, rows: Int[Tensor, " batch"], stream: A
     corrupted = options.pop("corrupted", False)
     last = task.last[rows]
     read = check_metric(task)
-    two = task.metric in TWO_LOGITS and "unembed.hook_in" in model.hook_dict
-    columns = torch.stack([task.answer[rows], task.foil[rows]], 1) if two else None
+    columns = torch.stack([task.answer[rows], task.foil[rows]], 1) if task.metric in TWO_LOGITS else None
     logits = circuit_pass(model, tokens(task, rows, corrupted), stream, last=last, columns=columns, **options)
     if columns is not None:  # the two columns alone: the answer's, then the foil's
         pair = logits[:, 0] if logits.dtype == torch.float64 else logits[:, 0].float()
