@@ -137,6 +137,19 @@ class _Norm:
     def __call__(self, x: Tensor) -> Tensor:
         return _up(self.module(x.to(self.dtype)))
 
+    @property
+    def closed(self) -> bool:
+        """Whether the form is known: products in closed form (`projected`, `_norm_vjp`)."""
+        return self.form is not None and self.eps is not None
+
+    def folded(self, W: Float[Tensor, "head d_model d_head"]) -> tuple[Tensor, Tensor | None]:
+        """``W`` with the gain folded in, ``gain[:, None] * W^h``, and the bias's projection ``bias W^h`` (or None)."""
+        assert self.form is not None
+        form = self.form
+        W_gain = W if form.gain is None else W * _up(form.gain).to(W.dtype)[None, :, None]
+        bias = None if form.bias is None else einops.einsum(_up(form.bias).to(W.dtype), W, "d, h d e -> h e")
+        return W_gain, bias
+
     def projected(
         self, x: Float[Tensor, "batch pos head d_model"], W: Float[Tensor, "head d_model d_head"]
     ) -> Float[Tensor, "batch pos head d_head"]:
@@ -147,20 +160,17 @@ class _Norm:
         ``[batch pos head d_model]`` (the module's own norm makes several, elementwise).
         """
         assert self.form is not None and self.eps is not None
-        form, x = self.form, _up(x)
-        W = W.to(x.dtype)
-        W_gain = W if form.gain is None else W * _up(form.gain).to(x.dtype)[None, :, None]
+        x = _up(x)
+        W_gain, bias = self.folded(W.to(x.dtype))
         out = einops.einsum(x, W_gain, "b p h d, h d e -> b p h e")
-        if form.centre:
+        if self.form.centre:
             mean = x.mean(-1, keepdim=True)
             square = (x - mean).pow(2).mean(-1, keepdim=True)
             out = out - mean * W_gain.sum(1)
         else:
             square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).pow(2) / x.shape[-1]
         out = out * torch.rsqrt(square + self.eps)
-        if form.bias is not None:
-            out = out + einops.einsum(_up(form.bias).to(x.dtype), W, "d, h d e -> h e")
-        return out
+        return out if bias is None else out + bias
 
     @classmethod
     def of(cls, component: Any, dtype: torch.dtype) -> "_Norm":
@@ -224,7 +234,7 @@ def _project(
     if _one_input_expanded(x):
         unbiased = own if own is None or bias is None else own - bias
         out = _SharedInput.apply(x, weights.W[side], weights.norm, unbiased)
-    elif isinstance(weights.norm, _Norm) and weights.norm.form is not None:
+    elif isinstance(weights.norm, _Norm) and weights.norm.closed:
         out = weights.norm.projected(x, weights.W[side])
     else:
         out = einops.einsum(weights.norm(x), weights.W[side], "b p h d, h d e -> b p h e")
@@ -280,15 +290,15 @@ class _SharedInput(torch.autograd.Function):
         with torch.no_grad():
             # The model's own projection where it computed this one (bias apart): not computed twice.
             out = einops.einsum(norm(shared)[:, :, 0], W, "b p d, h d e -> b p h e") if own is None else own.detach()
-            if not isinstance(norm, _Norm) or norm.form is None or norm.eps is None:
+            if not isinstance(norm, _Norm) or not norm.closed:
                 ctx.save_for_backward(shared, W)
                 return out
-            form, s = norm.form, shared[:, :, 0]
-            centred = s - s.mean(-1, keepdim=True) if form.centre else s
+            assert norm.form is not None and norm.eps is not None
+            s, centre = shared[:, :, 0], norm.form.centre
+            centred = s - s.mean(-1, keepdim=True) if centre else s
             r = (centred.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
-            W_gain = W if form.gain is None else W * _up(form.gain).to(W.dtype)[None, :, None]
-            bias = None if form.bias is None else einops.einsum(_up(form.bias).to(W.dtype), W, "d, h d e -> h e")
-        ctx.centre = form.centre
+            W_gain, bias = norm.folded(W)
+        ctx.centre = centre
         ctx.save_for_backward(centred / r, r, W_gain, out if bias is None else out - bias)
         return out
 

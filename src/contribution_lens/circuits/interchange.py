@@ -85,10 +85,9 @@ def metric_pass(model: Model, task: Task, rows: Int[Tensor, " batch"], stream: A
     read = check_metric(task)
     columns = torch.stack([task.answer[rows], task.foil[rows]], 1) if task.metric in TWO_LOGITS else None
     logits = circuit_pass(model, tokens(task, rows, corrupted), stream, last=last, columns=columns, **options)
-    if columns is not None:  # the two columns alone: the answer's, then the foil's
-        pair = logits[:, 0] if logits.dtype == torch.float64 else logits[:, 0].float()
-        first = torch.zeros(len(rows), dtype=torch.long, device=pair.device)
-        return read(pair, first, first + 1)
+    if columns is not None:  # the two columns alone (float32 at least): the answer's, then the foil's
+        first = torch.zeros(len(rows), dtype=torch.long, device=logits.device)
+        return read(logits[:, 0], first, first + 1)
     if logits.shape[1] == 1:  # unembedded at ``last`` alone
         return _metric(task, logits[:, 0], rows)
     return metric(task, logits, rows)
@@ -125,7 +124,7 @@ class Record:
         if self.outputs is None:
             batch, pos, _, d_model = out.shape
             # Not zeroed: every writer's rows are written before `record` hands them over (it counts them).
-            self.outputs = reused(self.storage, (len(self.graph.writers), batch, pos, d_model), out, zeroed=False)
+            self.outputs = reused(self.storage, (len(self.graph.writers), batch, pos, d_model), out)
         lo, hi = self.graph.writer_range(kind, layer)
         self.outputs[lo:hi] = out.detach().permute(2, 0, 1, 3)
         self.written += hi - lo
@@ -495,12 +494,12 @@ def tokens(task: Task, rows: Tensor, corrupted: bool = False) -> Int[Tensor, "ba
     return (task.corrupted if corrupted else task.clean)[rows]
 
 
-def reused(storage: Tensor | None, shape: tuple[int, ...], like: Tensor, zeroed: bool = True) -> Tensor:
-    """Zeros of ``shape`` (``like``'s dtype and device), in ``storage``'s memory where it is big enough.
+def reused(storage: Tensor | None, shape: tuple[int, ...], like: Tensor) -> Tensor:
+    """Memory of ``shape`` (``like``'s dtype and device), ``storage``'s where it is big enough, not zeroed.
 
-    A method scoring batch after batch hands each batch's differences the last one's memory: on a
-    CPU a fresh tensor this size costs as much in page faults as filling it. ``zeroed=False``: left
-    as the memory was, for a caller that writes every element.
+    A method scoring batch after batch hands each batch's recording the last one's memory: on a
+    CPU a fresh tensor this size costs as much in page faults as filling it. The caller writes
+    every element.
     """
     numel = math.prod(shape)
     if (
@@ -508,9 +507,8 @@ def reused(storage: Tensor | None, shape: tuple[int, ...], like: Tensor, zeroed:
         and (storage.dtype, storage.device) == (like.dtype, like.device)
         and storage.numel() >= numel
     ):
-        held = storage.reshape(-1)[:numel].view(shape)
-        return held.zero_() if zeroed else held
-    return like.new_zeros(shape) if zeroed else like.new_empty(shape)
+        return storage.reshape(-1)[:numel].view(shape)
+    return like.new_empty(shape)
 
 
 def record(
