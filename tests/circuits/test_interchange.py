@@ -67,6 +67,51 @@ def test_a_node_level_circuit_is_the_patching_of_the_nodes_left_out(models, form
     assert not torch.allclose(direct, ic.patched_metric(model, task, rows, ic.Null())), "the patch changed nothing"
 
 
+class _EachInput:
+    """The module's formula read literally: every input its own sum ``s_i + sum_u P[u, i] (r_u - o_u)``."""
+
+    def __init__(self, graph, corrupted, patch) -> None:
+        self.graph, self.corrupted, self.patch, self.delta = graph, corrupted, patch, corrupted.clone()
+
+    def write(self, kind, layer, out):
+        lo, hi = self.graph.writer_range(kind, layer)
+        self.delta[lo:hi] = self.corrupted[lo:hi] - out.permute(2, 0, 1, 3)
+
+    def read(self, kind, layer, stream):
+        lo, hi = self.graph.input_range(kind, layer)
+        upstream = int(self.graph.upstream[lo])
+        moved = torch.einsum("ui,ubpd->bpid", self.patch[:upstream, lo:hi], self.delta[:upstream])
+        return stream[:, :, None] + moved
+
+
+def test_an_edge_circuits_patched_pass_is_each_inputs_own_sum_in_float64() -> None:
+    """Circuits of every density (read as patched edges or as kept ones), one patching only MLP inputs (each
+    MLP's sum over earlier layers read with its attention's inputs) and one patching only the edges from a
+    layer's heads into its MLP, against each input's literal sum."""
+    model = tiny_bridge("gqa", biases=True).to(torch.float64)
+    task = random_task(model, seed=3)
+    graph = cl.circuit_graph(model)
+    rows = torch.arange(len(task))
+    record, _ = ic.record(model, task, graph, rows, corrupted=True)
+    generator = torch.Generator().manual_seed(0)
+    valid = graph.valid.double()
+    patches = [(torch.rand(valid.shape, generator=generator) < p).double() * valid for p in (0.1, 0.5, 0.95)]
+    is_mlp = torch.tensor([name.endswith(".mlp") for name in graph.inputs])
+    patches.append(valid * is_mlp)
+    same_layer = torch.zeros_like(valid)
+    for layer in range(graph.n_layers):
+        lo, hi = graph.writer_range("heads", layer)
+        same_layer[lo:hi, graph.input_range("mlp", layer)[0]] = 1
+    patches.append(same_layer)
+    for patch in patches:
+        with torch.inference_mode():
+            want = ic.metric_pass(model, task, rows, _EachInput(graph, record, patch))
+        for share in (True, False):
+            stream = ic.Interchange(graph, record.clone(), patch, share_identical=share)
+            assert_close(ic.patched_metric(model, task, rows, stream), want, rtol=0, atol=1e-10)
+    assert not torch.allclose(want, ic.patched_metric(model, task, rows, ic.Null())), "the patch changed nothing"
+
+
 def test_a_padded_prompt_reads_its_metric_at_its_last_real_position(models) -> None:
     model = models["gqa-biases"]
     task = random_task(model)
@@ -168,30 +213,55 @@ def test_a_recording_that_misses_a_writer_is_refused(models, monkeypatch) -> Non
 
 
 def test_the_curves_sizes_sharing_memory_are_each_sizes_own_patched_pass(models, monkeypatch) -> None:
-    """The curve's passes share their sums' and gathers' memory: each size still reads only its own circuit.
+    """The curve's passes share their sums' and gathers' memory, within a batch and from batch to batch: each
+    size still reads only its own circuit.
 
-    Small sizes gather a few writers' differences, large ones read the block whole; a gather left
-    stale by an earlier size, or a sum buffer read before it is filled, changes a size's metric.
+    Small sizes gather a few writers' differences in blocks of positions, large ones read the block
+    whole; a gather left stale by an earlier size or block, a sum buffer read before it is filled,
+    or a batch's recording read in the memory of the batch before, changes a size's metric.
     """
     from contribution_lens.circuits import evaluation
 
     model = models["Qwen2ForCausalLM"]
-    task = random_task(model, n=3, seed=7)
+    task = random_task(model, n=5, seed=7)
     scores = cl.circuit_scores(model, task, method="eap")
-    gathered: list[int] = []
-    gather = ic.Interchange._gathered
+    graph = scores.graph
+    per_prompt = task.clean.shape[1] * len(graph.writers) * int(model.cfg.d_model) * 4 * 2
+    sums: list[tuple[int, int]] = []
+    original = ic.Interchange._sum
 
-    def counted(self, rows):
-        gathered.append(len(rows))
-        return gather(self, rows)
+    def counted(self, rows, weights, out):
+        sums.append((len(rows), weights.shape[0]))
+        return original(self, rows, weights, out)
 
     with monkeypatch.context() as patched:
-        patched.setattr(ic.Interchange, "_gathered", counted)
-        curve = cl.circuit_curve(model, task, scores)
-    assert len(set(gathered)) > 1  # gathers of several sizes went through the shared memory
+        patched.setattr(ic.Interchange, "_sum", counted)
+        # Three rows' differences at three positions a block: several blocks a gather, the last one short.
+        patched.setattr(ic, "GATHER_BYTES", 3 * 3 * int(model.cfg.d_model) * 4)
+        curve = cl.circuit_curve(model, task, scores, memory=2 * per_prompt)  # batches of 2, 2 and 1
+    gathered = {rows for rows, upstream in sums if rows < upstream}
+    assert len(gathered) > 1 and any(rows == upstream for rows, upstream in sums)
     for k, fraction in enumerate(evaluation.FRACTIONS):
-        alone = cl.evaluate_circuit(model, task, scores.circuit(fraction, "edge"))
+        alone = cl.evaluate_circuit(model, task, scores.circuit(fraction, "edge"))  # one batch, fresh memory
         assert_close(curve.patched[k], alone.patched, rtol=1e-5, atol=1e-5)
+
+
+def test_a_sum_over_gathered_rows_is_the_product_over_every_row(monkeypatch) -> None:
+    """``_sum`` over a subset of rows, gathered in blocks of positions (the last one short), equals the dense product
+    with zero weights elsewhere, in float64."""
+    generator = torch.Generator().manual_seed(0)
+    delta = torch.randn(7, 2, 5, 4, generator=generator, dtype=torch.float64)
+    weights = torch.randn(7, 3, generator=generator, dtype=torch.float64)
+    rows = torch.tensor([1, 4, 5])
+    weights[[0, 2, 3, 6]] = 0
+    stream = ic.Interchange(cl.circuits.graph.Graph(1, 1, 1, False), delta, weights)
+    expected = torch.einsum("ui,ubpd->bpid", weights, delta)
+    for gather_bytes in (1, 3 * 3 * 4 * 8, 10**9):  # one position a block, three (of ten), all at once
+        monkeypatch.setattr(ic, "GATHER_BYTES", gather_bytes)
+        out = stream._sum(rows, weights, torch.empty(2, 5, 3, 4, dtype=torch.float64))
+        assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    every = stream._sum(torch.arange(7), weights, torch.empty(2, 5, 3, 4, dtype=torch.float64))
+    assert_close(every, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_a_bridge_without_an_unembedding_hook_reads_the_two_columns_off_the_full_logits(models, monkeypatch) -> None:

@@ -213,9 +213,15 @@ def _check_circuit(model: Model, circuit: Any) -> None:
         raise ValueError(f"circuit: its graph {circuit.graph} is not this model's {graph}")
 
 
-def _clean_and_corrupted(model: Model, task: Task, rows: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _clean_and_corrupted(
+    model: Model, task: Task, rows: Tensor, storage: Tensor | None = None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The counterfactual's recording and the clean and counterfactual metrics of ``rows``.
+
+    ``storage``: an earlier batch's recording, no longer needed, whose memory this one may take.
+    """
     graph = circuit_graph(model)
-    record, corrupted = ic.record(model, task, graph, rows, corrupted=True)
+    record, corrupted = ic.record(model, task, graph, rows, corrupted=True, storage=storage)
     return record, ic.patched_metric(model, task, rows, ic.Null()), corrupted
 
 
@@ -248,9 +254,14 @@ def evaluate_circuit(
     _check_circuit(model, circuit)
     results: list[list[Tensor]] = [[], [], []]
     size = ic.batch_size(task, len(circuit.graph.writers), int(model.cfg.d_model), 2.0, memory)
+    record: Tensor | None = None
+    work: Tensor | None = None
+    buffers = dict[Any, Tensor]()
     for rows in ic.batches(task, size):
-        record, clean, corrupted = _clean_and_corrupted(model, task, rows)
-        for kept, value in zip(results, (clean, corrupted, _patched(model, task, rows, record, circuit)), strict=True):
+        record, clean, corrupted = _clean_and_corrupted(model, task, rows, storage=record)
+        work = ic.reused(work, tuple(record.shape), record)  # the batch before's memory (see circuit_curve)
+        patched = _patched(model, task, rows, record, circuit, work, buffers)
+        for kept, value in zip(results, (clean, corrupted, patched), strict=True):
             kept.append(value.cpu())
     clean, corrupted, patched = (torch.cat(parts) for parts in results)
     return CircuitEvaluation(task.name, circuit, clean, corrupted, patched, seed)
@@ -277,11 +288,14 @@ def circuit_curve(
     _check_circuit(model, circuits[0])
     size = ic.batch_size(task, len(scores.graph.writers), int(model.cfg.d_model), 2.0, memory)
     parts: list[tuple[Tensor, Tensor, Tensor]] = []
+    record: Tensor | None = None
+    work: Tensor | None = None
+    buffers = dict[Any, Tensor]()
     for rows in ic.batches(task, size):
-        record, clean, corrupted = _clean_and_corrupted(model, task, rows)
-        # One tensor for every size's differences (a fresh one a size costs, on a CPU, as much in
-        # page faults as writing it), the recording left as it is.
-        work, buffers = torch.empty_like(record), dict[Any, Tensor]()
+        record, clean, corrupted = _clean_and_corrupted(model, task, rows, storage=record)
+        # One tensor for every size's differences, the recording left as it is, and both in the
+        # memory of the batch before: a fresh one costs, on a CPU, as much in page faults as writing it.
+        work = ic.reused(work, tuple(record.shape), record)
         patched = [
             _size_metric(model, task, rows, record, circuit, (clean, corrupted), work, buffers) for circuit in circuits
         ]

@@ -176,6 +176,8 @@ class Interchange:
     corrupted: Float[Tensor, "writer batch pos d_model"] | None = None
     _group: tuple[tuple[int, int], Tensor | None] = ((-1, -1), None)
     _total: Tensor | None = None
+    _mlp: tuple[int, Tensor | None] = (-1, None)
+    """The layer whose MLP input's early sum (`_early`) is held, and that sum (None: nothing patched)."""
     buffers: dict[Any, Tensor] = field(default_factory=dict)
     """Memory the sums are written in: passes of one batch given the same dict reuse it."""
 
@@ -188,10 +190,15 @@ class Interchange:
         return None
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
+        if kind == "mlp" and self._mlp[0] == layer:
+            return self._mlp_input(layer, stream)
         start, end = self.graph.input_group(kind, layer)
         if self._group[0] != (start, end):  # a layer's q, k and v inputs are computed together, once
             upstream = int(self.graph.upstream[start])
-            self._group = ((start, end), self._inputs(self.patch[:upstream, start:end], stream))
+            self._group = (
+                (start, end),
+                self._inputs(self.patch[:upstream, start:end], stream, self._early(kind, layer)),
+            )
         group = self._group[1]
         lo, hi = self.graph.input_range(kind, layer)
         return None if group is None else group[:, :, lo - start : hi - start]
@@ -205,58 +212,118 @@ class Interchange:
         patched = self.patch[: int(self.graph.upstream[start]), start:end]
         if not self.share_identical or not bool((patched == patched[:, :1]).all()):
             return None
-        shared = self._inputs(patched[:, :1], stream)
+        shared = self._inputs(patched[:, :1], stream, self._early("q", layer))
         self._group = ((start, end), None)  # the q, k and v reads then keep the model's own computation
         return None if shared is None else shared[:, :, 0]
 
-    def _inputs(self, patched: Tensor, stream: Tensor) -> Tensor | None:
+    def _early(self, kind: str, layer: int) -> Tensor | None:
+        """The MLP input's weights over the writers before ``layer``, read with its attention's inputs.
+
+        Those writers' differences are then read once a layer, not twice: the MLP's own read adds only
+        its layer's heads (`_mlp_input`).
+        """
+        if kind not in ("q", "k", "v"):
+            return None
+        upstream = self.graph.layer_start(layer)
+        column = self.graph.input_range("mlp", layer)[0]
+        self._mlp = (layer, None)
+        return self.patch[:upstream, column : column + 1]
+
+    def _inputs(self, patched: Tensor, stream: Tensor, early: Tensor | None = None) -> Tensor | None:
         """``s + sum_u P[u, i] delta_u``, or ``s + sum_u delta_u - sum_u (1 - P[u, i]) delta_u`` when fewer are kept.
 
         The writers upstream are exactly those written so far, whose differences' sum is kept as
         they are written: a small circuit then costs its kept edges, a large one its patched edges.
+        ``early`` (`_early`): one more column, the MLP's sum over these writers, kept for its read
+        without ``s``.
         """
-        patched = patched.to(self.delta.dtype)
-        if self.skip_unpatched and not bool(patched.any()):
+        columns = [patched.to(self.delta.dtype)]
+        needed = not (self.skip_unpatched and not bool(columns[0].any()))
+        if early is not None and (not self.skip_unpatched or bool(early.any())):
+            columns.append(early.to(self.delta.dtype))
+        if not needed:
+            columns = columns[1:]
+        if not columns:
             return None  # every edge into these inputs is kept: the model's own computation is the same
-        kept = 1 - patched
-        rows_patched = torch.nonzero(patched.any(1))[:, 0]
+        weights = torch.cat(columns, 1) if len(columns) > 1 else columns[0]
+        batch, pos, d_model = stream.shape
+        out = self._buffer("inputs", (batch * pos, weights.shape[1], d_model)).view(batch, pos, -1, d_model)
+        kept = 1 - weights
+        rows_patched = torch.nonzero(weights.any(1))[:, 0]
         rows_kept = torch.nonzero(kept.any(1))[:, 0]
+        # The group's inputs are its first columns; the MLP's early sum, where there is one, the last.
+        group = out[:, :, : patched.shape[1]] if needed else None
         if len(rows_kept) < len(rows_patched) and self._total is not None:
-            moved = self._sum(rows_kept, kept).neg_()
-            return moved.add_((stream + self._total)[:, :, None])
-        return self._sum(rows_patched, patched).add_(stream[:, :, None])
-
-    def _sum(self, rows: Tensor, weights: Tensor) -> Tensor:
-        """``sum_u weights[u, i] delta_u`` over ``rows`` (gathered when few, else the contiguous block read whole).
-
-        Written into a buffer this pass keeps for inputs of that many slots: a layer's inputs are
-        read by its own hooks before the next layer's are made, and a fresh tensor of this size
-        costs, on a CPU, as much in page faults as the product that fills it.
-        """
-        _, batch, pos, d_model = self.delta.shape
-        shape = (batch * pos, weights.shape[1], d_model)
-        if self.buffers.get(shape) is None:
-            self.buffers[shape] = self.delta.new_empty(shape)
-        out = self.buffers[shape]
-        if 2 * len(rows) > weights.shape[0]:
-            _moved(self.delta[: weights.shape[0]], weights, out)
+            self._sum(rows_kept, kept, out).neg_().add_(self._total[:, :, None])
         else:
-            _moved(self._gathered(rows), weights[rows], out)
-        return out.view(batch, pos, weights.shape[1], d_model)
+            self._sum(rows_patched, weights, out)
+        if len(columns) > 1 or not needed:
+            self._mlp = (self._mlp[0], out[:, :, -1:])
+        if group is not None:
+            group.add_(stream[:, :, None])
+        return group
 
-    def _gathered(self, rows: Int[Tensor, " row"]) -> Float[Tensor, "row batch pos d_model"]:
-        """``delta[rows]``, gathered into memory already held (the largest gather so far).
+    def _mlp_input(self, layer: int, stream: Tensor) -> Tensor | None:
+        """The MLP's input: its early sum over the writers before ``layer`` plus its own layer's heads' part."""
+        _, early = self._mlp
+        self._mlp = (-1, None)
+        lo, hi = self.graph.writer_range("heads", layer)
+        column = self.graph.input_range("mlp", layer)[0]
+        heads = self.patch[lo:hi, column].to(self.delta.dtype)
+        patched = not self.skip_unpatched or bool(heads.any())
+        if early is None and not patched:
+            return None  # every edge into this input is kept
+        batch, pos, d_model = stream.shape
+        out = self._buffer("mlp", (batch, pos, 1, d_model))
+        if patched:  # a layer's heads are a few contiguous rows: read whole, no gather
+            torch.matmul(heads[None], self.delta[lo:hi].reshape(hi - lo, -1), out=out.view(1, -1))
+            out.add_(stream[:, :, None])
+        else:
+            out.copy_(stream[:, :, None])
+        return out if early is None else out.add_(early)
 
-        An indexing gather allocates its result afresh each layer; on a CPU the page faults of
-        that allocation cost several times the copy itself.
+    def _buffer(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        """Memory this pass keeps for ``name`` at ``shape``: a layer's inputs are read by its own hooks
+        before the next layer's are made, and a fresh tensor of this size costs, on a CPU, as much in
+        page faults as the product that fills it."""
+        key = (name, shape)
+        if self.buffers.get(key) is None:
+            self.buffers[key] = self.delta.new_empty(shape)
+        return self.buffers[key]
+
+    def _sum(self, rows: Tensor, weights: Tensor, out: Tensor) -> Tensor:
+        """``sum_u weights[u, i] delta_u`` over ``rows`` into ``out`` ``[batch pos input d_model]``.
+
+        Unless every row is needed (then the contiguous block is read as it is), the rows are gathered
+        a few positions at a time, each block multiplied while it is still in cache: gathering them
+        whole first writes them out and reads them back through memory, twice the product's own
+        traffic. On a CPU a product over a block in cache is also faster than one over the rows in
+        place: at 90 % of the rows it is still the cheaper.
         """
-        shape = (len(rows), *self.delta.shape[1:])
-        size = math.prod(shape)
+        upstream, batch, pos, d_model = self.delta[: weights.shape[0]].shape
+        flat = out.view(batch * pos, -1, d_model)
+        if len(rows) == upstream:
+            _moved(self.delta[:upstream], weights, flat)
+            return out
+        delta = self.delta[:upstream].view(upstream, batch * pos, d_model)
+        row_bytes = max(1, len(rows) * d_model * self.delta.element_size())
+        # A GPU has no such cache to keep a block in: it gathers the rows in one go.
+        step = batch * pos if self.delta.is_cuda else min(batch * pos, max(1, GATHER_BYTES // row_bytes))
         held = self.buffers.get("gather")
-        if held is None or held.numel() < size or held.dtype != self.delta.dtype:
-            held = self.buffers["gather"] = self.delta.new_empty(size)
-        out = held[:size].view(shape)
-        return torch.index_select(self.delta, 0, rows, out=out)
+        if held is None or held.numel() < len(rows) * step * d_model:
+            # The largest gather so far: the memory is taken once a batch, not once a layer.
+            held = self.buffers["gather"] = self.delta.new_empty(len(rows) * step * d_model)
+        chosen = weights[rows].T.contiguous()
+        for start in range(0, batch * pos, step):
+            block = delta[:, start : start + step]
+            gathered = held[: len(rows) * block.shape[1] * d_model].view(len(rows), block.shape[1], d_model)
+            torch.index_select(block, 0, rows, out=gathered)
+            torch.matmul(chosen, gathered.transpose(0, 1), out=flat[start : start + step])
+        return out
+
+
+GATHER_BYTES = 4 * 2**20
+"""Bytes of differences a CPU gathers at a time: a block the product reads again while it is in cache."""
 
 
 @dataclass
