@@ -216,52 +216,58 @@ class Interchange:
         self._group = ((start, end), None)  # the q, k and v reads then keep the model's own computation
         return None if shared is None else shared[:, :, 0]
 
-    def _early(self, kind: str, layer: int) -> Tensor | None:
-        """The MLP input's weights over the writers before ``layer``, read with its attention's inputs.
+    def _early(self, kind: str, layer: int) -> tuple[int, Tensor] | None:
+        """The MLP input's layer and weights over the writers before it, read with its attention's inputs.
 
         Those writers' differences are then read once a layer, not twice: the MLP's own read adds only
         its layer's heads (`_mlp_input`).
         """
         if kind not in ("q", "k", "v"):
             return None
-        upstream = self.graph.layer_start(layer)
         column = self.graph.input_range("mlp", layer)[0]
-        self._mlp = (layer, None)
-        return self.patch[:upstream, column : column + 1]
+        return layer, self.patch[: self.graph.layer_start(layer), column : column + 1]
 
-    def _inputs(self, patched: Tensor, stream: Tensor, early: Tensor | None = None) -> Tensor | None:
+    def _inputs(self, patched: Tensor, stream: Tensor, early: tuple[int, Tensor] | None = None) -> Tensor | None:
         """``s + sum_u P[u, i] delta_u``, or ``s + sum_u delta_u - sum_u (1 - P[u, i]) delta_u`` when fewer are kept.
 
         The writers upstream are exactly those written so far, whose differences' sum is kept as
         they are written: a small circuit then costs its kept edges, a large one its patched edges.
-        ``early`` (`_early`): one more column, the MLP's sum over these writers, kept for its read
-        without ``s``.
+        ``early`` (`_early`): one more column, the MLP's sum over these writers, held for its read
+        (without ``s``).
         """
-        columns = [patched.to(self.delta.dtype)]
-        needed = not (self.skip_unpatched and not bool(columns[0].any()))
-        if early is not None and (not self.skip_unpatched or bool(early.any())):
-            columns.append(early.to(self.delta.dtype))
-        if not needed:
-            columns = columns[1:]
-        if not columns:
+        weights, group_size = self._columns(patched, None if early is None else early[1])
+        if early is not None:
+            self._mlp = (early[0], None)
+        if weights is None:
             return None  # every edge into these inputs is kept: the model's own computation is the same
-        weights = torch.cat(columns, 1) if len(columns) > 1 else columns[0]
         batch, pos, d_model = stream.shape
         out = self._buffer("inputs", (batch * pos, weights.shape[1], d_model)).view(batch, pos, -1, d_model)
         kept = 1 - weights
         rows_patched = torch.nonzero(weights.any(1))[:, 0]
         rows_kept = torch.nonzero(kept.any(1))[:, 0]
-        # The group's inputs are its first columns; the MLP's early sum, where there is one, the last.
-        group = out[:, :, : patched.shape[1]] if needed else None
         if len(rows_kept) < len(rows_patched) and self._total is not None:
             self._sum(rows_kept, kept, out).neg_().add_(self._total[:, :, None])
         else:
             self._sum(rows_patched, weights, out)
-        if len(columns) > 1 or not needed:
-            self._mlp = (self._mlp[0], out[:, :, -1:])
-        if group is not None:
-            group.add_(stream[:, :, None])
-        return group
+        if early is not None and weights.shape[1] > group_size:
+            self._mlp = (early[0], out[:, :, -1:])
+        return out[:, :, :group_size].add_(stream[:, :, None]) if group_size else None
+
+    def _columns(self, patched: Tensor, early: Tensor | None) -> tuple[Tensor | None, int]:
+        """The weights of the columns one product computes, and how many of them are the group's own (the first).
+
+        A column none of whose edges is patched is left out (unless ``skip_unpatched`` is off): the
+        model computes that input itself.
+        """
+        wanted = [
+            (weights.to(self.delta.dtype), own)
+            for weights, own in ((patched, True), (early, False))
+            if weights is not None and (not self.skip_unpatched or bool(weights.any()))
+        ]
+        if not wanted:
+            return None, 0
+        group_size = patched.shape[1] if wanted[0][1] else 0
+        return torch.cat([weights for weights, _ in wanted], 1), group_size
 
     def _mlp_input(self, layer: int, stream: Tensor) -> Tensor | None:
         """The MLP's input: its early sum over the writers before ``layer`` plus its own layer's heads' part."""
