@@ -24,6 +24,7 @@ Example:
 """
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -213,37 +214,41 @@ def _check_circuit(model: Model, circuit: Any) -> None:
         raise ValueError(f"circuit: its graph {circuit.graph} is not this model's {graph}")
 
 
-def _clean_and_corrupted(
-    model: Model, task: Task, rows: Tensor, storage: Tensor | None = None
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The counterfactual's recording and the clean and counterfactual metrics of ``rows``.
+@dataclass
+class _Batch:
+    """One batch's counterfactual recording, clean and counterfactual metrics, and the memory its patched passes
+    write in (``work``, shaped as ``record``; ``buffers``, the sums')."""
 
-    ``storage``: an earlier batch's recording, no longer needed, whose memory this one may take.
+    rows: Tensor
+    record: Tensor
+    clean: Tensor
+    corrupted: Tensor
+    work: Tensor
+    buffers: dict[Any, Tensor]
+
+
+def _recorded_batches(model: Model, task: Task, size: int) -> Iterator[_Batch]:
+    """The task's batches of ``size`` prompts, each recorded once for every patched pass it serves.
+
+    Each batch's recording and differences take the memory of the batch before, and its sums the same
+    buffers: a fresh tensor of this size costs, on a CPU, as much in page faults as writing it.
     """
     graph = circuit_graph(model)
-    record, corrupted = ic.record(model, task, graph, rows, corrupted=True, storage=storage)
-    return record, ic.patched_metric(model, task, rows, ic.Null()), corrupted
+    record: Tensor | None = None
+    work: Tensor | None = None
+    buffers = dict[Any, Tensor]()
+    for rows in ic.batches(task, size):
+        record, corrupted = ic.record(model, task, graph, rows, corrupted=True, storage=record)
+        work = ic.reused(work, tuple(record.shape), record)
+        clean = ic.patched_metric(model, task, rows, ic.Null())
+        yield _Batch(rows, record, clean, corrupted, work, buffers)
 
 
-def _patched(
-    model: Model,
-    task: Task,
-    rows: Tensor,
-    record: Tensor,
-    circuit: Circuit,
-    work: Tensor | None = None,
-    buffers: dict[Any, Tensor] | None = None,
-) -> Tensor:
-    """The metric with ``circuit`` kept; ``work`` (shaped as ``record``) is overwritten with the differences.
-
-    ``buffers``, given to every pass of a batch, keeps the memory the sums are written in.
-    """
-    patch = circuit.patch().to(record.device)
-    work = torch.empty_like(record) if work is None else work
-    buffers = {} if buffers is None else buffers
-    return ic.patched_metric(
-        model, task, rows, ic.Interchange(circuit.graph, work, patch, corrupted=record, buffers=buffers)
-    )
+def _patched(model: Model, task: Task, batch: _Batch, circuit: Circuit) -> Tensor:
+    """The metric with ``circuit`` kept; ``batch.work`` is overwritten with the differences (the recording is not)."""
+    patch = circuit.patch().to(batch.record.device)
+    stream = ic.Interchange(circuit.graph, batch.work, patch, corrupted=batch.record, buffers=batch.buffers)
+    return ic.patched_metric(model, task, batch.rows, stream)
 
 
 def evaluate_circuit(
@@ -254,14 +259,9 @@ def evaluate_circuit(
     _check_circuit(model, circuit)
     results: list[list[Tensor]] = [[], [], []]
     size = ic.batch_size(task, len(circuit.graph.writers), int(model.cfg.d_model), 2.0, memory)
-    record: Tensor | None = None
-    work: Tensor | None = None
-    buffers = dict[Any, Tensor]()
-    for rows in ic.batches(task, size):
-        record, clean, corrupted = _clean_and_corrupted(model, task, rows, storage=record)
-        work = ic.reused(work, tuple(record.shape), record)  # the batch before's memory (see circuit_curve)
-        patched = _patched(model, task, rows, record, circuit, work, buffers)
-        for kept, value in zip(results, (clean, corrupted, patched), strict=True):
+    for batch in _recorded_batches(model, task, size):
+        patched = _patched(model, task, batch, circuit)
+        for kept, value in zip(results, (batch.clean, batch.corrupted, patched), strict=True):
             kept.append(value.cpu())
     clean, corrupted, patched = (torch.cat(parts) for parts in results)
     return CircuitEvaluation(task.name, circuit, clean, corrupted, patched, seed)
@@ -288,18 +288,9 @@ def circuit_curve(
     _check_circuit(model, circuits[0])
     size = ic.batch_size(task, len(scores.graph.writers), int(model.cfg.d_model), 2.0, memory)
     parts: list[tuple[Tensor, Tensor, Tensor]] = []
-    record: Tensor | None = None
-    work: Tensor | None = None
-    buffers = dict[Any, Tensor]()
-    for rows in ic.batches(task, size):
-        record, clean, corrupted = _clean_and_corrupted(model, task, rows, storage=record)
-        # One tensor for every size's differences, the recording left as it is, and both in the
-        # memory of the batch before: a fresh one costs, on a CPU, as much in page faults as writing it.
-        work = ic.reused(work, tuple(record.shape), record)
-        patched = [
-            _size_metric(model, task, rows, record, circuit, (clean, corrupted), work, buffers) for circuit in circuits
-        ]
-        parts.append((clean.cpu(), corrupted.cpu(), torch.stack(patched).cpu()))
+    for batch in _recorded_batches(model, task, size):  # every size's passes write in one batch's memory
+        patched = [_size_metric(model, task, batch, circuit) for circuit in circuits]
+        parts.append((batch.clean.cpu(), batch.corrupted.cpu(), torch.stack(patched).cpu()))
     counts = [len(c.chosen) if level == "node" else int(c.kept.sum()) for c in circuits]
     return CircuitCurve(
         task.name,
@@ -314,22 +305,12 @@ def circuit_curve(
     )
 
 
-def _size_metric(
-    model: Model,
-    task: Task,
-    rows: Tensor,
-    record: Tensor,
-    circuit: Circuit,
-    ends: tuple[Tensor, Tensor],
-    work: Tensor,
-    buffers: dict[Any, Tensor],
-) -> Tensor:
-    clean, corrupted = ends
+def _size_metric(model: Model, task: Task, batch: _Batch, circuit: Circuit) -> Tensor:
     if circuit.level == "edge" and bool(circuit.kept.all()):
-        return clean
+        return batch.clean
     patch = circuit.patch()
     if not bool(patch.any()):
-        return clean
+        return batch.clean
     if bool(patch.sum() == circuit.graph.valid.sum()):
-        return corrupted
-    return _patched(model, task, rows, record, circuit, work, buffers)
+        return batch.corrupted
+    return _patched(model, task, batch, circuit)

@@ -316,7 +316,7 @@ class Interchange:
         # A GPU has no such cache to keep a block in: it gathers the rows in one go.
         step = batch * pos if self.delta.is_cuda else min(batch * pos, max(1, GATHER_BYTES // row_bytes))
         held = self.buffers.get("gather")
-        if held is None or held.numel() < len(rows) * step * d_model:
+        if held is None or held.numel() < len(rows) * step * d_model or held.dtype != self.delta.dtype:
             # The largest gather so far: the memory is taken once a batch, not once a layer.
             held = self.buffers["gather"] = self.delta.new_empty(len(rows) * step * d_model)
         chosen = weights[rows].T.contiguous()
