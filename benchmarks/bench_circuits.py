@@ -7,7 +7,8 @@ measured against ``plain``, one forward pass over the clean prompts (batched as 
 * ``eap``: ``cl.circuit_scores(model, task, method="eap")`` (target: at most 3 on Qwen2.5-0.5B, 64 IOI prompts);
 * ``contribution``: the same with ``method="contribution"`` (target: at most 5 at that setting);
 * ``eap-ig``: the same with ``method="eap-ig"`` (MIB's 5 steps);
-* ``curve``: ``cl.circuit_curve(model, task, scores)``, the ten sizes at edge level (target: at most 12).
+* ``curve``: ``cl.circuit_curve(model, task, scores)``, the ten sizes at edge level (target: at most 12;
+  ``--level node``: at node level).
 
 With ``--parts``, the CPU time of each part of ``eap`` and ``contribution`` is printed too (in plain
 passes): the counterfactual's recording pass, the clean gradient pass, the forward-mode pass, the
@@ -116,6 +117,7 @@ def main() -> None:
         "--methods", default="eap,contribution,eap-ig,curve", help="comma-separated: eap, contribution, eap-ig, curve"
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's own)")
+    parser.add_argument("--level", default="edge", choices=("edge", "node"), help="the curve's circuits")
     parser.add_argument("--parts", action="store_true", help="print the CPU time of each part of eap and contribution")
     args = parser.parse_args()
     if args.threads:
@@ -141,7 +143,7 @@ def main() -> None:
         "eap": lambda: cl.circuit_scores(model, task, method="eap", memory=args.memory),
         "contribution": lambda: cl.circuit_scores(model, task, method="contribution", memory=args.memory),
         "eap-ig": lambda: cl.circuit_scores(model, task, method="eap-ig", memory=args.memory),
-        "curve": lambda: cl.circuit_curve(model, task, scores, memory=args.memory),
+        "curve": lambda: cl.circuit_curve(model, task, scores, args.level, memory=args.memory),
     }
     chosen = args.methods.split(",")
     unknown = sorted(set(chosen) - set(methods))
@@ -190,6 +192,22 @@ def main() -> None:
         if parts.get(name):
             shares = ", ".join(f"{part} {seconds / best_cpu['plain']:.2f}" for part, seconds in parts[name].items())
             print(f"{name}, parts in plain passes of CPU time (the fastest run): {shares}")
+    if "curve" in methods:
+        print(
+            f"curve ({args.level} level), MLPs each size's patched pass runs, of {graph.n_layers}:",
+            mlps_run(scores, args),
+        )
+
+
+def mlps_run(scores: cl.CircuitScores, args: argparse.Namespace) -> str:
+    """The MLPs a patched pass computes at each of the curve's sizes (the others take the counterfactual's output)."""
+    graph, counts = scores.graph, []
+    for fraction in cl.circuits.FRACTIONS[:-1]:  # the whole model is the clean pass: no patched pass
+        active = cl.circuits.interchange.active_writers(graph, scores.circuit(fraction, args.level).patch())
+        counts.append(
+            f"{fraction:g}: {sum(int(active[graph.writer_range('mlp', layer)[0]]) for layer in range(graph.n_layers))}"
+        )
+    return ", ".join(counts)
 
 
 if __name__ == "__main__":

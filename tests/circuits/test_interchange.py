@@ -103,13 +103,113 @@ def test_an_edge_circuits_patched_pass_is_each_inputs_own_sum_in_float64() -> No
         lo, hi = graph.writer_range("heads", layer)
         same_layer[lo:hi, graph.input_range("mlp", layer)[0]] = 1
     patches.append(same_layer)
+    supplied = 0
     for patch in patches:
         with torch.inference_mode():
             want = ic.metric_pass(model, task, rows, _EachInput(graph, record, patch))
-        for share in (True, False):
-            stream = ic.Interchange(graph, record.clone(), patch, share_identical=share)
+        for share, skip in ((True, False), (False, False), (True, True)):
+            stream = ic.Interchange(graph, record.clone(), patch, share_identical=share, skip_idle=skip)
             assert_close(ic.patched_metric(model, task, rows, stream), want, rtol=0, atol=1e-10)
+            supplied += len(stream._idle)
+    assert supplied, "no circuit left an MLP idle: skip_idle was not tried"
     assert not torch.allclose(want, ic.patched_metric(model, task, rows, ic.Null())), "the patch changed nothing"
+
+
+def _active_by_names(graph, patch):
+    """`active_writers` read off the edges' names: reachability from the embeddings and to the logits."""
+    unit = {name: name.split("H")[0] if "H" in name else name for name in graph.nodes}  # a layer's heads: one
+    kept = [
+        (unit[graph.writers[u]], {unit[n] for n in graph.input_nodes[i]})
+        for u, i in zip(*graph.edge_index, strict=True)
+        if patch[u, i] < 1
+    ]
+    live, useful = {unit[n] for n in graph.writers[: graph.n_embeddings]}, {"logits"}
+    for _ in graph.nodes:  # enough rounds for the longest path
+        live |= {reader for source, readers in kept if source in live for reader in readers}
+        useful |= {source for source, readers in kept if readers & useful}
+    return torch.tensor([(unit[n] in live and unit[n] in useful) or n in ("embed", "pos_embed") for n in graph.writers])
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 2, False), (2, 2, 1, True), (4, 3, 3, False)])
+def test_the_active_writers_are_those_joined_to_an_embedding_and_to_the_logits(shape) -> None:
+    graph = cl.circuits.graph.Graph(*shape)
+    generator = torch.Generator().manual_seed(len(graph.edges))
+    found = 0
+    for density in (0.02, 0.05, 0.1, 0.3, 0.9):
+        for _ in range(5):
+            patch = (torch.rand(graph.valid.shape, generator=generator) > density).float() * graph.valid
+            want = _active_by_names(graph, patch)
+            assert torch.equal(ic.active_writers(graph, patch), want)
+            found += int((~want).sum())
+    assert found, "every writer was active: nothing was tested"
+
+
+def _mlp_runs(model):
+    """Counts of each layer's MLP bridge running (its own ``hook_in``), and the handles to remove."""
+    counts = [0] * model.cfg.n_layers
+
+    def counter(layer):
+        def hook(module, args, output):
+            counts[layer] += 1
+
+        return hook
+
+    handles = [model.blocks[layer].mlp.hook_in.register_forward_hook(counter(layer)) for layer in range(len(counts))]
+    return counts, handles
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_an_idle_mlp_is_not_computed_and_no_metric_changes(models, form) -> None:
+    """Sparse edge circuits and node-level ones: the MLPs no kept path joins to an embedding and to the logits
+    are supplied with the counterfactual's output and do not run, and the metric is the one of the full pass."""
+    model = models[form]
+    task = random_task(model, seed=4)
+    graph, rows, record, _, _ = _passes(model, task)
+    generator = torch.Generator().manual_seed(1)
+    patches = [(torch.rand(graph.valid.shape, generator=generator) > 0.15).float() * graph.valid for _ in range(3)]
+    patches += [cl.Circuit.from_nodes(graph, graph.components[: len(graph.components) // 3]).patch()]
+    skipped = 0
+    for patch in patches:
+        want = ic.patched_metric(model, task, rows, ic.Interchange(graph, record.clone(), patch))
+        counts, handles = _mlp_runs(model)
+        try:
+            stream = ic.Interchange(graph, record.clone(), patch, skip_idle=True)
+            got = ic.patched_metric(model, task, rows, stream)
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert_close(got, want, rtol=0, atol=1e-5)
+        assert [layer for layer, runs in enumerate(counts) if not runs] == sorted(stream._idle)
+        skipped += len(stream._idle)
+    assert skipped, "no MLP was idle: nothing was skipped"
+    assert not cl.adapter.hidden_bias_path(model)
+
+
+def test_a_post_attention_norm_over_an_output_bias_keeps_every_mlp(tmp_path) -> None:
+    """Gemma 3 given attention biases: ``N_lin(b_O; s)`` reaches every later input whatever the circuit keeps,
+    so taking an idle MLP's counterfactual output would change the metric, and the evaluation computes them all."""
+    config = architectures.tiny_config("Gemma3ForCausalLM")
+    config.attention_bias = True
+    hf_model = architectures.model_class("Gemma3ForCausalLM")(config).eval()
+    architectures._randomise(hf_model, 5)
+    with torch.no_grad():
+        for layer in hf_model.model.layers:
+            layer.self_attn.o_proj.bias.mul_(20)  # a bias the norm's scale visibly moves
+    hf_model.save_pretrained(tmp_path)
+    architectures.tokenizer().save_pretrained(tmp_path)
+    model = cl.load_model(str(tmp_path))
+    assert cl.adapter.hidden_bias_path(model)
+    task = random_task(model, seed=4)
+    graph, rows, record, _, _ = _passes(model, task)
+    generator = torch.Generator().manual_seed(1)
+    moved = 0.0
+    for _ in range(3):
+        circuit = cl.Circuit(graph, torch.rand(len(graph.edges), generator=generator) < 0.15, "edge", 0.15)
+        exact = ic.patched_metric(model, task, rows, ic.Interchange(graph, record.clone(), circuit.patch()))
+        skipping = ic.Interchange(graph, record.clone(), circuit.patch(), skip_idle=True)
+        moved = max(moved, float((ic.patched_metric(model, task, rows, skipping) - exact).abs().max()))
+        assert_close(cl.evaluate_circuit(model, task, circuit).patched, exact, rtol=0, atol=1e-6)
+    assert moved > 1e-4, "the bias's path changed nothing: this test shows no need"
 
 
 def test_a_padded_prompt_reads_its_metric_at_its_last_real_position(models) -> None:

@@ -10,7 +10,7 @@ QK wiring. This face is what the rest of the package uses (``from contribution_l
 * `logit_readout`: the readout between the residual stream and the logit (`Readout`, `readout`);
 * `qk_wiring`: what the QK split reads (`qk_form`, `qk_plan`, `layer_writes`, `target_reads`);
 * `circuit_wiring`: where each node of a circuit graph writes and reads the stream (`circuit_pass`,
-  `embedding_pass`, `layout`).
+  `embedding_pass`, `layout`, `hidden_bias_path`).
 """
 
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
@@ -23,6 +23,7 @@ from contribution_lens.adapter.circuit_wiring import (
     circuit_pass,
     circuit_refusal,
     embedding_pass,
+    hidden_bias_path,
     layout,
 )
 from contribution_lens.adapter.forms import POST_LN, PRE_LN, PostNorm, apply_post_norm, block_forms, post_norm
@@ -177,6 +178,7 @@ __all__ = [
     "flow_capture",
     "forward",
     "has_capture",
+    "hidden_bias_path",
     "hooked",
     "is_causal_model",
     "layer_gram",

@@ -15,7 +15,9 @@ A read that returns inputs ``x`` ``[batch pos slot d_model]`` replaces what the 
 head's query is then ``LN1(x^h) W_Q^h + b_Q^h`` (each head's input normed with its own scale),
 written into ``attn.hook_q`` (before the q norm and the rotary embedding, which the model then
 applies as usual); keys and values likewise per key head. A write may return a correction
-``[batch pos d_model]`` added where that output joins the stream.
+``[batch pos d_model]`` added where that output joins the stream. A stream whose
+``supplies("mlp", layer)`` is true writes that MLP's output itself (by its correction): the MLP
+then skips its products (`_supplied_mlps`).
 
 Post-attention norms (Gemma 2/3's ``ln1_post``): the stream receives ``N(sum_h o^h + b_O)``. With
 the norm's scale ``s`` of this pass frozen, ``N`` is linear, and head ``h``'s output is its share
@@ -98,6 +100,21 @@ def circuit_refusal(model: Model) -> str | None:
         if form != PRE_LN and not form.startswith("pre-LN with a norm on the attention output"):
             return f"layer {layer} is {form}; circuits follow pre-LN blocks (with or without post-attention norms)"
     return None
+
+
+def hidden_bias_path(model: Model) -> bool:
+    """Whether a post-attention norm scales an output bias ``b_O`` by this pass's own scale.
+
+    That term, ``N_lin(b_O; s)``, joins the stream without being any node's output: through it a
+    layer's heads reach every later input whatever the circuit keeps, so no node can be taken as
+    idle (`contribution_lens.circuits.interchange.active_writers`). Gemma's attention has no bias.
+    """
+    return any(
+        post_attention_norm(model, layer) is not None
+        and (bias := output_weights(model, layer)[1]) is not None
+        and bool(bias.any())
+        for layer in range(layout(model).n_layers)
+    )
 
 
 def check_circuit_model(model: Model) -> None:
@@ -481,7 +498,12 @@ def circuit_pass(
     if last is not None and "unembed.hook_in" in model.hook_dict:
         read = _at_positions(last) if columns is None else _columns_at(model, last, columns, found)
         hooks.append(("unembed.hook_in", read))
-    with hooked(model, hooks), _weights_need_no_gradient(model), warnings.catch_warnings():
+    with (
+        hooked(model, hooks),
+        _weights_need_no_gradient(model),
+        _supplied_mlps(model, stream),
+        warnings.catch_warnings(),
+    ):
         # A detached hook_scale counts as an edit: the bridge then rebuilds the norm's output from it.
         warnings.filterwarnings("ignore", message=".*edited hook_scale.*")
         try:
@@ -515,6 +537,47 @@ def _weights_need_no_gradient(model: Model) -> Iterator[None]:
     finally:
         for weight in marked:
             weight.requires_grad_(True)
+
+
+SKIPPABLE_MLPS = ("MLPBridge", "GatedMLPBridge", "JointGateUpMLPBridge")
+"""Bridges whose forward maps ``[batch pos d_model]`` to ``[batch pos d_model]`` alone (`_supplied_mlps`)."""
+
+
+@contextmanager
+def _supplied_mlps(model: Model, stream: Stream) -> Iterator[None]:
+    """The MLPs whose output ``stream`` supplies (its ``supplies("mlp", layer)``) skip their work for one pass.
+
+    Each such MLP hands zeros through its own ``hook_out``, and the stream's write where the MLP
+    joins the stream (``hook_mlp_out``) replaces them: an MLP is most of a layer's products. A
+    bridge of another kind, or a Hugging Face module that is not a plain MLP, computes as usual
+    (the stream's write replaces its output all the same).
+    """
+    supplies = getattr(stream, "supplies", None)
+    skipped = []
+    for layer in range(layout(model).n_layers):
+        mlp = model.blocks[layer].mlp
+        if supplies is not None and supplies("mlp", layer) and _skippable(mlp):
+            skipped.append(mlp)
+    for mlp in skipped:
+        # In the instance's own dict: a bridge's setattr hands attributes on to the wrapped module.
+        vars(mlp)["forward"] = _zeros_through(mlp)
+    try:
+        yield
+    finally:
+        for mlp in skipped:
+            vars(mlp).pop("forward", None)
+
+
+def _skippable(mlp: Any) -> bool:
+    original = type(getattr(mlp, "original_component", None)).__name__
+    return type(mlp).__name__ in SKIPPABLE_MLPS and original.endswith("MLP")
+
+
+def _zeros_through(mlp: Any) -> Callable[..., Tensor]:
+    def forward(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return mlp.hook_out(torch.zeros_like(hidden))
+
+    return forward
 
 
 def embedding_pass(model: Model, tokens: Int[Tensor, "batch pos"], stream: Stream) -> None:

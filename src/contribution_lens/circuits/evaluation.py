@@ -34,7 +34,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from contribution_lens.adapter import Model
+from contribution_lens.adapter import Model, hidden_bias_path
 from contribution_lens.circuits import interchange as ic
 from contribution_lens.circuits.graph import circuit_graph
 from contribution_lens.circuits.registry import DEFAULT_MEMORY
@@ -225,6 +225,8 @@ class _Batch:
     corrupted: Tensor
     work: Tensor
     buffers: dict[Any, Tensor]
+    skip_idle: bool
+    """Whether the patched passes may skip the MLPs a circuit leaves idle (`ic.active_writers`)."""
 
 
 def _recorded_batches(model: Model, task: Task, size: int) -> Iterator[_Batch]:
@@ -237,17 +239,20 @@ def _recorded_batches(model: Model, task: Task, size: int) -> Iterator[_Batch]:
     record: Tensor | None = None
     work: Tensor | None = None
     buffers = dict[Any, Tensor]()
+    skip_idle = not hidden_bias_path(model)
     for rows in ic.batches(task, size):
         record, corrupted = ic.record(model, task, graph, rows, corrupted=True, storage=record)
         work = ic.reused(work, tuple(record.shape), record)
         clean = ic.patched_metric(model, task, rows, ic.Null())
-        yield _Batch(rows, record, clean, corrupted, work, buffers)
+        yield _Batch(rows, record, clean, corrupted, work, buffers, skip_idle)
 
 
 def _patched(model: Model, task: Task, batch: _Batch, circuit: Circuit) -> Tensor:
     """The metric with ``circuit`` kept; ``batch.work`` is overwritten with the differences (the recording is not)."""
     patch = circuit.patch().to(batch.record.device)
-    stream = ic.Interchange(circuit.graph, batch.work, patch, corrupted=batch.record, buffers=batch.buffers)
+    stream = ic.Interchange(
+        circuit.graph, batch.work, patch, corrupted=batch.record, buffers=batch.buffers, skip_idle=batch.skip_idle
+    )
     return ic.patched_metric(model, task, batch.rows, stream)
 
 

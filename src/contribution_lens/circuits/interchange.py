@@ -12,6 +12,10 @@ counterfactual's. The differences ``r_u - o_u`` are held in float32 for one batc
 whose size a memory budget sets (`batch_size`), writers first (``[writer batch pos d_model]``):
 the writers upstream of an input are then one contiguous block, read by one matrix product.
 
+An MLP whose output cannot differ from the counterfactual's or cannot reach the logits through
+kept edges (`active_writers`) need not run: with ``skip_idle`` the pass takes its recorded output
+(`Interchange.supplies`), and the adapter skips its products.
+
 The same passes serve the gradient methods: `Gradient` reads every input as ``s_i`` itself and
 keeps those tensors, so ``dm/dx_i`` is the gradient at each input (the q, k, v inputs of a head
 apart), and `NodePatch` replaces whole nodes' outputs (activation patching).
@@ -180,16 +184,41 @@ class Interchange:
     """The layer whose MLP input's early sum (`_early`) is held, and that sum (None: nothing patched)."""
     buffers: dict[Any, Tensor] = field(default_factory=dict)
     """Memory the sums are written in: passes of one batch given the same dict reuse it."""
+    skip_idle: bool = False
+    """Whether an MLP that is not `active` takes the counterfactual's output instead of computing its own
+    (`supplies`): exact only where ``delta`` (or ``corrupted``) holds a counterfactual pass's real outputs."""
+    _idle: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.skip_idle:
+            active = active_writers(self.graph, self.patch)
+            self._idle = frozenset(
+                layer
+                for layer in range(self.graph.n_layers)
+                if not bool(active[self.graph.writer_range("mlp", layer)[0]])
+            )
+
+    def supplies(self, kind: str, layer: int) -> bool:
+        """Whether this stream writes the output of ``kind`` at ``layer`` itself: the model need not compute it."""
+        return kind == "mlp" and layer in self._idle
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         lo, hi = self.graph.writer_range(kind, layer)
         source = self.delta if self.corrupted is None else self.corrupted
-        torch.sub(source[lo:hi], out.detach().permute(2, 0, 1, 3), out=self.delta[lo:hi])
+        out = out.detach().permute(2, 0, 1, 3)
+        if self.supplies(kind, layer):
+            # The counterfactual's output in place of whatever the model wrote: no difference to carry.
+            correction = (source[lo:hi] - out).sum(0)
+            self.delta[lo:hi].zero_()
+            return correction
+        torch.sub(source[lo:hi], out, out=self.delta[lo:hi])
         total = self.delta[lo:hi].sum(0)
         self._total = total if self._total is None else self._total + total
         return None
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
+        if self.supplies(kind, layer):
+            return None  # its output is the counterfactual's whatever it reads
         if kind == "mlp" and self._mlp[0] == layer:
             return self._mlp_input(layer, stream)
         start, end = self.graph.input_group(kind, layer)
@@ -222,7 +251,7 @@ class Interchange:
         Those writers' differences are then read once a layer, not twice: the MLP's own read adds only
         its layer's heads (`_mlp_input`).
         """
-        if kind not in ("q", "k", "v"):
+        if kind not in ("q", "k", "v") or self.supplies("mlp", layer):
             return None
         column = self.graph.input_range("mlp", layer)[0]
         return layer, self.patch[: self.graph.layer_start(layer), column : column + 1]
@@ -326,6 +355,49 @@ class Interchange:
             torch.index_select(block, 0, rows, out=gathered)
             torch.matmul(chosen, gathered.transpose(0, 1), out=flat[start : start + step])
         return out
+
+
+def active_writers(graph: Graph, patch: Float[Tensor, "writer input"]) -> Bool[Tensor, " writer"]:
+    """The writers whose output in ``patch``'s pass can differ from the counterfactual's and reach the logits.
+
+    An edge carries a writer's own output where ``patch < 1``. A writer is *live* where such an
+    edge joins it to an embedding through live writers (else every input it reads is the
+    counterfactual's, and so is its output), and *useful* where such edges lead on to the logits
+    (else the logits read only its counterfactual output). Any other writer may take the
+    counterfactual's output instead of computing its own, and no metric changes. A layer's heads
+    count as one: a post-attention norm's scale mixes their outputs. Not where that norm also
+    scales an output bias (`contribution_lens.adapter.hidden_bias_path`): that term reaches every
+    later input with no edge to carry it.
+
+    Example:
+        >>> g = Graph(n_layers=2, n_heads=1, n_kv_heads=1, pos_embed=False)
+        >>> patch = g.valid.float()  # every edge patched
+        >>> for edge in ("embed->L0H0<v>", "L0H0->L1.mlp", "L1.mlp->logits"):
+        ...     u, i = g.edge_index[0][g.edge_ids[edge]], g.edge_index[1][g.edge_ids[edge]]
+        ...     patch[u, i] = 0
+        >>> [name for name, on in zip(g.writers, active_writers(g, patch).tolist()) if on]
+        ['embed', 'L0H0', 'L1.mlp']
+    """
+    kept = graph.valid & (patch.cpu() < 1)
+    live = torch.zeros(len(graph.writers), dtype=torch.bool)
+    live[: graph.n_embeddings] = True
+    for layer in range(graph.n_layers):
+        start, end = graph.input_group("q", layer)
+        lo, hi = graph.writer_range("heads", layer)
+        live[lo:hi] = bool((kept[:, start:end] & live[:, None]).any())
+        live[hi] = bool((kept[:, graph.input_range("mlp", layer)[0]] & live).any())
+    useful = torch.zeros(len(graph.writers), dtype=torch.bool)
+    reads = torch.zeros(len(graph.inputs), dtype=torch.bool)  # the inputs of useful writers, and the logits'
+    reads[graph.input_range("logits", 0)[0]] = True
+    for layer in reversed(range(graph.n_layers)):
+        lo, hi = graph.writer_range("heads", layer)
+        useful[hi] = bool((kept[hi] & reads).any())
+        reads[graph.input_range("mlp", layer)[0]] |= useful[hi]
+        useful[lo:hi] = bool((kept[lo:hi] & reads).any())
+        start, end = graph.input_group("q", layer)
+        reads[start:end] |= useful[lo]
+    useful[: graph.n_embeddings] = True
+    return live & useful
 
 
 GATHER_BYTES = 4 * 2**20
