@@ -203,10 +203,8 @@ def mlps_run(scores: cl.CircuitScores, args: argparse.Namespace) -> str:
     """The MLPs a patched pass computes at each of the curve's sizes (the others take the counterfactual's output)."""
     graph, counts = scores.graph, []
     for fraction in cl.circuits.FRACTIONS[:-1]:  # the whole model is the clean pass: no patched pass
-        active = cl.circuits.interchange.active_writers(graph, scores.circuit(fraction, args.level).patch())
-        counts.append(
-            f"{fraction:g}: {sum(int(active[graph.writer_range('mlp', layer)[0]]) for layer in range(graph.n_layers))}"
-        )
+        idle = cl.circuits.interchange.idle_mlps(graph, scores.circuit(fraction, args.level).patch())
+        counts.append(f"{fraction:g}: {graph.n_layers - len(idle)}")
     return ", ".join(counts)
 
 

@@ -191,12 +191,7 @@ class Interchange:
 
     def __post_init__(self) -> None:
         if self.skip_idle:
-            active = active_writers(self.graph, self.patch)
-            self._idle = frozenset(
-                layer
-                for layer in range(self.graph.n_layers)
-                if not bool(active[self.graph.writer_range("mlp", layer)[0]])
-            )
+            self._idle = idle_mlps(self.graph, self.patch)
 
     def supplies(self, kind: str, layer: int) -> bool:
         """Whether this stream writes the output of ``kind`` at ``layer`` itself: the model need not compute it."""
@@ -398,6 +393,12 @@ def active_writers(graph: Graph, patch: Float[Tensor, "writer input"]) -> Bool[T
         reads[start:end] |= useful[lo]
     useful[: graph.n_embeddings] = True
     return live & useful
+
+
+def idle_mlps(graph: Graph, patch: Float[Tensor, "writer input"]) -> frozenset[int]:
+    """The layers whose MLP is not among the `active_writers` of ``patch``'s pass."""
+    active = active_writers(graph, patch)
+    return frozenset(layer for layer in range(graph.n_layers) if not bool(active[graph.writer_range("mlp", layer)[0]]))
 
 
 GATHER_BYTES = 4 * 2**20
