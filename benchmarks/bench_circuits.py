@@ -7,6 +7,8 @@ measured against ``plain``, one forward pass over the clean prompts (batched as 
 * ``eap``: ``cl.circuit_scores(model, task, method="eap")`` (target: at most 3 on Qwen2.5-0.5B, 64 IOI prompts);
 * ``contribution``: the same with ``method="contribution"`` (target: at most 5 at that setting);
 * ``eap-ig``: the same with ``method="eap-ig"`` (MIB's 5 steps);
+* ``activation-patching``: the same with ``method="activation-patching"`` (one pass a head and MLP: run it on
+  few prompts);
 * ``curve``: ``cl.circuit_curve(model, task, scores)``, the ten sizes at edge level (target: at most 12;
   ``--level node``: at node level).
 
@@ -114,7 +116,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--memory", type=int, default=2**30, help="bytes a batch's activation differences may take")
     parser.add_argument(
-        "--methods", default="eap,contribution,eap-ig,curve", help="comma-separated: eap, contribution, eap-ig, curve"
+        "--methods",
+        default="eap,contribution,eap-ig,curve",
+        help="comma-separated: eap, contribution, eap-ig, activation-patching, curve",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's own)")
     parser.add_argument("--level", default="edge", choices=("edge", "node"), help="the curve's circuits")
@@ -143,6 +147,7 @@ def main() -> None:
         "eap": lambda: cl.circuit_scores(model, task, method="eap", memory=args.memory),
         "contribution": lambda: cl.circuit_scores(model, task, method="contribution", memory=args.memory),
         "eap-ig": lambda: cl.circuit_scores(model, task, method="eap-ig", memory=args.memory),
+        "activation-patching": lambda: cl.circuit_scores(model, task, method="activation-patching", memory=args.memory),
         "curve": lambda: cl.circuit_curve(model, task, scores, args.level, memory=args.memory),
     }
     chosen = args.methods.split(",")
@@ -182,11 +187,11 @@ def main() -> None:
     print(f"torch threads {torch.get_num_threads()}, load average before and after: {load} / {_load()}")
     cpus = sorted(cpu for _, cpu in plains)
     print(f"plain: the median of {len(plains)} timings (CPU s from {cpus[0]:.2f} to {cpus[-1]:.2f})")
-    print(f"{'method':<12} {'seconds':>9} {'forward passes':>15} {'CPU s':>9} {'by CPU':>7} {unit:>20}")
+    print(f"{'method':<19} {'seconds':>9} {'forward passes':>15} {'CPU s':>9} {'by CPU':>7} {unit:>20}")
     for name in methods:
         ratio, by_cpu = best[name] / best["plain"], best_cpu[name] / best_cpu["plain"]
         print(
-            f"{name:<12} {best[name]:>9.3f} {ratio:>15.2f} {best_cpu[name]:>9.2f} {by_cpu:>7.2f} {peaks[name]:>20.1f}"
+            f"{name:<19} {best[name]:>9.3f} {ratio:>15.2f} {best_cpu[name]:>9.2f} {by_cpu:>7.2f} {peaks[name]:>20.1f}"
         )
     for name in ("eap", "contribution"):
         if parts.get(name):
@@ -194,17 +199,20 @@ def main() -> None:
             print(f"{name}, parts in plain passes of CPU time (the fastest run): {shares}")
     if "curve" in methods:
         print(
-            f"curve ({args.level} level), MLPs each size's patched pass runs, of {graph.n_layers}:",
-            mlps_run(scores, args),
+            f"curve ({args.level} level), layers whose heads and MLP each size's patched pass computes, of "
+            f"{graph.n_layers}:",
+            writers_run(scores, args),
         )
 
 
-def mlps_run(scores: cl.CircuitScores, args: argparse.Namespace) -> str:
-    """The MLPs a patched pass computes at each of the curve's sizes (the others take the counterfactual's output)."""
+def writers_run(scores: cl.CircuitScores, args: argparse.Namespace) -> str:
+    """The layers whose heads and MLP a patched pass computes at each of the curve's sizes (the others take the
+    counterfactual's output): ``size: heads/mlps``."""
     graph, counts = scores.graph, []
     for fraction in cl.circuits.FRACTIONS[:-1]:  # the whole model is the clean pass: no patched pass
-        idle = cl.circuits.interchange.idle_mlps(graph, scores.circuit(fraction, args.level).patch())
-        counts.append(f"{fraction:g}: {graph.n_layers - len(idle)}")
+        idle = cl.circuits.interchange.idle_writers(graph, scores.circuit(fraction, args.level).patch())
+        run = [graph.n_layers - sum(kind == wanted for kind, _ in idle) for wanted in ("heads", "mlp")]
+        counts.append(f"{fraction:g}: {run[0]}/{run[1]}")
     return ", ".join(counts)
 
 

@@ -10,6 +10,7 @@ from circuit_helpers import random_task
 import architectures
 import contribution_lens as cl
 from conftest import assert_close, tiny_bridge
+from contribution_lens import adapter
 from contribution_lens.circuits import interchange as ic
 
 # Tiny checkpoints of real families: learned positions and biases (GPT-2), post-attention norms and
@@ -86,8 +87,9 @@ class _EachInput:
 
 def test_an_edge_circuits_patched_pass_is_each_inputs_own_sum_in_float64() -> None:
     """Circuits of every density (read as patched edges or as kept ones), one patching only MLP inputs (each
-    MLP's sum over earlier layers read with its attention's inputs) and one patching only the edges from a
-    layer's heads into its MLP, against each input's literal sum."""
+    MLP's sum over earlier layers read with its attention's inputs), one patching only the edges from a
+    layer's heads into its MLP and one whose layer 1 heads read the counterfactual alone but write through
+    kept edges, against each input's literal sum."""
     model = tiny_bridge("gqa", biases=True).to(torch.float64)
     task = random_task(model, seed=3)
     graph = cl.circuit_graph(model)
@@ -103,15 +105,23 @@ def test_an_edge_circuits_patched_pass_is_each_inputs_own_sum_in_float64() -> No
         lo, hi = graph.writer_range("heads", layer)
         same_layer[lo:hi, graph.input_range("mlp", layer)[0]] = 1
     patches.append(same_layer)
-    supplied = 0
+    # Layer 1's heads read only the counterfactual (every edge in patched) and write on through kept edges:
+    # idle, their outputs must be the counterfactual's, not whatever the stream would have made them.
+    cut_off = (torch.rand(valid.shape, generator=generator) < 0.5).double() * valid
+    lo, hi = graph.writer_range("heads", 1)
+    start, end = graph.input_group("q", 1)
+    cut_off[:, start:end] = valid[:, start:end]
+    cut_off[lo:hi] = 0
+    patches.append(cut_off)
+    supplied: set[str] = set()
     for patch in patches:
         with torch.inference_mode():
             want = ic.metric_pass(model, task, rows, _EachInput(graph, record, patch))
         for share, skip in ((True, False), (False, False), (True, True)):
             stream = ic.Interchange(graph, record.clone(), patch, share_identical=share, skip_idle=skip)
             assert_close(ic.patched_metric(model, task, rows, stream), want, rtol=0, atol=1e-10)
-            supplied += len(stream._idle)
-    assert supplied, "no circuit left an MLP idle: skip_idle was not tried"
+            supplied |= {kind for kind, _ in stream._idle}
+    assert supplied == {"mlp", "heads"}, f"the circuits left idle only {supplied}: skip_idle was not fully tried"
     assert not torch.allclose(want, ic.patched_metric(model, task, rows, ic.Null())), "the patch changed nothing"
 
 
@@ -158,31 +168,134 @@ def _mlp_runs(model):
     return counts, handles
 
 
+def _per_head_reads(stream):
+    """The layers whose heads ``stream`` hands inputs of their own (a q, k or v read that is not None)."""
+    read, found = stream.read, set()
+
+    def counted(kind, layer, resid):
+        x = read(kind, layer, resid)
+        if kind in ("q", "k", "v") and x is not None:
+            found.add(layer)
+        return x
+
+    stream.read = counted
+    return found
+
+
 @pytest.mark.parametrize("form", FORMS)
-def test_an_idle_mlp_is_not_computed_and_no_metric_changes(models, form) -> None:
-    """Sparse edge circuits and node-level ones: the MLPs no kept path joins to an embedding and to the logits
-    are supplied with the counterfactual's output and do not run, and the metric is the one of the full pass."""
+def test_an_idle_writer_is_not_computed_and_no_metric_changes(models, form) -> None:
+    """Sparse edge circuits and node-level ones: the MLPs and layers' heads that no kept path joins to an
+    embedding and to the logits are supplied with the counterfactual's output; such an MLP does not run, such
+    heads read no inputs of their own, and the metric is the one of the full pass."""
     model = models[form]
     task = random_task(model, seed=4)
     graph, rows, record, _, _ = _passes(model, task)
     generator = torch.Generator().manual_seed(1)
     patches = [(torch.rand(graph.valid.shape, generator=generator) > 0.15).float() * graph.valid for _ in range(3)]
     patches += [cl.Circuit.from_nodes(graph, graph.components[: len(graph.components) // 3]).patch()]
-    skipped = 0
+    skipped = {"mlp": 0, "heads": 0}
     for patch in patches:
-        want = ic.patched_metric(model, task, rows, ic.Interchange(graph, record.clone(), patch))
+        full = ic.Interchange(graph, record.clone(), patch)
+        read_before = _per_head_reads(full)
+        want = ic.patched_metric(model, task, rows, full)
         counts, handles = _mlp_runs(model)
         try:
             stream = ic.Interchange(graph, record.clone(), patch, skip_idle=True)
+            read_now = _per_head_reads(stream)
             got = ic.patched_metric(model, task, rows, stream)
         finally:
             for handle in handles:
                 handle.remove()
         assert_close(got, want, rtol=0, atol=1e-5)
-        assert [layer for layer, runs in enumerate(counts) if not runs] == sorted(stream._idle)
-        skipped += len(stream._idle)
-    assert skipped, "no MLP was idle: nothing was skipped"
+        idle = {kind: sorted(layer for k, layer in stream._idle if k == kind) for kind in skipped}
+        assert [layer for layer, runs in enumerate(counts) if not runs] == idle["mlp"]
+        assert read_now == read_before - set(idle["heads"])
+        skipped["mlp"] += len(idle["mlp"])
+        skipped["heads"] += len(read_before & set(idle["heads"]))  # heads that read inputs of their own before
+    assert all(skipped.values()), f"nothing of some kind was skipped: {skipped}"
     assert not cl.adapter.hidden_bias_path(model)
+
+
+def _projection_runs(model):
+    """The ``(side, layer)`` whose wrapped q, k, v or o ``nn.Linear`` ran, and the handles to remove."""
+    ran, handles = set(), []
+    for layer in range(model.cfg.n_layers):
+        for side in "qkvo":
+            linear = getattr(getattr(model.blocks[layer].attn, side, None), "original_component", None)
+            if isinstance(linear, torch.nn.Linear):
+                hook = lambda module, args, output, key=(side, layer): ran.add(key)  # noqa: E731
+                handles.append(linear.register_forward_hook(hook))
+    return ran, handles
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_projection_the_circuit_hooks_replace_is_not_computed(models, form) -> None:
+    """Where every head of a layer reads an input of its own, the model's projection of the stream there would be
+    thrown away: it does not run (GPT-2's joint product too: its bridge splits it into three linear layers). Nor
+    does the output projection, in any circuit pass: the hooks compute each head's output, and their sum is the
+    model's own (the logits are the model's, within float32 rounding). Outside a circuit pass every projection runs."""
+    model = models[form]
+    task = random_task(model, seed=5)
+    graph, rows, record, _, _ = _passes(model, task)
+    generator = torch.Generator().manual_seed(2)
+    patch = (torch.rand(graph.valid.shape, generator=generator) > 0.3).float() * graph.valid
+    stream = ic.Interchange(graph, record.clone(), patch)
+    replaced = {(side, layer) for layer in range(graph.n_layers) for side in "qkv" if stream.replaces(side, layer)}
+    assert replaced, "no layer's heads read inputs of their own"
+    ran, handles = _projection_runs(model)
+    qkv = {(side, layer) for layer in range(graph.n_layers) for side in "qkv"}
+    linear_o = form != "GPT2LMHeadModel"  # GPT-2's output projection is a Conv1D: it runs as before
+    try:
+        with torch.inference_mode():
+            own = model(task.clean)
+        assert ran == (qkv | {("o", layer) for layer in range(graph.n_layers)} if linear_o else qkv)
+        ran.clear()
+        with torch.inference_mode():
+            hooked = adapter.circuit_pass(model, task.clean, ic.Null())
+        assert ran == qkv  # the model's own pass through the circuit hooks: no output projection
+        ran.clear()
+        ic.patched_metric(model, task, rows, stream)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert ran == qkv - replaced
+    assert_close(hooked, own, rtol=0, atol=1e-5)
+
+
+def test_a_projection_declared_replaced_but_read_as_the_stream_is_refused(models) -> None:
+    model = models["Qwen2ForCausalLM"]
+    task = random_task(model, seed=5)
+    graph, rows, record, _, _ = _passes(model, task)
+    stream = ic.Interchange(graph, record.clone(), graph.valid.float(), share_identical=False)
+    stream.read = lambda kind, layer, resid: None  # reads nothing, though it declared each head's own input
+    with pytest.raises(RuntimeError, match="were to be replaced"):
+        ic.patched_metric(model, task, rows, stream)
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_node_patchs_pass_takes_the_mlps_before_its_layer_from_the_clean_recording(models, form) -> None:
+    """Activation patching: up to the patched node's layer the pass is the clean pass, so those MLPs (and a patched
+    MLP, replaced whatever it reads) take recorded outputs and do not run; the metric is the one that computes them."""
+    model = models[form]
+    task = random_task(model, seed=6)
+    graph, rows, record, _, _ = _passes(model, task)
+    outputs, _ = ic.record(model, task, graph, rows, corrupted=False)
+    last = graph.n_layers - 1
+    nodes = ["L0H0", f"L{last}H1", "L0.mlp", f"L{last}.mlp"]
+    for node in nodes:
+        patched = torch.tensor([name == node for name in graph.writers])
+        want = ic.patched_metric(model, task, rows, ic.NodePatch(graph, record, patched))
+        counts, handles = _mlp_runs(model)
+        try:
+            got = ic.patched_metric(model, task, rows, ic.NodePatch(graph, record, patched, outputs))
+        finally:
+            for handle in handles:
+                handle.remove()
+        assert_close(got, want, rtol=0, atol=1e-5)
+        layer = int(node[1 : node.index("H") if "H" in node else node.index(".")])
+        skipped = set(range(layer)) | ({layer} if node.endswith(".mlp") else set())
+        assert {mlp for mlp, runs in enumerate(counts) if not runs} == skipped, node
+    assert not torch.allclose(want, ic.patched_metric(model, task, rows, ic.Null())), "the patch changed nothing"
 
 
 def test_a_post_attention_norm_over_an_output_bias_keeps_every_mlp(tmp_path) -> None:

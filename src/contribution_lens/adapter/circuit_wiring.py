@@ -17,7 +17,8 @@ written into ``attn.hook_q`` (before the q norm and the rotary embedding, which 
 applies as usual); keys and values likewise per key head. A write may return a correction
 ``[batch pos d_model]`` added where that output joins the stream. A stream whose
 ``supplies("mlp", layer)`` is true writes that MLP's output itself (by its correction): the MLP
-then skips its products (`_supplied_mlps`).
+then skips its products; one whose ``replaces(side, layer)`` is true hands every head its own
+``side`` input, and the model's own projection of the stream there is skipped (`_skipped_work`).
 
 Post-attention norms (Gemma 2/3's ``ln1_post``): the stream receives ``N(sum_h o^h + b_O)``. With
 the norm's scale ``s`` of this pass frozen, ``N`` is linear, and head ``h``'s output is its share
@@ -205,6 +206,7 @@ class _LayerWeights:
     W: dict[str, Float[Tensor, "head d_model d_head"]]
     b: dict[str, Float[Tensor, "head d_head"] | None]
     W_O: Float[Tensor, "head d_head d_model"]
+    b_O: Float[Tensor, " d_model"] | None
     norm: Callable[[Tensor], Tensor]
     post: FrozenNorm | None
     post_name: str | None
@@ -222,7 +224,7 @@ def _weights(model: Model, layer: int, dtype: torch.dtype) -> _LayerWeights:
         value = getattr(attn, name, None)
         return _up(value.detach()) if isinstance(value, Tensor) else None
 
-    W_O, _ = output_weights(model, layer)
+    W_O, b_O = output_weights(model, layer)
     aliases = getattr(model.blocks[layer], "hook_aliases", {})
     target = aliases.get("hook_attn_out", "attn.hook_out")
     post_name = None if target.split(".")[0] == "attn" else target.rsplit(".", 1)[0]
@@ -230,6 +232,7 @@ def _weights(model: Model, layer: int, dtype: torch.dtype) -> _LayerWeights:
         W={side: _up(getattr(attn, f"W_{side.upper()}").detach()) for side in "qkv"},
         b={side: bias(f"b_{side.upper()}") for side in "qkv"},
         W_O=_up(W_O),
+        b_O=None if b_O is None else _up(b_O),
         norm=_Norm.of(model.blocks[layer].ln1, dtype),
         post=post_attention_norm(model, layer),
         post_name=post_name,
@@ -384,15 +387,22 @@ def _layer_hooks(
         kept["scale1"] = tensor.detach().reshape(*tensor.shape[:2], 1)
 
     def projection(side: str) -> HookFn:
+        replaced = _replaces(stream, side, layer)
+
         def hook(tensor: Tensor, hook: Any) -> Tensor | None:
             resid = _up(kept["resid"])
             x = stream.read(side, layer, resid)
             if x is None:
+                if replaced:  # the model's own projection was skipped (`_skipped_work`): it must not be used
+                    raise RuntimeError(f"layer {layer}'s {side} inputs were to be replaced, but the stream read none")
                 return None
             # The stream read as it is, expanded over heads: the model projected that very input (and its
             # projection carries no forward-mode tangent, which the shared way does not define).
             reusable = (
-                not edited["attention_in"] and _expands(x, resid) and forward_ad.unpack_dual(tensor).tangent is None
+                not replaced
+                and not edited["attention_in"]
+                and _expands(x, resid)
+                and forward_ad.unpack_dual(tensor).tangent is None
             )
             own = _up(tensor).reshape(*x.shape[:3], -1) if reusable else None
             return _project(weights, side, x, own).reshape(tensor.shape).to(tensor.dtype)
@@ -402,6 +412,11 @@ def _layer_hooks(
     def heads(tensor: Tensor, hook: Any) -> None:
         z = _up(tensor.reshape(*tensor.shape[:2], weights.W_O.shape[0], -1))
         kept["heads"] = einops.einsum(z, weights.W_O, "b p h e, h e d -> b p h d")
+
+    def summed_heads(tensor: Tensor, hook: Any) -> Tensor:
+        # The output projection did not run (`_skipped_work`): its output is the heads' outputs, summed.
+        out = kept["heads"].sum(2)
+        return (out if weights.b_O is None else out + weights.b_O).to(tensor.dtype)
 
     def scale(tensor: Tensor, hook: Any) -> None:
         kept["scale"] = _up(tensor)
@@ -425,6 +440,8 @@ def _layer_hooks(
         hooks.append((f"{block}.ln1.hook_scale", keep_scale1))
     hooks += [(f"{block}.attn.hook_{side}", projection(side)) for side in "qkv"]
     hooks += [(f"{block}.attn.hook_z", heads)]
+    if _skippable_linear(getattr(model.blocks[layer].attn, "o", None)):
+        hooks.append((f"{block}.attn.o.hook_out", summed_heads))  # before any write there: it fills the output
     if weights.post_name is not None:
         hooks.append((f"{block}.{weights.post_name}.hook_scale", scale))
     hooks += [(out_hook, attention_out), (f"{block}.ln2.hook_in", mlp_in), (f"{block}.hook_mlp_out", mlp_out)]
@@ -501,7 +518,7 @@ def circuit_pass(
     with (
         hooked(model, hooks),
         _weights_need_no_gradient(model),
-        _supplied_mlps(model, stream),
+        _skipped_work(model, stream),
         warnings.catch_warnings(),
     ):
         # A detached hook_scale counts as an edit: the bridge then rebuilds the norm's output from it.
@@ -540,32 +557,49 @@ def _weights_need_no_gradient(model: Model) -> Iterator[None]:
 
 
 SKIPPABLE_MLPS = ("MLPBridge", "GatedMLPBridge", "JointGateUpMLPBridge")
-"""Bridges whose forward maps ``[batch pos d_model]`` to ``[batch pos d_model]`` alone (`_supplied_mlps`)."""
+"""Bridges whose forward maps ``[batch pos d_model]`` to ``[batch pos d_model]`` alone (`_skipped_work`)."""
+
+
+def _replaces(stream: Stream, side: str, layer: int) -> bool:
+    """Whether ``stream`` declares, before the pass, that it replaces layer ``layer``'s ``side`` projection."""
+    replaces = getattr(stream, "replaces", None)
+    return replaces is not None and bool(replaces(side, layer))
 
 
 @contextmanager
-def _supplied_mlps(model: Model, stream: Stream) -> Iterator[None]:
-    """The MLPs whose output ``stream`` supplies (its ``supplies("mlp", layer)``) skip their work for one pass.
+def _skipped_work(model: Model, stream: Stream) -> Iterator[None]:
+    """The products whose result ``stream`` replaces are skipped for one pass.
 
-    Each such MLP hands zeros through its own ``hook_out``, and the stream's write where the MLP
-    joins the stream (``hook_mlp_out``) replaces them: an MLP is most of a layer's products. A
-    bridge of another kind, or a Hugging Face module that is not a plain MLP, computes as usual
-    (the stream's write replaces its output all the same).
+    An MLP whose output the stream supplies (its ``supplies("mlp", layer)``) hands zeros through its
+    own ``hook_out``, and the stream's write where the MLP joins the stream (``hook_mlp_out``)
+    replaces them: an MLP is most of a layer's products. A q, k or v projection the stream replaces
+    with each head's own (``replaces(side, layer)``) hands zeros through its ``hook_out`` too, where
+    the projection hook writes the heads' (checked: a replaced projection the stream then reads no
+    input for is an error, not zeros). Every pass skips a layer's output projection: the circuit hooks
+    compute each head's output ``z^h W_O^h`` anyway, and their sum (plus ``b_O``) is written in its
+    place (`_layer_hooks`). A bridge of another kind, or a Hugging Face module that is not a plain
+    MLP or ``nn.Linear``, computes as usual (the stream's write replaces its output all the same).
     """
     supplies = getattr(stream, "supplies", None)
-    skipped = []
+    skipped: list[tuple[Any, Callable[..., Tensor]]] = []
     for layer in range(layout(model).n_layers):
-        mlp = model.blocks[layer].mlp
-        if supplies is not None and supplies("mlp", layer) and _skippable(mlp):
-            skipped.append(mlp)
-    for mlp in skipped:
+        block = model.blocks[layer]
+        if supplies is not None and supplies("mlp", layer) and _skippable(block.mlp):
+            skipped.append((block.mlp, _zeros_through(block.mlp)))
+        for side in "qkv":
+            linear = getattr(block.attn, side, None)
+            if _replaces(stream, side, layer) and _skippable_linear(linear):
+                skipped.append((linear, _zeros_projected(linear)))
+        if _skippable_linear(output := getattr(block.attn, "o", None)):
+            skipped.append((output, _zeros_projected(output)))
+    for module, forward in skipped:
         # In the instance's own dict: a bridge's setattr hands attributes on to the wrapped module.
-        vars(mlp)["forward"] = _zeros_through(mlp)
+        vars(module)["forward"] = forward
     try:
         yield
     finally:
-        for mlp in skipped:
-            vars(mlp).pop("forward", None)
+        for module, _ in skipped:
+            vars(module).pop("forward", None)
 
 
 def _skippable(mlp: Any) -> bool:
@@ -576,6 +610,30 @@ def _skippable(mlp: Any) -> bool:
 def _zeros_through(mlp: Any) -> Callable[..., Tensor]:
     def forward(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         return mlp.hook_out(torch.zeros_like(hidden))
+
+    return forward
+
+
+def _skippable_linear(linear: Any) -> bool:
+    return type(linear).__name__ == "LinearBridge" and isinstance(
+        getattr(linear, "original_component", None), torch.nn.Linear
+    )
+
+
+def _zeros_projected(linear: Any) -> Callable[..., Tensor]:
+    """A `LinearBridge`'s forward that hands zeros of its output's shape through its ``hook_out``."""
+    width = linear.original_component.out_features
+
+    def forward(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        # The bridge's protocol, as its own forward keeps it: its hook_in (the output projection's is
+        # hook_z) fires unless skipped once, and its container learns that hook_out fired.
+        if linear._suppress_next_hook_in:
+            object.__setattr__(linear, "_suppress_next_hook_in", False)
+        else:
+            hidden = linear.hook_in(hidden)
+        out = linear.hook_out(hidden.new_zeros(*hidden.shape[:-1], width))
+        object.__setattr__(linear, "_fired_hook_out", True)
+        return out
 
     return forward
 

@@ -11,7 +11,8 @@ With ``r_u`` and ``o_u`` node ``u``'s output in the counterfactual and the clean
   (MIB's default ``steps = 5``).
 * ``activation-patching`` (node level): ``score(u) = mean_p m(u patched) - m(clean)``, one
   patched pass per head or MLP: the exact effect each node has alone, the oracle node scores are
-  compared with.
+  compared with. Up to a node's layer its pass is the clean pass: the MLPs there take the clean
+  pass's recorded outputs instead of running (`interchange.NodePatch`).
 * ``random``: independent standard normal scores (a control).
 """
 
@@ -78,14 +79,16 @@ def activation_patching(model: Model, task: Task, context: CircuitContext) -> Fl
     graph = context.graph
     first = graph.n_embeddings
     totals = torch.zeros(len(graph.components), dtype=torch.float64)
-    size = ic.batch_size(task, len(graph.writers), _d_model(model), 1.5, context.memory)
+    size = ic.batch_size(task, len(graph.writers), _d_model(model), 2.5, context.memory)
     for rows in ic.batches(task, size):
         corrupted, _ = ic.record(model, task, graph, rows, corrupted=True)
-        clean = ic.patched_metric(model, task, rows, ic.Null())
+        # The clean outputs too: a node's pass takes every MLP before the node's layer from them (`NodePatch`).
+        outputs, clean = ic.record(model, task, graph, rows, corrupted=False)
         for index in range(len(graph.components)):
             patched = torch.zeros(len(graph.writers), dtype=torch.bool, device=corrupted.device)
             patched[first + index] = True
-            effect = ic.patched_metric(model, task, rows, ic.NodePatch(graph, corrupted, patched)) - clean
+            stream = ic.NodePatch(graph, corrupted, patched, outputs)
+            effect = ic.patched_metric(model, task, rows, stream) - clean
             totals[index] += effect.double().sum().cpu()
     return (totals / len(task)).float()
 

@@ -226,7 +226,7 @@ class _Batch:
     work: Tensor
     buffers: dict[Any, Tensor]
     skip_idle: bool
-    """Whether the patched passes may skip the MLPs a circuit leaves idle (`ic.active_writers`)."""
+    """Whether the patched passes may skip the MLPs and heads a circuit leaves idle (`ic.active_writers`)."""
 
 
 def _recorded_batches(model: Model, task: Task, size: int) -> Iterator[_Batch]:

@@ -122,6 +122,10 @@ class Graph:
         start = self.layer_start(layer)
         return (start, start + self.n_heads) if kind == "heads" else (start + self.n_heads, start + self.n_heads + 1)
 
+    def writer_layer(self, index: int) -> int:
+        """The layer whose block holds writer ``index`` of `writers` (an embedding: 0, the first block reads it)."""
+        return max(0, (index - self.n_embeddings) // (self.n_heads + 1))
+
     @cached_property
     def upstream(self) -> Int[Tensor, " input"]:
         """For each input, how many writers are upstream of it (they are the first ones)."""

@@ -12,9 +12,11 @@ counterfactual's. The differences ``r_u - o_u`` are held in float32 for one batc
 whose size a memory budget sets (`batch_size`), writers first (``[writer batch pos d_model]``):
 the writers upstream of an input are then one contiguous block, read by one matrix product.
 
-An MLP whose output cannot differ from the counterfactual's or cannot reach the logits through
-kept edges (`active_writers`) need not run: with ``skip_idle`` the pass takes its recorded output
-(`Interchange.supplies`), and the adapter skips its products.
+An MLP, or a layer's heads, whose output cannot differ from the counterfactual's or cannot reach
+the logits through kept edges (`active_writers`) need not be computed: with ``skip_idle`` the pass
+takes the recorded output (`Interchange.supplies`). The adapter then skips an MLP's products; idle
+heads read the stream as it is (no per-head inputs: no sums of differences, no per-head norms and
+projections).
 
 The same passes serve the gradient methods: `Gradient` reads every input as ``s_i`` itself and
 keeps those tensors, so ``dm/dx_i`` is the gradient at each input (the q, k, v inputs of a head
@@ -185,17 +187,19 @@ class Interchange:
     buffers: dict[Any, Tensor] = field(default_factory=dict)
     """Memory the sums are written in: passes of one batch given the same dict reuse it."""
     skip_idle: bool = False
-    """Whether an MLP that is not `active` takes the counterfactual's output instead of computing its own
-    (`supplies`): exact only where ``delta`` (or ``corrupted``) holds a counterfactual pass's real outputs."""
-    _idle: frozenset[int] = frozenset()
+    """Whether an MLP or a layer's heads that are not `active_writers` take the counterfactual's output instead of
+    their own (`supplies`): exact only where ``delta`` (or ``corrupted``) holds a counterfactual pass's real outputs."""
+    _idle: frozenset[tuple[str, int]] = frozenset()
+    """The writers ``(kind, layer)`` this pass supplies (`idle_writers`)."""
 
     def __post_init__(self) -> None:
         if self.skip_idle:
-            self._idle = idle_mlps(self.graph, self.patch)
+            self._idle = idle_writers(self.graph, self.patch)
 
     def supplies(self, kind: str, layer: int) -> bool:
-        """Whether this stream writes the output of ``kind`` at ``layer`` itself: the model need not compute it."""
-        return kind == "mlp" and layer in self._idle
+        """Whether this stream writes the output of ``kind`` (``"heads"``, ``"mlp"``) at ``layer`` itself: the
+        model's own output there is replaced, so its inputs need not be read per node."""
+        return (kind, layer) in self._idle
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         lo, hi = self.graph.writer_range(kind, layer)
@@ -212,20 +216,43 @@ class Interchange:
         return None
 
     def read(self, kind: str, layer: int, stream: Tensor) -> Tensor | None:
-        if self.supplies(kind, layer):
+        writer = "heads" if kind in ("q", "k", "v") else kind
+        if writer == "mlp" and self.supplies(writer, layer):
             return None  # its output is the counterfactual's whatever it reads
         if kind == "mlp" and self._mlp[0] == layer:
             return self._mlp_input(layer, stream)
         start, end = self.graph.input_group(kind, layer)
         if self._group[0] != (start, end):  # a layer's q, k and v inputs are computed together, once
             upstream = int(self.graph.upstream[start])
+            # Idle heads read nothing of their own: only their MLP's early sum is computed with them.
+            own = start if writer == "heads" and self.supplies(writer, layer) else end
             self._group = (
                 (start, end),
-                self._inputs(self.patch[:upstream, start:end], stream, self._early(kind, layer)),
+                self._inputs(self.patch[:upstream, start:own], stream, self._early(kind, layer)),
             )
         group = self._group[1]
         lo, hi = self.graph.input_range(kind, layer)
         return None if group is None else group[:, :, lo - start : hi - start]
+
+    def replaces(self, kind: str, layer: int) -> bool:
+        """Whether `read` of layer ``layer``'s ``kind`` (q, k or v) inputs hands each head an input of its own.
+
+        Known before the pass: the model's own projection of the stream there is then never used, and
+        the adapter skips it.
+        """
+        if kind not in ("q", "k", "v") or self.supplies("heads", layer):
+            return False
+        patched = self._attention_patch(layer)
+        return not self._shared(patched) and (not self.skip_unpatched or bool(patched.any()))
+
+    def _attention_patch(self, layer: int) -> Tensor:
+        """The weights of the edges into layer ``layer``'s q, k and v inputs ``[upstream input]``."""
+        start, end = self.graph.input_group("q", layer)
+        return self.patch[: int(self.graph.upstream[start]), start:end]
+
+    def _shared(self, patched: Tensor) -> bool:
+        """Whether the q, k and v inputs of ``patched`` (`_attention_patch`) are read as one (`read_shared`)."""
+        return self.share_identical and bool((patched == patched[:, :1]).all())
 
     def read_shared(self, layer: int, stream: Tensor) -> Tensor | None:
         """Layer ``layer``'s one attention input where all its q, k and v inputs are the same, else None.
@@ -233,8 +260,8 @@ class Interchange:
         Then the model's own norm and projections compute them from it (no per-head inputs).
         """
         start, end = self.graph.input_group("q", layer)
-        patched = self.patch[: int(self.graph.upstream[start]), start:end]
-        if not self.share_identical or not bool((patched == patched[:, :1]).all()):
+        patched = self._attention_patch(layer)
+        if self.supplies("heads", layer) or not self._shared(patched):
             return None
         shared = self._inputs(patched[:, :1], stream, self._early("q", layer))
         self._group = ((start, end), None)  # the q, k and v reads then keep the model's own computation
@@ -395,10 +422,23 @@ def active_writers(graph: Graph, patch: Float[Tensor, "writer input"]) -> Bool[T
     return live & useful
 
 
-def idle_mlps(graph: Graph, patch: Float[Tensor, "writer input"]) -> frozenset[int]:
-    """The layers whose MLP is not among the `active_writers` of ``patch``'s pass."""
+def idle_writers(graph: Graph, patch: Float[Tensor, "writer input"]) -> frozenset[tuple[str, int]]:
+    """The MLPs and layers' heads, ``(kind, layer)``, that are not among the `active_writers` of ``patch``'s pass.
+
+    Example:
+        >>> g = Graph(n_layers=2, n_heads=1, n_kv_heads=1, pos_embed=False)
+        >>> patch = g.valid.float()
+        >>> patch[g.edge_index[0][g.edge_ids["embed->logits"]], g.edge_index[1][g.edge_ids["embed->logits"]]] = 0
+        >>> sorted(idle_writers(g, patch))  # only the direct path is kept: every block is idle
+        [('heads', 0), ('heads', 1), ('mlp', 0), ('mlp', 1)]
+    """
     active = active_writers(graph, patch)
-    return frozenset(layer for layer in range(graph.n_layers) if not bool(active[graph.writer_range("mlp", layer)[0]]))
+    return frozenset(
+        (kind, layer)
+        for layer in range(graph.n_layers)
+        for kind in ("heads", "mlp")
+        if not bool(active[graph.writer_range(kind, layer)[0]])
+    )
 
 
 GATHER_BYTES = 4 * 2**20
@@ -407,15 +447,37 @@ GATHER_BYTES = 4 * 2**20
 
 @dataclass
 class NodePatch:
-    """Replaces the outputs of the ``patched`` writers by the counterfactual's where they join the stream."""
+    """Replaces the outputs of the ``patched`` writers by the counterfactual's where they join the stream.
+
+    ``clean`` (the clean pass's outputs, as `record` keeps them): every MLP before the first patched
+    writer's layer, and any patched MLP, takes its output from a recording instead of computing it
+    (`supplies`): up to that layer this pass is the clean pass, so its MLPs' outputs are the clean
+    ones. A patched MLP's output is the counterfactual's whatever it reads.
+    """
 
     graph: Graph
     corrupted: Float[Tensor, "writer batch pos d_model"]
     patched: Bool[Tensor, " writer"]
+    clean: Float[Tensor, "writer batch pos d_model"] | None = None
+    _first: int = 0
+    """The layer of the first patched writer: the MLPs before it are the clean pass's (with ``clean``)."""
+
+    def __post_init__(self) -> None:
+        chosen = torch.nonzero(self.patched.cpu())[:, 0].tolist()
+        self._first = min((self.graph.writer_layer(u) for u in chosen), default=self.graph.n_layers)
+
+    def supplies(self, kind: str, layer: int) -> bool:
+        """Whether this stream writes the output of ``kind`` at ``layer`` itself: the model need not compute it."""
+        if kind != "mlp" or self.clean is None:
+            return False
+        return layer < self._first or bool(self.patched[self.graph.writer_range("mlp", layer)[0]])
 
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         lo, hi = self.graph.writer_range(kind, layer)
         chosen = self.patched[lo:hi]
+        if self.supplies(kind, layer) and not bool(chosen.any()):
+            assert self.clean is not None
+            return (self.clean[lo:hi] - out.permute(2, 0, 1, 3)).sum(0)
         if not bool(chosen.any()):
             return None
         index = torch.nonzero(chosen)[:, 0]
