@@ -19,6 +19,8 @@ applies as usual); keys and values likewise per key head. A write may return a c
 ``supplies("mlp", layer)`` is true writes that MLP's output itself (by its correction): the MLP
 then skips its products; one whose ``replaces(side, layer)`` is true hands every head its own
 ``side`` input, and the model's own projection of the stream there is skipped (`_skipped_work`).
+The output projection never runs in a circuit pass: the heads' outputs, computed for the writes,
+summed with ``b_O`` are its output.
 
 Post-attention norms (Gemma 2/3's ``ln1_post``): the stream receives ``N(sum_h o^h + b_O)``. With
 the norm's scale ``s`` of this pass frozen, ``N`` is linear, and head ``h``'s output is its share
@@ -386,29 +388,6 @@ def _layer_hooks(
     def keep_scale1(tensor: Tensor, hook: Any) -> None:
         kept["scale1"] = tensor.detach().reshape(*tensor.shape[:2], 1)
 
-    def projection(side: str) -> HookFn:
-        replaced = _replaces(stream, side, layer)
-
-        def hook(tensor: Tensor, hook: Any) -> Tensor | None:
-            resid = _up(kept["resid"])
-            x = stream.read(side, layer, resid)
-            if x is None:
-                if replaced:  # the model's own projection was skipped (`_skipped_work`): it must not be used
-                    raise RuntimeError(f"layer {layer}'s {side} inputs were to be replaced, but the stream read none")
-                return None
-            # The stream read as it is, expanded over heads: the model projected that very input (and its
-            # projection carries no forward-mode tangent, which the shared way does not define).
-            reusable = (
-                not replaced
-                and not edited["attention_in"]
-                and _expands(x, resid)
-                and forward_ad.unpack_dual(tensor).tangent is None
-            )
-            own = _up(tensor).reshape(*x.shape[:3], -1) if reusable else None
-            return _project(weights, side, x, own).reshape(tensor.shape).to(tensor.dtype)
-
-        return hook
-
     def heads(tensor: Tensor, hook: Any) -> None:
         z = _up(tensor.reshape(*tensor.shape[:2], weights.W_O.shape[0], -1))
         kept["heads"] = einops.einsum(z, weights.W_O, "b p h e, h e d -> b p h d")
@@ -438,7 +417,9 @@ def _layer_hooks(
     hooks: list[tuple[str, HookFn]] = [(f"{block}.hook_resid_pre", keep_resid), (f"{block}.ln1.hook_in", attention_in)]
     if frozen:
         hooks.append((f"{block}.ln1.hook_scale", keep_scale1))
-    hooks += [(f"{block}.attn.hook_{side}", projection(side)) for side in "qkv"]
+    hooks += [
+        (f"{block}.attn.hook_{side}", _projection_hook(stream, weights, layer, side, kept, edited)) for side in "qkv"
+    ]
     hooks += [(f"{block}.attn.hook_z", heads)]
     if _skippable_linear(getattr(model.blocks[layer].attn, "o", None)):
         hooks.append((f"{block}.attn.o.hook_out", summed_heads))  # before any write there: it fills the output
@@ -446,6 +427,37 @@ def _layer_hooks(
         hooks.append((f"{block}.{weights.post_name}.hook_scale", scale))
     hooks += [(out_hook, attention_out), (f"{block}.ln2.hook_in", mlp_in), (f"{block}.hook_mlp_out", mlp_out)]
     return hooks
+
+
+def _projection_hook(
+    stream: Stream, weights: _LayerWeights, layer: int, side: str, kept: dict[str, Tensor], edited: dict[str, bool]
+) -> HookFn:
+    """The hook at layer ``layer``'s ``side`` projection (``attn.hook_{side}``): each head's own input projected.
+
+    ``kept["resid"]`` is the stream the layer read; ``edited["attention_in"]`` whether this pass
+    replaced the layer's attention input (`read_shared`).
+    """
+    replaced = _replaces(stream, side, layer)
+
+    def hook(tensor: Tensor, hook: Any) -> Tensor | None:
+        resid = _up(kept["resid"])
+        x = stream.read(side, layer, resid)
+        if x is None:
+            if replaced:  # the model's own projection was skipped (`_skipped_work`): it must not be used
+                raise RuntimeError(f"layer {layer}'s {side} inputs were to be replaced, but the stream read none")
+            return None
+        # The stream read as it is, expanded over heads: the model projected that very input (and its
+        # projection carries no forward-mode tangent, which the shared way does not define).
+        reusable = (
+            not replaced
+            and not edited["attention_in"]
+            and _expands(x, resid)
+            and forward_ad.unpack_dual(tensor).tangent is None
+        )
+        own = _up(tensor).reshape(*x.shape[:3], -1) if reusable else None
+        return _project(weights, side, x, own).reshape(tensor.shape).to(tensor.dtype)
+
+    return hook
 
 
 def _corrected(tensor: Tensor, correction: Tensor | None) -> Tensor | None:
