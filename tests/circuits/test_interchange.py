@@ -240,7 +240,7 @@ def test_a_projection_the_circuit_hooks_replace_is_not_computed(models, form) ->
     generator = torch.Generator().manual_seed(2)
     patch = (torch.rand(graph.valid.shape, generator=generator) > 0.3).float() * graph.valid
     stream = ic.Interchange(graph, record.clone(), patch)
-    replaced = {(side, layer) for layer in range(graph.n_layers) for side in "qkv" if stream.replaces(side, layer)}
+    replaced = {(side, layer) for layer in range(graph.n_layers) for side in "qkv" if stream.replaces(layer)}
     assert replaced, "no layer's heads read inputs of their own"
     ran, handles = _projection_runs(model)
     qkv = {(side, layer) for layer in range(graph.n_layers) for side in "qkv"}

@@ -17,8 +17,9 @@ written into ``attn.hook_q`` (before the q norm and the rotary embedding, which 
 applies as usual); keys and values likewise per key head. A write may return a correction
 ``[batch pos d_model]`` added where that output joins the stream. A stream whose
 ``supplies("mlp", layer)`` is true writes that MLP's output itself (by its correction): the MLP
-then skips its products; one whose ``replaces(side, layer)`` is true hands every head its own
-``side`` input, and the model's own projection of the stream there is skipped (`_skipped_work`).
+then skips its products; one whose ``replaces(layer)`` is true hands every head of that layer its
+own q, k and v inputs, and the model's own projections of the stream there are skipped
+(`_skipped_work`).
 The output projection never runs in a circuit pass: the heads' outputs, computed for the writes,
 summed with ``b_O`` are its output.
 
@@ -417,8 +418,10 @@ def _layer_hooks(
     hooks: list[tuple[str, HookFn]] = [(f"{block}.hook_resid_pre", keep_resid), (f"{block}.ln1.hook_in", attention_in)]
     if frozen:
         hooks.append((f"{block}.ln1.hook_scale", keep_scale1))
+    replaced = _replaces(stream, layer)
     hooks += [
-        (f"{block}.attn.hook_{side}", _projection_hook(stream, weights, layer, side, kept, edited)) for side in "qkv"
+        (f"{block}.attn.hook_{side}", _projection_hook(stream, weights, layer, side, kept, edited, replaced))
+        for side in "qkv"
     ]
     hooks += [(f"{block}.attn.hook_z", heads)]
     if _skippable_linear(getattr(model.blocks[layer].attn, "o", None)):
@@ -430,14 +433,20 @@ def _layer_hooks(
 
 
 def _projection_hook(
-    stream: Stream, weights: _LayerWeights, layer: int, side: str, kept: dict[str, Tensor], edited: dict[str, bool]
+    stream: Stream,
+    weights: _LayerWeights,
+    layer: int,
+    side: str,
+    kept: dict[str, Tensor],
+    edited: dict[str, bool],
+    replaced: bool,
 ) -> HookFn:
     """The hook at layer ``layer``'s ``side`` projection (``attn.hook_{side}``): each head's own input projected.
 
     ``kept["resid"]`` is the stream the layer read; ``edited["attention_in"]`` whether this pass
-    replaced the layer's attention input (`read_shared`).
+    replaced the layer's attention input (`read_shared`); ``replaced`` whether the stream declared it
+    replaces the layer's projections (`_replaces`), which then did not run.
     """
-    replaced = _replaces(stream, side, layer)
 
     def hook(tensor: Tensor, hook: Any) -> Tensor | None:
         resid = _up(kept["resid"])
@@ -572,10 +581,10 @@ SKIPPABLE_MLPS = ("MLPBridge", "GatedMLPBridge", "JointGateUpMLPBridge")
 """Bridges whose forward maps ``[batch pos d_model]`` to ``[batch pos d_model]`` alone (`_skipped_work`)."""
 
 
-def _replaces(stream: Stream, side: str, layer: int) -> bool:
-    """Whether ``stream`` declares, before the pass, that it replaces layer ``layer``'s ``side`` projection."""
+def _replaces(stream: Stream, layer: int) -> bool:
+    """Whether ``stream`` declares, before the pass, that it replaces layer ``layer``'s q, k and v projections."""
     replaces = getattr(stream, "replaces", None)
-    return replaces is not None and bool(replaces(side, layer))
+    return replaces is not None and bool(replaces(layer))
 
 
 @contextmanager
@@ -585,7 +594,7 @@ def _skipped_work(model: Model, stream: Stream) -> Iterator[None]:
     An MLP whose output the stream supplies (its ``supplies("mlp", layer)``) hands zeros through its
     own ``hook_out``, and the stream's write where the MLP joins the stream (``hook_mlp_out``)
     replaces them: an MLP is most of a layer's products. A q, k or v projection the stream replaces
-    with each head's own (``replaces(side, layer)``) hands zeros through its ``hook_out`` too, where
+    with each head's own (``replaces(layer)``) hands zeros through its ``hook_out`` too, where
     the projection hook writes the heads' (checked: a replaced projection the stream then reads no
     input for is an error, not zeros). Every pass skips a layer's output projection: the circuit hooks
     compute each head's output ``z^h W_O^h`` anyway, and their sum (plus ``b_O``) is written in its
@@ -598,10 +607,10 @@ def _skipped_work(model: Model, stream: Stream) -> Iterator[None]:
         block = model.blocks[layer]
         if supplies is not None and supplies("mlp", layer) and _skippable(block.mlp):
             skipped.append((block.mlp, _zeros_through(block.mlp)))
-        for side in "qkv":
-            linear = getattr(block.attn, side, None)
-            if _replaces(stream, side, layer) and _skippable_linear(linear):
-                skipped.append((linear, _zeros_projected(linear)))
+        if _replaces(stream, layer):
+            for side in "qkv":
+                if _skippable_linear(linear := getattr(block.attn, side, None)):
+                    skipped.append((linear, _zeros_projected(linear)))
         if _skippable_linear(output := getattr(block.attn, "o", None)):
             skipped.append((output, _zeros_projected(output)))
     for module, forward in skipped:

@@ -234,13 +234,13 @@ class Interchange:
         lo, hi = self.graph.input_range(kind, layer)
         return None if group is None else group[:, :, lo - start : hi - start]
 
-    def replaces(self, kind: str, layer: int) -> bool:
-        """Whether `read` of layer ``layer``'s ``kind`` (q, k or v) inputs hands each head an input of its own.
+    def replaces(self, layer: int) -> bool:
+        """Whether `read` of layer ``layer``'s q, k and v inputs hands each head inputs of its own.
 
-        Known before the pass: the model's own projection of the stream there is then never used, and
-        the adapter skips it.
+        Known before the pass, and the same for the three (they are read as one group): the model's own
+        projections of the stream there are then never used, and the adapter skips them.
         """
-        if kind not in ("q", "k", "v") or self.supplies("heads", layer):
+        if self.supplies("heads", layer):
             return False
         patched = self._attention_patch(layer)
         return not self._shared(patched) and (not self.skip_unpatched or bool(patched.any()))
@@ -475,11 +475,11 @@ class NodePatch:
     def write(self, kind: str, layer: int, out: Tensor) -> Tensor | None:
         lo, hi = self.graph.writer_range(kind, layer)
         chosen = self.patched[lo:hi]
-        if self.supplies(kind, layer) and not bool(chosen.any()):
-            assert self.clean is not None
-            return (self.clean[lo:hi] - out.permute(2, 0, 1, 3)).sum(0)
         if not bool(chosen.any()):
-            return None
+            if not self.supplies(kind, layer):
+                return None
+            assert self.clean is not None  # an unpatched writer is supplied from the clean recording
+            return (self.clean[lo:hi] - out.permute(2, 0, 1, 3)).sum(0)
         index = torch.nonzero(chosen)[:, 0]
         return (self.corrupted[lo:hi][index] - out.permute(2, 0, 1, 3)[index]).sum(0)
 
