@@ -23,6 +23,14 @@ own q, k and v inputs, and the model's own projections of the stream there are s
 The output projection never runs in a circuit pass: the heads' outputs, computed for the writes,
 summed with ``b_O`` are its output.
 
+Ungrouped passes (``circuit_pass(..., ungroup=True)``, MIB's ``ungroup_grouped_query_attention``):
+a grouped-query model's k and v inputs are read one per query head, ``[batch pos head d_model]``, and
+query head ``h``'s key is ``LN1(x^h) W_K^g + b_K^g`` with ``g`` its key head (values likewise): the
+key head's weights repeated over its group (`_ungrouped_weights`), and the attention told to use the
+keys and values it is handed, one per query head, instead of repeating each key head's over its
+group (`_ungrouped_attention`). A layer whose k and v inputs the stream does not read gets the
+model's own keys and values repeated over the group: the same numbers the model computes.
+
 Post-attention norms (Gemma 2/3's ``ln1_post``): the stream receives ``N(sum_h o^h + b_O)``. With
 the norm's scale ``s`` of this pass frozen, ``N`` is linear, and head ``h``'s output is its share
 ``N_lin(o^h; s) = P(o^h) * gain / s``; the shares plus ``N_lin(b_O; s) + bias`` are the norm's
@@ -121,11 +129,56 @@ def hidden_bias_path(model: Model) -> bool:
     )
 
 
-def check_circuit_model(model: Model) -> None:
-    """Refuse a model whose circuit graph cannot be wired, with the reason (before any circuit pass)."""
+def check_circuit_model(model: Model, *, ungrouped: bool = False) -> None:
+    """Refuse a model whose circuit graph cannot be wired, with the reason (before any circuit pass).
+
+    ``ungrouped``: the graph gives every query head its own k and v inputs (`ungrouping_refusal`).
+    """
     problem = circuit_refusal(model)
     if problem is not None:
         raise ValueError(f"model: circuits cannot be found in {architecture_name(model)}: {problem}")
+    problem = ungrouping_refusal(model) if ungrouped else None
+    if problem is not None:
+        raise ValueError(f"edges: MIB's ungrouped graph cannot be wired into {architecture_name(model)}: {problem}")
+
+
+def _ungrouping(attention: Any) -> dict[str, int] | None:
+    """The attributes of ``attention``'s module under which it takes one key and value head a query head, or None.
+
+    A Hugging Face attention the bridge reimplements (``PositionEmbeddingsAttentionBridge``) repeats
+    each key head ``num_key_value_groups`` times after the projection hooks; TransformerLens's own
+    ``NativeAttention`` splits its keys into ``n_kv_heads`` and repeats them ``kv_repeats`` times.
+    """
+    module: Any = getattr(attention, "original_component", None)
+    bridge = type(attention).__name__
+    if bridge == "PositionEmbeddingsAttentionBridge" and isinstance(getattr(module, "num_key_value_groups", None), int):
+        return {"num_key_value_groups": 1}
+    if bridge == "AttentionBridge" and type(module).__name__ == "NativeAttention":
+        return {"n_kv_heads": int(module.n_heads), "kv_repeats": 1}
+    return None
+
+
+def ungrouping_refusal(model: Model) -> str | None:
+    """Why ``model``'s keys and values cannot be computed one per query head (`_ungrouped_attention`), or None.
+
+    Nothing to do under multi-head attention. A key norm over every key head at once (OLMo-2's) or
+    with weights of its own per key head has no per-query-head form.
+    """
+    shape = layout(model)
+    if shape.n_kv_heads == shape.n_heads:
+        return None
+    for layer in range(shape.n_layers):
+        attention = model.blocks[layer].attn
+        if _ungrouping(attention) is None:
+            return (
+                f"layer {layer}'s attention ({type(attention).__name__} over "
+                f"{type(getattr(attention, 'original_component', None)).__name__}) repeats its key heads in a way the "
+                "circuit wiring cannot switch off; use edges='native'"
+            )
+        per_key_head = getattr(attention, "_qk_norm_per_head", False)
+        if getattr(attention, "_qk_norm_phase", None) == "pre_reshape" or per_key_head:
+            return f"layer {layer} norms its keys with weights per key head; use edges='native'"
+    return None
 
 
 def layout(model: Model) -> Layout:
@@ -366,9 +419,10 @@ def _norm_vjp(
 
 
 def _layer_hooks(
-    model: Model, layer: int, stream: Stream, dtype: torch.dtype, frozen: bool = False
+    model: Model, layer: int, stream: Stream, dtype: torch.dtype, frozen: bool = False, group: int = 1
 ) -> list[tuple[str, HookFn]]:
-    weights = _weights(model, layer, dtype)
+    """The hooks of layer ``layer``; ``group`` > 1: its k and v computed one a query head (`_ungrouped_weights`)."""
+    weights = _ungrouped_weights(_weights(model, layer, dtype), group)
     kept: dict[str, Tensor] = {}
     edited = {"attention_in": False}  # whether this pass replaced the layer's attention input (`read_shared`)
     block = f"blocks.{layer}"
@@ -420,7 +474,10 @@ def _layer_hooks(
         hooks.append((f"{block}.ln1.hook_scale", keep_scale1))
     replaced = _replaces(stream, layer)
     hooks += [
-        (f"{block}.attn.hook_{side}", _projection_hook(stream, weights, layer, side, kept, edited, replaced))
+        (
+            f"{block}.attn.hook_{side}",
+            _projection_hook(stream, weights, (layer, side), kept, edited, replaced, 1 if side == "q" else group),
+        )
         for side in "qkv"
     ]
     hooks += [(f"{block}.attn.hook_z", heads)]
@@ -435,18 +492,21 @@ def _layer_hooks(
 def _projection_hook(
     stream: Stream,
     weights: _LayerWeights,
-    layer: int,
-    side: str,
+    where: tuple[int, str],
     kept: dict[str, Tensor],
     edited: dict[str, bool],
     replaced: bool,
+    group: int = 1,
 ) -> HookFn:
     """The hook at layer ``layer``'s ``side`` projection (``attn.hook_{side}``): each head's own input projected.
 
-    ``kept["resid"]`` is the stream the layer read; ``edited["attention_in"]`` whether this pass
-    replaced the layer's attention input (`read_shared`); ``replaced`` whether the stream declared it
-    replaces the layer's projections (`_replaces`), which then did not run.
+    ``where``: ``(layer, side)``. ``kept["resid"]`` is the stream the layer read;
+    ``edited["attention_in"]`` whether this pass replaced the layer's attention input
+    (`read_shared`); ``replaced`` whether the stream declared it replaces the layer's projections
+    (`_replaces`), which then did not run. ``group`` > 1: the keys or values are handed on one per
+    query head (an ungrouped pass), flat ``[batch pos head * d_head]``.
     """
+    layer, side = where
 
     def hook(tensor: Tensor, hook: Any) -> Tensor | None:
         resid = _up(kept["resid"])
@@ -454,7 +514,7 @@ def _projection_hook(
         if x is None:
             if replaced:  # the model's own projection was skipped (`_skipped_work`): it must not be used
                 raise RuntimeError(f"layer {layer}'s {side} inputs were to be replaced, but the stream read none")
-            return None
+            return None if group == 1 else _repeated(tensor, weights.W[side].shape[0] // group, group)
         # The stream read as it is, expanded over heads: the model projected that very input (and its
         # projection carries no forward-mode tangent, which the shared way does not define).
         reusable = (
@@ -463,10 +523,49 @@ def _projection_hook(
             and _expands(x, resid)
             and forward_ad.unpack_dual(tensor).tangent is None
         )
-        own = _up(tensor).reshape(*x.shape[:3], -1) if reusable else None
-        return _project(weights, side, x, own).reshape(tensor.shape).to(tensor.dtype)
+        own = _up(tensor).reshape(*x.shape[:2], x.shape[2] // group, -1) if reusable else None
+        own = own.repeat_interleave(group, 2) if own is not None and group > 1 else own
+        out = _project(weights, side, x, own)
+        return (out.reshape(tensor.shape) if group == 1 else out.flatten(2)).to(tensor.dtype)
 
     return hook
+
+
+def _ungrouped_weights(weights: _LayerWeights, group: int) -> _LayerWeights:
+    """``weights`` with each key head's k and v weights and biases repeated over its ``group`` query heads."""
+    if group == 1:
+        return weights
+    W = {side: w if side == "q" else w.repeat_interleave(group, 0) for side, w in weights.W.items()}
+    b = {side: v if side == "q" or v is None else v.repeat_interleave(group, 0) for side, v in weights.b.items()}
+    return replace(weights, W=W, b=b)
+
+
+def _repeated(tensor: Tensor, n_kv_heads: int, group: int) -> Tensor:
+    """The model's own keys (values), ``[batch pos kv_head d_head]`` or flat, repeated over each group: flat, one a
+    query head, as an ungrouped attention takes them."""
+    heads = tensor.reshape(*tensor.shape[:2], n_kv_heads, -1).repeat_interleave(group, 2)
+    return heads.flatten(2)
+
+
+@contextmanager
+def _ungrouped_attention(model: Model, group: int) -> Iterator[None]:
+    """Every attention takes the keys and values handed to it as one a query head, for one pass (`_ungrouping`)."""
+    changed: list[tuple[Any, str, Any]] = []
+    if group > 1:
+        for layer in range(layout(model).n_layers):
+            attention = model.blocks[layer].attn
+            settings = _ungrouping(attention)
+            if settings is None:
+                raise ValueError(f"edges: layer {layer}'s attention cannot be ungrouped ({ungrouping_refusal(model)})")
+            module = attention.original_component
+            changed += [(module, name, getattr(module, name)) for name in settings]
+            for name, value in settings.items():
+                setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in changed:
+            setattr(module, name, value)
 
 
 def _corrected(tensor: Tensor, correction: Tensor | None) -> Tensor | None:
@@ -498,6 +597,7 @@ def circuit_pass(
     patterns: dict[int, Tensor] | None = None,
     last: Int[Tensor, " batch"] | None = None,
     columns: Int[Tensor, "batch column"] | None = None,
+    ungroup: bool = False,
 ) -> Float[Tensor, "batch logit_pos d_vocab"]:
     """The logits of one forward pass on ``tokens`` with ``stream`` called at every write and read.
 
@@ -519,16 +619,19 @@ def circuit_pass(
     unembedding (or, in a bridge without an unembedding hook, reads them off the full logits). A
     metric that reads two logits then reads two columns of ``W_U``, not all of it: on a CPU the
     unembedding of a few rows is bound by reading its weights (545 MB in Qwen2.5-0.5B), once in
-    the pass and once more in a backward pass.
+    the pass and once more in a backward pass. ``ungroup``: a grouped-query model's k and v inputs
+    are read one per query head and the attention uses one key and value head a query head (the
+    module docstring; MIB's ungrouped graph).
     """
     dtype = model_dtype(model)
     shape = layout(model)
+    group = shape.n_heads // shape.n_kv_heads if ungroup else 1
     hooks = freezing_hooks(model, norms=freeze_norms, patterns=freeze_patterns)
     hooks.append(("embed.hook_out", _embedding_hook(stream, "embed")))
     if shape.pos_embed:
         hooks.append(("pos_embed.hook_out", _embedding_hook(stream, "pos_embed")))
     for layer in range(shape.n_layers):
-        hooks += _layer_hooks(model, layer, stream, dtype, frozen=freeze_norms)
+        hooks += _layer_hooks(model, layer, stream, dtype, frozen=freeze_norms, group=group)
     hooks.append(("ln_final.hook_in", _final_hook(stream)))
     if patterns is not None:
         hooks += [(f"blocks.{layer}.attn.hook_pattern", _keeper(patterns, layer)) for layer in range(shape.n_layers)]
@@ -540,6 +643,7 @@ def circuit_pass(
         hooked(model, hooks),
         _weights_need_no_gradient(model),
         _skipped_work(model, stream),
+        _ungrouped_attention(model, group),
         warnings.catch_warnings(),
     ):
         # A detached hook_scale counts as an edit: the bridge then rebuilds the norm's output from it.

@@ -209,7 +209,7 @@ class CircuitCurve(Saves):
 def _check_circuit(model: Model, circuit: Any) -> None:
     if not isinstance(circuit, Circuit):
         raise ValueError(f"circuit must be a Circuit, got {type(circuit).__name__}")
-    graph = circuit_graph(model)
+    graph = circuit_graph(model, circuit.graph.counting)
     if circuit.graph != graph:
         raise ValueError(f"circuit: its graph {circuit.graph} is not this model's {graph}")
 

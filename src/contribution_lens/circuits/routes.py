@@ -115,7 +115,7 @@ def route_scores_of_batch(
         q_lo, q_hi = graph.input_range("q", layer)
         scores[:, :upstream, q_lo:q_hi] = einops.einsum(weight, everywhere[rows, last], "b h, b u -> b u h")
         read = patterns[layer][rows, :, last].to(outputs.dtype)  # [batch head key]: alpha_tj^h
-        by_group = einops.reduce(weight[:, :, None] * read, "b (g group) key -> b g key", "sum", g=graph.n_kv_heads)
+        by_group = einops.reduce(weight[:, :, None] * read, "b (g group) key -> b g key", "sum", g=graph.kv_inputs)
         kv = einops.einsum(by_group, everywhere, "b g key, b key u -> b u g")
         for side in "kv":
             s_lo, s_hi = graph.input_range(side, layer)

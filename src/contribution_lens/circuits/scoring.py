@@ -19,7 +19,7 @@ Example:
 
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from contribution_lens.adapter import Model
-from contribution_lens.circuits.graph import Graph, circuit_graph
+from contribution_lens.circuits.graph import Graph, check_counting, circuit_graph
 from contribution_lens.circuits.registry import DEFAULT_MEMORY, LEVELS, CircuitContext, get_circuit_method
 from contribution_lens.circuits.task import Task
 from contribution_lens.files import Saves
@@ -106,6 +106,19 @@ class Circuit(Saves):
         """1 where an edge of the graph carries the counterfactual, 0 where it is kept or is no edge."""
         return (self.graph.valid & ~self.graph.edge_mask(self.kept)).float()
 
+    def with_edges(self, edges: str) -> "Circuit":
+        """The same circuit on the graph of the edge counting ``edges`` (``"native"`` or ``"mib"``).
+
+        Into MIB's counting each key head's k (v) edge becomes its group's query heads' edges; back, a
+        group's query heads must keep the same edges (`Graph.recount_kept`). A node-level circuit keeps its nodes.
+        """
+        graph = self.graph.recounted(check_counting(edges))
+        if graph == self.graph:
+            return self
+        if self.level == "node":
+            return Circuit.from_nodes(graph, self.chosen, self.fraction)
+        return Circuit(graph, self.graph.recount_kept(self.kept, edges), "edge", self.fraction)
+
     def __repr__(self) -> str:
         size = f"{len(self.chosen)} of {len(self.graph.components)} nodes" if self.level == "node" else ""
         size = size or f"{int(self.kept.sum())} of {len(self.graph.edges)} edges"
@@ -175,6 +188,14 @@ class CircuitScores(Saves):
         kept[order] = True
         return Circuit(self.graph, kept, "edge", fraction)
 
+    def with_edges(self, edges: str) -> "CircuitScores":
+        """The scores on the graph of the edge counting ``edges`` (`Graph.recount_scores`): into MIB's, a key
+        head's edge's score split evenly over its group's query heads; back, theirs summed. Node scores stay."""
+        graph = self.graph.recounted(check_counting(edges))
+        if graph == self.graph or self.edge_scores is None:
+            return replace(self, graph=graph)
+        return replace(self, graph=graph, edge_scores=self.graph.recount_scores(self.edge_scores, edges))
+
     def __repr__(self) -> str:
         size = f"{len(self.graph.edges)} edges, " if self.edge_scores is not None else ""
         return (
@@ -214,13 +235,21 @@ def check_task(model: Model, task: Any) -> Task:
 
 
 def circuit_scores(
-    model: Model, task: Task, method: str = "eap", *, memory: int = DEFAULT_MEMORY, seed: int = 0, steps: int = 5
+    model: Model,
+    task: Task,
+    method: str = "eap",
+    *,
+    memory: int = DEFAULT_MEMORY,
+    seed: int = 0,
+    steps: int = 5,
+    edges: str = "native",
 ) -> CircuitScores:
     """Score every edge (or node) of ``model``'s circuit graph on ``task`` with the circuit method ``method``.
 
     ``memory``: bytes one batch's activation differences may take (prompts are batched to fit; the
     gradient methods split a prompt that does not fit alone into windows of positions, each its own passes);
-    ``steps``: integrated-gradient steps (``eap-ig``). Everything is checked before any pass.
+    ``steps``: integrated-gradient steps (``eap-ig``); ``edges``: the graph's edge counting, ``"native"``
+    or ``"mib"`` (MIB's ungrouped graph: `contribution_lens.circuits.graph`). Everything is checked before any pass.
     """
     chosen = get_circuit_method(method)
     check_task(model, task)
@@ -228,7 +257,7 @@ def circuit_scores(
         raise ValueError(f"steps must be a positive integer, got {steps!r}")
     if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
         raise ValueError(f"memory must be a positive number of bytes, got {memory!r}")
-    graph = circuit_graph(model)
+    graph = circuit_graph(model, edges)
     context = CircuitContext(graph, memory, seed, steps)
     scores = chosen.score_fn(model, task, context).detach().float().cpu()
     expected = len(graph.edges) if chosen.level == "edge" else len(graph.components)
