@@ -62,7 +62,7 @@ class Graph:
     the heads and MLPs (what node-level circuits choose among; ``embed``, ``pos_embed`` and
     ``logits`` are in every circuit). ``counting``: one of `COUNTINGS` (the module docstring).
     ``d_model`` and ``model`` (the model's width and name, where known) take no part in comparisons:
-    MIB's graph files carry them.
+    MIB's graph files carry them (`contribution_lens.circuits.mib_format`).
     """
 
     n_layers: int

@@ -19,6 +19,7 @@ Example:
 
 import math
 import os
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,28 @@ class Circuit(Saves):
             return Circuit.from_nodes(graph, self.chosen, self.fraction)
         return Circuit(graph, self.graph.recount_kept(self.kept, edges), "edge", self.fraction)
 
+    def to_mib(self, path: str | os.PathLike) -> Path:
+        """Write the circuit as MIB's JSON graph (`contribution_lens.circuits.mib_format`): ``in_graph`` of every
+        edge and node, in MIB's ungrouped counting; every score 0."""
+        from contribution_lens.circuits.mib_format import write_mib
+
+        mib = self.with_edges("mib")
+        return write_mib(path, mib.graph, kept=mib.kept)
+
+    @classmethod
+    def from_mib(cls, model: Model, path: str | os.PathLike, *, edges: str = "mib") -> "Circuit":
+        """The circuit a MIB graph file keeps (its edges' ``in_graph``), on ``model``'s graph of ``edges``.
+
+        The file is refused, naming what differs, where its ``cfg`` is another model's; ``edges="native"``
+        needs a group's query heads to keep the same k and v edges (`with_edges`).
+        """
+        from contribution_lens.circuits.mib_format import MibFile
+
+        counting = check_counting(edges)
+        graph = circuit_graph(model, counting)
+        found = MibFile(path, graph)
+        return cls(found.graph, found.kept, "edge").with_edges(counting)
+
     def __repr__(self) -> str:
         size = f"{len(self.chosen)} of {len(self.graph.components)} nodes" if self.level == "node" else ""
         size = size or f"{int(self.kept.sum())} of {len(self.graph.edges)} edges"
@@ -195,6 +218,45 @@ class CircuitScores(Saves):
         if graph == self.graph or self.edge_scores is None:
             return replace(self, graph=graph)
         return replace(self, graph=graph, edge_scores=self.graph.recount_scores(self.edge_scores, edges))
+
+    def to_mib(self, path: str | os.PathLike) -> Path:
+        """Write the scores as MIB's JSON graph (`contribution_lens.circuits.mib_format`): every edge's score, or
+        (a node-level method) every head's and MLP's, as MIB's node-level scores; nothing ``in_graph`` but the logits.
+
+        Native scores of a grouped-query model are split evenly over each group's query heads (with a
+        warning): score with ``edges="mib"`` for each query head's own.
+        """
+        from contribution_lens.circuits.mib_format import write_mib
+
+        extra = {"task": self.task, "method": self.method}
+        if self.edge_scores is None:
+            return write_mib(path, self.graph.recounted("mib"), node_scores=self.component_scores, extra=extra)
+        if self.graph.counting == "native" and self.graph.group > 1:
+            warnings.warn(
+                "scores of the native graph: each key head's k and v edge's score is split evenly over its group's "
+                "query heads in MIB's ungrouped graph; score with edges='mib' for each query head's own",
+                stacklevel=2,
+            )
+        mib = self.with_edges("mib")
+        return write_mib(path, mib.graph, edge_scores=mib.edge_scores, extra=extra)
+
+    @classmethod
+    def from_mib(cls, model: Model, path: str | os.PathLike, *, edges: str = "mib") -> "CircuitScores":
+        """The scores in a MIB graph file, on ``model``'s graph of ``edges`` (node-level where its nodes have scores).
+
+        ``task`` and ``method`` are the file's ``cfg`` entries where it has them (else the file's stem
+        and ``"mib"``). Refused, naming what differs, where the file is another model's.
+        """
+        from contribution_lens.circuits.mib_format import MibFile
+
+        counting = check_counting(edges)
+        graph = circuit_graph(model, counting)
+        found = MibFile(path, graph)
+        task, method = str(found.cfg.get("task", Path(path).stem)), str(found.cfg.get("method", "mib"))
+        if found.node_scores is not None:
+            return cls(task, method, graph, found.node_scores)
+        edge_scores = found.graph.recount_scores(found.edge_scores, counting)
+        return cls(task, method, graph, node_sums(graph, edge_scores), edge_scores)
 
     def __repr__(self) -> str:
         size = f"{len(self.graph.edges)} edges, " if self.edge_scores is not None else ""
