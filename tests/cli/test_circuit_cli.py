@@ -63,6 +63,8 @@ def tiny_run(tiny_decoder: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
         (["--method", "eap", "--task", "missing.jsonl"],
          "--task: expected ioi, induction, capitals or a .jsonl file of prompts, got 'missing.jsonl' (no such file)"),
         (["--task", "ioi"], "the following arguments are required: --method (see contribution-lens circuit --help)"),
+        (["--method", "eap", "--edges", "grouped"], "argument --edges: invalid choice: 'grouped' (choose from "
+                                                    "'native', 'mib') (see contribution-lens circuit --help)"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_named_before_the_model_loads(
@@ -161,6 +163,23 @@ def test_dry_run_prints_the_passes_and_time_and_writes_nothing(tiny_decoder, tmp
     assert re.search(r"6 prompts: about \d+ forward-pass equivalents \(one plain pass .*\); estimated [\d.]+ (s|min)",
                      printed), printed  # fmt: skip
     assert not out.exists()
+
+
+def test_mibs_edge_counting_scores_and_evaluates_mibs_graph(tiny_decoder, tmp_path, capsys) -> None:
+    """``--edges mib``: every query head its own k and v inputs, in the plan, the scores and the run's settings."""
+    mib = Graph(n_layers=2, n_heads=4, n_kv_heads=2, pos_embed=False, counting="mib")
+    status, printed, err = run_cli(capsys, *tiny_args(tiny_decoder, tmp_path / "plan", "--method", "eap", "--edges",
+                                                      "mib", "--dry-run"))  # fmt: skip
+    assert status == 0, err
+    assert f"{len(mib.components)} nodes, {len(mib.edges)} edges (mib counting)" in printed
+    out = tmp_path / "run"
+    argv = tiny_args(tiny_decoder, out, "--method", "eap", "--level", "edge", "--edges", "mib")
+    status, _, err = run_cli(capsys, *argv)
+    assert status == 0, err
+    scores = cl.CircuitScores.load(out / "eap" / runner.SCORES)
+    assert scores.graph == mib and len(scores.edge_scores) == len(mib.edges) > mib.n_edges("native")
+    assert json.loads((out / "config.json").read_text())["edges"] == "mib"
+    assert pd.read_csv(out / runner.TABLE)[["method", "level"]].values.tolist() == [["eap", "edge"]]
 
 
 def test_a_method_registered_later_is_taken_by_name(tiny_decoder, tmp_path, capsys) -> None:

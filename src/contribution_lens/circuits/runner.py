@@ -247,6 +247,8 @@ class RunSettings:
     seed: int = 0
     steps: int = 5
     resamples: int = RESAMPLES
+    edges: str = "native"
+    """The graph's edge counting (`contribution_lens.circuits.graph`): ``"native"`` or ``"mib"``."""
 
 
 def _check_config(out: Path, config: dict[str, Any]) -> None:
@@ -277,6 +279,8 @@ def run_circuits(
     rank, world = rank_and_world()
     config = {**(config or {}), "task": task.name, "prompts": len(task), "seed": settings.seed,
               "steps": settings.steps}  # fmt: skip
+    if settings.edges != "native":  # a folder of a native run, written before the option, resumes as it is
+        config["edges"] = settings.edges
     _check_config(out_dir, config)
     barrier(world)
     if rank == 0:
@@ -330,7 +334,7 @@ def _scores(
     part = folder / _part("scores", rank, world)
     if not part.exists():
         start = time.perf_counter()
-        scores = circuit_scores(model, task, method, seed=settings.seed, steps=settings.steps)
+        scores = circuit_scores(model, task, method, seed=settings.seed, steps=settings.steps, edges=settings.edges)
         _synchronise(model)
         seconds = time.perf_counter() - start
         scores.save(part)

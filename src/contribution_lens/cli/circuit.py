@@ -74,6 +74,10 @@ class CircuitArgs:
     seed: int = option(0, "seed of the prompts, the random method and the bootstrap", check=at_least(0))
     length: int = option(10, "tokens a copy (induction)", check=at_least(1))
     steps: int = option(5, "integrated-gradient steps (eap-ig)", check=at_least(1))
+    edges: str = option(
+        "native", "edge counting: native (a grouped-query model's k and v inputs one per key head) or mib (one per "
+        "query head, MIB's ungrouped graph)", choices=("native", "mib"),
+    )  # fmt: skip
     bootstrap: int = option(1000, "bootstrap resamples of the intervals", check=at_least(1))
     dry_run: bool = option(False, "print the passes and an estimated time, then stop")
 
@@ -123,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
 
     settings, task = args.settings, args.task_object
     run_settings = runner.RunSettings(
-        settings.method, settings.level, settings.seed, settings.steps, settings.bootstrap
+        settings.method, settings.level, settings.seed, settings.steps, settings.bootstrap, settings.edges
     )
     if settings.dry_run:
         from contribution_lens import loading
@@ -131,10 +135,10 @@ def run(args: argparse.Namespace) -> int:
 
         skeleton = loading.load_skeleton(str(args.model))  # the config's sizes: no weight is read
         shape = layout(skeleton)
-        graph = Graph(shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.pos_embed)
+        graph = Graph(shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.pos_embed, settings.edges)
         sizes = {"length": int(task.clean.shape[1]), "d_model": int(skeleton.cfg.d_model)}
         plans = runner.plan_passes(graph, settings.method, settings.level, steps=settings.steps, **sizes)
-        print(f"{task!r}; {graph}: {len(graph.components)} nodes, {len(graph.edges)} edges")
+        print(f"{task!r}; {graph}: {len(graph.components)} nodes, {len(graph.edges)} edges ({settings.edges} counting)")
         print(runner.describe_plan(plans, len(task)))
         model = common.load(args)
         forward = runner.forward_seconds(model, task)
