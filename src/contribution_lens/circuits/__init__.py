@@ -1,9 +1,10 @@
 """Circuits: which heads and MLPs work together on a task, through which connections.
 
 The face of the circuits subpackage: tasks (`Task`), the graph of nodes and edges (`Graph`,
-`circuit_graph`), circuit methods (a registry: `register_circuit_method`), their scores
-(`circuit_scores` -> `CircuitScores`), the circuits they choose (`Circuit`), and MIB-style
-evaluation by interchange patching (`evaluate_circuit`, `circuit_curve`).
+`circuit_graph`; its edges counted natively or as MIB counts them), circuit methods (a registry:
+`register_circuit_method`), their scores (`circuit_scores` -> `CircuitScores`), the circuits they
+choose (`Circuit`), MIB-style evaluation by interchange patching (`evaluate_circuit`,
+`circuit_curve`), and MIB's graph files (`Circuit.to_mib`, `Circuit.from_mib`).
 """
 
 from contribution_lens.circuits import (
