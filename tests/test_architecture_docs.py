@@ -128,10 +128,10 @@ def test_the_recipe_for_an_analysis_names_every_place_one_touches() -> None:
 
 def test_the_docstrings_that_list_a_set_name_all_of_it() -> None:
     """The command line's face names every command, the registry every family that registers itself."""
-    from contribution_lens import cli, methods
+    from contribution_lens import cli
     from contribution_lens.cli.app import COMMANDS
     from contribution_lens.methods import registry
 
     assert cli.__doc__ and all(f"``{name}``" in cli.__doc__ for name in COMMANDS), cli.__doc__
-    families = [family.__name__.rpartition(".")[2] for family in methods._FAMILIES]
+    families = [location.partition(":")[0].rpartition(".")[2] for location in registry.METHODS.declared]
     assert registry.__doc__ and all(f"``{name}``" in registry.__doc__ for name in families), families

@@ -291,7 +291,9 @@ def _expected_imports(exports: dict[str, str]) -> set[tuple[str, str]]:
     return pairs
 
 
-@pytest.mark.parametrize("face", ["contribution_lens", *(f"contribution_lens.{p}" for p in ("drawing", "views"))])
+@pytest.mark.parametrize(
+    "face", ["contribution_lens", *(f"contribution_lens.{p}" for p in ("circuits", "drawing", "methods", "views"))]
+)
 def test_each_faces_names_are_written_once(face: str) -> None:
     """A face's table (`_EXPORTS`) is its one list: ``__all__`` follows from it, and the imports type checkers read
     under ``TYPE_CHECKING`` (which mypy must see written out) are exactly the table's; the message prints them."""

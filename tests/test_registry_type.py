@@ -2,6 +2,7 @@
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,26 @@ def test_the_decorator_registers_what_it_makes_and_returns_the_function() -> Non
         return 7
 
     assert seven() == 7 and registry["seven"] == Entry("seven", 7)
+
+
+@pytest.mark.parametrize(
+    ("module", "registry", "listed"),
+    [
+        ("contribution_lens.methods.registry", "METHODS", "contribution_lens.methods.factors"),
+        ("contribution_lens.circuits.registry", "CIRCUIT_METHODS", "contribution_lens.circuits.attribution"),
+        ("contribution_lens.faithfulness.registry", "PROTOCOLS", "contribution_lens.faithfulness.protocols"),
+    ],
+)
+def test_the_packages_registries_list_their_names_without_torch(module: str, registry: str, listed: str) -> None:
+    """Each registry's names come from its declaration alone: no family, and no torch, is imported to list them."""
+    import subprocess
+
+    code = (
+        f"import sys\nfrom {module} import {registry}\nnames = list({registry})\n"
+        f"print(len(names), 'torch' in sys.modules, {listed!r} in sys.modules)"
+    )
+    src = Path(__file__).resolve().parents[1] / "src"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=src, timeout=120)
+    assert result.returncode == 0, result.stderr
+    count, torch_imported, family_imported = result.stdout.split()
+    assert int(count) >= 4 and torch_imported == "False" and family_imported == "False"

@@ -21,7 +21,7 @@ LEVELS = ("edge", "node")
 
 
 def _registered() -> list[str]:
-    from contribution_lens.circuits import available_circuit_methods
+    from contribution_lens.circuits.registry import available_circuit_methods
 
     return available_circuit_methods()
 

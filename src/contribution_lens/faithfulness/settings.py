@@ -50,7 +50,7 @@ def _methods() -> tuple[str, ...]:
 
 
 def _protocols() -> tuple[str, ...]:
-    from contribution_lens.faithfulness.protocols import PROTOCOLS
+    from contribution_lens.faithfulness.registry import PROTOCOLS
 
     return tuple(PROTOCOLS)
 
