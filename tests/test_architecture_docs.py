@@ -53,11 +53,12 @@ def _documented_files(folder: str, text: str) -> set[str]:
 
 
 def _package_files() -> dict[str, set[str]]:
-    """Folder (relative to the package) -> the modules and front-end files in it (faces left out)."""
+    """Folder (relative to the package) -> the modules and front-end files in it (faces left out; a ``__main__.py``
+    is a module like any other, and is named)."""
     files: dict[str, set[str]] = {}
     for path in [*SRC.rglob("*.py"), *SRC.rglob("*.js")]:
         relative = path.relative_to(SRC)
-        if "__pycache__" in relative.parts or path.name in ("__init__.py", "__main__.py", "types.js"):
+        if "__pycache__" in relative.parts or path.name in ("__init__.py", "types.js"):
             continue
         files.setdefault(str(relative.parent).replace(".", ""), set()).add(path.name)
     return files
