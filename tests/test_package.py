@@ -88,6 +88,22 @@ def test_no_function_is_longer_than_eighty_lines() -> None:
     assert not long, long
 
 
+LONG_CLASSES = {"views/inspector/widget.py:Inspector": "its panels move onto a seam of their own (issue 54, item 2)"}
+"""Classes allowed over 300 lines for now, and why; one that shrinks under the limit must leave this table."""
+
+
+def test_no_class_is_longer_than_three_hundred_lines() -> None:
+    """A class is one responsibility a reader can hold: its data and lifecycle, its views or its computation."""
+    long = []
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno >= 300:
+                long.append(f"{path.relative_to(SRC)}:{node.name}")
+    over = [name for name in long if name not in LONG_CLASSES]
+    assert not over, f"classes over 300 lines (split them by responsibility): {over}"
+    assert sorted(LONG_CLASSES) == sorted(set(long) & set(LONG_CLASSES)), "a class of LONG_CLASSES is short now"
+
+
 def _code_strings(path: Path) -> list[str]:
     """String constants of a module that are not docstrings."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -291,7 +307,9 @@ def _expected_imports(exports: dict[str, str]) -> set[tuple[str, str]]:
     return pairs
 
 
-@pytest.mark.parametrize("face", ["contribution_lens", *(f"contribution_lens.{p}" for p in ("drawing", "views"))])
+@pytest.mark.parametrize(
+    "face", ["contribution_lens", *(f"contribution_lens.{p}" for p in ("circuits", "drawing", "methods", "views"))]
+)
 def test_each_faces_names_are_written_once(face: str) -> None:
     """A face's table (`_EXPORTS`) is its one list: ``__all__`` follows from it, and the imports type checkers read
     under ``TYPE_CHECKING`` (which mypy must see written out) are exactly the table's; the message prints them."""

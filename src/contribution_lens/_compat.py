@@ -30,7 +30,7 @@ MOVED: dict[str, tuple[str, ...]] = {
         "contribution_lens.methods.alti",
         "contribution_lens.methods.value_zeroing",
         "contribution_lens.methods.gradient",
-        "contribution_lens.methods.registry",
+        "contribution_lens.methods.method",
         "contribution_lens.decomposition",
         "contribution_lens.losses",
     ),

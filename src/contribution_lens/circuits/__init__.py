@@ -4,55 +4,48 @@ The face of the circuits subpackage: tasks (`Task`), the graph of nodes and edge
 `circuit_graph`; its edges counted natively or as MIB counts them), circuit methods (a registry:
 `register_circuit_method`), their scores (`circuit_scores` -> `CircuitScores`), the circuits they
 choose (`Circuit`), MIB-style evaluation by interchange patching (`evaluate_circuit`,
-`circuit_curve`), and MIB's graph files (`Circuit.to_mib`, `Circuit.from_mib`).
+`circuit_curve`), and MIB's graph files (`Circuit.to_mib`, `Circuit.from_mib`). It imports on first use,
+so listing the circuit methods' names (`available_circuit_methods`) imports no torch.
 """
 
-from contribution_lens.circuits import (
-    attribution,  # noqa: F401  (registers the package's circuit methods)
-    contribution,  # noqa: F401
-    routes,  # noqa: F401
-)
-from contribution_lens.circuits.evaluation import (
-    FRACTIONS,
-    CircuitCurve,
-    CircuitEvaluation,
-    circuit_curve,
-    evaluate_circuit,
-)
-from contribution_lens.circuits.figures import circuit_figure, curves_figure
-from contribution_lens.circuits.graph import Graph, circuit_graph
-from contribution_lens.circuits.registry import (
-    CircuitContext,
-    CircuitMethod,
-    available_circuit_methods,
-    get_circuit_method,
-    register_circuit_method,
-    unregister_circuit_method,
-)
-from contribution_lens.circuits.scoring import Circuit, CircuitScores, circuit_scores
-from contribution_lens.circuits.task import METRICS, Task, TaskReport, task_report
+from typing import TYPE_CHECKING
 
-__all__ = [
-    "FRACTIONS",
-    "METRICS",
-    "Circuit",
-    "CircuitContext",
-    "CircuitCurve",
-    "CircuitEvaluation",
-    "CircuitMethod",
-    "CircuitScores",
-    "Graph",
-    "Task",
-    "TaskReport",
-    "available_circuit_methods",
-    "circuit_curve",
-    "circuit_figure",
-    "circuit_graph",
-    "circuit_scores",
-    "curves_figure",
-    "evaluate_circuit",
-    "get_circuit_method",
-    "register_circuit_method",
-    "task_report",
-    "unregister_circuit_method",
-]
+from contribution_lens._lazy import face
+
+_HERE = "contribution_lens.circuits"
+_EXPORTS = {
+    **{name: f"{_HERE}.evaluation:{name}" for name in ("FRACTIONS", "CircuitCurve", "CircuitEvaluation",
+                                                      "circuit_curve", "evaluate_circuit")},
+    **{name: f"{_HERE}.figures:{name}" for name in ("circuit_figure", "curves_figure")},
+    **{name: f"{_HERE}.graph:{name}" for name in ("Graph", "circuit_graph")},
+    **{
+        name: f"{_HERE}.registry:{name}"
+        for name in ("CircuitContext", "CircuitMethod", "available_circuit_methods", "get_circuit_method",
+                     "register_circuit_method", "unregister_circuit_method")
+    },
+    **{name: f"{_HERE}.scoring:{name}" for name in ("Circuit", "CircuitScores", "circuit_scores")},
+    **{name: f"{_HERE}.task:{name}" for name in ("METRICS", "Task", "TaskReport", "task_report")},
+}  # fmt: skip
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = face(__name__, _EXPORTS)
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
+    from contribution_lens.circuits.evaluation import (
+        FRACTIONS,
+        CircuitCurve,
+        CircuitEvaluation,
+        circuit_curve,
+        evaluate_circuit,
+    )
+    from contribution_lens.circuits.figures import circuit_figure, curves_figure
+    from contribution_lens.circuits.graph import Graph, circuit_graph
+    from contribution_lens.circuits.registry import (
+        CircuitContext,
+        CircuitMethod,
+        available_circuit_methods,
+        get_circuit_method,
+        register_circuit_method,
+        unregister_circuit_method,
+    )
+    from contribution_lens.circuits.scoring import Circuit, CircuitScores, circuit_scores
+    from contribution_lens.circuits.task import METRICS, Task, TaskReport, task_report

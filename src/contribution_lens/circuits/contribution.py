@@ -75,7 +75,7 @@ from torch import Tensor
 from contribution_lens.adapter import Model
 from contribution_lens.circuits import interchange as ic
 from contribution_lens.circuits.graph import Graph
-from contribution_lens.circuits.registry import CircuitContext, CircuitMethod, register_circuit_method
+from contribution_lens.circuits.registry import CircuitContext, CircuitMethod
 from contribution_lens.circuits.tangents import TangentsApart
 from contribution_lens.circuits.task import Task
 
@@ -204,5 +204,3 @@ METHODS = (
         True,
     ),
 )
-for _method in METHODS:
-    register_circuit_method(_method)

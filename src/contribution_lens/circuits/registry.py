@@ -6,7 +6,9 @@ in `Graph.edges` order; ``level="edge"``) or one a head or MLP (``[component]``,
 with the counterfactual does to the metric, ``m(patched) - m(clean)``; circuits keep the largest
 ``|score|``. An edge method's node scores are the sums over each node's outgoing edges (for
 gradient methods that is the same estimate at the node's output). This module knows no method:
-`contribution_lens.circuits.attribution` registers the package's own when the subpackage is imported.
+`CIRCUIT_METHODS` declares the package's own by name, with the file that defines them (``attribution``,
+``contribution``, ``routes``, each with a ``METHODS`` tuple), imported when one of them is first read;
+the names are listed (the command line's ``--help``) without importing torch.
 
 Registering your own takes one call:
 
@@ -22,11 +24,14 @@ Registering your own takes one call:
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
+from contribution_lens._registry import Registry
 
-from contribution_lens.circuits.graph import Graph
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from contribution_lens.circuits.graph import Graph
 
 LEVELS = ("edge", "node")
 DEFAULT_MEMORY = 2**30
@@ -37,14 +42,14 @@ DEFAULT_MEMORY = 2**30
 class CircuitContext:
     """What a circuit method may need beside the model and the task."""
 
-    graph: Graph
+    graph: "Graph"
     memory: int = DEFAULT_MEMORY
     seed: int = 0
     steps: int = 5
     """Integrated-gradient steps (MIB's default, ``--ig-steps 5``)."""
 
 
-ScoreFn = Callable[[Any, Any, CircuitContext], Tensor]
+ScoreFn = Callable[[Any, Any, CircuitContext], "Tensor"]
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,23 @@ class CircuitMethod:
             raise ValueError(f"level must be 'edge' or 'node', got {self.level!r}")
 
 
-_REGISTRY: dict[str, CircuitMethod] = {}
+def _a_circuit_method(entry: Any) -> None:
+    if not isinstance(entry, CircuitMethod):
+        raise TypeError(f"a circuit method is registered as a CircuitMethod, got {type(entry).__name__}")
+
+
+_HERE = "contribution_lens.circuits"
+CIRCUIT_METHODS: Registry[CircuitMethod] = Registry(
+    "circuit method",
+    {
+        f"{_HERE}.attribution:METHODS": ("eap", "eap-ig", "activation-patching", "random"),
+        f"{_HERE}.contribution:METHODS": ("contribution",),
+        f"{_HERE}.routes:METHODS": ("information-flow-routes",),
+    },
+    check=_a_circuit_method,
+    listing="registered",
+)
+"""Every registered circuit method by name: the package's own (a new file is one line here), then the user's."""
 
 
 def register_circuit_method(
@@ -79,43 +100,32 @@ def register_circuit_method(
 
     A name already taken is refused unless ``replace=True``; a built-in is never replaced.
     """
-
-    def add(method: CircuitMethod) -> CircuitMethod:
-        taken = _REGISTRY.get(method.name)
-        if taken is not None and (taken.builtin or not replace):
-            hint = "it is built in" if taken.builtin else "pass replace=True to replace it"
-            raise ValueError(f"a circuit method named {method.name!r} is already registered; {hint}")
-        _REGISTRY[method.name] = method
-        return method
-
     if isinstance(name, CircuitMethod):
-        return add(name)
+        return CIRCUIT_METHODS.add(name, replace=replace)
 
-    def build(fn: ScoreFn) -> ScoreFn:
-        add(CircuitMethod(name, fn, level, description))
-        return fn
+    def method_of(fn: ScoreFn) -> CircuitMethod:
+        return CircuitMethod(name, fn, level, description)
 
-    return build if score_fn is None else add(CircuitMethod(name, score_fn, level, description))
+    if score_fn is None:
+        return CIRCUIT_METHODS.decorator(method_of, replace=replace)
+    return CIRCUIT_METHODS.add(method_of(score_fn), replace=replace)
 
 
 def unregister_circuit_method(name: str) -> None:
     """Remove a user's circuit method (built-ins stay)."""
-    if name not in _REGISTRY:
-        raise KeyError(f"no circuit method named {name!r} is registered")
-    if _REGISTRY[name].builtin:
-        raise ValueError(f"{name!r} is built in and cannot be unregistered")
-    del _REGISTRY[name]
+    CIRCUIT_METHODS.unregister(name)
 
 
 def available_circuit_methods() -> list[str]:
-    """The registered circuit methods' names, the package's own first."""
-    return list(_REGISTRY)
+    """The registered circuit methods' names, the package's own first (read without importing any method)."""
+    return list(CIRCUIT_METHODS)
 
 
 def get_circuit_method(name: str | CircuitMethod) -> CircuitMethod:
     """The registered circuit method called ``name`` (a `CircuitMethod` is returned as it is)."""
     if isinstance(name, CircuitMethod):
         return name
-    if name not in _REGISTRY:
-        raise ValueError(f"method: unknown circuit method {name!r}; registered: {', '.join(_REGISTRY)}")
-    return _REGISTRY[name]
+    try:
+        return CIRCUIT_METHODS.lookup(name)
+    except ValueError as error:
+        raise ValueError(f"method: {error}") from None

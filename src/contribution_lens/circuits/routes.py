@@ -48,10 +48,10 @@ from torch import Tensor
 from contribution_lens.adapter import Model, circuit_pass
 from contribution_lens.circuits import interchange as ic
 from contribution_lens.circuits.graph import Graph
-from contribution_lens.circuits.registry import CircuitContext, CircuitMethod, register_circuit_method
+from contribution_lens.circuits.registry import CircuitContext, CircuitMethod
 from contribution_lens.circuits.task import Task
 from contribution_lens.methods.alti import manhattan_proximity
-from contribution_lens.methods.registry import normalise_rows
+from contribution_lens.methods.method import normalise_rows
 
 COPIES = 2.0
 """``[batch pos writer d_model]`` tensors held at once: the outputs and one proximity's distances."""
@@ -152,5 +152,3 @@ METHODS = (
         True,
     ),
 )
-for _method in METHODS:
-    register_circuit_method(_method)

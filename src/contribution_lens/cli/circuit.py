@@ -21,9 +21,13 @@ LEVELS = ("edge", "node")
 
 
 def _registered() -> list[str]:
-    from contribution_lens.circuits import available_circuit_methods
+    from contribution_lens.circuits.registry import available_circuit_methods
 
     return available_circuit_methods()
+
+
+def _method_help() -> str:
+    return f"a registered circuit method ({', '.join(_registered())}; yours with register_circuit_method); repeatable"
 
 
 def check_task(value: Any) -> None:
@@ -59,9 +63,7 @@ class CircuitArgs:
     task: str = option("ioi", f"{', '.join(TASKS)} or FILE.jsonl (one prompt a line)", check=check_task)
     method: tuple[str, ...] = option(
         (),
-        "a registered circuit method (eap, eap-ig, activation-patching, contribution, information-flow-routes, "
-        "random, or one registered "
-        "with register_circuit_method); repeatable",
+        _method_help,
         check=_each_of(_registered, "a registered circuit method"),
         many=True,
         required=True,

@@ -64,7 +64,7 @@ from torch import Tensor
 from contribution_lens import adapter
 from contribution_lens.decomposition import projected_values
 from contribution_lens.engine import map_layers
-from contribution_lens.methods.registry import Method, ScoreContext, normalise_rows, prepared_score
+from contribution_lens.methods.method import Method, ScoreContext, normalise_rows, prepared_score
 
 ALTI_MAX_ELEMENTS = 2**24
 """Largest ``[batch query key d_model]`` block ALTI builds (chunks of queries stay under it)."""
