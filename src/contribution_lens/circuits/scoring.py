@@ -73,8 +73,9 @@ def check_switch(value: Any, name: str, *, optional: bool = False) -> bool | Non
     """``value`` if it is True or False (or None where ``optional``), else a ValueError naming ``name``."""
     if (value is None and optional) or isinstance(value, bool):
         return value
-    allowed = "True, False or None (the method's own)" if optional else "True or False"
-    raise ValueError(f"{name} must be {allowed}, got {value!r}")
+    if optional:
+        raise ValueError(f"{name} must be True, False or None (the method's own), got {value!r}")
+    raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _reads(graph: Graph) -> Bool[Tensor, "writer input"]:
