@@ -454,9 +454,11 @@ def test_the_curves_sizes_sharing_memory_are_each_sizes_own_patched_pass(models,
         curve = cl.circuit_curve(model, task, scores, memory=2 * per_prompt)  # batches of 2, 2 and 1
     gathered = {rows for rows, upstream in sums if rows < upstream}
     assert len(gathered) > 1 and any(rows == upstream for rows, upstream in sums)
-    for k, fraction in enumerate(evaluation.FRACTIONS):
-        alone = cl.evaluate_circuit(model, task, scores.circuit(fraction, "edge"))  # one batch, fresh memory
-        assert_close(curve.patched[k], alone.patched, rtol=1e-5, atol=1e-5)
+    for s, selection in enumerate(evaluation.SELECTIONS):
+        for k, fraction in enumerate(evaluation.FRACTIONS):
+            circuit = scores.circuit(fraction, "edge", absolute=selection == "absolute", prune=True)
+            alone = cl.evaluate_circuit(model, task, circuit)  # one batch, fresh memory
+            assert_close(curve.patched[s, k], alone.patched, rtol=1e-5, atol=1e-5)
 
 
 def test_a_sum_over_gathered_rows_is_the_product_over_every_row(monkeypatch) -> None:

@@ -114,7 +114,8 @@ def test_what_is_written_is_the_file_mibs_code_writes(model, tmp_path) -> None:
     assert got == want and list(got["edges"]) == list(want["edges"]) and list(got["nodes"]) == list(want["nodes"])
     values = dict(zip(scores.graph.edges, scores.edge_scores.tolist(), strict=True))
     cfg = _cfg(model, model_name="native", task="random", method="eap")
-    want = mib_script_file(tmp_path / "scores-want.json", cfg, lambda name: False, lambda name: values[ours(name)])
+    # MIB's sign: larger means keep, so an effect m(patched) - m(clean) is written negated
+    want = mib_script_file(tmp_path / "scores-want.json", cfg, lambda name: False, lambda name: -values[ours(name)])
     assert json.loads(scores.to_mib(tmp_path / "scores.json").read_text()) == want
 
 
@@ -123,7 +124,9 @@ def test_circuits_and_scores_make_the_round_trip(model, tmp_path) -> None:
     scores = cl.circuit_scores(model, task, method="eap", edges="mib")
     back = cl.CircuitScores.from_mib(model, scores.to_mib(tmp_path / "scores.json"))
     assert (back.task, back.method, back.graph) == (scores.task, scores.method, scores.graph)
-    assert_close(back.edge_scores, scores.edge_scores, rtol=0, atol=0)
+    assert_close(back.edge_scores, -scores.edge_scores, rtol=0, atol=0)
+    for fraction, absolute in [(0.05, False), (0.05, True), (0.3, False)]:
+        assert back.circuit(fraction, absolute=absolute).edges == scores.circuit(fraction, absolute=absolute).edges
     for circuit in (scores.circuit(0.1), scores.circuit(0.5, "node")):
         read = cl.Circuit.from_mib(model, circuit.to_mib(tmp_path / "circuit.json"))
         assert read.edges == circuit.edges and read.graph == circuit.graph
@@ -134,10 +137,10 @@ def test_node_level_scores_are_written_as_mibs_node_scores(model, tmp_path) -> N
     scores = cl.circuit_scores(model, task, method="activation-patching", edges="mib")
     content = json.loads(scores.to_mib(tmp_path / "nodes.json").read_text())
     assert "score" not in content["nodes"]["input"] and "score" not in content["nodes"]["logits"]
-    assert content["nodes"]["a1.h2"]["score"] == float(scores.component_scores[scores.graph.components.index("L1H2")])
+    assert content["nodes"]["a1.h2"]["score"] == -float(scores.component_scores[scores.graph.components.index("L1H2")])
     assert all(info == {"score": 0.0, "in_graph": False} for info in content["edges"].values())
     back = cl.CircuitScores.from_mib(model, tmp_path / "nodes.json")
-    assert back.edge_scores is None and torch.equal(back.component_scores, scores.component_scores)
+    assert back.edge_scores is None and torch.equal(back.component_scores, -scores.component_scores)
     node_file = mib_script_file(tmp_path / "script.json", _cfg(model), lambda n: False, lambda n: 0.0, _by_name(2))
     read = cl.CircuitScores.from_mib(model, tmp_path / "script.json")
     want = [node_file["nodes"][theirs(name)]["score"] for name in read.graph.components]
@@ -155,7 +158,7 @@ def test_a_native_grouped_circuit_is_written_with_each_key_heads_edges_as_its_qu
     with pytest.warns(UserWarning, match="split evenly over its group's query heads"):
         scores.to_mib(tmp_path / "native-scores.json")
     back = cl.CircuitScores.from_mib(model, tmp_path / "native-scores.json", edges="native")
-    assert_close(back.edge_scores, scores.edge_scores, atol=1e-6)
+    assert_close(back.edge_scores, -scores.edge_scores, atol=1e-6)
 
 
 def test_the_embeddings_are_mibs_one_input_node(tmp_path) -> None:
@@ -174,7 +177,7 @@ def test_the_embeddings_are_mibs_one_input_node(tmp_path) -> None:
     scores = cl.circuit_scores(gpt2, random_task(gpt2), method="eap", edges="mib")
     first = json.loads(scores.to_mib(tmp_path / "scores.json").read_text())
     e = scores.edge_scores
-    want = float(e[graph.edge_ids["embed->L1H2<v>"]]) + float(e[graph.edge_ids["pos_embed->L1H2<v>"]])
+    want = -(float(e[graph.edge_ids["embed->L1H2<v>"]]) + float(e[graph.edge_ids["pos_embed->L1H2<v>"]]))
     assert first["edges"]["input->a1.h2<v>"]["score"] == pytest.approx(want, rel=1e-6)
     read = cl.CircuitScores.from_mib(gpt2, tmp_path / "scores.json")
     assert float(read.edge_scores[graph.edge_ids["embed->L1H2<v>"]]) == pytest.approx(want / 2, rel=1e-6)

@@ -45,9 +45,10 @@ def check_layout(task: Task, model, *, bos_first: bool) -> None:
             assert bos not in real_tokens(task, prompt)
 
 
-def test_ioi_names_are_one_token_and_the_counterfactual_is_abc(skeleton) -> None:
+def test_ioi_names_are_one_token_and_the_abc_counterfactual_has_three_other_names(skeleton) -> None:
     key, model = skeleton
-    task = Task.ioi(model, n=24, seed=3)
+    task = Task.ioi(model, n=24, seed=3, counterfactual="abc")
+    assert task.counterfactual == "abc"
     check_layout(task, model, bos_first=BOS_FIRST[key])
     tokenizer = model.tokenizer
     names = {tokenizer.encode(name, add_special_tokens=False)[0]: name for name in IOI_NAMES}
@@ -67,6 +68,89 @@ def test_ioi_names_are_one_token_and_the_counterfactual_is_abc(skeleton) -> None
     # Both orders of Wang et al.: ABBA (the indirect object first) and BABA.
     first_name = [next(t for t in real_tokens(task, p) if t in names) for p in range(len(task))]
     assert {a == int(io) for a, io in zip(first_name, task.answer, strict=True)} == {True, False}
+
+
+def test_ioi_defaults_to_mibs_s2_io_flip_the_subjects_second_mention_replaced_by_the_indirect_object(skeleton) -> None:
+    _, model = skeleton
+    task = Task.ioi(model, n=24, seed=3)
+    assert task.counterfactual == "s2-io-flip" and "counterfactual s2-io-flip" in repr(task)
+    assert torch.equal(task.clean, Task.ioi(model, n=24, seed=3, counterfactual="abc").clean)  # one seed, one prompt
+    for prompt in range(len(task)):
+        io, s = int(task.answer[prompt]), int(task.foil[prompt])
+        clean, corrupted = real_tokens(task, prompt), real_tokens(task, prompt, "corrupted")
+        differ = [i for i, (a, b) in enumerate(zip(clean, corrupted, strict=True)) if a != b]
+        # One position differs: the subject's second (last) mention, which now names the indirect object.
+        assert differ == [max(i for i, t in enumerate(clean) if t == s)]
+        assert corrupted[differ[0]] == io and corrupted.count(io) == 2 and corrupted.count(s) == 1
+
+
+@pytest.mark.usefixtures("as_a_user")
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda m: Task.ioi(m, n=2, counterfactual="ABC"),
+            "counterfactual: Task.ioi offers s2-io-flip, abc; got 'ABC'",
+        ),
+        (
+            lambda m: Task.induction(m, n=2, counterfactual="abc"),
+            "counterfactual: Task.induction offers first-copy-resampled; got 'abc'",
+        ),
+        (
+            lambda m: Task.capitals(m, n=2, counterfactual=None),
+            "counterfactual: Task.capitals offers other-country; got None",
+        ),
+    ],
+    ids=["ioi", "induction", "capitals"],
+)
+def test_an_unknown_counterfactual_is_refused_with_the_tasks_list(build, message) -> None:
+    with pytest.raises(ValueError) as error:
+        build(loading.load_skeleton(loading.BUNDLED))
+    assert str(error.value) == message
+
+
+def numbered_task(n: int, duplicates: int = 0) -> Task:
+    """``n`` distinct prompts, then the first ``duplicates`` of them again."""
+    ids = torch.arange(2 * n).reshape(n, 2)
+    ids = torch.cat([ids, ids[:duplicates]])
+    answer = torch.zeros(len(ids), dtype=torch.long)
+    return Task("numbered", ids, ids + 100, answer, answer + 1, Task.full_length(ids), counterfactual="numbers")
+
+
+def test_a_split_is_disjoint_deterministic_and_keeps_equal_prompts_together() -> None:
+    task = numbered_task(20, duplicates=5)
+    scoring, evaluation = task.split(0.5, seed=4)
+    again = task.split(0.5, seed=4)
+    assert torch.equal(again[0].clean, scoring.clean) and torch.equal(again[1].clean, evaluation.clean)
+    assert not torch.equal(task.split(0.5, seed=5)[0].clean, scoring.clean)
+    assert (scoring.part, evaluation.part, scoring.counterfactual) == ("scoring", "evaluation", "numbers")
+    assert len(scoring) + len(evaluation) == len(task)
+    assert not set(scoring.fingerprints().tolist()) & set(evaluation.fingerprints().tolist())
+    assert scoring.prompts.overlap(evaluation.prompts) == 0 and task.prompts.overlap(scoring.prompts) == len(scoring)
+    assert len(set(scoring.fingerprints().tolist())) == 10  # half of the 20 distinct prompts
+    for part in numbered_task(10).split(0.3):  # each part keeps the task's order
+        assert part.clean[:, 0].tolist() == sorted(part.clean[:, 0].tolist())
+    assert "scoring part" in repr(scoring)
+    small, large = task.split(0.01)[0], task.split(0.99)[1]
+    assert len(small) >= 1 and len(large) >= 1  # never empty
+
+
+@pytest.mark.usefixtures("as_a_user")
+@pytest.mark.parametrize(
+    ("task", "fraction", "message"),
+    [
+        (numbered_task(4), 0, "fraction must be a number in (0, 1) (the share of prompts scored), got 0"),
+        (numbered_task(4), 1.0, "fraction must be a number in (0, 1) (the share of prompts scored), got 1.0"),
+        (numbered_task(4), True, "fraction must be a number in (0, 1) (the share of prompts scored), got True"),
+        (numbered_task(1), 0.5, "task: 1 prompts, 1 distinct, cannot be split into two non-empty parts"),
+        (numbered_task(1, duplicates=1), 0.5, "task: 2 prompts, 1 distinct, cannot be split"),
+    ],
+    ids=["zero", "one", "bool", "one prompt", "one distinct"],
+)
+def test_a_bad_split_is_refused_naming_the_argument(task, fraction, message) -> None:
+    with pytest.raises(ValueError) as error:
+        task.split(fraction)
+    assert message in str(error.value)
 
 
 def test_capitals_pair_two_countries_of_equal_length(skeleton) -> None:

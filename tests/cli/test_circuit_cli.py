@@ -1,5 +1,6 @@
 """``contribution-lens circuit``: bad arguments named before loading, a run on a tiny checkpoint, resume, torchrun."""
 
+import inspect
 import json
 import os
 import re
@@ -53,7 +54,8 @@ def tiny_run(tiny_decoder: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     ("argv", "message"),
     [
         (["--method", "nope"], "--method: expected a registered circuit method: eap, eap-ig, activation-patching, "
-                               "random, contribution, information-flow-routes, got 'nope'"),
+                               "random, contribution, information-flow-routes, information-flow-routes-last, "
+                               "got 'nope'"),
         (["--method", "eap", "--level", "both"], "--level: expected a level: edge, node, got 'both'"),
         (["--method", "eap", "--method", "eap"], "--method: expected each method once, got 'eap,eap'"),
         (["--method", "eap", "--n", "0"], "--n: expected a positive integer, got 0"),
@@ -65,6 +67,22 @@ def tiny_run(tiny_decoder: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
         (["--task", "ioi"], "the following arguments are required: --method (see contribution-lens circuit --help)"),
         (["--method", "eap", "--edges", "grouped"], "argument --edges: invalid choice: 'grouped' (choose from "
                                                     "'native', 'mib') (see contribution-lens circuit --help)"),
+        (["--method", "eap", "--counterfactual", "ABC"],
+         "--counterfactual: expected one of ioi's: s2-io-flip, abc, got 'ABC'"),
+        (["--method", "eap", "--task", "induction", "--counterfactual", "abc"],
+         "--counterfactual: expected one of induction's: first-copy-resampled, got 'abc'"),
+        (["--method", "eap", "--split", "0"],
+         "--split: expected a number in (0, 1) (the share of prompts scored; the rest are evaluated), got '0'"),
+        (["--method", "eap", "--split", "1.5"],
+         "--split: expected a number in (0, 1) (the share of prompts scored; the rest are evaluated), got '1.5'"),
+        (["--method", "eap", "--split", "half"],
+         "--split: expected a number in (0, 1) (the share of prompts scored; the rest are evaluated), got 'half'"),
+        (["--method", "eap", "--greedy", "always"],
+         "argument --greedy: invalid choice: 'always' (choose from 'method', 'yes', 'no') "
+         "(see contribution-lens circuit --help)"),
+        (["--method", "eap", "--n", "1"],
+         "--split: task: 1 prompts, 1 distinct, cannot be split into two non-empty parts with no prompt in both "
+         "(or pass --in-sample)"),
     ],
 )  # fmt: skip
 def test_bad_arguments_are_named_before_the_model_loads(
@@ -86,6 +104,12 @@ def test_a_bad_task_file_is_refused_naming_its_line_before_the_model_loads(
                              "--out", tmp_path / "out")  # fmt: skip
     assert status == 2
     assert err == f"contribution-lens: error: --task: {bad}, line 1: field 'corrupted' is missing\n"
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"clean": "a b", "corrupted": "a c", "answer": " d", "foil": " e"}\n')
+    status, _, err = run_cli(capsys, "circuit", "--model", tiny_decoder, "--task", good, "--method", "eap",
+                             "--counterfactual", "abc", "--out", tmp_path / "out")  # fmt: skip
+    assert (status, err) == (2, "contribution-lens: error: --counterfactual: expected none with a task file (its "
+                                "corrupted prompts are its own), got 'abc'\n")  # fmt: skip
 
 
 def test_a_run_writes_scores_curves_the_table_and_the_report(tiny_run: Path, tiny_decoder) -> None:
@@ -95,18 +119,32 @@ def test_a_run_writes_scores_curves_the_table_and_the_report(tiny_run: Path, tin
     assert list(zip(table["method"], table["level"], strict=True)) == [
         ("eap", "edge"), ("eap", "node"), ("activation-patching", "node"), ("random", "edge"), ("random", "node")
     ]  # fmt: skip
-    assert (table["prompts"] == 6).all()
+    # Scored on half the prompts, evaluated on the other half (MIB's protocol), pruned, the methods' own selection.
+    assert (table["scored"] == "scoring").all() and (table["evaluated"] == "evaluation").all()
+    assert (table["scored_prompts"] == 3).all() and (table["evaluated_prompts"] == 3).all()
+    assert (~table["in_sample"]).all() and table["prune"].all() and (~table["greedy"]).all()
+    assert (table["counterfactual"] == "first-copy-resampled").all()
     assert (table["cpr_low"] <= table["cpr_high"]).all() and (table["cmd_low"] <= table["cmd_high"]).all()
+    assert (table["absolute_area_low"] <= table["absolute_area_high"]).all()
     assert (table["scoring_cost"][table["method"] != "random"] > 0).all()
     assert (table["curve_cost"] > 0).all()
     assert table.loc[table["method"] == "eap", "planned_scoring"].tolist() == [4.0, 4.0]  # 2 forward + 1 backward
     scores = cl.CircuitScores.load(tiny_run / "eap" / runner.SCORES)
-    assert (scores.method, scores.task, scores.n_prompts) == ("eap", "induction", 6)
+    assert (scores.method, scores.task, scores.n_prompts, scores.prompts.part) == ("eap", "induction", 3, "scoring")
     curve = cl.CircuitCurve.load(tiny_run / "eap" / "curve-edge.safetensors")
+    assert (curve.evaluated.part, curve.in_sample) == ("evaluation", False)
     row = table[(table["method"] == "eap") & (table["level"] == "edge")].iloc[0]
     assert row["cpr"] == pytest.approx(curve.cpr) and row["cmd"] == pytest.approx(curve.cmd)
-    assert (tiny_run / runner.REPORT).read_text().count("Faithfulness by circuit size") == 2
-    assert json.loads((tiny_run / "config.json").read_text())["prompts"] == 6
+    assert row["absolute_area"] == pytest.approx(curve.absolute_area)
+    report = (tiny_run / runner.REPORT).read_text()
+    assert report.count("Faithfulness by circuit size") == 2 and "evaluated on the others" in report
+    config = json.loads((tiny_run / "config.json").read_text())
+    assert (config["prompts"], config["scoring_prompts"], config["evaluation_prompts"], config["split"]) == (
+        6,
+        3,
+        3,
+        0.5,
+    )
     assert not list(tiny_run.rglob("*.part-*")) and not (tiny_run / ".lock").exists()
 
 
@@ -157,9 +195,12 @@ def test_dry_run_prints_the_passes_and_time_and_writes_nothing(tiny_decoder, tmp
     assert status == 0, err
     graph = Graph(n_layers=2, n_heads=4, n_kv_heads=2, pos_embed=False)
     assert f"{len(graph.components)} nodes, {len(graph.edges)} edges" in printed
-    assert "eap: scoring: 2 forward + 1 backward; curves: 24 forward" in printed
-    assert "eap-ig: scoring: 7 forward + 5 backward; curves: 24 forward" in printed
-    assert f"activation-patching: scoring: {2 + len(graph.components)} forward + 0 backward; curves: 12" in printed
+    assert "scoring 3 prompts, evaluating 3" in printed
+    assert "eap: scoring: 2 forward + 1 backward; curves: at most 40 forward" in printed
+    assert "eap-ig: scoring: 7 forward + 5 backward; curves: at most 40 forward" in printed
+    assert (
+        f"activation-patching: scoring: {2 + len(graph.components)} forward + 0 backward; curves: at most 20" in printed
+    )
     assert re.search(r"6 prompts: about \d+ forward-pass equivalents \(one plain pass .*\); estimated [\d.]+ (s|min)",
                      printed), printed  # fmt: skip
     assert not out.exists()
@@ -180,6 +221,22 @@ def test_mibs_edge_counting_scores_and_evaluates_mibs_graph(tiny_decoder, tmp_pa
     assert scores.graph == mib and len(scores.edge_scores) == len(mib.edges) > mib.n_edges("native")
     assert json.loads((out / "config.json").read_text())["edges"] == "mib"
     assert pd.read_csv(out / runner.TABLE)[["method", "level"]].values.tolist() == [["eap", "edge"]]
+
+
+def test_in_sample_runs_are_labelled_so(tiny_decoder, tmp_path, capsys) -> None:
+    out = tmp_path / "inside"
+    argv = tiny_args(tiny_decoder, out, "--method", "random", "--level", "node", "--in-sample", "--no-prune",
+                     "--counterfactual", "first-copy-resampled")  # fmt: skip
+    status, _, err = run_cli(capsys, *argv)
+    assert status == 0, err
+    table = pd.read_csv(out / runner.TABLE)
+    assert table[["scored", "scored_prompts", "evaluated", "evaluated_prompts"]].values.tolist() == [
+        ["all", 6, "all", 6]
+    ]
+    assert table["in_sample"].all() and not table["prune"].any()
+    assert "in-sample" in (out / runner.REPORT).read_text()
+    curve = cl.CircuitCurve.load(out / "random" / "curve-node.safetensors")
+    assert "in-sample" in repr(curve) and json.loads((out / "config.json").read_text())["split"] == "in-sample"
 
 
 def test_a_method_registered_later_is_taken_by_name(tiny_decoder, tmp_path, capsys) -> None:
@@ -210,7 +267,8 @@ def test_torchrun_two_processes_merge_to_the_single_process_result(tiny_decoder,
     for method in ("eap", "activation-patching", "random"):
         got = cl.CircuitScores.load(out / method / runner.SCORES)
         want = cl.CircuitScores.load(tiny_run / method / runner.SCORES)
-        assert got.n_prompts == want.n_prompts == 6
+        assert got.n_prompts == want.n_prompts == 3  # the scoring half of six
+        assert torch.equal(got.prompts.fingerprints, want.prompts.fingerprints)
         torch.testing.assert_close(got.component_scores, want.component_scores, rtol=1e-5, atol=1e-5)
         if want.edge_scores is not None:
             assert got.edge_scores is not None
@@ -221,11 +279,25 @@ def test_torchrun_two_processes_merge_to_the_single_process_result(tiny_decoder,
                 cl.CircuitCurve.load(out / method / name),
                 cl.CircuitCurve.load(tiny_run / method / name),
             )
-            for field in ("clean", "corrupted", "patched", "sizes"):
+            for field in ("clean", "corrupted", "patched", "chosen", "edges"):
                 torch.testing.assert_close(getattr(got_curve, field), getattr(want_curve, field), rtol=1e-5, atol=1e-5)
+            assert torch.equal(got_curve.evaluated.fingerprints, want_curve.evaluated.fingerprints)  # prompt order
     got_table, want_table = pd.read_csv(out / runner.TABLE), pd.read_csv(tiny_run / runner.TABLE)
-    columns = ["method", "level", "prompts", "cpr", "cmd", "cpr_low", "cpr_high", "cmd_low", "cmd_high"]
+    columns = ["method", "level", "scored_prompts", "evaluated_prompts", "in_sample", "cpr", "cmd", "cpr_low",
+               "cpr_high", "cmd_low", "cmd_high", "absolute_area"]  # fmt: skip
     pd.testing.assert_frame_equal(got_table[columns], want_table[columns], rtol=1e-4)
+
+
+def test_the_commands_counterfactuals_are_the_tasks() -> None:
+    from contribution_lens.circuits import task as task_module
+    from contribution_lens.cli.circuit import COUNTERFACTUALS
+
+    tables = {"ioi": task_module.IOI_COUNTERFACTUALS, "induction": task_module.INDUCTION_COUNTERFACTUALS,
+              "capitals": task_module.CAPITALS_COUNTERFACTUALS}  # fmt: skip
+    assert COUNTERFACTUALS == {name: tuple(table) for name, table in tables.items()}
+    # Each builder's default is its table's first.
+    for name, build in (("ioi", cl.Task.ioi), ("induction", cl.Task.induction), ("capitals", cl.Task.capitals)):
+        assert inspect.signature(build).parameters["counterfactual"].default == COUNTERFACTUALS[name][0]
 
 
 def test_help_imports_no_torch() -> None:

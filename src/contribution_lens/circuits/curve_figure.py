@@ -5,11 +5,11 @@ calls ``.show()``. Several curves on one figure compare methods:
 
     >>> import torch
     >>> from contribution_lens.circuits.evaluation import CircuitCurve
-    >>> curve = CircuitCurve("demo", "eap", "edge", torch.tensor([0.5, 1.0], dtype=torch.float64),
-    ...                      torch.tensor([1.0, 2.0], dtype=torch.float64), torch.ones(3), torch.zeros(3),
-    ...                      torch.tensor([[0.5] * 3, [1.0] * 3]))
-    >>> len(curve_figure([curve]).data)
-    2
+    >>> sizes = torch.tensor([[1.0, 2.0]] * 2, dtype=torch.float64)
+    >>> curve = CircuitCurve("demo", "eap", "edge", torch.tensor([0.5, 1.0], dtype=torch.float64), torch.ones(3),
+    ...                      torch.zeros(3), torch.tensor([[[0.5] * 3, [1.0] * 3]] * 2), sizes, sizes)
+    >>> len(curve_figure([curve]).data)  # a band and a line for each selection
+    4
 """
 
 from collections.abc import Sequence
@@ -26,29 +26,34 @@ DIVERGING = "RdBu_r"
 
 
 def curve_figure(curves: Sequence["CircuitCurve"]) -> go.Figure:
-    """Faithfulness against the fraction kept (log axis), one line a curve, its 95 % interval shaded."""
+    """Faithfulness against the fraction kept (log axis), one line a curve and selection (signed: CPR's circuits,
+    ``|score|``: CMD's, dashed), its 95 % interval shaded."""
     figure = go.Figure()
     for curve in curves:
         x = curve.fractions.numpy() * 100
-        interval = curve.faithfulness_interval.numpy()
-        name = f"{curve.method} (CPR {curve.cpr:.2f}, CMD {curve.cmd:.2f})"
-        figure.add_scatter(
-            x=[*x, *x[::-1]],
-            y=[*interval[:, 1], *interval[::-1, 0]],
-            fill="toself",
-            opacity=0.2,
-            line={"width": 0},
-            hoverinfo="skip",
-            showlegend=False,
-        )
-        figure.add_scatter(
-            x=x,
-            y=curve.faithfulness.numpy(),
-            mode="lines+markers",
-            name=name,
-            customdata=curve.sizes.numpy(),
-            hovertemplate="%{x}% kept (%{customdata:.0f})<br>faithfulness %{y:.3f}<extra>" + curve.method + "</extra>",
-        )
+        intervals, values = curve.faithfulness_interval.numpy(), curve.faithfulness.numpy()
+        areas = {"signed": f"CPR {curve.cpr:.2f}", "absolute": f"CMD {curve.cmd:.2f}"}
+        for row, (selection, area) in enumerate(areas.items()):
+            interval = intervals[row]
+            figure.add_scatter(
+                x=[*x, *x[::-1]],
+                y=[*interval[:, 1], *interval[::-1, 0]],
+                fill="toself",
+                opacity=0.2,
+                line={"width": 0},
+                hoverinfo="skip",
+                showlegend=False,
+            )
+            figure.add_scatter(
+                x=x,
+                y=values[row],
+                mode="lines+markers",
+                name=f"{curve.method}, {selection} ({area})",
+                line={"dash": "solid" if selection == "signed" else "dash"},
+                customdata=curve.edges[row].numpy(),
+                hovertemplate="%{x}% kept (%{customdata:.0f} edges)<br>faithfulness %{y:.3f}<extra>"
+                + f"{curve.method}, {selection}</extra>",
+            )
     task = curves[0].task if curves else ""
     figure.update_layout(
         title=f"Faithfulness of circuits on {task}",

@@ -7,9 +7,13 @@ edges clean and patches every other edge with the counterfactual (`contribution_
     f(C) = (m(C) - m(∅)) / (m(M) - m(∅)).
 
 The curve evaluates the circuits of a `CircuitScores` at ``0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50``
-and ``100 %`` of the edges (or nodes); its CPR is the area under ``f`` and its CMD the area under
-``|1 - f|``, by trapezoids over the fraction (MIB's ``evaluate_area_under_curve``). Intervals are
-percentile bootstraps over prompts (each resample recomputes every mean).
+and ``100 %`` of the edges (or nodes), ``int(x * n)`` of ``n`` at fraction ``x``, chosen twice
+(`SELECTIONS`): by signed score in the direction that keeps the clean behaviour, and by ``|score|``.
+As MIB's ``print_results.py`` reads its two runs, its CPR is the area under ``f`` of the signed
+selection and its CMD the area under ``|1 - f|`` of the ``|score|`` selection, trapezoids over the
+fraction from 0.001 to 1 (MIB's ``evaluate_area_under_curve``); the area under ``f`` of the
+``|score|`` selection is `CircuitCurve.absolute_area`. Intervals are percentile bootstraps over
+prompts (each resample recomputes every mean).
 
 Example:
     >>> import torch
@@ -29,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import einops
 import pandas as pd
 import torch
 from jaxtyping import Float
@@ -38,8 +43,8 @@ from contribution_lens.adapter import Model, hidden_bias_path
 from contribution_lens.circuits import interchange as ic
 from contribution_lens.circuits.graph import circuit_graph
 from contribution_lens.circuits.registry import DEFAULT_MEMORY
-from contribution_lens.circuits.scoring import Circuit, CircuitScores, check_level, check_task
-from contribution_lens.circuits.task import Task
+from contribution_lens.circuits.scoring import Circuit, CircuitScores, check_level, check_switch, check_task
+from contribution_lens.circuits.task import Prompts, Task
 from contribution_lens.files import Saves
 
 FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
@@ -85,6 +90,8 @@ class CircuitEvaluation(Saves):
     patched: Float[Tensor, " prompt"]
     seed: int = 0
     resamples: int = RESAMPLES
+    prompts: Prompts | None = None
+    """The prompts evaluated: the task, its counterfactual, its part of a split."""
 
     @property
     def faithfulness(self) -> float:
@@ -106,9 +113,11 @@ class CircuitEvaluation(Saves):
 
     def __repr__(self) -> str:
         low, high = self.interval
+        about = "" if self.prompts is None else f"/{self.prompts.counterfactual}"
+        part = "" if self.prompts is None or self.prompts.part == "all" else f", {self.prompts.part} part"
         return (
-            f"CircuitEvaluation({self.circuit!r} on {self.task}: faithfulness {self.faithfulness:.3f} "
-            f"[{low:.3f}, {high:.3f}], {len(self.clean)} prompts)"
+            f"CircuitEvaluation({self.circuit!r} on {self.task}{about}: faithfulness {self.faithfulness:.3f} "
+            f"[{low:.3f}, {high:.3f}], {len(self.clean)} prompts{part})"
         )
 
     def figures(self) -> dict[str, Any]:
@@ -123,79 +132,186 @@ class CircuitEvaluation(Saves):
         return html.write_html(path, repr(self), [*self.figures().items(), ("Per prompt", self.metrics)])
 
 
+SELECTIONS = ("signed", "absolute")
+"""The two circuits `circuit_curve` evaluates at each size, as MIB's two runs choose them: by signed score in the
+direction that keeps the clean behaviour (its ``--absolute`` off, which its CPR is read from) and by ``|score|``
+(``--absolute`` on, which its CMD is read from)."""
+
+
+def mib_areas(
+    signed: Float[Tensor, "*batch size"], absolute: Float[Tensor, "*batch size"], fractions: Float[Tensor, " size"]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """CPR, CMD and the ``|score|`` selection's area under ``f``, from the two selections' faithfulness curves.
+
+    ``CPR = area under f`` of the signed selection and ``CMD = area under |1 - f|`` of the ``|score|``
+    selection, trapezoids over the fractions (MIB's ``area_under`` and ``area_from_1`` of
+    ``evaluate_area_under_curve``, read from its runs with ``--absolute`` off and on by ``print_results.py``).
+
+    Example:
+        >>> import torch
+        >>> fractions = torch.tensor([0.5, 1.0], dtype=torch.float64)
+        >>> cpr, cmd, area = mib_areas(torch.tensor([1.5, 1.0]), torch.tensor([0.5, 1.0]), fractions)
+        >>> round(float(cpr), 3), round(float(cmd), 3), round(float(area), 3)  # 0.5 * (1.5 + 1) / 2, ...
+        (0.625, 0.125, 0.375)
+    """
+    cpr, _ = areas(signed, fractions)
+    area, cmd = areas(absolute, fractions)
+    return cpr, cmd, area
+
+
 @dataclass(frozen=True)
 class CircuitCurve(Saves):
-    """Faithfulness of one method's circuits at each size, with CPR and CMD (MIB's circuit-localisation scores)."""
+    """Faithfulness of one method's circuits at each size and selection, with MIB's CPR and CMD.
+
+    ``patched[s, k, p]``: prompt ``p``'s metric with the circuit of selection ``SELECTIONS[s]``
+    (signed, ``|score|``) at ``fractions[k]`` kept; ``chosen[s, k]``: the edges (or nodes) that
+    selection chose, ``edges[s, k]``: the edges of the circuit evaluated (after pruning, with
+    ``prune``). ``scored`` and ``evaluated``: the prompts the scores came from and those evaluated
+    (`contribution_lens.circuits.task.Prompts`); where they share prompts the curve is in-sample.
+    """
 
     task: str
     method: str
     level: str
     fractions: Float[Tensor, " size"]
-    sizes: Float[Tensor, " size"]
     clean: Float[Tensor, " prompt"]
     corrupted: Float[Tensor, " prompt"]
-    patched: Float[Tensor, "size prompt"]
+    patched: Float[Tensor, "selection size prompt"]
+    chosen: Float[Tensor, "selection size"]
+    edges: Float[Tensor, "selection size"]
+    prune: bool = True
+    greedy: bool = False
+    scored: Prompts | None = None
+    evaluated: Prompts | None = None
     seed: int = 0
     resamples: int = RESAMPLES
 
+    def __post_init__(self) -> None:
+        if self.patched.ndim != 3 or self.patched.shape[0] != len(SELECTIONS):
+            raise ValueError(
+                f"patched must be [selection size prompt] with {len(SELECTIONS)} selections ({', '.join(SELECTIONS)}), "
+                f"got {tuple(self.patched.shape)}"
+            )
+
+    @classmethod
+    def from_fields(cls, fields: dict[str, Any]) -> "CircuitCurve":
+        """Rebuild a saved curve; one of the layout before MIB's selections is refused."""
+        if "chosen" not in fields:
+            raise ValueError(
+                "this curve was saved by an earlier version, whose CPR chose circuits by absolute score "
+                "(MIB's CPR chooses them by signed score): compute the curve again"
+            )
+        return cls(**fields)
+
     @property
-    def faithfulness(self) -> Float[Tensor, " size"]:
+    def counterfactual(self) -> str:
+        """The counterfactual of the prompts evaluated (``"custom"`` where none was recorded)."""
+        return "custom" if self.evaluated is None else self.evaluated.counterfactual
+
+    @property
+    def overlap(self) -> int | None:
+        """How many evaluated prompts were also scored (None where either set was not recorded)."""
+        if self.scored is None or self.evaluated is None:
+            return None
+        return self.scored.overlap(self.evaluated)
+
+    @property
+    def in_sample(self) -> bool | None:
+        """Whether the circuits were evaluated on prompts they were scored on (None: not recorded)."""
+        overlap = self.overlap
+        return None if overlap is None else overlap > 0
+
+    @property
+    def faithfulness(self) -> Float[Tensor, "selection size"]:
+        """f at each size, one row a selection (`SELECTIONS`: signed, then ``|score|``)."""
         return faithfulness(self.patched, self.clean, self.corrupted)
 
-    def _bootstrap(self) -> tuple[Tensor, Tensor, Tensor]:
+    def _bootstrap(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """f ``[resample selection size]``, then CPR, CMD and the ``|score|`` area ``[resample]``."""
         rows = _resamples(self.clean.shape[0], self.resamples, self.seed)
-        f = faithfulness(
-            self.patched[:, rows].transpose(0, 1), self.clean[rows][:, None], self.corrupted[rows][:, None]
+        patched = einops.rearrange(
+            self.patched[:, :, rows], "selection size resample prompt -> resample selection size prompt"
         )
-        cpr, cmd = areas(f, self.fractions.double())
-        return f, cpr, cmd
+        f = faithfulness(patched, self.clean[rows][:, None, None], self.corrupted[rows][:, None, None])
+        return f, *mib_areas(f[:, 0], f[:, 1], self.fractions.double())
+
+    def _areas(self) -> tuple[Tensor, Tensor, Tensor]:
+        f = self.faithfulness
+        return mib_areas(f[0], f[1], self.fractions.double())
 
     @property
-    def faithfulness_interval(self) -> Float[Tensor, "size 2"]:
+    def faithfulness_interval(self) -> Float[Tensor, "selection size 2"]:
         return _interval(self._bootstrap()[0])
 
     @property
     def cpr(self) -> float:
-        """Circuit performance ratio: the area under ``f`` over the fraction (higher is better)."""
-        return float(areas(self.faithfulness, self.fractions.double())[0])
+        """MIB's circuit performance ratio: the area under f of the signed selection's circuits (higher is better).
+
+        Above 1 where circuits do the task better than the whole model (they leave out what works against it).
+        """
+        return float(self._areas()[0])
 
     @property
     def cmd(self) -> float:
-        """Circuit-model distance: the area under ``|1 - f|`` over the fraction (lower is better)."""
-        return float(areas(self.faithfulness, self.fractions.double())[1])
+        """MIB's circuit-model distance: the area under ``|1 - f|`` of the ``|score|`` selection (lower is better)."""
+        return float(self._areas()[1])
+
+    @property
+    def absolute_area(self) -> float:
+        """The area under f of the ``|score|`` selection's circuits (what this package called CPR before)."""
+        return float(self._areas()[2])
+
+    def _area_interval(self, which: int) -> tuple[float, float]:
+        low, high = _interval(self._bootstrap()[which]).tolist()
+        return low, high
 
     @property
     def cpr_interval(self) -> tuple[float, float]:
-        low, high = _interval(self._bootstrap()[1]).tolist()
-        return low, high
+        return self._area_interval(1)
 
     @property
     def cmd_interval(self) -> tuple[float, float]:
-        low, high = _interval(self._bootstrap()[2]).tolist()
-        return low, high
+        return self._area_interval(2)
+
+    @property
+    def absolute_area_interval(self) -> tuple[float, float]:
+        return self._area_interval(3)
 
     @property
     def table(self) -> pd.DataFrame:
-        """One row a size: ``fraction``, ``size`` (edges or nodes kept), ``faithfulness`` and its interval."""
-        interval = self.faithfulness_interval
+        """One row a selection and size: ``selection``, ``fraction``, ``chosen`` (edges or nodes the selection
+        chose), ``edges`` (the circuit's edges as evaluated), ``faithfulness`` and its interval."""
+        f, interval = self.faithfulness, self.faithfulness_interval
+        sizes = len(self.fractions)
         return pd.DataFrame(
             {
-                "fraction": self.fractions.numpy(),
-                "size": self.sizes.numpy(),
-                "faithfulness": self.faithfulness.numpy(),
-                "low": interval[:, 0].numpy(),
-                "high": interval[:, 1].numpy(),
+                "selection": [name for name in SELECTIONS for _ in range(sizes)],
+                "fraction": self.fractions.repeat(len(SELECTIONS)).numpy(),
+                "chosen": self.chosen.flatten().numpy(),
+                "edges": self.edges.flatten().numpy(),
+                "faithfulness": f.flatten().numpy(),
+                "low": interval[..., 0].flatten().numpy(),
+                "high": interval[..., 1].flatten().numpy(),
             }
         )
 
+    @property
+    def samples(self) -> str:
+        """Which prompts were scored and which evaluated: ``"scored on scoring (32), evaluated on evaluation (32)"``,
+        and ``in-sample`` where they share prompts."""
+        scored = "unrecorded prompts" if self.scored is None else self.scored.label
+        evaluated = f"{self.clean.shape[0]} prompts" if self.evaluated is None else self.evaluated.label
+        note = {True: ", in-sample", False: "", None: ", overlap unknown"}[self.in_sample]
+        return f"scored on {scored}, evaluated on {evaluated}{note}"
+
     def __repr__(self) -> str:
         return (
-            f"CircuitCurve({self.method} on {self.task}, {self.level} level: CPR {self.cpr:.3f}, CMD {self.cmd:.3f}, "
-            f"{self.clean.shape[0]} prompts)"
+            f"CircuitCurve({self.method} on {self.task}/{self.counterfactual}, {self.level} level: CPR {self.cpr:.3f}, "
+            f"CMD {self.cmd:.3f}, |score| area {self.absolute_area:.3f}; {self.samples})"
         )
 
     def figures(self) -> dict[str, Any]:
-        """``faithfulness``: f against the fraction kept (log axis), with its interval."""
+        """``faithfulness``: f against the fraction kept (log axis), each selection with its interval."""
         from contribution_lens.circuits.curve_figure import curve_figure
 
         return {"faithfulness": curve_figure([self])}
@@ -203,7 +319,8 @@ class CircuitCurve(Saves):
     def report(self, path: str | os.PathLike) -> Path:
         from contribution_lens.drawing import html
 
-        return html.write_html(path, repr(self), [*self.figures().items(), ("Faithfulness by size", self.table)])
+        sections = [*self.figures().items(), ("Faithfulness by selection and size", self.table)]
+        return html.write_html(path, repr(self), sections)
 
 
 def _check_circuit(model: Model, circuit: Any) -> None:
@@ -269,7 +386,7 @@ def evaluate_circuit(
         for kept, value in zip(results, (batch.clean, batch.corrupted, patched), strict=True):
             kept.append(value.cpu())
     clean, corrupted, patched = (torch.cat(parts) for parts in results)
-    return CircuitEvaluation(task.name, circuit, clean, corrupted, patched, seed)
+    return CircuitEvaluation(task.name, circuit, clean, corrupted, patched, seed, prompts=task.prompts)
 
 
 def circuit_curve(
@@ -279,33 +396,67 @@ def circuit_curve(
     level: str = "edge",
     *,
     fractions: tuple[float, ...] = FRACTIONS,
+    prune: bool = True,
+    greedy: bool | None = None,
     memory: int = DEFAULT_MEMORY,
     seed: int = 0,
 ) -> CircuitCurve:
-    """Faithfulness of ``scores``' circuits at each fraction (MIB's ten sizes), CPR and CMD.
+    """Faithfulness of ``scores``' circuits at MIB's ten sizes, by signed score and by ``|score|``: CPR and CMD.
 
-    One counterfactual and one clean pass a batch, then one patched pass a size (an empty circuit
-    is the counterfactual's pass and the full one the clean pass: neither runs again).
+    At each fraction ``x`` both selections (`SELECTIONS`) keep ``int(x * n)`` of the ``n`` edges (or
+    nodes), as `CircuitScores.circuit` chooses them with ``absolute`` off and on. ``prune``: drop the
+    edges on no path from an embedding to the logits (MIB always prunes; f is the same up to float
+    error except where a post-attention norm mixes a layer's heads; the edge counts are not).
+    ``greedy``: greedy selection from the logits (edges only); None: the method's own (MIB's choice).
+
+    One counterfactual and one clean pass a batch, then one patched pass a distinct circuit: a
+    circuit both selections choose runs once (non-negative scores choose the same), and an empty
+    circuit is the counterfactual's pass and the full one the clean pass (neither runs again).
+    The scores' prompts and the task's are compared (`Task.fingerprints`): a curve evaluated on
+    prompts it was scored on says it is in-sample.
     """
     check_task(model, task)
     level = check_level(level)
-    circuits = [scores.circuit(fraction, level) for fraction in fractions]
-    _check_circuit(model, circuits[0])
+    prune = bool(check_switch(prune, "prune"))
+    orders = [scores.ranking(level, absolute=name == "absolute", greedy=greedy) for name in SELECTIONS]
+    counts = [int(fraction * len(orders[0])) for fraction in fractions]
+    circuits = [
+        [
+            scores.circuit_of(order[:count], level, fraction, prune=prune)
+            for count, fraction in zip(counts, fractions, strict=True)
+        ]
+        for order in orders
+    ]
+    _check_circuit(model, circuits[0][0])
+    distinct: dict[bytes, int] = {}
+    index = [[distinct.setdefault(c.kept.numpy().tobytes(), len(distinct)) for c in row] for row in circuits]
+    unique = {
+        number: circuit
+        for row, numbers in zip(circuits, index, strict=True)
+        for circuit, number in zip(row, numbers, strict=True)
+    }
     size = ic.batch_size(task, len(scores.graph.writers), int(model.cfg.d_model), 2.0, memory)
     parts: list[tuple[Tensor, Tensor, Tensor]] = []
-    for batch in _recorded_batches(model, task, size):  # every size's passes write in one batch's memory
-        patched = [_size_metric(model, task, batch, circuit) for circuit in circuits]
-        parts.append((batch.clean.cpu(), batch.corrupted.cpu(), torch.stack(patched).cpu()))
-    counts = [len(c.chosen) if level == "node" else int(c.kept.sum()) for c in circuits]
+    for batch in _recorded_batches(model, task, size):  # every circuit's pass writes in one batch's memory
+        metrics = [_size_metric(model, task, batch, unique[number]).cpu() for number in range(len(unique))]
+        patched = torch.stack([torch.stack([metrics[number] for number in row]) for row in index])
+        parts.append((batch.clean.cpu(), batch.corrupted.cpu(), patched))
+    chosen = torch.tensor([counts] * len(SELECTIONS), dtype=torch.float64)
+    edges = torch.tensor([[float(c.kept.sum()) for c in row] for row in circuits], dtype=torch.float64)
     return CircuitCurve(
         task.name,
         scores.method,
         level,
         torch.tensor(fractions, dtype=torch.float64),
-        torch.tensor(counts, dtype=torch.float64),
         torch.cat([p[0] for p in parts]),
         torch.cat([p[1] for p in parts]),
-        torch.cat([p[2] for p in parts], dim=1),
+        torch.cat([p[2] for p in parts], dim=2),
+        chosen,
+        edges,
+        prune,
+        level == "edge" and (scores.greedy if greedy is None else bool(greedy)),
+        scores.prompts,
+        task.prompts,
         seed,
     )
 

@@ -8,12 +8,15 @@ default it is the logit difference
 
 and `Task.metric_values` offers two more (`METRICS`): the answer's probability ``softmax(z_p)[t_p]``,
 and the KL divergence ``KL(P_clean,p || P_p)`` of the run's next-token distribution from the clean
-run's. Built in: `Task.ioi` (Wang et al. 2023's indirect-object identification, MIB's ABC
-counterfactual), `Task.induction` (random tokens repeated, the first copy resampled) and
-`Task.capitals` (a country's capital, the country swapped), measured above chance on every bundled
-model (`docs/results.md`); users' own tasks come from a JSON-lines file (`Task.from_jsonl`).
-`task_report` says whether a model does a task: its clean accuracy (``m_p > 0``) and mean logit
-difference with a bootstrap interval, with a warning where that interval includes 0.
+run's. Built in: `Task.ioi` (Wang et al. 2023's indirect-object identification; its counterfactual
+MIB's default ``s2-io-flip`` or Wang et al.'s ``abc``, `IOI_COUNTERFACTUALS`), `Task.induction`
+(random tokens repeated, the first copy resampled) and `Task.capitals` (a country's capital, the
+country swapped), measured above chance on every bundled model (`docs/results.md`); users' own
+tasks come from a JSON-lines file (`Task.from_jsonl`). Every task names its counterfactual
+(``counterfactual``: what the corrupted prompts ask) and the part of a split it is
+(``part``: ``all``, or ``scoring`` and ``evaluation`` from `Task.split`). `task_report` says
+whether a model does a task: its clean accuracy (``m_p > 0``) and mean logit difference with a
+bootstrap interval, with a warning where that interval includes 0.
 
     >>> from contribution_lens.circuits.task import Task
     >>> from contribution_lens.loading import load_skeleton
@@ -22,6 +25,7 @@ difference with a bootstrap interval, with a warning where that interval include
     (True, 4)
 """
 
+import hashlib
 import json
 import os
 import random
@@ -78,12 +82,103 @@ METRICS: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]] = 
 
 
 @dataclass(frozen=True)
+class Counterfactual:
+    """A task's named counterfactual: what its corrupted prompts ask (``asks``), and where it comes from."""
+
+    name: str
+    asks: str
+    source: str
+
+
+IOI_COUNTERFACTUALS: dict[str, Counterfactual] = {
+    c.name: c
+    for c in (
+        Counterfactual(
+            "s2-io-flip",
+            'the subject\'s second mention replaced by the indirect object ("..., Mary gave a drink to"): the '
+            "counterfactual's answer is the clean foil, so the patched information is which name is repeated",
+            "MIB's IOI data set, its default s2_io_flip_counterfactual (MIB_circuit_track/dataset.py)",
+        ),
+        Counterfactual(
+            "abc",
+            "the three name slots filled with three other names: nothing says which of the clean names to give",
+            "Wang et al. (2023)'s ABC distribution (MIB's data set holds it too, abc_counterfactual)",
+        ),
+    )
+}
+"""`Task.ioi`'s counterfactuals, by name; the first is the default."""
+INDUCTION_COUNTERFACTUALS: dict[str, Counterfactual] = {
+    "first-copy-resampled": Counterfactual(
+        "first-copy-resampled",
+        "the first copy replaced by other random tokens: nothing earlier says what comes next",
+        "the usual induction corruption (repeated random tokens, the first copy resampled)",
+    )
+}
+"""`Task.induction`'s counterfactual."""
+CAPITALS_COUNTERFACTUALS: dict[str, Counterfactual] = {
+    "other-country": Counterfactual(
+        "other-country",
+        "another country whose prompt has the same token count: the counterfactual asks for the foil, its capital",
+        "this package's capitals task",
+    )
+}
+"""`Task.capitals`'s counterfactual."""
+CUSTOM = "custom"
+"""The counterfactual of a task built from its ids or read from a file: whatever its corrupted prompts say."""
+PARTS = ("all", "scoring", "evaluation")
+"""A task's ``part``: all its prompts, or one side of `Task.split`."""
+
+
+def check_counterfactual(name: Any, known: dict[str, Counterfactual], task: str) -> str:
+    """``name`` if it is one of ``known`` (a task's counterfactuals), else a ValueError listing them."""
+    if not isinstance(name, str) or name not in known:
+        raise ValueError(f"counterfactual: {task} offers {', '.join(known)}; got {name!r}")
+    return name
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """Which prompts a result was computed on: the task, its counterfactual, the part of a split, and one
+    fingerprint a prompt (`Task.fingerprints`), so that two results can say whether they share prompts.
+
+    Example:
+        >>> import torch
+        >>> scored = Prompts("ioi", "s2-io-flip", "scoring", torch.tensor([1, 2, 3]))
+        >>> scored, scored.overlap(Prompts("ioi", "s2-io-flip", "evaluation", torch.tensor([3, 4])))
+        (Prompts(ioi, s2-io-flip, scoring part: 3 prompts), 1)
+    """
+
+    task: str
+    counterfactual: str
+    part: str
+    fingerprints: Int[Tensor, " prompt"]
+
+    def __len__(self) -> int:
+        return int(self.fingerprints.shape[0])
+
+    def overlap(self, other: "Prompts") -> int:
+        """How many of ``other``'s prompts are among these."""
+        return int(torch.isin(other.fingerprints, self.fingerprints).sum())
+
+    @property
+    def label(self) -> str:
+        """``"scoring (32)"``: the part and its prompt count, as the results table shows it."""
+        return f"{self.part} ({len(self)})"
+
+    def __repr__(self) -> str:
+        return f"Prompts({self.task}, {self.counterfactual}, {self.part} part: {len(self)} prompts)"
+
+
+@dataclass(frozen=True)
 class Task:
     """Clean and corrupted token ids of equal shape, right-padded, one answer and one foil per prompt.
 
     ``last[p]`` is the index of prompt ``p``'s last real token (where the metric is read); positions
     after it are padding (the model's pad id), which a causal model's earlier positions never see.
     Clean and corrupted have the same token count in every prompt, so one ``last`` serves both.
+    ``counterfactual`` names what the corrupted prompts ask (`IOI_COUNTERFACTUALS` and the other
+    built-in tasks' tables; `CUSTOM` for ids given or read from a file); ``part`` is ``all``, or the
+    ``scoring`` or ``evaluation`` side of `split`.
 
     Example:
         >>> import torch
@@ -91,7 +186,7 @@ class Task:
         >>> task = Task("toy", ids, ids.flip(1), answer=torch.tensor([3, 4]), foil=torch.tensor([2, 2]),
         ...             last=torch.tensor([3, 2]))
         >>> task
-        Task('toy', 2 prompts of 3 to 4 tokens, metric logit_diff)
+        Task('toy', 2 prompts of 3 to 4 tokens, metric logit_diff, counterfactual custom)
         >>> task.attention_mask.tolist()
         [[True, True, True, True], [True, True, True, False]]
     """
@@ -103,6 +198,8 @@ class Task:
     foil: Int[Tensor, " prompt"]
     last: Int[Tensor, " prompt"]
     metric: str = "logit_diff"
+    counterfactual: str = CUSTOM
+    part: str = "all"
 
     def __post_init__(self) -> None:
         if self.clean.ndim != 2 or self.clean.shape[0] == 0:
@@ -126,14 +223,96 @@ class Task:
             raise ValueError(f"last must index a position of the prompts, 0..{self.clean.shape[1] - 1}")
         if self.metric not in METRICS:
             raise ValueError(f"metric must be one of {sorted(METRICS)}, got {self.metric!r}")
+        if not isinstance(self.counterfactual, str) or not self.counterfactual:
+            raise ValueError(f"counterfactual must be a non-empty name, got {self.counterfactual!r}")
+        if self.part not in PARTS:
+            raise ValueError(f"part must be one of {', '.join(PARTS)}, got {self.part!r}")
 
     def __len__(self) -> int:
         return int(self.clean.shape[0])
 
     def __repr__(self) -> str:
         lengths = (self.last + 1).tolist()
+        part = "" if self.part == "all" else f", {self.part} part"
         return (
-            f"Task({self.name!r}, {len(self)} prompts of {min(lengths)} to {max(lengths)} tokens, metric {self.metric})"
+            f"Task({self.name!r}, {len(self)} prompts of {min(lengths)} to {max(lengths)} tokens, "
+            f"metric {self.metric}, counterfactual {self.counterfactual}{part})"
+        )
+
+    def subset(self, rows: Int[Tensor, " rows"], part: str | None = None) -> "Task":
+        """The prompts ``rows`` (indices, in that order) as a task of their own; ``part``: its `PARTS` name."""
+        return Task(
+            self.name, self.clean[rows], self.corrupted[rows], self.answer[rows], self.foil[rows], self.last[rows],
+            self.metric, self.counterfactual, self.part if part is None else part,
+        )  # fmt: skip
+
+    def fingerprints(self) -> Int[Tensor, " prompt"]:
+        """One 64-bit hash a prompt of its real clean and corrupted ids, answer and foil: equal prompts, equal hashes.
+
+        Example:
+            >>> import torch
+            >>> ids = torch.tensor([[1, 5], [1, 5], [2, 6]])
+            >>> task = Task("toy", ids, ids, torch.tensor([3, 3, 3]), torch.tensor([4, 4, 4]), Task.full_length(ids))
+            >>> hashes = task.fingerprints().tolist()
+            >>> hashes[0] == hashes[1] != hashes[2]
+            True
+        """
+        values = []
+        for row in range(len(self)):
+            end = int(self.last[row]) + 1
+            parts = (
+                self.clean[row, :end],
+                self.corrupted[row, :end],
+                self.answer[row : row + 1],
+                self.foil[row : row + 1],
+            )
+            digest = hashlib.blake2b(digest_size=8)
+            for part in parts:
+                digest.update(part.to(torch.int64).cpu().numpy().tobytes())
+                digest.update(b"|")
+            values.append(int.from_bytes(digest.digest(), "little", signed=True))
+        return torch.tensor(values, dtype=torch.int64)
+
+    @property
+    def prompts(self) -> Prompts:
+        """These prompts as results record them: the task's name, counterfactual, part and fingerprints."""
+        return Prompts(self.name, self.counterfactual, self.part, self.fingerprints())
+
+    def split(self, fraction: float = 0.5, *, seed: int = 0) -> tuple["Task", "Task"]:
+        """Disjoint ``scoring`` and ``evaluation`` tasks: about ``fraction`` of the prompts scored, the rest evaluated.
+
+        As MIB scores circuits on its train split and evaluates them on another. Identical prompts
+        (equal `fingerprints`) go to the same side, so no prompt is in both; the distinct prompts
+        are shuffled with ``seed`` and the first ``round(fraction * distinct)`` (at least one, and
+        at least one left) are scored. Each side keeps the task's prompt order.
+
+        Example:
+            >>> import torch
+            >>> ids = torch.arange(12).reshape(6, 2)
+            >>> task = Task("toy", ids, ids + 1, torch.zeros(6, dtype=torch.long), torch.ones(6, dtype=torch.long),
+            ...             Task.full_length(ids))
+            >>> scoring, evaluation = task.split(0.5, seed=0)
+            >>> len(scoring), len(evaluation), scoring.part, evaluation.part
+            (3, 3, 'scoring', 'evaluation')
+        """
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction < 1:
+            raise ValueError(f"fraction must be a number in (0, 1) (the share of prompts scored), got {fraction!r}")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ValueError(f"seed must be an integer, got {seed!r}")
+        fingerprints = self.fingerprints().tolist()
+        distinct = list(dict.fromkeys(fingerprints))
+        if len(distinct) < 2:
+            raise ValueError(
+                f"task: {len(self)} prompts, {len(distinct)} distinct, cannot be split into two non-empty parts "
+                "with no prompt in both"
+            )
+        random.Random(seed).shuffle(distinct)
+        count = min(max(round(fraction * len(distinct)), 1), len(distinct) - 1)
+        scored = set(distinct[:count])
+        rows = torch.tensor([fp in scored for fp in fingerprints])
+        return (
+            self.subset(torch.nonzero(rows)[:, 0], "scoring"),
+            self.subset(torch.nonzero(~rows)[:, 0], "evaluation"),
         )
 
     @property
@@ -190,24 +369,32 @@ class Task:
 
     def with_metric(self, metric: str) -> "Task":
         """The same prompts read with another metric of `METRICS`."""
-        return Task(self.name, self.clean, self.corrupted, self.answer, self.foil, self.last, metric)
+        return Task(
+            self.name, self.clean, self.corrupted, self.answer, self.foil, self.last, metric, self.counterfactual,
+            self.part,
+        )  # fmt: skip
 
     @classmethod
-    def ioi(cls, model: Model, *, n: int = 64, seed: int = 0) -> "Task":
+    def ioi(cls, model: Model, *, n: int = 64, seed: int = 0, counterfactual: str = "s2-io-flip") -> "Task":
         """Indirect-object identification: "When Mary and John went to the store, John gave a drink to".
 
         Each prompt is one of Wang et al. (2023)'s fifteen templates, in the ABBA or BABA order (alternating),
         with two names that are one token each in the model's tokenizer (after the space the template
         gives them); the answer is the indirect object (``" Mary"``), the foil the subject (``" John"``).
-        The counterfactual is MIB's ABC: the three name slots filled with three other names, so
-        nothing in it says which name to give the answer to. Prompts whose clean and corrupted texts
+        The counterfactual (`IOI_COUNTERFACTUALS`) is MIB's default, ``"s2-io-flip"``: the subject's
+        second mention replaced by the indirect object ("When Mary and John went to the store, Mary
+        gave a drink to"), which asks for the other name; or ``"abc"`` (Wang et al.'s): the three name
+        slots filled with three other names, so nothing in it says which name to give the answer to.
+        The clean prompts are the same for both at one seed. Prompts whose clean and corrupted texts
         tokenise to different lengths are drawn again.
 
         Args:
             model: a causal language model with a tokenizer and an unembedding.
             n: the number of prompts.
             seed: the random seed of the templates, names, places and objects.
+            counterfactual: ``"s2-io-flip"`` or ``"abc"``.
         """
+        check_counterfactual(counterfactual, IOI_COUNTERFACTUALS, "Task.ioi")
         _check_model(model, tokenizer=True)
         _check_count(n, "n")
         names = _one_token_words(model, IOI_NAMES)
@@ -216,11 +403,14 @@ class Task:
         rng = random.Random(seed)
         prompts = []
         for index in range(n):
-            prompts.append(_draw(partial(_ioi_prompt, model, names, rng, abba=index % 2 == 0), "ioi"))
-        return _assemble(model, "ioi", prompts)
+            make = partial(_ioi_prompt, model, names, rng, abba=index % 2 == 0, counterfactual=counterfactual)
+            prompts.append(_draw(make, "ioi"))
+        return _assemble(model, "ioi", prompts, counterfactual=counterfactual)
 
     @classmethod
-    def induction(cls, model: Model, *, n: int = 64, length: int = 10, seed: int = 0) -> "Task":
+    def induction(
+        cls, model: Model, *, n: int = 64, length: int = 10, seed: int = 0, counterfactual: str = "first-copy-resampled"
+    ) -> "Task":
         """Induction: ``length`` random tokens, then the same again; the last one is to be predicted.
 
         Clean: ``r_1 .. r_L r_1 .. r_{L-1}`` (after BOS where the model prepends one); the answer is
@@ -235,7 +425,9 @@ class Task:
             n: the number of prompts.
             length: the number of tokens repeated, at least 2.
             seed: the random seed.
+            counterfactual: ``"first-copy-resampled"``, the one it offers (`INDUCTION_COUNTERFACTUALS`).
         """
+        check_counterfactual(counterfactual, INDUCTION_COUNTERFACTUALS, "Task.induction")
         _check_model(model, tokenizer=False)
         _check_count(n, "n")
         if isinstance(length, bool) or not isinstance(length, int) or length < 2:
@@ -251,10 +443,10 @@ class Task:
             clean = [*bos, *first, *first[:-1]]
             corrupted = [*bos, *resampled, *first[:-1]]
             prompts.append((clean, corrupted, first[-1], foil))
-        return _assemble(model, "induction", prompts)
+        return _assemble(model, "induction", prompts, counterfactual=counterfactual)
 
     @classmethod
-    def capitals(cls, model: Model, *, n: int = 64, seed: int = 0) -> "Task":
+    def capitals(cls, model: Model, *, n: int = 64, seed: int = 0, counterfactual: str = "other-country") -> "Task":
         """A country's capital: "The capital of France is" -> ``" Paris"``, the foil another capital.
 
         Each prompt pairs two countries whose prompts tokenise to the same length and whose capitals
@@ -265,8 +457,10 @@ class Task:
             model: a causal language model with a tokenizer and an unembedding.
             n: the number of prompts.
             seed: the random seed of the pairs.
+            counterfactual: ``"other-country"``, the one it offers (`CAPITALS_COUNTERFACTUALS`).
         """
-        return _paired(model, "capitals", CAPITALS, n=n, seed=seed)
+        check_counterfactual(counterfactual, CAPITALS_COUNTERFACTUALS, "Task.capitals")
+        return _paired(model, "capitals", CAPITALS, n=n, seed=seed, counterfactual=counterfactual)
 
     @classmethod
     def from_jsonl(cls, path: str | os.PathLike, model: Model, *, metric: str = "logit_diff") -> "Task":
@@ -287,7 +481,7 @@ class Task:
             >>> path = tempfile.mkdtemp() + "/capitals.jsonl"
             >>> _ = open(path, "w").write(json.dumps(row) + "\\n")
             >>> Task.from_jsonl(path, load_skeleton())
-            Task('capitals', 1 prompts of 6 to 6 tokens, metric logit_diff)
+            Task('capitals', 1 prompts of 6 to 6 tokens, metric logit_diff, counterfactual custom)
         """
         _check_model(model, tokenizer=True)
         if metric not in METRICS:
@@ -368,7 +562,9 @@ def _texts_prompt(model: Model, clean: str, corrupted: str, answer: str, foil: s
     return clean_ids, corrupted_ids, answer_ids[0], foil_ids[0]
 
 
-def _assemble(model: Model, name: str, prompts: Sequence[Prompt], *, metric: str = "logit_diff") -> Task:
+def _assemble(
+    model: Model, name: str, prompts: Sequence[Prompt], *, metric: str = "logit_diff", counterfactual: str = CUSTOM
+) -> Task:
     """Right-pad the prompts with the model's pad id to one length and set ``last``."""
     length = max(len(clean) for clean, *_ in prompts)
     adapter.check_length(model, length, f"the longest {name} prompt")
@@ -381,7 +577,7 @@ def _assemble(model: Model, name: str, prompts: Sequence[Prompt], *, metric: str
     foil = torch.tensor([prompt[3] for prompt in prompts])
     last = torch.tensor([len(prompt[0]) - 1 for prompt in prompts])
     adapter.check_token_ids(model, torch.cat([clean.flatten(), corrupted.flatten(), answer, foil]))
-    return Task(name, clean, corrupted, answer, foil, last, metric)
+    return Task(name, clean, corrupted, answer, foil, last, metric, counterfactual)
 
 
 # Wang et al. 2023's templates (their ioi_dataset.py, BABA form); {a} {b} are the first two names,
@@ -415,14 +611,25 @@ IOI_NAMES: tuple[str, ...] = tuple(
 )
 
 
-def _ioi_prompt(model: Model, names: Sequence[str], rng: random.Random, *, abba: bool) -> Prompt | None:
+def _ioi_prompt(
+    model: Model, names: Sequence[str], rng: random.Random, *, abba: bool, counterfactual: str
+) -> Prompt | None:
     template = rng.choice(IOI_TEMPLATES)
     place, thing = rng.choice(IOI_PLACES), rng.choice(IOI_OBJECTS)
-    io, s, c, d, e = (name.strip() for name in rng.sample(list(names), 5))
+    io, s, c, d, e = (name.strip() for name in rng.sample(list(names), 5))  # five drawn whatever the counterfactual
     first, second = (io, s) if abba else (s, io)
     clean = template.format(a=first, b=second, s=s, place=place, object=thing)
-    corrupted = template.format(a=c, b=d, s=e, place=place, object=thing)
+    slots = IOI_SLOTS[counterfactual](first, second, io, (c, d, e))
+    corrupted = template.format(**slots, place=place, object=thing)
     return _texts_prompt(model, clean, corrupted, " " + io, " " + s)
+
+
+IOI_SLOTS: dict[str, Callable[[str, str, str, tuple[str, str, str]], dict[str, str]]] = {
+    "s2-io-flip": lambda first, second, io, others: {"a": first, "b": second, "s": io},
+    "abc": lambda first, second, io, others: dict(zip("abs", others, strict=True)),
+}
+"""The counterfactual's names in a template's slots ``a``, ``b`` and ``s`` (the second mention), from the clean
+prompt's first and second names, its indirect object and three other names (`IOI_COUNTERFACTUALS`)."""
 
 
 CAPITALS: tuple[tuple[str, str], ...] = tuple(
@@ -440,7 +647,9 @@ CAPITALS: tuple[tuple[str, str], ...] = tuple(
 """(prompt, answer) pairs of `Task.capitals`."""
 
 
-def _paired(model: Model, name: str, items: Sequence[tuple[str, str]], *, n: int, seed: int) -> Task:
+def _paired(
+    model: Model, name: str, items: Sequence[tuple[str, str]], *, n: int, seed: int, counterfactual: str
+) -> Task:
     """Prompts of two items each: the first's text and answer (clean), the second's text and answer (foil)."""
     _check_model(model, tokenizer=True)
     _check_count(n, "n")
@@ -454,7 +663,7 @@ def _paired(model: Model, name: str, items: Sequence[tuple[str, str]], *, n: int
     if not pairs:
         raise ValueError(f"model: no {name} pair has clean and corrupted of equal token counts in its tokenizer")
     rng.shuffle(pairs)
-    return _assemble(model, name, [pairs[index % len(pairs)] for index in range(n)])
+    return _assemble(model, name, [pairs[index % len(pairs)] for index in range(n)], counterfactual=counterfactual)
 
 
 def _ordinary_tokens(model: Model, rng: random.Random) -> Callable[[int], list[int]]:
@@ -582,10 +791,7 @@ def task_report(
         rows = slice(start, start + batch_size)
         batch = adapter.to_token_batch(model, task.clean[rows], attention_mask=task.attention_mask[rows])
         logits = adapter.forward(model, batch)[:, : batch.tokens.shape[1]]
-        part = Task(
-            task.name, task.clean[rows], task.corrupted[rows], task.answer[rows], task.foil[rows], task.last[rows]
-        )
-        values.append(part.metric_values(logits).cpu())
+        values.append(task.subset(torch.arange(len(task))[rows]).with_metric("logit_diff").metric_values(logits).cpu())
     logit_diff = torch.cat(values)
     array = logit_diff.double().numpy()
     low, high = bootstrap_mean_interval(array, resamples=resamples, seed=seed, level=level)

@@ -1,11 +1,13 @@
 """``contribution-lens circuit``: every chosen method's circuit scores and faithfulness curves on one task.
 
 Its options are the fields of `CircuitArgs`. Before any weight is read the task is built from the
-model's skeleton (its config and tokenizer: `contribution_lens.loading.load_skeleton`), so a bad
-``--task`` file or a tokenizer without one-token names is refused first; ``--dry-run`` prints the
-passes from the graph's size before the model loads, then times one plain pass for the estimate.
-The run itself is `contribution_lens.circuits.runner.run_circuits` (resumable, split over
-``torchrun``'s processes).
+model's skeleton (its config and tokenizer: `contribution_lens.loading.load_skeleton`) and split,
+so a bad ``--task`` file, a tokenizer without one-token names or a task too small to split is
+refused first; ``--dry-run`` prints the passes from the graph's size before the model loads, then
+times one plain pass for the estimate. By default the methods score ``--split`` of the prompts and
+their circuits are evaluated on the others (as MIB scores on its train split); ``--in-sample``
+scores and evaluates every prompt. The run itself is
+`contribution_lens.circuits.runner.run_circuits` (resumable, split over ``torchrun``'s processes).
 """
 
 import argparse
@@ -18,6 +20,27 @@ from contribution_lens.cli import checks, common, options
 
 TASKS = ("ioi", "induction", "capitals")
 LEVELS = ("edge", "node")
+COUNTERFACTUALS = {
+    "ioi": ("s2-io-flip", "abc"),
+    "induction": ("first-copy-resampled",),
+    "capitals": ("other-country",),
+}
+"""Each built-in task's counterfactuals, its default first (`contribution_lens.circuits.task`'s tables; a test
+holds them equal): listed here so that a bad name is refused before torch is imported."""
+GREEDY = {"method": None, "yes": True, "no": False}
+"""``--greedy``: each method's own choice (MIB's: greedy for information flow routes), always, or never."""
+
+
+def check_split(value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < 1:
+        raise Invalid("a number in (0, 1) (the share of prompts scored; the rest are evaluated)")
+
+
+def parse_split(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise Invalid("a number in (0, 1) (the share of prompts scored; the rest are evaluated)") from None
 
 
 def _registered() -> list[str]:
@@ -81,12 +104,37 @@ class CircuitArgs:
         "query head, MIB's ungrouped graph)", choices=("native", "mib"),
     )  # fmt: skip
     bootstrap: int = option(1000, "bootstrap resamples of the intervals", check=at_least(1))
+    counterfactual: str = option(
+        "", "what the corrupted prompts ask: ioi s2-io-flip (MIB's default) or abc (Wang et al.'s); induction "
+        "first-copy-resampled; capitals other-country (default: the task's first; a .jsonl file gives its own)",
+        show="the task's",
+    )  # fmt: skip
+    split: float = option(0.5, "share of the prompts scored; the circuits are evaluated on the others",
+                          parse=parse_split, check=check_split)  # fmt: skip
+    in_sample: bool = option(False, "score and evaluate every prompt (in-sample; labelled so in the table)")
+    no_prune: bool = option(False, "keep the edges on no path from the embeddings to the logits (MIB prunes them)")
+    greedy: str = option(
+        "method",
+        "greedy selection from the logits: method (each method's own, MIB's), yes or no",
+        choices=tuple(GREEDY),
+    )
     dry_run: bool = option(False, "print the passes and an estimated time, then stop")
 
     def __post_init__(self) -> None:
         check_fields(self)
         if len(set(self.method)) != len(self.method):
             raise SettingError("method", "each method once", ",".join(self.method))
+        if self.counterfactual and self.task not in COUNTERFACTUALS:
+            raise SettingError("counterfactual", "none with a task file (its corrupted prompts are its own)",
+                               self.counterfactual)  # fmt: skip
+        known = COUNTERFACTUALS.get(self.task, ())
+        if self.counterfactual and self.counterfactual not in known:
+            raise SettingError("counterfactual", f"one of {self.task}'s: {', '.join(known)}", self.counterfactual)
+
+    @property
+    def counterfactual_name(self) -> str:
+        """The counterfactual asked for, or the task's default."""
+        return self.counterfactual or COUNTERFACTUALS.get(self.task, ("custom",))[0]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +153,11 @@ def check(args: argparse.Namespace) -> None:
         args.task_object = build_task(args.model, args.settings, skeleton=True)
     except ValueError as error:
         raise checks.UsageError(f"--task: {error}") from None
+    if not args.settings.in_sample:
+        try:
+            args.task_object.split(args.settings.split, seed=args.settings.seed)
+        except ValueError as error:
+            raise checks.UsageError(f"--split: {error} (or pass --in-sample)") from None
 
 
 def build_task(model: Any, settings: CircuitArgs, *, skeleton: bool = False) -> Any:
@@ -115,22 +168,34 @@ def build_task(model: Any, settings: CircuitArgs, *, skeleton: bool = False) -> 
         from contribution_lens import loading
 
         model = loading.load_skeleton(str(model))
+    counterfactual = settings.counterfactual_name
     if settings.task == "ioi":
-        return Task.ioi(model, n=settings.n, seed=settings.seed)
+        return Task.ioi(model, n=settings.n, seed=settings.seed, counterfactual=counterfactual)
     if settings.task == "induction":
-        return Task.induction(model, n=settings.n, length=settings.length, seed=settings.seed)
+        return Task.induction(
+            model, n=settings.n, length=settings.length, seed=settings.seed, counterfactual=counterfactual
+        )
     if settings.task == "capitals":
-        return Task.capitals(model, n=settings.n, seed=settings.seed)
+        return Task.capitals(model, n=settings.n, seed=settings.seed, counterfactual=counterfactual)
     return Task.from_jsonl(settings.task, model)
+
+
+def run_settings(settings: CircuitArgs) -> Any:
+    """The runner's settings of a command's."""
+    from contribution_lens.circuits import runner
+
+    return runner.RunSettings(
+        settings.method, settings.level, settings.seed, settings.steps, settings.bootstrap,
+        split=None if settings.in_sample else settings.split, prune=not settings.no_prune,
+        greedy=GREEDY[settings.greedy], edges=settings.edges,
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     from contribution_lens.circuits import Graph, runner
 
     settings, task = args.settings, args.task_object
-    run_settings = runner.RunSettings(
-        settings.method, settings.level, settings.seed, settings.steps, settings.bootstrap, settings.edges
-    )
+    chosen = run_settings(settings)
     if settings.dry_run:
         from contribution_lens import loading
         from contribution_lens.adapter import layout
@@ -140,15 +205,18 @@ def run(args: argparse.Namespace) -> int:
         graph = Graph(shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.pos_embed, settings.edges)
         sizes = {"length": int(task.clean.shape[1]), "d_model": int(skeleton.cfg.d_model)}
         plans = runner.plan_passes(graph, settings.method, settings.level, steps=settings.steps, **sizes)
+        scoring, evaluation = chosen.parts(task)
         print(f"{task!r}; {graph}: {len(graph.components)} nodes, {len(graph.edges)} edges ({settings.edges} counting)")
-        print(runner.describe_plan(plans, len(task)))
+        print(f"scoring {len(scoring)} prompts, evaluating {len(evaluation)}" + " (in-sample)" * settings.in_sample)
+        counts = {"scored": len(scoring), "evaluated": len(evaluation)}
+        print(runner.describe_plan(plans, len(task), **counts))
         model = common.load(args)
         forward = runner.forward_seconds(model, task)
-        print(runner.describe_plan(plans, len(task), forward).splitlines()[-1])
+        print(runner.describe_plan(plans, len(task), forward, **counts).splitlines()[-1])
         return 0
     model = common.load(args)
     config = {"model": str(args.model), "dtype": args.dtype, "task_spec": settings.task, "length": settings.length}
-    table = runner.run_circuits(model, task, run_settings, args.out, config=config)
+    table = runner.run_circuits(model, task, chosen, args.out, config=config)
     if table is not None:
         import pandas as pd
 
