@@ -89,7 +89,7 @@ def test_a_circuit_method_registered_here_is_in_the_registry_and_the_circuit_hel
     cl.register_circuit_method("later_first", lambda model, task, context: None, level="node")
     try:
         assert cl.available_circuit_methods()[-1] == "later_first"
-        assert "information-flow-routes, later_first;" in _help(capsys, "circuit")
+        assert "information-flow-routes-last, later_first;" in _help(capsys, "circuit")
     finally:
         cl.unregister_circuit_method("later_first")
     assert "later_first" not in _help(capsys, "circuit")
