@@ -59,6 +59,7 @@ _EXPORTS: dict[str, str] = {
     **{name: f"contribution_lens.circuits:{name}" for name in (
         "Circuit", "CircuitCurve", "CircuitEvaluation", "CircuitMethod", "CircuitScores", "Task",
         "TaskReport", "task_report",
+        "Linearisation", "linearisation_error",
         "available_circuit_methods", "circuit_curve", "circuit_graph", "circuit_scores", "evaluate_circuit",
         "register_circuit_method", "unregister_circuit_method")},
     "inspect": "contribution_lens.views.inspector:inspect",
@@ -94,6 +95,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         CircuitEvaluation,
         CircuitMethod,
         CircuitScores,
+        Linearisation,
         Task,
         TaskReport,
         available_circuit_methods,
@@ -101,6 +103,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         circuit_graph,
         circuit_scores,
         evaluate_circuit,
+        linearisation_error,
         register_circuit_method,
         task_report,
         unregister_circuit_method,

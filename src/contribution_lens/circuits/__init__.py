@@ -3,7 +3,8 @@
 The face of the circuits subpackage: tasks (`Task`), the graph of nodes and edges (`Graph`,
 `circuit_graph`), circuit methods (a registry: `register_circuit_method`), their scores
 (`circuit_scores` -> `CircuitScores`), the circuits they choose (`Circuit`), and MIB-style
-evaluation by interchange patching (`evaluate_circuit`, `circuit_curve`).
+evaluation by interchange patching (`evaluate_circuit`, `circuit_curve`), and checks of the scores: how
+far a linearised method's own metric change is from the true one (`linearisation_error`).
 """
 
 from contribution_lens.circuits import (
@@ -20,6 +21,7 @@ from contribution_lens.circuits.evaluation import (
 )
 from contribution_lens.circuits.figures import circuit_figure, curves_figure
 from contribution_lens.circuits.graph import Graph, circuit_graph
+from contribution_lens.circuits.linearisation import Linearisation, linearisation_error
 from contribution_lens.circuits.registry import (
     CircuitContext,
     CircuitMethod,
@@ -41,6 +43,7 @@ __all__ = [
     "CircuitMethod",
     "CircuitScores",
     "Graph",
+    "Linearisation",
     "Task",
     "TaskReport",
     "available_circuit_methods",
@@ -51,6 +54,7 @@ __all__ = [
     "curves_figure",
     "evaluate_circuit",
     "get_circuit_method",
+    "linearisation_error",
     "register_circuit_method",
     "task_report",
     "unregister_circuit_method",
