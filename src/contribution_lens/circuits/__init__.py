@@ -4,7 +4,8 @@ The face of the circuits subpackage: tasks (`Task`), the graph of nodes and edge
 `circuit_graph`), circuit methods (a registry: `register_circuit_method`), their scores
 (`circuit_scores` -> `CircuitScores`), the circuits they choose (`Circuit`), and MIB-style
 evaluation by interchange patching (`evaluate_circuit`, `circuit_curve`), and checks of the scores: how
-far a linearised method's own metric change is from the true one (`linearisation_error`).
+much a circuit depends on its prompts (`circuit_stability`), how far a linearised method's own metric
+change is from the true one (`linearisation_error`).
 """
 
 from contribution_lens.circuits import (
@@ -31,6 +32,7 @@ from contribution_lens.circuits.registry import (
     unregister_circuit_method,
 )
 from contribution_lens.circuits.scoring import Circuit, CircuitScores, circuit_scores
+from contribution_lens.circuits.stability import CircuitStability, circuit_stability
 from contribution_lens.circuits.task import METRICS, Task, TaskReport, task_report
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "CircuitEvaluation",
     "CircuitMethod",
     "CircuitScores",
+    "CircuitStability",
     "Graph",
     "Linearisation",
     "Task",
@@ -51,6 +54,7 @@ __all__ = [
     "circuit_figure",
     "circuit_graph",
     "circuit_scores",
+    "circuit_stability",
     "curves_figure",
     "evaluate_circuit",
     "get_circuit_method",
