@@ -48,7 +48,7 @@ def _replication() -> Any:
 
 
 def _circuit_results() -> dict[str, Any]:
-    """The circuit results of one tiny task (computed once: six cases read them)."""
+    """The circuit results of one tiny task (computed once: seven cases read them)."""
     if not _CIRCUITS:
         model = tiny_bridge("gqa", biases=True)
         clean, corrupted = CHUNKS[:, :6], CHUNKS.flip(0)[:, :6]
@@ -62,6 +62,7 @@ def _circuit_results() -> dict[str, Any]:
             CircuitCurve=cl.circuit_curve(model, task, scores),
             CircuitStability=cl.circuit_stability(model, task, resamples=3, fractions=(0.1, 0.5), progress=False),
             Linearisation=cl.linearisation_error(model, task),
+            EdgeEffects=cl.exact_edge_effects(model, task, scores, count=1, progress=False),
         )
     return _CIRCUITS
 
@@ -107,6 +108,7 @@ RESULTS: dict[str, tuple[Callable[[], Any], bool, str]] = {
     "CircuitCurve": (lambda: _circuit_results()["CircuitCurve"], False, "CircuitCurve(eap on tiny"),
     "CircuitStability": (lambda: _circuit_results()["CircuitStability"], False, "CircuitStability(eap on tiny"),
     "Linearisation": (lambda: _circuit_results()["Linearisation"], False, "Linearisation(contribution on tiny"),
+    "EdgeEffects": (lambda: _circuit_results()["EdgeEffects"], False, "EdgeEffects(5 edges on tiny beside eap"),
 }
 
 

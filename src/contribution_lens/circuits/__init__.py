@@ -5,7 +5,7 @@ The face of the circuits subpackage: tasks (`Task`), the graph of nodes and edge
 (`circuit_scores` -> `CircuitScores`), the circuits they choose (`Circuit`), and MIB-style
 evaluation by interchange patching (`evaluate_circuit`, `circuit_curve`), and checks of the scores: how
 much a circuit depends on its prompts (`circuit_stability`), how far a linearised method's own metric
-change is from the true one (`linearisation_error`).
+change is from the true one (`linearisation_error`) and each chosen edge's exact effect (`exact_edge_effects`).
 """
 
 from contribution_lens.circuits import (
@@ -13,6 +13,7 @@ from contribution_lens.circuits import (
     contribution,  # noqa: F401
     routes,  # noqa: F401
 )
+from contribution_lens.circuits.edge_effects import EdgeEffects, exact_edge_effects, top_edges
 from contribution_lens.circuits.evaluation import (
     FRACTIONS,
     CircuitCurve,
@@ -45,6 +46,7 @@ __all__ = [
     "CircuitMethod",
     "CircuitScores",
     "CircuitStability",
+    "EdgeEffects",
     "Graph",
     "Linearisation",
     "Task",
@@ -57,9 +59,11 @@ __all__ = [
     "circuit_stability",
     "curves_figure",
     "evaluate_circuit",
+    "exact_edge_effects",
     "get_circuit_method",
     "linearisation_error",
     "register_circuit_method",
     "task_report",
+    "top_edges",
     "unregister_circuit_method",
 ]

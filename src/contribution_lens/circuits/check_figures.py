@@ -1,4 +1,4 @@
-"""Figures of the circuit checks: stability, linearisation error.
+"""Figures of the circuit checks: stability, linearisation error, exact edge effects.
 
 Each function takes a result by what it offers (its type named under ``TYPE_CHECKING`` only) and
 returns a `plotly.graph_objects.Figure`; none calls ``.show()``.
@@ -9,6 +9,8 @@ returns a `plotly.graph_objects.Figure`; none calls ``.show()``.
 * `frequency_figure`: how often each of the most frequent edges (nodes) is in a resample's circuit.
 * `linearisation_figure`: each prompt's linearised metric change against its true one, with the
   line where they agree.
+* `edge_effects_figure`: each edge's score against its exact effect, one colour an input kind (q,
+  k, v, mlp, logits), hover naming the edge, with the line ``score = effect``.
 
     >>> import torch
     >>> from contribution_lens.circuits.linearisation import Linearisation
@@ -22,8 +24,12 @@ from typing import TYPE_CHECKING
 import plotly.graph_objects as go
 
 if TYPE_CHECKING:
+    from contribution_lens.circuits.edge_effects import EdgeEffects
     from contribution_lens.circuits.linearisation import Linearisation
     from contribution_lens.circuits.stability import CircuitStability
+
+KIND_COLOURS = {"q": "#1f77b4", "k": "#ff7f0e", "v": "#2ca02c", "mlp": "#9467bd", "logits": "#d62728"}
+"""One colour an input kind (plotly's first qualitative colours)."""
 
 
 def _band(figure: go.Figure, x: list[float], low: list[float], high: list[float], colour: str) -> None:
@@ -119,5 +125,37 @@ def linearisation_figure(result: "Linearisation") -> go.Figure:
         title=f"{result.method}'s own metric change against the true one on {result.task}",
         xaxis={"title": "m(counterfactual) − m(clean)"},
         yaxis={"title": "what the terms add up to"},
+    )
+    return figure
+
+
+def edge_effects_figure(result: "EdgeEffects") -> go.Figure:
+    """Each edge's score against its exact effect, one trace an input kind, hover naming the edge."""
+    table = result.table
+    figure = go.Figure()
+    values = [*table["effect"].dropna(), *table["score"].dropna()]
+    if values:
+        ends = [min(values), max(values)]
+        figure.add_scatter(x=ends, y=ends, mode="lines", name="score = effect", line={"dash": "dot", "color": "grey"})
+    for kind, colour in KIND_COLOURS.items():
+        rows = table[table["kind"] == kind]
+        if rows.empty:
+            continue
+        figure.add_scatter(
+            x=rows["effect"],
+            y=rows["score"],
+            mode="markers",
+            name=f"into {kind}",
+            marker={"color": colour},
+            text=rows["edge"],
+            customdata=rows[["low", "high"]].to_numpy(),
+            hovertemplate="%{text}<br>exact effect %{x:.4g} [%{customdata[0]:.4g}, %{customdata[1]:.4g}]"
+            "<br>score %{y:.4g}<extra></extra>",
+        )
+    method = result.method or "no method"
+    figure.update_layout(
+        title=f"{method}'s edge scores against their exact effects on {result.task}",
+        xaxis={"title": "exact effect: m(edge patched alone) − m(clean)"},
+        yaxis={"title": f"{method} score"},
     )
     return figure
