@@ -43,7 +43,7 @@ def test_an_unknown_method_is_refused(model) -> None:
         cl.circuit_scores(model, random_task(model), method="acdc")
     assert str(error.value) == (
         "method: unknown circuit method 'acdc'; registered: eap, eap-ig, activation-patching, random, "
-        "contribution, information-flow-routes, information-flow-routes-last"
+        "contribution, contribution-ig, information-flow-routes, information-flow-routes-last"
     )
 
 

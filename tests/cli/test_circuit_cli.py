@@ -54,8 +54,8 @@ def tiny_run(tiny_decoder: Path, tmp_path_factory: pytest.TempPathFactory) -> Pa
     ("argv", "message"),
     [
         (["--method", "nope"], "--method: expected a registered circuit method: eap, eap-ig, activation-patching, "
-                               "random, contribution, information-flow-routes, information-flow-routes-last, "
-                               "got 'nope'"),
+                               "random, contribution, contribution-ig, information-flow-routes, "
+                               "information-flow-routes-last, got 'nope'"),
         (["--method", "eap", "--level", "both"], "--level: expected a level: edge, node, got 'both'"),
         (["--method", "eap", "--method", "eap"], "--method: expected each method once, got 'eap,eap'"),
         (["--method", "eap", "--n", "0"], "--n: expected a positive integer, got 0"),

@@ -140,7 +140,7 @@ CIRCUIT_METHODS: Registry[CircuitMethod] = Registry(
     "circuit method",
     {
         f"{_HERE}.attribution:METHODS": ("eap", "eap-ig", "activation-patching", "random"),
-        f"{_HERE}.contribution:METHODS": ("contribution",),
+        f"{_HERE}.contribution:METHODS": ("contribution", "contribution-ig"),
         f"{_HERE}.routes:METHODS": ("information-flow-routes", "information-flow-routes-last"),
     },
     check=_a_circuit_method,

@@ -62,6 +62,7 @@ PASSES: dict[str, PassCount] = {
     "eap-ig": lambda graph, steps: (2 + steps, steps),
     "activation-patching": lambda graph, steps: (2 + len(graph.components), 0),
     "contribution": lambda graph, steps: (2, 1),
+    "contribution-ig": lambda graph, steps: (2 * steps, steps),
     "information-flow-routes": lambda graph, steps: (1, 0),
     "information-flow-routes-last": lambda graph, steps: (1, 0),
     "random": lambda graph, steps: (0, 0),
@@ -72,10 +73,15 @@ PASSES: dict[str, PassCount] = {
 recorded, then ``steps`` interpolated passes with their backward passes; ``activation-patching``:
 both passes, then one patched pass a head or MLP; ``contribution``: one forward-mode pass (its primal and
 its tangent, two passes' work; the embeddings' passes stop before the first block) and its backward
-pass; ``information-flow-routes`` and ``-last``: one clean pass (and the proximities, memory-bound);
-``random``: none.
+pass; ``contribution-ig``: the same at each of ``steps`` points of the path; ``information-flow-routes``
+and ``-last``: one clean pass (and the proximities, memory-bound); ``random``: none.
 """
-WINDOWED: dict[str, float] = {"eap": GRADIENT_COPIES, "eap-ig": GRADIENT_COPIES, "contribution": CONTRIBUTION_COPIES}
+WINDOWED: dict[str, float] = {
+    "eap": GRADIENT_COPIES,
+    "eap-ig": GRADIENT_COPIES,
+    "contribution": CONTRIBUTION_COPIES,
+    "contribution-ig": CONTRIBUTION_COPIES,
+}
 """Methods that score a prompt too long for the memory budget a window of positions at a time, and the
 ``[writer batch pos d_model]`` copies each holds (`interchange.pieces`)."""
 
