@@ -239,6 +239,21 @@ def test_in_sample_runs_are_labelled_so(tiny_decoder, tmp_path, capsys) -> None:
     assert "in-sample" in repr(curve) and json.loads((out / "config.json").read_text())["split"] == "in-sample"
 
 
+def test_scored_scores_fewer_prompts_and_evaluates_the_same_ones(tiny_decoder, tmp_path, capsys) -> None:
+    """``--scored 1``: the first prompt of the scoring part is scored, the evaluation part is the full run's."""
+    runs = {}
+    for name, extra in (("all", ()), ("one", ("--scored", 1))):
+        out = tmp_path / name
+        status, _, err = run_cli(capsys, *tiny_args(tiny_decoder, out, "--method", "random", "--level", "node", *extra))
+        assert status == 0, err
+        runs[name] = (pd.read_csv(out / runner.TABLE), cl.CircuitCurve.load(out / "random" / "curve-node.safetensors"))
+    (table_all, curve_all), (table_one, curve_one) = runs["all"], runs["one"]
+    assert table_all["scored_prompts"].tolist() == [3] and table_one["scored_prompts"].tolist() == [1]
+    assert table_one["evaluated_prompts"].tolist() == table_all["evaluated_prompts"].tolist() == [3]
+    assert torch.equal(curve_one.clean, curve_all.clean) and torch.equal(curve_one.corrupted, curve_all.corrupted)
+    assert json.loads((tmp_path / "one" / "config.json").read_text())["scored_limit"] == 1
+
+
 def test_a_method_registered_later_is_taken_by_name(tiny_decoder, tmp_path, capsys) -> None:
     def later_first(model, task, context):
         return -torch.arange(len(context.graph.components), dtype=torch.float32)

@@ -296,10 +296,16 @@ class RunSettings:
     greedy: bool | None = None
     edges: str = "native"
     """The graph's edge counting (`contribution_lens.circuits.graph`): ``"native"`` or ``"mib"``."""
+    scored: int | None = None
+    """At most this many of the scoring part's prompts are scored (its first ones; the evaluation part is the
+    same): an expensive method (activation patching) scored on fewer prompts, evaluated on the same ones."""
 
     def parts(self, task: Task) -> tuple[Task, Task]:
         """The scoring and the evaluation task (the task itself twice where ``split`` is None)."""
-        return (task, task) if self.split is None else task.split(self.split, seed=self.seed)
+        scoring, evaluation = (task, task) if self.split is None else task.split(self.split, seed=self.seed)
+        if self.scored is not None and self.scored < len(scoring):
+            scoring = scoring.subset(torch.arange(self.scored))
+        return scoring, evaluation
 
 
 def _check_config(out: Path, config: dict[str, Any]) -> None:
@@ -335,6 +341,8 @@ def run_circuits(
               "steps": settings.steps, "prune": settings.prune, "greedy": settings.greedy}  # fmt: skip
     if settings.edges != "native":  # a folder of a native run, written before the option, resumes as it is
         config["edges"] = settings.edges
+    if settings.scored is not None:  # likewise a folder written before --scored
+        config["scored_limit"] = settings.scored
     _check_config(out_dir, config)
     barrier(world)
     if rank == 0:

@@ -112,6 +112,11 @@ class CircuitArgs:
     split: float = option(0.5, "share of the prompts scored; the circuits are evaluated on the others",
                           parse=parse_split, check=check_split)  # fmt: skip
     in_sample: bool = option(False, "score and evaluate every prompt (in-sample; labelled so in the table)")
+    scored: int = option(
+        0, "score at most this many of the scoring part's prompts, its first (0: all); the evaluation part is "
+        "unchanged, so a costly method (activation-patching) is scored on fewer prompts and evaluated on the same",
+        check=at_least(0),
+    )  # fmt: skip
     no_prune: bool = option(False, "keep the edges on no path from the embeddings to the logits (MIB prunes them)")
     greedy: str = option(
         "method",
@@ -187,7 +192,7 @@ def run_settings(settings: CircuitArgs) -> Any:
     return runner.RunSettings(
         settings.method, settings.level, settings.seed, settings.steps, settings.bootstrap,
         split=None if settings.in_sample else settings.split, prune=not settings.no_prune,
-        greedy=GREEDY[settings.greedy], edges=settings.edges,
+        greedy=GREEDY[settings.greedy], edges=settings.edges, scored=settings.scored or None,
     )  # fmt: skip
 
 
