@@ -6,6 +6,9 @@ The face of the circuits subpackage: tasks (`Task`), the graph of nodes and edge
 evaluation by interchange patching (`evaluate_circuit`, `circuit_curve`).
 """
 
+from typing import TYPE_CHECKING
+
+from contribution_lens._lazy import face
 from contribution_lens.circuits import (
     attribution,  # noqa: F401  (registers the package's circuit methods)
     contribution,  # noqa: F401
@@ -18,7 +21,6 @@ from contribution_lens.circuits.evaluation import (
     circuit_curve,
     evaluate_circuit,
 )
-from contribution_lens.circuits.figures import circuit_figure, curves_figure
 from contribution_lens.circuits.graph import Graph, circuit_graph
 from contribution_lens.circuits.registry import (
     CircuitContext,
@@ -45,13 +47,25 @@ __all__ = [
     "TaskReport",
     "available_circuit_methods",
     "circuit_curve",
-    "circuit_figure",
     "circuit_graph",
     "circuit_scores",
-    "curves_figure",
     "evaluate_circuit",
     "get_circuit_method",
     "register_circuit_method",
     "task_report",
     "unregister_circuit_method",
 ]
+
+_DEPRECATED = {
+    "circuit_figure": (
+        "contribution_lens.drawing.circuit_figures:circuit_figure",
+        "use contribution_lens.plot.circuit_figure (contribution_lens.drawing.circuit_figures)",
+    ),
+    "curves_figure": (
+        "contribution_lens.drawing.circuit_figures:faithfulness_figure",
+        "use contribution_lens.plot.faithfulness_figure (contribution_lens.drawing.circuit_figures)",
+    ),
+}
+"""The circuits' figures moved to `contribution_lens.drawing` with every other figure: each warns, comes from there."""
+if not TYPE_CHECKING:  # type checkers see this package's own names only
+    __getattr__ = face(__name__, {}, _DEPRECATED)[0]

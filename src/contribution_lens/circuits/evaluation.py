@@ -113,9 +113,9 @@ class CircuitEvaluation(Saves):
 
     def figures(self) -> dict[str, Any]:
         """``metrics``: each prompt's metric in the three passes."""
-        from contribution_lens.circuits.curve_figure import metrics_figure
+        from contribution_lens.drawing.circuit_figures import prompt_metrics_figure
 
-        return {"metrics": metrics_figure(self.metrics, self.task)}
+        return {"metrics": prompt_metrics_figure(self.metrics, self.task)}
 
     def report(self, path: str | os.PathLike) -> Path:
         from contribution_lens.drawing import html
@@ -196,9 +196,11 @@ class CircuitCurve(Saves):
 
     def figures(self) -> dict[str, Any]:
         """``faithfulness``: f against the fraction kept (log axis), with its interval."""
-        from contribution_lens.circuits.curve_figure import curve_figure
+        from contribution_lens.drawing.circuit_figures import faithfulness_figure
 
-        return {"faithfulness": curve_figure([self])}
+        name = f"{self.method} (CPR {self.cpr:.2f}, CMD {self.cmd:.2f})"
+        figure = faithfulness_figure(self.table.assign(method=name), title=f"Faithfulness of circuits on {self.task}")
+        return {"faithfulness": figure}
 
     def report(self, path: str | os.PathLike) -> Path:
         from contribution_lens.drawing import html
