@@ -46,7 +46,7 @@ def click_node(tab, node: str) -> None:
           const gd = [...document.querySelectorAll('.js-plotly-plot')].find((g) => (g.data || []).some(
             (t) => t.name === 'nodes'));
           gd.scrollIntoView();
-          const fl = gd._fullLayout, t = gd.data.find((d) => d.name === 'nodes'), n = t.text.indexOf(node);
+          const fl = gd._fullLayout, t = gd.data.find((d) => d.name === 'nodes'), n = t.customdata.indexOf(node);
           const r = gd.getBoundingClientRect();
           return [r.left + fl._size.l + fl.xaxis.l2p(t.x[n]), r.top + fl._size.t + fl.yaxis.l2p(t.y[n])];
         }""",

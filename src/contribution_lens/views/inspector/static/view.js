@@ -182,7 +182,7 @@ function drawLayer(view, meta, state, shown) {
  * @param {HTMLElement} node
  * @returns {HTMLElement | null}
  */
-function scroller(node) {
+export function scroller(node) {
   for (let p = node.parentElement; p; p = p.parentElement) {
     const overflow = getComputedStyle(p).overflowY;
     if ((overflow === "auto" || overflow === "scroll") && p.scrollHeight > p.clientHeight) return p;
