@@ -328,22 +328,69 @@ def inspector_cells(notebook: nbformat.NotebookNode) -> list[str]:
     ]
 
 
-SERVER_CONFIG = ROOT / "jupyter-config" / "jupyter_server_config.d" / "contribution_lens.json"
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One Jupyter server for every lesson's export, as installed (its extensions as `jupyter_server_config.d` enables
+    them), with an empty user config: ``{"url", "token", "root"}``."""
+    import os
+    import secrets
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    pytest.importorskip("jupyter_server", reason="needs jupyter_server (the dev extras)")
+    root, home = tmp_path_factory.mktemp("served"), tmp_path_factory.mktemp("server-home")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
+    log = open(home / "server.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "server", "--allow-root", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"],
+        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=log,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("the Jupyter server did not start: " + (home / "server.log").read_text()[-2000:])
+        yield {"url": url, "token": token, "root": root}
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
 
 
-def jupyterlab_export(notebook: nbformat.NotebookNode, *, config_file: Path | None = SERVER_CONFIG) -> str:
-    """The page JupyterLab 4.6's *File › Save and Export Notebook As › HTML* downloads, with its defaults.
+def server_export(server: dict, notebook: nbformat.NotebookNode, name: str) -> str:
+    """The page JupyterLab 4.6's *File › Save and Export Notebook As › HTML* downloads from a running server.
 
-    JupyterLab asks "Sanitize HTML output" (ticked) and the server (jupyter_server 2.x's
-    ``NbconvertFileHandler``) runs ``get_exporter("html", config=its config)`` with
-    ``sanitize_html = True``; its config holds the package's ``jupyter_server_config.d`` file.
+    JupyterLab asks "Sanitize HTML output" (ticked) and sends
+    ``/nbconvert/html/PATH?download=true&sanitize_html=true``: the server exports with its own config, which
+    the package's server extension (`contribution_lens.views.server_extension`) sets when the server starts.
     """
-    import json
+    import urllib.request
 
+    nbformat.write(notebook, server["root"] / f"{name}.ipynb")
+    address = f"{server['url']}/nbconvert/html/{name}.ipynb?download=true&sanitize_html=true&token={server['token']}"
+    with urllib.request.urlopen(address, timeout=300) as answer:
+        return answer.read().decode("utf-8")
+
+
+def nbconvert_export(notebook: nbformat.NotebookNode, filters: dict | None = None) -> str:
+    """nbconvert's sanitized HTML export in this process, with ``filters`` (none: nbconvert's own): for the checks'
+    own test, which needs a page whose faults are known."""
     from nbconvert.exporters import get_exporter
     from traitlets.config import Config
 
-    config = Config(json.loads(config_file.read_text(encoding="utf-8")) if config_file else {})
+    config = Config({"HTMLExporter": {"filters": filters or {}}})
     exporter = get_exporter("html", config=config)(config=config)
     exporter.sanitize_html = True
     page, _ = exporter.from_notebook_node(notebook, resources={"metadata": {"name": "lesson"}})
@@ -352,10 +399,13 @@ def jupyterlab_export(notebook: nbformat.NotebookNode, *, config_file: Path | No
 
 RAW_TAG = re.compile(r"&lt;/?(p|h[1-6]|div|span|img|br|hr|a|script|style|table|tr|td|th|ul|ol|li|strong|em)\b")
 SCRIPT_TEXT = ("Plotly.newPlot", "plotly.js v", "window.PlotlyConfig", "&lt;script")
+CSS_TEXT = re.compile(r"\.dataframe\s+(?:tbody|thead)|vertical-align:\s*(?:top|middle)")
+"""A DataFrame's style element printed as text (nbconvert's own filter escapes it)."""
+MARKDOWN_MATH = re.compile(r"\$\$.+?\$\$|(?<![\\$])\$(?![\s$])[^$]+?(?<![\s\\])\$(?!\d)", flags=re.S)
 
 
 def sanitized_problems(notebook: nbformat.NotebookNode, page: str) -> list[str]:
-    """What a reader of JupyterLab's default (sanitized) export would miss: figures, prose."""
+    """What a reader of JupyterLab's default (sanitized) export would miss: figures, prose, tables, formulas offline."""
     problems = []
     figures = [out for cell in notebook.cells for out in cell.get("outputs", []) if is_figure(out)]
     stills = [out for cell in notebook.cells for out in cell.get("outputs", []) if still_of(out)]
@@ -366,13 +416,27 @@ def sanitized_problems(notebook: nbformat.NotebookNode, page: str) -> list[str]:
     if images < len(figures) + len(stills):
         problems.append(f"{images} images in the page, {len(figures)} figures and {len(stills)} stills")
     # A script element is not shown (the export keeps the widgets' state in one, the inspector's front-end
-    # source included); script source escaped into the page's text is.
-    shown = re.sub(r"<script\b.*?</script>", " ", page, flags=re.S)
+    # source included); script source escaped into the page's text is. The page's own styles are not text either.
+    shown = re.sub(r"<(script|style)\b.*?</\1>", " ", page, flags=re.S)
     problems += [f"script text in the page: {text!r}" for text in SCRIPT_TEXT if text in shown]
+    if CSS_TEXT.search(shown):
+        problems.append(f"CSS as text in the page: {CSS_TEXT.search(shown).group(0)!r}")
     prose = re.sub(r"<(code|pre)\b.*?</\1>", " ", shown, flags=re.S)  # a tag written as code is code
     raw = RAW_TAG.findall(prose)
     if raw:
         problems.append(f"raw tags in the page: {sorted(set(raw))[:5]}")
+    # A table keeps its labels: every DataFrame output's header cells are header cells in the page.
+    tables = [out.get("data", {}).get("text/html", "") for cell in notebook.cells for out in cell.get("outputs", [])]
+    labels = sum(html.count("<th") for html in tables if "dataframe" in html)
+    if prose.count("<th") < labels:
+        problems.append(f"{labels} table labels in the outputs, {prose.count('<th')} in the page")
+    # Formulas readable offline: drawn as MathML (no script, no network), none left as TeX in the prose.
+    sources = "\n".join(re.sub(r"`[^`]*`", " ", c.source) for c in notebook.cells if c.cell_type == "markdown")
+    formulas = len(MARKDOWN_MATH.findall(sources))
+    text = re.sub(r"<math\b.*?</math>", " ", prose, flags=re.S)
+    tex = RAW_TEX.findall(re.sub(r"<[^>]+>", " ", text))
+    if formulas and (prose.count("<math") < formulas or tex):
+        problems.append(f"{formulas} formulas, {prose.count('<math')} drawn offline, TeX left: {tex[:3]}")
     return problems
 
 
@@ -382,23 +446,51 @@ def test_sanitized_problems_names_what_a_reader_would_miss() -> None:
         data={"text/html": '<div class="plotly-graph-div" id="a"></div><script>Plotly.newPlot()</script>'},
     )
     cells = [
-        nbformat.v4.new_markdown_cell("# Title\n\nA paragraph with `<div>` as code."),
+        nbformat.v4.new_markdown_cell("# Title\n\nA paragraph with `<div>` as code and $c_{ij}$."),
         nbformat.v4.new_code_cell("figure", outputs=[html_figure]),
     ]
+    ours = {"clean_html": "contribution_lens.views.export.clean_html"}
     notebook = nbformat.v4.new_notebook(cells=cells)
-    assert sanitized_problems(notebook, jupyterlab_export(notebook)) == [
+    assert sanitized_problems(notebook, nbconvert_export(notebook, ours)) == [
         "1 of 1 figures carry no image/png",
         "0 images in the page, 1 figures and 0 stills",
     ]
     prose = nbformat.v4.new_notebook(cells=cells[:1])
-    assert sanitized_problems(prose, jupyterlab_export(prose)) == []
+    assert sanitized_problems(prose, nbconvert_export(prose, ours)) == []
     # The widgets' state travels in a script element, which no reader sees: not a problem.
     state = '<script type="application/vnd.jupyter.widget-state+json">{"_esm": "Plotly.newPlot(node)"}</script>'
-    assert sanitized_problems(prose, jupyterlab_export(prose).replace("</body>", state + "</body>")) == []
-    # Without the package's server config nbconvert's own filter escapes every paragraph and heading.
-    assert sanitized_problems(prose, jupyterlab_export(prose, config_file=None)) == [
-        "raw tags in the page: ['h1', 'p']"
+    assert sanitized_problems(prose, nbconvert_export(prose, ours).replace("</body>", state + "</body>")) == []
+    # nbconvert's own filter escapes every paragraph and heading, and leaves the formula for a MathJax from a CDN.
+    assert sanitized_problems(prose, nbconvert_export(prose)) == [
+        "raw tags in the page: ['h1', 'p']",
+        "1 formulas, 0 drawn offline, TeX left: ['$c_{ij}$']",
     ]
+    table = nbformat.v4.new_output("display_data", data={"text/html": pd_table_html()})
+    framed = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("table", outputs=[table])])
+    assert sanitized_problems(framed, nbconvert_export(framed, ours)) == []
+    assert sanitized_problems(framed, nbconvert_export(framed))[0].startswith("CSS as text in the page")
+
+
+def pd_table_html() -> str:
+    """A DataFrame's HTML output, its style element and header cells included."""
+    import pandas as pd
+
+    return pd.DataFrame({"faithfulness": [0.5]}, index=["eap"])._repr_html_()
+
+
+@pytest.mark.slow
+def test_jupyterlabs_own_export_through_a_running_server_reads_as_the_notebook(server) -> None:
+    # Failed before: the package installed a config file in jupyter_server_config.d, which a server reads only to
+    # enable extensions: its export (the request JupyterLab sends) escaped every paragraph, heading and table.
+    cells = [
+        nbformat.v4.new_markdown_cell("# Export\n\nThe weights $c_{ij}$ sum to 1:\n\n$$\\sum_j c_{ij} = 1$$"),
+        nbformat.v4.new_code_cell("table", outputs=[nbformat.v4.new_output("display_data",
+                                                                           data={"text/html": pd_table_html()})]),
+    ]  # fmt: skip
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    page = server_export(server, notebook, "probe")
+    assert not sanitized_problems(notebook, page), sanitized_problems(notebook, page)
+    assert '<h1 id="Export">' in page and page.count("<math") == 2 and "<th>faithfulness</th>" in page
 
 
 def export(notebook: nbformat.NotebookNode, name: str) -> tuple[Path, str]:
@@ -447,14 +539,15 @@ def test_an_exported_notebook_shows_formulas_finished_bars_and_the_inspectors_vi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
-def test_notebook_runs_and_exports_with_every_figure(path: Path, request) -> None:
+def test_notebook_runs_and_exports_with_every_figure(path: Path, request, server) -> None:
     notebook, seconds = execute(path)
     nbformat.write(notebook, (ARTIFACTS / "notebooks").mkdir(parents=True, exist_ok=True) or
                    ARTIFACTS / "notebooks" / f"{path.stem}.executed.ipynb")  # fmt: skip
     page, html = export(notebook, path.stem)
     assert not export_problems(notebook, html), f"{path.name}: {export_problems(notebook, html)}"
-    # JupyterLab's default export of the same executed notebook: sanitized, every figure an image.
-    sanitized = jupyterlab_export(notebook)
+    # JupyterLab's default export of the same executed notebook, from a running server: sanitized, every figure an
+    # image, the prose's tags, tables and formulas as a reader sees them offline.
+    sanitized = server_export(server, notebook, path.stem)
     (ARTIFACTS / "notebooks" / f"{path.stem}.jupyterlab.html").write_text(sanitized, encoding="utf-8")
     assert not sanitized_problems(notebook, sanitized), f"{path.name}: {sanitized_problems(notebook, sanitized)}"
     assert not inspector_problems(path.stem, notebook), f"{path.name}: {inspector_problems(path.stem, notebook)}"
