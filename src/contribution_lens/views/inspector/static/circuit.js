@@ -106,7 +106,11 @@ export function circuitView(root, circuit, host, answer) {
     note.dataset.node = node;
     if (state) {
       host.set(state);
-      if (host.why) host.why(Number(state.layer), Number(state.head), Number(state.query), true);
+      try {
+        if (host.why) host.why(Number(state.layer), Number(state.head), Number(state.query), true);
+      } catch (error) {
+        // A closed comm (no kernel holds the widget): the note says so below.
+      }
     }
     revealAnswer(answer);
     // Without a kernel, the note says so once the kernel's silence is known (the inspector's line says why too).
@@ -121,5 +125,25 @@ export function circuitView(root, circuit, host, answer) {
       waiting = setTimeout(check, 500);
     }
   };
-  return plot(figure, circuit.figure.data, circuit.figure.layout, clicked).then(() => (root.dataset.ready = "true"));
+  return plot(figure, circuit.figure.data, circuit.figure.layout, clicked).then(() => {
+    fitWidth(figure);
+    root.dataset.ready = "true";
+  });
+}
+
+/**
+ * The figure redrawn to its pane's width whenever that changes (the panes settle once the inspector beside is drawn,
+ * and a resized output moves them): a figure drawn wider than its pane would run under the inspector.
+ * @param {HTMLElement} figure
+ */
+function fitWidth(figure) {
+  const Plotly = /** @type {any} */ (globalThis).Plotly;
+  const gd = /** @type {any} */ (figure);
+  if (!Plotly) return;
+  const fit = () => {
+    const width = figure.getBoundingClientRect().width;
+    if (width > 0 && gd._fullLayout && Math.abs(width - gd._fullLayout.width) >= 2) Plotly.Plots.resize(figure);
+  };
+  fit();
+  if (globalThis.ResizeObserver) new ResizeObserver(fit).observe(figure);
 }

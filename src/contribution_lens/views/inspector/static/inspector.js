@@ -176,7 +176,11 @@ export function whyRows(model, kernel, onAnswer) {
     if (!asked.has(key) && !ask) return CLICK_A_CELL;
     if (!asked.has(key)) {
       asked.add(key);
-      model.send({ type: "why", key, layer, head, query });
+      try {
+        model.send({ type: "why", key, layer, head, query });
+      } catch (error) {
+        // A closed comm (the kernel is gone): the check below finds it missing.
+      }
     }
     kernel.check();
     if (!kernel.missing) return null;

@@ -91,7 +91,7 @@ function outside(meta, entry, state) {
  */
 function available(root) {
   const width = root.getBoundingClientRect().width || (root.parentNode && /** @type {HTMLElement} */ (root.parentNode).clientWidth) || 900;
-  return Math.max(360, Math.floor(width) - 8);
+  return Math.max(300, Math.floor(width) - 8); // an output 368 px wide (a phone) scrolls no figure sideways
 }
 
 /** The narrowest output with the bars beside the heatmap (narrower, the heatmap keeps the width). */
