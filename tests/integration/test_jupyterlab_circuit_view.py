@@ -44,24 +44,35 @@ SHOWN = """() => {
 }"""
 
 
+FIGURE = "[...document.querySelectorAll('.js-plotly-plot')].find((g) => (g.data || []).some((t) => t.name === 'nodes'))"
+
+
 def click_node(tab, node: str) -> None:
-    """A mouse click on ``node``'s marker in the live circuit figure."""
-    x, y = tab.evaluate(
-        """(node) => {
-          const gd = [...document.querySelectorAll('.js-plotly-plot')].find((g) => (g.data || []).some(
-            (t) => t.name === 'nodes'));
-          gd.scrollIntoView();
-          const fl = gd._fullLayout, t = gd.data.find((d) => d.name === 'nodes'), n = t.customdata.indexOf(node);
-          const r = gd.getBoundingClientRect();
-          return [r.left + fl._size.l + fl.xaxis.l2p(t.x[n]), r.top + fl._size.t + fl.yaxis.l2p(t.y[n])];
-        }""",
-        node,
-    )
-    # plotly clicks the point it last hovered, and a click within 300 ms of the last is a double click:
-    # hover first, then click after that delay.
-    tab.mouse.move(x, y)
-    tab.wait_for_timeout(400)
-    tab.mouse.click(x, y)
+    """A mouse click on ``node``'s marker in the live circuit figure, once plotly's hover is on it."""
+    for _ in range(5):
+        x, y = tab.evaluate(
+            f"""(node) => {{
+              const gd = {FIGURE};
+              gd.scrollIntoView();
+              const fl = gd._fullLayout, t = gd.data.find((d) => d.name === 'nodes'), n = t.customdata.indexOf(node);
+              const r = gd.getBoundingClientRect();
+              return [r.left + fl._size.l + fl.xaxis.l2p(t.x[n]), r.top + fl._size.t + fl.yaxis.l2p(t.y[n])];
+            }}""",
+            node,
+        )
+        tab.mouse.move(x - 3, y - 3)
+        tab.mouse.move(x, y)
+        try:  # plotly clicks the point it last hovered (the figure may still be settling to its pane's width)
+            tab.wait_for_function(
+                f"(node) => ({FIGURE})._hoverdata?.some((p) => p.data.name === 'nodes' && p.customdata === node)",
+                arg=node, timeout=2_000,
+            )  # fmt: skip
+        except Exception:
+            continue
+        tab.wait_for_timeout(400)  # a click within 300 ms of the last is a double click
+        tab.mouse.click(x, y)
+        return
+    raise AssertionError(f"plotly's hover never reached {node}")
 
 
 def test_a_head_node_opens_that_head_with_its_why_panel_in_jupyterlab(page) -> None:  # noqa: F811

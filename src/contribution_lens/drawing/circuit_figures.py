@@ -20,6 +20,7 @@ scorer's output draws, and the circuits layer, above this one, calls them from i
 * `node_scores_figure`, `circuit_nodes_figure`, `prompt_metrics_figure`: a score per head and MLP,
   the nodes a circuit keeps, the metric per prompt in the clean, counterfactual and patched passes.
 
+Example:
     >>> import pandas as pd
     >>> nodes = pd.DataFrame({"node": ["embed", "L0H1", "logits"], "score": [0.0, 0.5, 0.0]})
     >>> edges = pd.DataFrame({"upstream": ["embed", "L0H1"], "downstream": ["L0H1", "logits"],
