@@ -13,6 +13,7 @@ figure an image, no script source as text, no raw tags in the prose. The execute
 both HTML pages are kept under ``test-artifacts/notebooks/``.
 """
 
+import json
 import re
 import time
 from pathlib import Path
@@ -208,15 +209,367 @@ def warnings_in(notebook: nbformat.NotebookNode) -> list[str]:
     return found
 
 
-def execute(path: Path) -> tuple[nbformat.NotebookNode, float]:
+def execute(path: Path) -> tuple[nbformat.NotebookNode, float, dict]:
+    """The executed notebook, its time, and the values its prose quotes (`QUOTED`), read in its kernel at its end."""
     from nbclient import NotebookClient
 
     notebook = read(path)
+    quoted = QUOTED.get(path.stem, {})
+    if quoted:  # one cell more, read and removed: what the prose quotes, as the lesson's own objects hold it
+        notebook.cells.append(nbformat.v4.new_code_cell(probe(quoted), id="quoted-values"))
     started = time.perf_counter()
     NotebookClient(
         notebook, timeout=MAX_SECONDS, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     ).execute()
-    return notebook, time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    values: dict = {}
+    if quoted:
+        cell = notebook.cells.pop()
+        values = json.loads("".join(out.get("text", "") for out in cell.outputs if out.output_type == "stream"))
+    return notebook, seconds, values
+
+
+# --- the numbers the prose quotes, read from the executed lesson --------------------------------------------
+
+QUOTED: dict[str, dict[str, list[tuple[str, str]]]] = {
+    "11_finding_a_circuit": {
+        "11-03": [
+            (
+                "accuracy {:.1f} on the 4 prompts",
+                "report.accuracy",
+            ),
+            (
+                "a mean logit difference of about {:.1f}",
+                "report.mean",
+            ),
+            (
+                "interval of about [{:.1f}, {:.1f}]",
+                "(report.low, report.high)",
+            ),
+        ],
+        "11-05": [
+            (
+                "The graph has {} nodes, {} inputs and {:,} edges",
+                "(len(graph.nodes), len(graph.inputs), len(graph.edges))",
+            ),
+            (
+                "hold about {:.2f} of the total",
+                "top_share",
+            ),
+            (
+                "The largest of all, `{}` (about {:+.2f}), and the next, `{}` (about {:+.2f})",
+                ("(ranked.iloc[0]['edge'], ranked.iloc[0]['score'], ranked.iloc[1]['edge'], ranked.iloc[1]['score'])"),
+            ),
+            (
+                "`{}` (about {:+.2f}) runs from a late head",
+                "(ranked.iloc[2]['edge'], ranked.iloc[2]['score'])",
+            ),
+            (
+                "`{}` (about {:+.2f}) and `{}` (about {:+.2f}) are value inputs",
+                ("(ranked.iloc[3]['edge'], ranked.iloc[3]['score'], ranked.iloc[4]['edge'], ranked.iloc[4]['score'])"),
+            ),
+        ],
+        "11-07": [
+            (
+                (
+                    "a CPR of about {:.2f} (95 % interval about [{:.2f}, {:.2f}]) and a CMD of about {:.2f} "
+                    "([{:.2f}, {:.2f}])"
+                ),
+                "tuple(areas.loc['eap, edges', ['cpr', 'cpr_low', 'cpr_high', 'cmd', 'cmd_low', 'cmd_high']])",
+            ),
+            (
+                "the random control has a CPR of about {:.2f} and a CMD of about {:.2f}",
+                "(areas.loc['random, edges', 'cpr'], areas.loc['random, edges', 'cmd'])",
+            ),
+            (
+                "smallest circuit, {:.1f} % of the edges ({:.0f} edges), already recovers about {:.2f}",
+                "(100 * live.fractions[0], live.sizes[0], live.faithfulness[0])",
+            ),
+            (
+                "about {:.2f} at 1 %",
+                "saved.loc[0.01]",
+            ),
+            (
+                "10 % recovers about {:.2f}, 20 % about {:.2f} and half of them about {:.2f}",
+                "tuple(saved.loc[[0.1, 0.2, 0.5]])",
+            ),
+            (
+                "three quarters of what the model does is {:.0f} % of the edges",
+                "100 * saved[saved >= 0.75].index.min()",
+            ),
+            (
+                "out of the graph's {:,}",
+                "len(graph.edges)",
+            ),
+        ],
+        "11-09": [
+            (
+                "recover only about {:.2f} of the logit difference (interval about [{:.2f}, {:.2f}])",
+                "(drawn_result.faithfulness, *drawn_result.interval)",
+            ),
+            (
+                "as the curve said ({:.2f} at {:.0f} edges)",
+                "(live.faithfulness[0], live.sizes[0])",
+            ),
+            (
+                "The figure draws {} lines for the 40 edges",
+                "len(figure_edges)",
+            ),
+        ],
+        "11-11": [
+            (
+                (
+                    "{} writes the most, about {:.2f}, and it does so *through the S keys* (about {:.2f}; about "
+                    "{:.2f} through the IO key)"
+                ),
+                (
+                    "(writers.index[0], *writers.iloc[0][['logit difference', 'through the S keys', 'through the IO "
+                    "key']])"
+                ),
+            ),
+            (
+                "it puts about {:.2f} of its attention on the subject",
+                "writers.iloc[0]['attention to S']",
+            ),
+            (
+                "{} writes about {:.2f} while attending to neither name (about {:.2f} of its attention on S)",
+                "(writers.index[1], *writers.iloc[1][['logit difference', 'attention to S']])",
+            ),
+            (
+                (
+                    "{} writes about {:.2f} in all, about {:.2f} through the IO key alone, and puts about {:.2f} "
+                    "of its attention on the"
+                ),
+                (
+                    "tuple(head_row(mover_layer, mover_head)[k] for k in ('head', 'logit difference', 'through the "
+                    "IO key', 'attention to IO'))"
+                ),
+            ),
+            (
+                "Two heads write against the answer, {} (about {:.2f}) and {} (about {:.2f})",
+                (
+                    "(negative[0], writers.loc[negative[0], 'logit difference'], negative[1], "
+                    "writers.loc[negative[1], 'logit difference'])"
+                ),
+            ),
+            (
+                (
+                    "{} looks at the indirect object too (about {:.2f} of its attention) and writes against it "
+                    "through the IO key (about {:.2f})"
+                ),
+                (
+                    "(lambda n: (n, writers.loc[n, 'attention to IO'], writers.loc[n, 'through the IO "
+                    "key']))(max(negative, key=lambda n: writers.loc[n, 'attention to IO']))"
+                ),
+            ),
+        ],
+        "11-13": [
+            (
+                "keeps only between about {:.2f} and {:.2f} of the logit difference",
+                "writer_checks['the three answer writers'].interval",
+            ),
+            (
+                "$f$ between about {:.2f} and {:.2f}",
+                "writer_checks['the two negative writers'].interval",
+            ),
+            (
+                "three other late heads ({}) leave it where it was, between about {:.2f} and {:.2f}",
+                "(', '.join(others), *writer_checks['three other heads of layers 20-29'].interval)",
+            ),
+            (
+                "For the name mover {} at the last position",
+                "mover",
+            ),
+        ],
+        "11-15": [
+            (
+                "The name mover is {} (the largest",
+                "mover",
+            ),
+            (
+                (
+                    "The largest query-side advantage at the IO key is {}'s, about {:.2f}, ahead of {} (about "
+                    "{:.2f}) and {} (about {:.2f})"
+                ),
+                "tuple(x for name in query_side.index[:3] for x in (name, query_side[name]))",
+            ),
+            (
+                (
+                    "{} puts about {:.2f} of its attention, from the last position, on the subject: it reads S and "
+                    "writes into the end's stream what makes {}'s"
+                ),
+                "(inhibitors[0], head_row(*map(int, inhibitors[0][1:].split('H')))['attention to S'], mover)",
+            ),
+            (
+                "into {}'s query input carry the counterfactual",
+                "mover",
+            ),
+        ],
+        "11-17": [
+            (
+                "into {}'s query input lowers the faithfulness to about {:.2f} (interval about [{:.2f}, {:.2f}])",
+                (
+                    "(mover, query_results['edges inhibitors -> mover<q> patched'].faithfulness, "
+                    "*query_results['edges inhibitors -> mover<q> patched'].interval)"
+                ),
+            ),
+            (
+                "costs more, about {:.2f} ([{:.2f}, {:.2f}])",
+                (
+                    "(query_results['the inhibitors patched (nodes)'].faithfulness, *query_results['the inhibitors "
+                    "patched (nodes)'].interval)"
+                ),
+            ),
+            (
+                "leaves it at about {:.2f} ([{:.2f}, {:.2f}])",
+                (
+                    "(query_results['three other edges into mover<q> patched'].faithfulness, *query_results['three "
+                    "other edges into mover<q> patched'].interval)"
+                ),
+            ),
+            (
+                "The S-inhibition head {} attends",
+                "inhibitor",
+            ),
+        ],
+        "11-19": [
+            (
+                (
+                    "{} first (about {:.2f}), then {} (about {:.2f}), {} (about {:.2f}), {} (about {:.2f}) and {} "
+                    "(about {:.2f})"
+                ),
+                "tuple(x for name in key_side.index[:5] for x in (name, key_side[name]))",
+            ),
+            (
+                "{} attends to S1, the same name earlier (about {:.2f} of its attention)",
+                "(duplicate_head, key_table.loc[duplicate_head, 'attention S2 -> S1 (duplicate token)'])",
+            ),
+            (
+                "{} attends to the token after S1 (about {:.2f})",
+                "(induction_head, key_table.loc[induction_head, 'attention S2 -> S1+1 (induction)'])",
+            ),
+            (
+                "the key input of {}'s group",
+                "inhibitor",
+            ),
+        ],
+        "11-21": [
+            (
+                "lowers the faithfulness only to about {:.2f} (interval about [{:.2f}, {:.2f}])",
+                "(next(iter(key_results.values())).faithfulness, *next(iter(key_results.values())).interval)",
+            ),
+            (
+                "cost more, about {:.2f} ([{:.2f}, {:.2f}])",
+                (
+                    "(key_results['the key-side heads patched (nodes)'].faithfulness, *key_results['the key-side "
+                    "heads patched (nodes)'].interval)"
+                ),
+            ),
+            (
+                "a name mover, {}, three quarters",
+                "mover",
+            ),
+            (
+                (
+                    "a negative name mover, {}, which attends to the indirect object and writes against it, and "
+                    "another negative writer, {},"
+                ),
+                "tuple(sorted(negative, key=lambda n: -writers.loc[n, 'attention to IO']))",
+            ),
+            (
+                "an S-inhibition head, {}, attending",
+                "inhibitor",
+            ),
+            (
+                "a duplicate-token head, {}, and a weak induction pattern in {}.",
+                "(duplicate_head, induction_head)",
+            ),
+            (
+                "The largest direct writer, {}, is not",
+                "writers.index[0]",
+            ),
+            (
+                "EAP's circuits need {:.0f} % of the {:,} edges",
+                "(100 * saved[saved >= 0.75].index.min(), len(graph.edges))",
+            ),
+        ],
+        "11-21a": [
+            (
+                "(the size at which the curve read {:.2f})",
+                "live.faithfulness[0]",
+            ),
+        ],
+    },
+}
+"""For each lesson whose prose quotes what its cells compute: per markdown cell, each phrase that quotes a result (a
+format string) and the expression, evaluated in the lesson's kernel once it has run, whose value it quotes (a
+tuple for several fields). Every decimal number, grouped integer and head or MLP name of those cells
+(outside code and formulas) must lie in such a phrase, and every phrase must read as the values give it: a change
+that moves a number fails here, naming the cell, what it says and what the lesson computed."""
+QUOTE = re.compile(r"(?<![\w.])-?\d+\.\d+|(?<![\w.,])\d{1,3}(?:,\d{3})+(?![\d,])|\bL\d+(?:H\d+|\.mlp)\b")
+"""What counts as a quoted result in prose: 0.87, -1.60, 70,651, L23H0, L18.mlp (a share such as "10 %" is a size the
+lesson chooses, and a count such as "4 prompts" one it sets)."""
+
+
+def probe(quoted: dict[str, list[tuple[str, str]]]) -> str:
+    """The code of the cell that prints, as JSON, every expression `QUOTED` names for one lesson."""
+    expressions = sorted({expression for phrases in quoted.values() for _, expression in phrases})
+    return (
+        "import json as _json\n\n"
+        "def _plain(value):\n"
+        "    if isinstance(value, (tuple, list)):\n"
+        "        return [_plain(v) for v in value]\n"
+        "    return value.item() if hasattr(value, 'item') else value\n\n"
+        f"print(_json.dumps({{e: _plain(eval(e)) for e in {expressions!r}}}))"
+    )
+
+
+def unquoted_spans(source: str) -> list[tuple[int, int]]:
+    """The spans of ``source`` that quote nothing: code (`...`) and formulas ($...$, $$...$$)."""
+    return [m.span() for m in re.finditer(r"`[^`]*`|\$\$.+?\$\$|\$[^$]+\$", source, flags=re.S)]
+
+
+def quoted_problems(name: str, notebook: nbformat.NotebookNode, values: dict) -> list[str]:
+    """Where a lesson's prose quotes a number its cells do not give, or quotes one that `QUOTED` does not read."""
+    quoted = QUOTED.get(name, {})
+    problems = []
+    for cell in notebook.cells:
+        if cell.cell_type != "markdown":
+            continue
+        covered = []
+        for phrase, expression in quoted.get(cell.id, []):
+            value = values[expression]
+            said = phrase.format(*value) if isinstance(value, list) else phrase.format(value)
+            start = cell.source.find(said)
+            if start < 0:
+                problems.append(f"cell {cell.id} does not say {said!r} ({expression} = {value})")
+            else:
+                covered.append((start, start + len(said)))
+        skipped = unquoted_spans(cell.source)
+        for match in QUOTE.finditer(cell.source):
+            start, end = match.span()
+            if not any(a <= start and end <= b for a, b in [*skipped, *covered]):
+                problems.append(f"cell {cell.id} quotes {match.group(0)!r}, which QUOTED does not read from the lesson")
+    return problems
+
+
+def test_quoted_problems_names_a_number_the_lesson_does_not_give() -> None:
+    cells = [nbformat.v4.new_markdown_cell("The CPR is about 0.87, and L23H0 writes 0.71 (`fraction=0.001`).", id="a")]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    QUOTED["demo"] = {"a": [("CPR is about {:.2f}", "curve.cpr"), ("{} writes {:.2f}", "(mover, term)")]}
+    try:
+        assert quoted_problems("demo", notebook, {"curve.cpr": 0.871, "(mover, term)": ["L23H0", 0.714]}) == []
+        assert quoted_problems("demo", notebook, {"curve.cpr": 0.85, "(mover, term)": ["L23H0", 0.714]}) == [
+            "cell a does not say 'CPR is about 0.85' (curve.cpr = 0.85)",
+            "cell a quotes '0.87', which QUOTED does not read from the lesson",
+        ]
+        QUOTED["demo"] = {"a": [("CPR is about {:.2f}", "curve.cpr")]}
+        assert quoted_problems("demo", notebook, {"curve.cpr": 0.871}) == [
+            "cell a quotes 'L23H0', which QUOTED does not read from the lesson",
+            "cell a quotes '0.71', which QUOTED does not read from the lesson",
+        ]
+    finally:
+        del QUOTED["demo"]
 
 
 def export_problems(notebook: nbformat.NotebookNode, html: str) -> list[str]:
@@ -540,7 +893,7 @@ def test_an_exported_notebook_shows_formulas_finished_bars_and_the_inspectors_vi
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
 def test_notebook_runs_and_exports_with_every_figure(path: Path, request, server) -> None:
-    notebook, seconds = execute(path)
+    notebook, seconds, values = execute(path)
     nbformat.write(notebook, (ARTIFACTS / "notebooks").mkdir(parents=True, exist_ok=True) or
                    ARTIFACTS / "notebooks" / f"{path.stem}.executed.ipynb")  # fmt: skip
     page, html = export(notebook, path.stem)
@@ -551,6 +904,9 @@ def test_notebook_runs_and_exports_with_every_figure(path: Path, request, server
     (ARTIFACTS / "notebooks" / f"{path.stem}.jupyterlab.html").write_text(sanitized, encoding="utf-8")
     assert not sanitized_problems(notebook, sanitized), f"{path.name}: {sanitized_problems(notebook, sanitized)}"
     assert not inspector_problems(path.stem, notebook), f"{path.name}: {inspector_problems(path.stem, notebook)}"
+    assert not quoted_problems(path.stem, notebook, values), (
+        f"{path.name}: {quoted_problems(path.stem, notebook, values)}"
+    )
     if CHROMIUM is not None and CHROMEDRIVER is not None:
         figures = sum(is_figure(out) for cell in notebook.cells for out in cell.get("outputs", []))
         seen = seen_in_browser(request.getfixturevalue("browser"), page)
