@@ -104,6 +104,7 @@ def test_a_head_node_opens_that_head_with_its_why_panel_in_jupyterlab(page) -> N
 
 
 CELL = """() => {
+  if (!window.jupyterapp || !window.jupyterapp.shell) return null;  // the page is (re)loading
   const panel = [...window.jupyterapp.shell.widgets('main')].find((w) => w.content && w.sessionContext);
   if (!panel) return null;
   const index = panel.context.model.toJSON().cells.findIndex((c) => c.source.includes('cl.inspect_circuit('));
@@ -194,7 +195,7 @@ def test_the_circuit_views_still_follows_every_click_live_reopened_and_without_a
     page.screenshot(path=str(ARTIFACTS / "jupyterlab_circuit_view_shut_down.png"), full_page=True)
     # Reopened without a kernel (no widget state saved): the circuit and the last view, as images.
     page.reload()
-    page.wait_for_function(f"({CELL})() && ({CELL})().outputs.length === 3", timeout=120_000)
+    page.wait_for_function(f"({CELL})()?.outputs.length === 3", timeout=120_000)
     page.wait_for_function(
         f"({CELL})().outputs.filter((o) => o.lens).every((o) => o.shown && o.image.length && o.image[0] > 300)",
         timeout=60_000,
