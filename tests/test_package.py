@@ -206,6 +206,36 @@ def test_the_drawings_old_places_in_views_still_work_and_name_the_new_one() -> N
         assert old_report.write_html is html.write_html
 
 
+def test_the_circuits_figures_old_places_still_work_and_name_the_new_one() -> None:
+    from contribution_lens.drawing import circuit_figures
+
+    for old in ("contribution_lens.circuits.figures", "contribution_lens.circuits.curve_figure"):
+        sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=r"circuits\.figures is deprecated: its names moved to contribution_l"):
+        from contribution_lens.circuits import figures
+    with pytest.warns(
+        DeprecationWarning, match=r"figures\.circuit_figure is deprecated: use contribution_lens\.drawing"
+    ):
+        assert figures.circuit_figure is circuit_figures.circuit_figure is cl.plot.circuit_figure
+    with pytest.warns(DeprecationWarning, match=r"curves_figure is deprecated: use contribution_lens\.plot\.faithful"):
+        assert figures.curves_figure is circuit_figures.faithfulness_figure
+    with pytest.warns(DeprecationWarning, match=r"circuits\.circuit_figure is deprecated: use contribution_lens\.plot"):
+        assert cl.circuits.circuit_figure is circuit_figures.circuit_figure
+    with pytest.warns(DeprecationWarning, match=r"circuits\.curve_figure is deprecated"):
+        from contribution_lens.circuits import curve_figure as old
+    with pytest.warns(DeprecationWarning, match=r"curve_figure\.scores_figure is deprecated: use contribution_lens\."):
+        assert old.scores_figure is circuit_figures.node_scores_figure
+    with pytest.warns(DeprecationWarning, match=r"curve_figure\.curve_figure is deprecated: use contribution_lens\."):
+        old_curve = old.curve_figure
+    import torch
+
+    curve = cl.CircuitCurve("demo", "eap", "edge", torch.tensor([0.5, 1.0], dtype=torch.float64),
+                            torch.tensor([1.0, 2.0], dtype=torch.float64), torch.ones(3), torch.zeros(3),
+                            torch.tensor([[0.5] * 3, [1.0] * 3]))  # fmt: skip
+    drawn = old_curve([curve])  # the old call draws what the curve's own figure draws
+    assert [t.name for t in drawn.data] == [t.name for t in curve.figures()["faithfulness"].data]
+
+
 def test_the_readmes_five_lines_run_and_give_what_their_comments_say(bundled_model, monkeypatch) -> None:
     import pandas as pd
     import plotly.graph_objects as go

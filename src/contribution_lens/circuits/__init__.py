@@ -20,7 +20,6 @@ _EXPORTS = {
     **{name: f"{_HERE}.edge_effects:{name}" for name in ("EdgeEffects", "exact_edge_effects", "top_edges")},
     **{name: f"{_HERE}.evaluation:{name}" for name in ("FRACTIONS", "CircuitCurve", "CircuitEvaluation",
                                                       "circuit_curve", "evaluate_circuit")},
-    **{name: f"{_HERE}.figures:{name}" for name in ("circuit_figure", "curves_figure")},
     **{name: f"{_HERE}.graph:{name}" for name in ("Graph", "circuit_graph")},
     **{name: f"{_HERE}.linearisation:{name}" for name in ("Linearisation", "linearisation_error")},
     **{
@@ -33,7 +32,18 @@ _EXPORTS = {
     **{name: f"{_HERE}.task:{name}" for name in ("METRICS", "Task", "TaskReport", "task_report")},
 }  # fmt: skip
 __all__ = sorted(_EXPORTS)
-__getattr__, __dir__ = face(__name__, _EXPORTS)
+_DEPRECATED = {
+    "circuit_figure": (
+        "contribution_lens.drawing.circuit_figures:circuit_figure",
+        "use contribution_lens.plot.circuit_figure (contribution_lens.drawing.circuit_figures)",
+    ),
+    "curves_figure": (
+        "contribution_lens.drawing.circuit_figures:faithfulness_figure",
+        "use contribution_lens.plot.faithfulness_figure (contribution_lens.drawing.circuit_figures)",
+    ),
+}
+"""The circuits' figures moved to `contribution_lens.drawing` with every other figure: each warns, comes from there."""
+__getattr__, __dir__ = face(__name__, _EXPORTS, _DEPRECATED)
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from contribution_lens.circuits.edge_effects import EdgeEffects, exact_edge_effects, top_edges
@@ -44,7 +54,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         circuit_curve,
         evaluate_circuit,
     )
-    from contribution_lens.circuits.figures import circuit_figure, curves_figure
     from contribution_lens.circuits.graph import Graph, circuit_graph
     from contribution_lens.circuits.linearisation import Linearisation, linearisation_error
     from contribution_lens.circuits.registry import (

@@ -207,7 +207,7 @@ class EdgeEffects(Saves):
 
     def figures(self) -> dict[str, Any]:
         """``scatter``: each edge's score against its exact effect, one colour an input kind, hover naming it."""
-        from contribution_lens.circuits.check_figures import edge_effects_figure
+        from contribution_lens.drawing.circuit_check_figures import edge_effects_figure
 
         return {"scatter": edge_effects_figure(self)}
 

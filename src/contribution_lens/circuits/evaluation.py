@@ -122,9 +122,9 @@ class CircuitEvaluation(Saves):
 
     def figures(self) -> dict[str, Any]:
         """``metrics``: each prompt's metric in the three passes."""
-        from contribution_lens.circuits.curve_figure import metrics_figure
+        from contribution_lens.drawing.circuit_figures import prompt_metrics_figure
 
-        return {"metrics": metrics_figure(self.metrics, self.task)}
+        return {"metrics": prompt_metrics_figure(self.metrics, self.task)}
 
     def report(self, path: str | os.PathLike) -> Path:
         from contribution_lens.drawing import html
@@ -311,10 +311,17 @@ class CircuitCurve(Saves):
         )
 
     def figures(self) -> dict[str, Any]:
-        """``faithfulness``: f against the fraction kept (log axis), each selection with its interval."""
-        from contribution_lens.circuits.curve_figure import curve_figure
+        """``faithfulness``: f against the fraction kept (log axis), each selection with its interval (signed: the
+        circuits of MIB's CPR; ``|score|``: those of its CMD)."""
+        from contribution_lens.drawing.circuit_figures import faithfulness_figure
 
-        return {"faithfulness": curve_figure([self])}
+        labels = {
+            "signed": f"{self.method}, signed (CPR {self.cpr:.2f})",
+            "absolute": f"{self.method}, |score| (CMD {self.cmd:.2f})",
+        }
+        table = self.table.assign(method=lambda t: t["selection"].map(labels), size=lambda t: t["edges"])
+        figure = faithfulness_figure(table, title=f"Faithfulness of circuits on {self.task}/{self.counterfactual}")
+        return {"faithfulness": figure}
 
     def report(self, path: str | os.PathLike) -> Path:
         from contribution_lens.drawing import html

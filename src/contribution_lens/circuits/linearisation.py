@@ -122,7 +122,7 @@ class Linearisation(Saves):
 
     def figures(self) -> dict[str, Any]:
         """``prompts``: each prompt's linearised change against its true change, beside the line where they agree."""
-        from contribution_lens.circuits.check_figures import linearisation_figure
+        from contribution_lens.drawing.circuit_check_figures import linearisation_figure
 
         return {"prompts": linearisation_figure(self)}
 

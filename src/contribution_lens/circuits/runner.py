@@ -534,9 +534,9 @@ def write_report(model: adapter.Model, task: Task, table: pd.DataFrame, out: Pat
     """``report.html``: the model's accuracy on the task, the table, and every method's curve per level."""
     import warnings
 
-    from contribution_lens.circuits.figures import curves_figure
     from contribution_lens.circuits.task import task_report
     from contribution_lens.drawing import html
+    from contribution_lens.drawing.circuit_figures import faithfulness_figure
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -562,6 +562,6 @@ def write_report(model: adapter.Model, task: Task, table: pd.DataFrame, out: Pat
                      "faithfulness": row.faithfulness, "low": row.low, "high": row.high}
                 )  # fmt: skip
         if rows:
-            figure = curves_figure(pd.DataFrame(rows), title=f"Faithfulness by circuit size, {level} level")
+            figure = faithfulness_figure(pd.DataFrame(rows), title=f"Faithfulness by circuit size, {level} level")
             sections.append((f"{level.capitalize()} level", figure))
     return html.write_html(out / REPORT, f"Circuits of {task.name}", sections)

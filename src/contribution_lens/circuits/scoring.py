@@ -268,9 +268,9 @@ class Circuit(Saves):
 
     def figures(self) -> dict[str, Any]:
         """``nodes``: the heads and MLPs in the circuit, layer by layer."""
-        from contribution_lens.circuits.curve_figure import nodes_figure
+        from contribution_lens.drawing.circuit_figures import circuit_nodes_figure
 
-        return {"nodes": nodes_figure(self.graph, self.nodes)}
+        return {"nodes": circuit_nodes_figure(self.graph.components, self.nodes)}
 
     def report(self, path: str | os.PathLike) -> Path:
         from contribution_lens.drawing import html
@@ -471,9 +471,9 @@ class CircuitScores(Saves):
 
     def figures(self) -> dict[str, Any]:
         """``nodes``: each head's and MLP's score, layer by layer."""
-        from contribution_lens.circuits.curve_figure import scores_figure
+        from contribution_lens.drawing.circuit_figures import node_scores_figure
 
-        return {"nodes": scores_figure(self.nodes, f"{self.method} on {self.task}")}
+        return {"nodes": node_scores_figure(self.nodes, f"{self.method} on {self.task}")}
 
     def report(self, path: str | os.PathLike) -> Path:
         from contribution_lens.drawing import html

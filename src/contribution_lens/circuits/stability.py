@@ -251,7 +251,7 @@ class CircuitStability(Saves):
     def figures(self) -> dict[str, Any]:
         """``jaccard``: the overlap against the circuit's size, with chance; ``frequency``: how often the most
         frequent items are in a resample's circuit, at the size nearest 1 %."""
-        from contribution_lens.circuits.check_figures import frequency_figure, stability_figure
+        from contribution_lens.drawing.circuit_check_figures import frequency_figure, stability_figure
 
         return {"jaccard": stability_figure(self), "frequency": frequency_figure(self)}
 

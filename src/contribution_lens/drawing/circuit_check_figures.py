@@ -1,4 +1,4 @@
-"""Figures of the circuit checks: stability, linearisation error, exact edge effects.
+"""Figures of the circuits' checks: stability, linearisation error, exact edge effects.
 
 Each function takes a result by what it offers (its type named under ``TYPE_CHECKING`` only) and
 returns a `plotly.graph_objects.Figure`; none calls ``.show()``.
