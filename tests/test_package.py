@@ -229,9 +229,9 @@ def test_the_circuits_figures_old_places_still_work_and_name_the_new_one() -> No
         old_curve = old.curve_figure
     import torch
 
-    curve = cl.CircuitCurve("demo", "eap", "edge", torch.tensor([0.5, 1.0], dtype=torch.float64),
-                            torch.tensor([1.0, 2.0], dtype=torch.float64), torch.ones(3), torch.zeros(3),
-                            torch.tensor([[0.5] * 3, [1.0] * 3]))  # fmt: skip
+    sizes = torch.tensor([[1.0, 2.0]] * 2, dtype=torch.float64)  # one row a selection: signed, |score|
+    curve = cl.CircuitCurve("demo", "eap", "edge", torch.tensor([0.5, 1.0], dtype=torch.float64), torch.ones(3),
+                            torch.zeros(3), torch.tensor([[[0.5] * 3, [1.0] * 3]] * 2), sizes, sizes)  # fmt: skip
     drawn = old_curve([curve])  # the old call draws what the curve's own figure draws
     assert [t.name for t in drawn.data] == [t.name for t in curve.figures()["faithfulness"].data]
 

@@ -186,9 +186,9 @@ def curve_figure(curves: Any) -> Any:
 
     from contribution_lens.drawing.circuit_figures import faithfulness_figure
 
-    tables = [c.table.assign(method=f"{c.method} (CPR {c.cpr:.2f}, CMD {c.cmd:.2f})") for c in curves]
-    task = curves[0].task if len(curves) else ""
-    return faithfulness_figure(pd.concat(tables, ignore_index=True), title=f"Faithfulness of circuits on {task}")
+    tables = [curve.figure_table() for curve in curves]
+    title = f"Faithfulness of circuits on {curves[0].task}/{curves[0].counterfactual}" if len(curves) else ""
+    return faithfulness_figure(pd.concat(tables, ignore_index=True), title=title)
 
 
 def nodes_figure(graph: Any, kept: Any) -> Any:

@@ -310,18 +310,22 @@ class CircuitCurve(Saves):
             f"CMD {self.cmd:.3f}, |score| area {self.absolute_area:.3f}; {self.samples})"
         )
 
+    def figure_table(self) -> pd.DataFrame:
+        """`table` as `figures` draws it: ``method`` names the method and selection with its area (``"eap, signed
+        (CPR 1.22)"``), ``size`` the circuit's edges as evaluated."""
+        labels = {
+            "signed": f"{self.method}, signed (CPR {self.cpr:.2f})",
+            "absolute": f"{self.method}, |score| (CMD {self.cmd:.2f})",
+        }
+        return self.table.assign(method=lambda t: t["selection"].map(labels), size=lambda t: t["edges"])
+
     def figures(self) -> dict[str, Any]:
         """``faithfulness``: f against the fraction kept (log axis), each selection with its interval (signed: the
         circuits of MIB's CPR; ``|score|``: those of its CMD)."""
         from contribution_lens.drawing.circuit_figures import faithfulness_figure
 
-        labels = {
-            "signed": f"{self.method}, signed (CPR {self.cpr:.2f})",
-            "absolute": f"{self.method}, |score| (CMD {self.cmd:.2f})",
-        }
-        table = self.table.assign(method=lambda t: t["selection"].map(labels), size=lambda t: t["edges"])
-        figure = faithfulness_figure(table, title=f"Faithfulness of circuits on {self.task}/{self.counterfactual}")
-        return {"faithfulness": figure}
+        title = f"Faithfulness of circuits on {self.task}/{self.counterfactual}"
+        return {"faithfulness": faithfulness_figure(self.figure_table(), title=title)}
 
     def report(self, path: str | os.PathLike) -> Path:
         from contribution_lens.drawing import html
