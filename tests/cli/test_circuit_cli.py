@@ -180,12 +180,16 @@ def test_a_killed_run_resumes_keeping_each_finished_method(
     columns = ["method", "level", "cpr", "cmd", "cpr_low", "cmd_high"]
     pd.testing.assert_frame_equal(resumed[columns], whole[columns], rtol=1e-5)
 
-    # Once results exist, other settings are refused.
+    # Once results exist, other settings are refused, naming what changed.
     status, _, err = run_cli(capsys, *tiny_args(tiny_decoder, out, "--method", "eap", "--seed", "1"))
     assert status == 2
-    assert err == (
-        f"contribution-lens: error: {out} holds a run with other settings ({out / 'config.json'}); "
-        "use another --out folder\n"
+    assert err.startswith(
+        f"contribution-lens: error: {out} holds a run of other inputs ({out / 'config.json'}): seed 0 then, 1 now; "
+        "the prompts (their fingerprint) '"
+    )
+    assert err.endswith(
+        "now. Its results cannot be reused: pass --restart (restart=True) to discard them and start afresh, or use "
+        "another --out folder\n"
     )
 
 

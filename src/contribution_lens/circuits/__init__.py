@@ -24,7 +24,8 @@ _EXPORTS = {
                      "register_circuit_method", "unregister_circuit_method")
     },
     **{name: f"{_HERE}.scoring:{name}" for name in ("Circuit", "CircuitScores", "circuit_scores")},
-    **{name: f"{_HERE}.task:{name}" for name in ("METRICS", "Task", "TaskReport", "task_report")},
+    **{name: f"{_HERE}.task:{name}" for name in ("METRICS", "Task")},
+    **{name: f"{_HERE}.task_checks:{name}" for name in ("TaskReport", "task_report")},
 }  # fmt: skip
 __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = face(__name__, _EXPORTS)
@@ -48,4 +49,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
         unregister_circuit_method,
     )
     from contribution_lens.circuits.scoring import Circuit, CircuitScores, circuit_scores
-    from contribution_lens.circuits.task import METRICS, Task, TaskReport, task_report
+    from contribution_lens.circuits.task import METRICS, Task
+    from contribution_lens.circuits.task_checks import TaskReport, task_report

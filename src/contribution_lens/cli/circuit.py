@@ -177,7 +177,7 @@ def build_task(model: Any, settings: CircuitArgs, *, skeleton: bool = False) -> 
         )
     if settings.task == "capitals":
         return Task.capitals(model, n=settings.n, seed=settings.seed, counterfactual=counterfactual)
-    return Task.from_jsonl(settings.task, model)
+    return Task.from_jsonl(model, settings.task)
 
 
 def run_settings(settings: CircuitArgs) -> Any:
