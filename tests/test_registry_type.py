@@ -137,3 +137,42 @@ def test_the_packages_registries_list_their_names_without_torch(module: str, reg
     assert result.returncode == 0, result.stderr
     count, torch_imported, family_imported = result.stdout.split()
     assert int(count) >= 4 and torch_imported == "False" and family_imported == "False"
+
+
+@dataclass(frozen=True)
+class Scorer:
+    name: str
+    score_fn: object = None
+
+
+def test_calls_are_checked_when_an_entry_is_taken_not_when_it_is_first_used() -> None:
+    registry: Registry[Scorer] = Registry("scorer", {}, calls={"score_fn": "model, task, context"})
+    registry.add(Scorer("three", lambda model, task, context: 0))
+    registry.add(Scorer("many", lambda *args: 0))  # takes three as well
+    with pytest.raises(ValueError) as error:
+        registry.add(Scorer("text", "eap"))
+    assert (
+        str(error.value) == "score_fn: a scorer's score_fn is called as score_fn(model, task, context); got str 'eap'"
+    )
+
+    def two(model, task):
+        return 0
+
+    with pytest.raises(ValueError) as error:
+        registry.add(Scorer("two", two))
+    assert str(error.value) == (
+        "score_fn: a scorer's score_fn is called as score_fn(model, task, context); 'two' cannot be (too many "
+        "positional arguments)"
+    )
+    assert list(registry) == ["three", "many"]
+
+
+def test_a_name_that_differs_only_in_case_is_refused_and_suggested() -> None:
+    registry: Registry[Entry] = Registry("thing", {})
+    registry.add(Entry("small"))
+    with pytest.raises(
+        ValueError, match=r"^a thing named 'Small' would differ from the registered 'small' only in case"
+    ):
+        registry.add(Entry("Small"))
+    with pytest.raises(ValueError, match=r"^unknown thing 'SMALL'; registered things: small; did you mean 'small'\?$"):
+        registry.lookup("SMALL")

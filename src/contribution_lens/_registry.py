@@ -7,7 +7,11 @@ attribute a tuple of entries in that order. Listing the names reads no module, s
 the module is imported and its entries are checked against the names declared. Built-ins cannot be
 replaced or unregistered; anything else is added with `Registry.add` (``replace=True`` to replace
 one's own) and taken away with `Registry.unregister`. A registry made with ``check`` runs it on every
-entry it takes, the built-ins included: the one place where what an entry must be is checked.
+entry it takes, the built-ins included: the one place where what an entry must be is checked; one
+made with ``calls`` checks that each of those attributes of an entry is a function that can be called
+with the arguments named (a string or a function of another signature is refused when registered,
+not when first used). Names are compared without case: a name that differs from a registered one only
+in case is refused (``"EAP"`` beside ``"eap"``), and an unknown name's message suggests the registered one.
 
 Example:
     >>> from dataclasses import dataclass
@@ -27,8 +31,9 @@ Example:
 """
 
 import difflib
+import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from contribution_lens._lazy import resolve
 
@@ -54,6 +59,9 @@ class Registry(Mapping[str, T]):
         check: run on every entry taken (raises for one that cannot be used).
         listing: the words before the names in the message for an unknown name (default
             ``"registered <kind>s"``).
+        calls: an entry's attribute -> the arguments it is called with, as written in a call
+            (``{"score_fn": "model, task, context"}``): each must be a function those arguments can be
+            passed to, positionally.
     """
 
     def __init__(
@@ -63,6 +71,7 @@ class Registry(Mapping[str, T]):
         *,
         check: Callable[[T], None] | None = None,
         listing: str = "",
+        calls: Mapping[str, str] | None = None,
     ) -> None:
         self.kind = kind
         self._declared = {location: tuple(names) for location, names in builtins.items()}
@@ -73,6 +82,7 @@ class Registry(Mapping[str, T]):
                     raise ValueError(f"the {kind} {name!r} is declared twice: in {self._where[name]} and {location}")
                 self._where[name] = location
         self._check = check
+        self._calls = dict(calls or {})
         self._listing = listing or f"registered {kind}s"
         self._builtin: dict[str, T] = {}
         self._added: dict[str, T] = {}
@@ -117,14 +127,27 @@ class Registry(Mapping[str, T]):
     def unknown(self, name: object) -> str:
         """The message for a name that is not registered: every registered name, and the nearest one."""
         message = f"unknown {self.kind} {name!r}; {self._listing}: {', '.join(self)}"
-        near = difflib.get_close_matches(name, list(self), n=1) if isinstance(name, str) else []
+        near = (
+            []
+            if not isinstance(name, str)
+            else self._same_but_case(name) or difflib.get_close_matches(name, list(self), n=1)
+        )
         return message + (f"; did you mean {near[0]!r}?" if near else "")
+
+    def _same_but_case(self, name: str) -> list[str]:
+        """The registered names equal to ``name`` but for case (``name`` itself left out)."""
+        return [known for known in self if known.casefold() == name.casefold() and known != name]
 
     def add(self, entry: T, *, replace: bool = False) -> T:
         """Register ``entry`` under its name; a name taken is refused unless ``replace``, a built-in always."""
-        if self._check is not None:
-            self._check(entry)
+        self._checked(entry)
         name = self._named(entry)
+        twins = self._same_but_case(name)
+        if twins:
+            raise ValueError(
+                f"a {self.kind} named {name!r} would differ from the registered {twins[0]!r} only in case; "
+                "choose another name"
+            )
         if name in self._where or (name in self._added and not replace):
             hint = "it is built in" if name in self._where else "pass replace=True to replace it"
             raise ValueError(f"a {self.kind} named {name!r} is already registered; {hint}")
@@ -139,6 +162,13 @@ class Registry(Mapping[str, T]):
             return function
 
         return register
+
+    def _checked(self, entry: T) -> None:
+        """``check`` and ``calls`` on ``entry``: what it must be, and the functions it holds."""
+        if self._check is not None:
+            self._check(entry)
+        for attribute, arguments in self._calls.items():
+            check_callable(getattr(entry, attribute, None), attribute, arguments, f"a {self.kind}'s")
 
     def unregister(self, name: str) -> None:
         """Take away an entry that is not a built-in (`KeyError` for a name not registered)."""
@@ -163,6 +193,29 @@ class Registry(Mapping[str, T]):
                 f"{location} holds the {self.kind}s {names}; the registry declares {self._declared[location]}"
             )
         for entry in entries:
-            if self._check is not None:
-                self._check(entry)
+            self._checked(entry)
         self._builtin.update(zip(names, entries, strict=True))
+
+
+def check_callable(function: Any, name: str, arguments: str, whose: str = "the") -> None:
+    """Refuse ``function`` where it is not a function that ``arguments`` (``"model, task, context"``) can be passed
+    to, positionally.
+
+    Example:
+        >>> check_callable("eap", "score_fn", "model, task, context", "a circuit method's")
+        Traceback (most recent call last):
+        ...
+        ValueError: score_fn: a circuit method's score_fn is called as score_fn(model, task, context); got str 'eap'
+    """
+    call = f"{name}({arguments})"
+    if not callable(function):
+        raise ValueError(f"{name}: {whose} {name} is called as {call}; got {type(function).__name__} {function!r}")
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin without a signature: it is called as it is
+        return
+    try:
+        signature.bind(*arguments.split(", "))
+    except TypeError as error:
+        named = getattr(function, "__name__", type(function).__name__)
+        raise ValueError(f"{name}: {whose} {name} is called as {call}; {named!r} cannot be ({error})") from None

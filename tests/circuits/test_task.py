@@ -9,8 +9,10 @@ import torch
 
 from conftest import tiny_bridge, tiny_encoder
 from contribution_lens import adapter, loading
-from contribution_lens.circuits import task as task_module
-from contribution_lens.circuits.task import IOI_NAMES, METRICS, Task, task_report
+from contribution_lens.circuits import task_builders
+from contribution_lens.circuits.task import METRICS, Task
+from contribution_lens.circuits.task_builders import IOI_NAMES
+from contribution_lens.circuits.task_checks import task_report
 
 BUNDLED = {"smollm2": loading.BUNDLED, "gemma3": loading.GEMMA, "qwen2.5": loading.QWEN}
 BOS_FIRST = {"smollm2": True, "gemma3": True, "qwen2.5": False}
@@ -157,7 +159,7 @@ def test_capitals_pair_two_countries_of_equal_length(skeleton) -> None:
     key, model = skeleton
     task = Task.capitals(model, n=16, seed=1)
     check_layout(task, model, bos_first=BOS_FIRST[key])
-    capitals = {model.tokenizer.encode(capital, add_special_tokens=False)[0] for _, capital in task_module.CAPITALS}
+    capitals = {model.tokenizer.encode(capital, add_special_tokens=False)[0] for _, capital in task_builders.CAPITALS}
     assert set(task.answer.tolist()) <= capitals and set(task.foil.tolist()) <= capitals
     assert (task.clean != task.corrupted).sum(1).tolist() == [1] * 16  # only the country differs (one token here)
 
@@ -202,16 +204,17 @@ def logits_at_last(model, task: Task) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def padded_task(model) -> Task:
-    """Three prompts of different lengths, right-padded."""
+def padded_task(model, n: int = 3) -> Task:
+    """``n`` prompts of different lengths, right-padded."""
     generator = torch.Generator().manual_seed(0)
-    clean = torch.randint(1, model.cfg.d_vocab, (3, 7), generator=generator)
-    corrupted = torch.randint(1, model.cfg.d_vocab, (3, 7), generator=generator)
-    last = torch.tensor([6, 3, 4])
+    clean = torch.randint(1, model.cfg.d_vocab, (n, 7), generator=generator)
+    corrupted = torch.randint(1, model.cfg.d_vocab, (n, 7), generator=generator)
+    last = torch.tensor([6, 3, 4] * n)[:n]
     for row, end in enumerate(last.tolist()):
         clean[row, end + 1 :] = 0
         corrupted[row, end + 1 :] = 0
-    return Task("toy", clean, corrupted, torch.tensor([3, 4, 5]), torch.tensor([7, 8, 9]), last)
+    answer = torch.tensor([3, 4, 5] * n)[:n]
+    return Task("toy", clean, corrupted, answer, answer + 4, last)
 
 
 def test_metric_values_against_a_direct_computation() -> None:
@@ -320,7 +323,7 @@ def test_from_jsonl_reads_a_users_task(skeleton, tmp_path) -> None:
     key, model = skeleton
     second = {"clean": "When Mary and John went out, John gave a drink to", "answer": " Mary", "foil": " John",
               "corrupted": "When Anna and Paul went out, Kate gave a drink to", "note": "ignored"}  # fmt: skip
-    task = Task.from_jsonl(write_lines(tmp_path / "mine.jsonl", [GOOD, "", second]), model, metric="probability")
+    task = Task.from_jsonl(model, write_lines(tmp_path / "mine.jsonl", [GOOD, "", second]), metric="probability")
     assert task.name == "mine" and len(task) == 2 and task.metric == "probability"
     check_layout(task, model, bos_first=BOS_FIRST[key])
     encode = model.tokenizer.encode
@@ -347,27 +350,48 @@ def test_from_jsonl_reads_a_users_task(skeleton, tmp_path) -> None:
             "line 3: field 'answer' (' Parisian capital') is 3 tokens; it must be one token",
         ),
         (GOOD | {"foil": " Paris"}, "line 3: field 'foil' is the same token as field 'answer' (' Paris')"),
+        (
+            GOOD | {"answer": "Paris"},
+            "line 3: field 'answer' ('Paris') is glued to the last word of field 'clean' (the text would read "
+            "'isParis'); write it with its leading space, as the built-in tasks do (' Paris')",
+        ),
+        (
+            GOOD | {"clean": "The capital of France is ", "corrupted": "The capital of Japan is ", "answer": "Paris"},
+            "line 3: field 'answer' ('Paris') is not the token read after field 'clean': the clean text ends in "
+            "[' '], but with 'Paris' after it the end reads [' Paris']; write it as the text goes on",
+        ),
         ("{not json", "line 3: not a JSON object"),
         ("[1, 2]", "line 3: not a JSON object with fields clean, corrupted, answer, foil"),
     ],
-    ids=["missing", "not a string", "empty", "lengths", "answer tokens", "foil is answer", "bad json", "a list"],
+    ids=[
+        "missing",
+        "not a string",
+        "empty",
+        "lengths",
+        "answer tokens",
+        "foil is answer",
+        "glued",
+        "merged",
+        "bad json",
+        "a list",
+    ],
 )
 def test_from_jsonl_refuses_a_bad_line_naming_it_and_the_field(row, message, tmp_path) -> None:
     model = loading.load_skeleton()
     path = write_lines(tmp_path / "task.jsonl", [GOOD, "   ", row])
     with pytest.raises(ValueError) as error:
-        Task.from_jsonl(path, model)
+        Task.from_jsonl(model, path)
     assert f"{path}, {message}" in str(error.value)
 
 
 def test_from_jsonl_refuses_a_missing_or_empty_file(tmp_path) -> None:
     model = loading.load_skeleton()
     with pytest.raises(ValueError, match="path: no such file"):
-        Task.from_jsonl(tmp_path / "absent.jsonl", model)
+        Task.from_jsonl(model, tmp_path / "absent.jsonl")
     with pytest.raises(ValueError, match="holds no task line"):
-        Task.from_jsonl(write_lines(tmp_path / "empty.jsonl", ["", " "]), model)
+        Task.from_jsonl(model, write_lines(tmp_path / "empty.jsonl", ["", " "]))
     with pytest.raises(ValueError, match="metric must be one of"):
-        Task.from_jsonl(write_lines(tmp_path / "one.jsonl", [GOOD]), model, metric="accuracy")
+        Task.from_jsonl(model, write_lines(tmp_path / "one.jsonl", [GOOD]), metric="accuracy")
 
 
 def test_report_reads_each_prompt_at_its_last_position_and_warns_on_a_model_that_does_not_do_it() -> None:
@@ -387,10 +411,10 @@ def test_report_reads_each_prompt_at_its_last_position_and_warns_on_a_model_that
 
 def test_report_on_a_task_done_does_not_warn(monkeypatch) -> None:
     model = tiny_bridge("mha")
-    task = padded_task(model)
+    task = padded_task(model, 12)  # twelve prompts: enough for an interval
     # Logits that prefer every answer by 2: the interval lies above 0.
-    fake = torch.zeros(3, 7, model.cfg.d_vocab)
-    fake[torch.arange(3), :, task.answer] = 2.0
+    fake = torch.zeros(12, 7, model.cfg.d_vocab)
+    fake[:, :, task.answer.unique()] = 2.0
     monkeypatch.setattr(adapter, "forward", lambda model, batch: fake[: batch.tokens.shape[0]])
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -4,6 +4,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ import torch
 
 import contribution_lens as cl
 from contribution_lens import cli, loading
-from contribution_lens.circuits import Graph, runner
+from contribution_lens.circuits import Graph, run_folder, runner
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 METHODS = ("--method", "eap", "--method", "activation-patching", "--method", "random")
@@ -180,12 +181,16 @@ def test_a_killed_run_resumes_keeping_each_finished_method(
     columns = ["method", "level", "cpr", "cmd", "cpr_low", "cmd_high"]
     pd.testing.assert_frame_equal(resumed[columns], whole[columns], rtol=1e-5)
 
-    # Once results exist, other settings are refused.
+    # Once results exist, other settings are refused, naming what changed.
     status, _, err = run_cli(capsys, *tiny_args(tiny_decoder, out, "--method", "eap", "--seed", "1"))
     assert status == 2
-    assert err == (
-        f"contribution-lens: error: {out} holds a run with other settings ({out / 'config.json'}); "
-        "use another --out folder\n"
+    assert err.startswith(
+        f"contribution-lens: error: {out} holds a run of other inputs ({out / 'config.json'}): seed 0 then, 1 now; "
+        "the prompts (their fingerprint) '"
+    )
+    assert err.endswith(
+        "now. Its results cannot be reused: pass --restart (restart=True) to discard them and start afresh, or use "
+        "another --out folder\n"
     )
 
 
@@ -341,3 +346,73 @@ def test_a_plan_counts_the_windows_a_prompt_too_long_for_the_budget_is_scored_in
     assert "each of 5 windows of positions" in runner.describe_plan(plans, 3)
     whole = runner.plan_passes(graph, ["eap"], ["edge"], length=5, d_model=32, memory=memory)
     assert whole[0].windows == 1
+
+
+TASK_LINES = [
+    {"clean": "the capital of france is", "corrupted": "the capital of japan is", "answer": " paris", "foil": " tokyo"},
+    {"clean": "the capital of italy is", "corrupted": "the capital of spain is", "answer": " rome", "foil": " madrid"},
+    {"clean": "the cat sat on the", "corrupted": "the dog ran to the", "answer": " mat", "foil": " door"},
+    {"clean": "she went to the", "corrupted": "he came from the", "answer": " shop", "foil": " house"},
+]
+
+
+def test_an_edited_task_file_is_refused_naming_what_changed_until_restart(
+    tiny_decoder, tmp_path, capsys, monkeypatch
+) -> None:
+    """The run folder records the task file's contents, not its path: an edited file is another run."""
+    task = tmp_path / "mine.jsonl"
+    task.write_text("".join(json.dumps(row) + "\n" for row in TASK_LINES))
+    out = tmp_path / "run"
+    argv = ["circuit", "--model", tiny_decoder, "--task", task, "--method", "random", "--level", "node", "--out", out]
+    status, _, err = run_cli(capsys, *argv)
+    assert status == 0, err
+    kept = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    edited = [TASK_LINES[0] | {"foil": " london"}, *TASK_LINES[1:]]  # one foil changed
+    task.write_text("".join(json.dumps(row) + "\n" for row in edited))
+    with monkeypatch.context() as patch:
+        patch.setattr(loading, "load_model", lambda *a, **k: pytest.fail("the model loaded before the refusal"))
+        status, _, err = run_cli(capsys, *argv)
+    assert status == 2
+    assert err.startswith(f"contribution-lens: error: {out} holds a run of other inputs ({out / 'config.json'}): ")
+    assert "the task file's contents (SHA-256) '" in err and "the prompts (their fingerprint) '" in err
+    assert "pass --restart (restart=True) to discard them and start afresh" in err
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == kept  # nothing stale rewritten
+    status, _, err = run_cli(capsys, *argv, "--restart")
+    assert status == 0, err
+    config = json.loads((out / "config.json").read_text())
+    assert config["task_file_sha256"] == run_folder.file_fingerprint(task)
+    scores = cl.CircuitScores.load(out / "random" / runner.SCORES)
+    assert scores.prompts.overlap(cl.Task.from_jsonl(cl.load_model(str(tiny_decoder)), task).prompts) == len(
+        scores.prompts
+    )
+
+
+def test_a_resume_with_other_inputs_or_kept_results_of_another_run_is_refused(
+    tiny_decoder, tiny_run, tmp_path, capsys
+) -> None:
+    out = tmp_path / "copy"
+    shutil.copytree(tiny_run, out)
+    # Another number of bootstrap resamples: the curves kept were resampled 1000 times.
+    status, _, err = run_cli(capsys, *tiny_args(tiny_decoder, out, *METHODS, "--bootstrap", "100"))
+    assert status == 2 and "bootstrap 1000 then, 100 now." in err
+    # A folder of an earlier version, whose config does not record one.
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "version"}))
+    status, _, err = run_cli(capsys, *tiny_args(tiny_decoder, out, *METHODS))
+    assert (
+        status == 2 and f"the package version not recorded (an earlier version) then, {config['version']!r} now" in err
+    )
+    # Results of another run copied in beside this one's: no table mixes them.
+    other = tmp_path / "other"
+    status, _, err = run_cli(capsys, *tiny_args(tiny_decoder, other, "--method", "random", "--level", "node",
+                                                "--seed", "1"))  # fmt: skip
+    assert status == 0, err
+    shutil.copytree(tiny_run / "eap", other / "eap")
+    status, _, err = run_cli(capsys, *tiny_args(tiny_decoder, other, "--method", "random", "--level", "node",
+                                                "--seed", "1"))  # fmt: skip
+    assert status == 2
+    assert err.startswith(
+        f"contribution-lens: error: {other / 'eap' / runner.SCORES} was computed on other prompts than this run's "
+        "scoring prompts ("
+    )
+    assert err.endswith("the folder mixes two runs; pass --restart (restart=True) to start afresh\n")

@@ -112,6 +112,7 @@ from contribution_lens.adapter.tokens import (
     start_ids,
     to_token_batch,
     token_labels,
+    tokenizer_identity,
 )
 from contribution_lens.choices import as_index
 
@@ -209,6 +210,7 @@ __all__ = [
     "target_writes",
     "to_token_batch",
     "token_labels",
+    "tokenizer_identity",
     "unembedding",
     "value_hook",
     "value_key_dim",

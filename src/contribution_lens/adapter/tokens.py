@@ -8,6 +8,9 @@ tensors are used as given. Batches of texts are right-padded, so causal attentio
 tokens is the same as for each text alone.
 """
 
+import contextlib
+import hashlib
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -104,6 +107,41 @@ def start_ids(model: Model) -> set[int]:
     tokenizer = getattr(model, "tokenizer", None)
     ids = (getattr(tokenizer, name, None) for name in ("bos_token_id", "cls_token_id"))
     return {int(i) for i in ids if isinstance(i, int)}
+
+
+_IDENTITIES: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+def tokenizer_identity(model: Model) -> str:
+    """What token ids mean for ``model``: its vocabulary's size and hash, and the BOS it puts before a text.
+
+    ``"49152 tokens #5c1d3a9e07f2, BOS 1"``: the hash (BLAKE2b, 48 bits) is of every ``(id, token)`` pair of
+    the tokenizer's vocabulary, its added tokens included; ``BOS`` is the id texts start with by the model's
+    convention (`bos_to_prepend`), or ``none``. A model without a tokenizer reads bare ids:
+    ``"no tokenizer, BOS none"``. Two models whose identities are equal read every id list as the same text;
+    a task records its tokenizer's (``Task.tokenizer``) so that one built for another model is refused.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> tokenizer_identity(SimpleNamespace(cfg=SimpleNamespace(default_prepend_bos=False), tokenizer=None))
+        'no tokenizer, BOS none'
+    """
+    tokenizer = getattr(model, "tokenizer", None)
+    bos = bos_to_prepend(model)
+    convention = f"BOS {'none' if bos is None else bos}"
+    if tokenizer is None:
+        return f"no tokenizer, {convention}"
+    try:
+        vocabulary = _IDENTITIES.get(tokenizer)
+    except TypeError:  # a tokenizer that cannot be weakly referenced: hashed on every call
+        vocabulary = None
+    if vocabulary is None:
+        pairs = sorted((int(i), str(token)) for token, i in tokenizer.get_vocab().items())
+        digest = hashlib.blake2b("\n".join(f"{i}\t{token}" for i, token in pairs).encode(), digest_size=6)
+        vocabulary = f"{len(pairs)} tokens #{digest.hexdigest()}"
+        with contextlib.suppress(TypeError):
+            _IDENTITIES[tokenizer] = vocabulary
+    return f"{vocabulary}, {convention}"
 
 
 def pad_id(model: Model) -> int:

@@ -29,7 +29,8 @@ _EXPORTS = {
     },
     **{name: f"{_HERE}.scoring:{name}" for name in ("Circuit", "CircuitScores", "circuit_scores")},
     **{name: f"{_HERE}.stability:{name}" for name in ("CircuitStability", "circuit_stability")},
-    **{name: f"{_HERE}.task:{name}" for name in ("METRICS", "Task", "TaskReport", "task_report")},
+    **{name: f"{_HERE}.task:{name}" for name in ("METRICS", "Task")},
+    **{name: f"{_HERE}.task_checks:{name}" for name in ("TaskReport", "task_report")},
 }  # fmt: skip
 __all__ = sorted(_EXPORTS)
 _DEPRECATED = {
@@ -66,4 +67,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     )
     from contribution_lens.circuits.scoring import Circuit, CircuitScores, circuit_scores
     from contribution_lens.circuits.stability import CircuitStability, circuit_stability
-    from contribution_lens.circuits.task import METRICS, Task, TaskReport, task_report
+    from contribution_lens.circuits.task import METRICS, Task
+    from contribution_lens.circuits.task_checks import TaskReport, task_report

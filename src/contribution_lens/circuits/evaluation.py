@@ -13,7 +13,12 @@ As MIB's ``print_results.py`` reads its two runs, its CPR is the area under ``f`
 selection and its CMD the area under ``|1 - f|`` of the ``|score|`` selection, trapezoids over the
 fraction from 0.001 to 1 (MIB's ``evaluate_area_under_curve``); the area under ``f`` of the
 ``|score|`` selection is `CircuitCurve.absolute_area`. Intervals are percentile bootstraps over
-prompts (each resample recomputes every mean).
+prompts (each resample recomputes every mean); with fewer than ten prompts (the task module's
+``MIN_INTERVAL_PROMPTS``) every repr, table and report says they are too few for one.
+
+``f`` is undefined where the counterfactual does not move the metric (``m(M) - m(∅)`` is 0, or
+within float32 rounding of it: `unmoved`): then `CircuitEvaluation.faithfulness`, CPR and CMD are
+NaN, a warning says why when they are computed, and the repr, table and report say it in words.
 
 Example:
     >>> import torch
@@ -27,7 +32,9 @@ Example:
     1.0
 """
 
+import math
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,15 +48,51 @@ from torch import Tensor
 
 from contribution_lens.adapter import Model, hidden_bias_path
 from contribution_lens.circuits import interchange as ic
+from contribution_lens.circuits.checks import (
+    check_fractions,
+    check_level,
+    check_memory,
+    check_seed,
+    check_switch,
+    check_tokenizer,
+    few_prompts,
+)
 from contribution_lens.circuits.graph import circuit_graph
-from contribution_lens.circuits.registry import DEFAULT_MEMORY
-from contribution_lens.circuits.scoring import Circuit, CircuitScores, check_level, check_switch, check_task
+from contribution_lens.circuits.registry import DEFAULT_MEMORY, LEVELS
+from contribution_lens.circuits.scoring import Circuit, CircuitScores
 from contribution_lens.circuits.task import Prompts, Task
+from contribution_lens.circuits.task_checks import check_task
 from contribution_lens.files import Saves
 
 FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
 """MIB's circuit sizes: the share of edges (or nodes) kept."""
 RESAMPLES = 1000
+UNMOVED = 1e-5
+"""``|m(M) - m(∅)|`` at most this share of the metric's size (``max(mean |m(M)|, mean |m(∅)|)``) is no movement:
+float32 passes of the same prompt differ by about that much (see `unmoved`)."""
+
+
+def unmoved(clean: Tensor, corrupted: Tensor) -> str:
+    """Why faithfulness is undefined on these metrics, or ``""``: the counterfactual does not move their mean.
+
+    Example:
+        >>> import torch
+        >>> unmoved(torch.tensor([2.0, 1.0]), torch.tensor([2.0, 1.0]))[:70]
+        'the counterfactual does not move the metric: mean m(clean) - m(corrupt'
+        >>> unmoved(torch.tensor([2.0, 1.0]), torch.tensor([0.5, 0.0]))
+        ''
+    """
+    clean, corrupted = clean.double(), corrupted.double()
+    if not bool(torch.isfinite(clean).all() and torch.isfinite(corrupted).all()):
+        return "the metric is not finite in the clean or the counterfactual pass"
+    moved = float(clean.mean() - corrupted.mean())
+    size = max(float(clean.abs().mean()), float(corrupted.abs().mean()))
+    if abs(moved) > UNMOVED * size:
+        return ""
+    return (
+        f"the counterfactual does not move the metric: mean m(clean) - m(corrupted) = {moved:.3g} over "
+        f"{clean.shape[-1]} prompts, and f divides by it"
+    )
 
 
 def faithfulness(patched: Tensor, clean: Tensor, corrupted: Tensor) -> Tensor:
@@ -93,16 +136,34 @@ class CircuitEvaluation(Saves):
     prompts: Prompts | None = None
     """The prompts evaluated: the task, its counterfactual, its part of a split."""
 
+    def __post_init__(self) -> None:
+        check_metrics(self.clean, self.corrupted, self.patched, self.prompts)
+        if not isinstance(self.circuit, Circuit):
+            raise ValueError(f"circuit must be a Circuit, got {type(self.circuit).__name__}")
+
+    @property
+    def undefined(self) -> str:
+        """Why `faithfulness` is undefined (NaN), or ``""`` (`unmoved`)."""
+        return unmoved(self.clean, self.corrupted)
+
     @property
     def faithfulness(self) -> float:
-        return float(faithfulness(self.patched, self.clean, self.corrupted))
+        """f of the circuit; NaN where the counterfactual does not move the metric (`undefined` says so)."""
+        return math.nan if self.undefined else float(faithfulness(self.patched, self.clean, self.corrupted))
 
     @property
     def interval(self) -> tuple[float, float]:
-        """The 95 % bootstrap interval of `faithfulness` over prompts."""
+        """The 95 % bootstrap interval of `faithfulness` over prompts (``few`` says where the prompts are too few)."""
+        if self.undefined:
+            return math.nan, math.nan
         rows = _resamples(len(self.clean), self.resamples, self.seed)
         low, high = _interval(faithfulness(self.patched[rows], self.clean[rows], self.corrupted[rows])).tolist()
         return low, high
+
+    @property
+    def few(self) -> str:
+        """``"too few prompts for an interval: 3 < 10"`` (`MIN_INTERVAL_PROMPTS`), or ``""``."""
+        return few_prompts(len(self.clean))
 
     @property
     def metrics(self) -> pd.DataFrame:
@@ -112,12 +173,16 @@ class CircuitEvaluation(Saves):
         )
 
     def __repr__(self) -> str:
-        low, high = self.interval
         about = "" if self.prompts is None else f"/{self.prompts.counterfactual}"
         part = "" if self.prompts is None or self.prompts.part == "all" else f", {self.prompts.part} part"
+        if self.undefined:
+            value = f"faithfulness undefined ({self.undefined})"
+        else:
+            low, high = self.interval
+            value = f"faithfulness {self.faithfulness:.3f} [{low:.3f}, {high:.3f}]"
+        few = f"; {self.few}" if self.few else ""
         return (
-            f"CircuitEvaluation({self.circuit!r} on {self.task}{about}: faithfulness {self.faithfulness:.3f} "
-            f"[{low:.3f}, {high:.3f}], {len(self.clean)} prompts{part})"
+            f"CircuitEvaluation({self.circuit!r} on {self.task}{about}: {value}, {len(self.clean)} prompts{part}{few})"
         )
 
     def figures(self) -> dict[str, Any]:
@@ -130,6 +195,18 @@ class CircuitEvaluation(Saves):
         from contribution_lens.drawing import html
 
         return html.write_html(path, repr(self), [*self.figures().items(), ("Per prompt", self.metrics)])
+
+
+def check_metrics(clean: Tensor, corrupted: Tensor, patched: Tensor, prompts: Prompts | None) -> None:
+    """A result's per-prompt metrics against each other and its prompts (``patched``: ``[... prompt]``)."""
+    n = clean.shape[-1] if clean.ndim == 1 else -1
+    if clean.ndim != 1 or corrupted.shape != clean.shape or patched.shape[-1:] != clean.shape:
+        raise ValueError(
+            f"clean, corrupted and patched must hold one metric a prompt, got shapes {tuple(clean.shape)}, "
+            f"{tuple(corrupted.shape)} and {tuple(patched.shape)}"
+        )
+    if prompts is not None and len(prompts) != n:
+        raise ValueError(f"the prompts recorded are {len(prompts)}, the metrics {n}")
 
 
 SELECTIONS = ("signed", "absolute")
@@ -187,11 +264,26 @@ class CircuitCurve(Saves):
     resamples: int = RESAMPLES
 
     def __post_init__(self) -> None:
+        """Every field against the others: a curve built, merged or loaded from an edited file is checked alike."""
         if self.patched.ndim != 3 or self.patched.shape[0] != len(SELECTIONS):
             raise ValueError(
                 f"patched must be [selection size prompt] with {len(SELECTIONS)} selections ({', '.join(SELECTIONS)}), "
                 f"got {tuple(self.patched.shape)}"
             )
+        sizes = (len(SELECTIONS), self.fractions.shape[0])
+        if self.fractions.ndim != 1 or self.patched.shape[1] != sizes[1]:
+            raise ValueError(f"fractions has shape {tuple(self.fractions.shape)}; patched {tuple(self.patched.shape)}")
+        if tuple(self.chosen.shape) != sizes or tuple(self.edges.shape) != sizes:
+            raise ValueError(
+                f"chosen and edges must be [selection size] = {sizes}, got {tuple(self.chosen.shape)} and "
+                f"{tuple(self.edges.shape)}"
+            )
+        check_metrics(self.clean, self.corrupted, self.patched, self.evaluated)
+        shares = self.fractions.tolist()
+        if shares != sorted(set(shares)) or not all(0 < share <= 1 for share in shares):
+            raise ValueError(f"fractions must be distinct shares in (0, 1], sorted, got {shares}")
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be 'edge' or 'node', got {self.level!r}")
 
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> "CircuitCurve":
@@ -222,17 +314,36 @@ class CircuitCurve(Saves):
         return None if overlap is None else overlap > 0
 
     @property
+    def undefined(self) -> str:
+        """Why f, CPR and CMD are undefined (NaN), or ``""`` (`unmoved`)."""
+        return unmoved(self.clean, self.corrupted)
+
+    @property
+    def few(self) -> str:
+        """``"too few prompts for an interval: 3 < 10"`` (`MIN_INTERVAL_PROMPTS`), or ``""``."""
+        return few_prompts(int(self.clean.shape[0]))
+
+    @property
+    def note(self) -> str:
+        """What the numbers lack, in words (`undefined`, `few`), or ``""``: every table and report shows it."""
+        return "; ".join(filter(None, (self.undefined and f"f undefined: {self.undefined}", self.few)))
+
+    @property
     def faithfulness(self) -> Float[Tensor, "selection size"]:
-        """f at each size, one row a selection (`SELECTIONS`: signed, then ``|score|``)."""
-        return faithfulness(self.patched, self.clean, self.corrupted)
+        """f at each size, one row a selection (`SELECTIONS`: signed, then ``|score|``); NaN where `undefined`."""
+        f = faithfulness(self.patched, self.clean, self.corrupted)
+        return torch.full_like(f, math.nan) if self.undefined else f
 
     def _bootstrap(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """f ``[resample selection size]``, then CPR, CMD and the ``|score|`` area ``[resample]``."""
+        """f ``[resample selection size]``, then CPR, CMD and the ``|score|`` area ``[resample]`` (NaN where
+        `undefined`)."""
         rows = _resamples(self.clean.shape[0], self.resamples, self.seed)
         patched = einops.rearrange(
             self.patched[:, :, rows], "selection size resample prompt -> resample selection size prompt"
         )
         f = faithfulness(patched, self.clean[rows][:, None, None], self.corrupted[rows][:, None, None])
+        if self.undefined:
+            f = torch.full_like(f, math.nan)
         return f, *mib_areas(f[:, 0], f[:, 1], self.fractions.double())
 
     def _areas(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -280,7 +391,8 @@ class CircuitCurve(Saves):
     @property
     def table(self) -> pd.DataFrame:
         """One row a selection and size: ``selection``, ``fraction``, ``chosen`` (edges or nodes the selection
-        chose), ``edges`` (the circuit's edges as evaluated), ``faithfulness`` and its interval."""
+        chose), ``edges`` (the circuit's edges as evaluated), ``faithfulness`` and its interval, and ``note``
+        (what the numbers lack, `note`)."""
         f, interval = self.faithfulness, self.faithfulness_interval
         sizes = len(self.fractions)
         return pd.DataFrame(
@@ -292,6 +404,7 @@ class CircuitCurve(Saves):
                 "faithfulness": f.flatten().numpy(),
                 "low": interval[..., 0].flatten().numpy(),
                 "high": interval[..., 1].flatten().numpy(),
+                "note": [self.note] * (len(SELECTIONS) * sizes),
             }
         )
 
@@ -305,9 +418,14 @@ class CircuitCurve(Saves):
         return f"scored on {scored}, evaluated on {evaluated}{note}"
 
     def __repr__(self) -> str:
+        if self.undefined:
+            values = f"CPR and CMD undefined ({self.undefined})"
+        else:
+            values = f"CPR {self.cpr:.3f}, CMD {self.cmd:.3f}, |score| area {self.absolute_area:.3f}"
+        few = f"; {self.few}" if self.few else ""
         return (
-            f"CircuitCurve({self.method} on {self.task}/{self.counterfactual}, {self.level} level: CPR {self.cpr:.3f}, "
-            f"CMD {self.cmd:.3f}, |score| area {self.absolute_area:.3f}; {self.samples})"
+            f"CircuitCurve({self.method} on {self.task}/{self.counterfactual}, {self.level} level: {values}; "
+            f"{self.samples}{few})"
         )
 
     def figure_table(self) -> pd.DataFrame:
@@ -387,9 +505,14 @@ def _patched(model: Model, task: Task, batch: _Batch, circuit: Circuit) -> Tenso
 def evaluate_circuit(
     model: Model, task: Task, circuit: Circuit, *, memory: int = DEFAULT_MEMORY, seed: int = 0
 ) -> CircuitEvaluation:
-    """The task's metric per prompt with ``circuit`` kept clean and every other edge patched (three passes a prompt)."""
+    """The task's metric per prompt with ``circuit`` kept clean and every other edge patched (three passes a prompt).
+
+    Everything is checked before any pass (`contribution_lens.circuits.checks`); where the counterfactual
+    does not move the metric, f is undefined: a warning says so, and the result's repr.
+    """
     check_task(model, task)
     _check_circuit(model, circuit)
+    memory, seed = check_memory(memory), check_seed(seed)
     results: list[list[Tensor]] = [[], [], []]
     size = ic.batch_size(task, len(circuit.graph.writers), int(model.cfg.d_model), 2.0, memory)
     for batch in _recorded_batches(model, task, size):
@@ -397,7 +520,14 @@ def evaluate_circuit(
         for kept, value in zip(results, (batch.clean, batch.corrupted, patched), strict=True):
             kept.append(value.cpu())
     clean, corrupted, patched = (torch.cat(parts) for parts in results)
+    _warn_unmoved(clean, corrupted, task)
     return CircuitEvaluation(task.name, circuit, clean, corrupted, patched, seed, prompts=task.prompts)
+
+
+def _warn_unmoved(clean: Tensor, corrupted: Tensor, task: Task) -> None:
+    reason = unmoved(clean, corrupted)
+    if reason:
+        warnings.warn(f"task {task.name!r}: faithfulness is undefined: {reason}", UserWarning, stacklevel=3)
 
 
 def circuit_curve(
@@ -424,10 +554,16 @@ def circuit_curve(
     circuit both selections choose runs once (non-negative scores choose the same), and an empty
     circuit is the counterfactual's pass and the full one the clean pass (neither runs again).
     The scores' prompts and the task's are compared (`Task.fingerprints`): a curve evaluated on
-    prompts it was scored on says it is in-sample.
+    prompts it was scored on says it is in-sample. ``fractions`` are sorted for you; they must hold 1
+    and at least one other size (`contribution_lens.circuits.checks.check_fractions`). Every argument
+    is checked before any pass, scores of prompts of another tokenizer refused.
     """
     check_task(model, task)
-    level = check_level(level)
+    if not isinstance(scores, CircuitScores):
+        raise ValueError(f"scores must be CircuitScores, got {type(scores).__name__}")
+    check_tokenizer(model, None if scores.prompts is None else scores.prompts.tokenizer, "scores")
+    level, fractions = check_level(level), check_fractions(fractions)
+    memory, seed = check_memory(memory), check_seed(seed)
     prune = bool(check_switch(prune, "prune"))
     orders = [scores.ranking(level, absolute=name == "absolute", greedy=greedy) for name in SELECTIONS]
     counts = [int(fraction * len(orders[0])) for fraction in fractions]
@@ -454,6 +590,7 @@ def circuit_curve(
         parts.append((batch.clean.cpu(), batch.corrupted.cpu(), patched))
     chosen = torch.tensor([counts] * len(SELECTIONS), dtype=torch.float64)
     edges = torch.tensor([[float(c.kept.sum()) for c in row] for row in circuits], dtype=torch.float64)
+    _warn_unmoved(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), task)
     return CircuitCurve(
         task.name,
         scores.method,

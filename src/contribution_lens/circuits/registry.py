@@ -15,7 +15,8 @@ the package's own by name, with the file that defines them (``attribution``, ``c
 ``routes``, each with a ``METHODS`` tuple), imported when one of them is first read; the names are
 listed (the command line's ``--help``) without importing torch.
 
-Registering your own takes one call:
+Registering your own takes one call, or a decorator (``@register_circuit_method("name", level=...)``,
+or bare, ``@register_circuit_method``, under the function's name):
 
     >>> import torch
     >>> import contribution_lens as cl
@@ -25,6 +26,10 @@ Registering your own takes one call:
     >>> "later-first" in cl.available_circuit_methods()
     True
     >>> cl.unregister_circuit_method("later-first")
+
+What is registered is checked then: the score function must take ``(model, task, context)``, the
+name must not be a registered one in another case; what it returns is checked when it is called
+(`contribution_lens.circuits.checks.checked_scores`: one finite score an edge or node, naming the method).
 """
 
 from collections.abc import Callable
@@ -117,7 +122,7 @@ class CircuitMethod:
     greedy: bool = False
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+        if not isinstance(self.name, str) or not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"a circuit method name is letters, digits, '_' or '-', got {self.name!r}")
         if self.level not in LEVELS:
             raise ValueError(f"level must be 'edge' or 'node', got {self.level!r}")
@@ -145,6 +150,7 @@ CIRCUIT_METHODS: Registry[CircuitMethod] = Registry(
     },
     check=_a_circuit_method,
     listing="registered",
+    calls={"score_fn": "model, task, context"},
 )
 """Every registered circuit method by name: the package's own (a new file is one line here), then the user's."""
 
@@ -161,11 +167,25 @@ def register_circuit_method(
 ) -> Any:
     """Register a `CircuitMethod` (or a score function under ``name``); usable as a decorator.
 
-    ``orientation`` and ``greedy`` as in `CircuitMethod`. A name already taken is refused unless
-    ``replace=True``; a built-in is never replaced.
+    ``register_circuit_method(CircuitMethod(...))``, ``register_circuit_method("name", fn)``,
+    ``@register_circuit_method("name", level="node")`` and the bare ``@register_circuit_method`` (the
+    function's own name) all work; the decorators hand the function back. ``orientation`` and
+    ``greedy`` as in `CircuitMethod`. A name already taken is refused unless ``replace=True``, a
+    built-in always, and so is a name that differs from a registered one only in case; a score
+    function that cannot be called as ``score_fn(model, task, context)`` is refused here.
     """
     if isinstance(name, CircuitMethod):
         return CIRCUIT_METHODS.add(name, replace=replace)
+    if callable(name) and score_fn is None:  # the bare decorator: the function is its own name
+        function: Any = name
+        CIRCUIT_METHODS.add(
+            CircuitMethod(
+                str(function.__name__), function, level, description, orientation=check_orientation(orientation),
+                greedy=greedy,
+            ),
+            replace=replace,
+        )  # fmt: skip
+        return function
 
     def method_of(fn: ScoreFn) -> CircuitMethod:
         return CircuitMethod(name, fn, level, description, orientation=check_orientation(orientation), greedy=greedy)

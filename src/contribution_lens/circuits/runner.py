@@ -7,8 +7,10 @@ then evaluates the circuits those scores choose at MIB's ten sizes on the evalua
 level (`circuit_curve`: by signed score and by ``|score|``, pruned, greedy where the method says).
 Layout of ``out``:
 
-* ``config.json`` -- the model, the task, its counterfactual and size, the split, the selection, the
-  seed and the steps: a resumed run must match;
+* ``config.json`` -- every input: the model, the task (its prompts' fingerprint, a task file's
+  SHA-256), its counterfactual and size, the split, the selection, the seed, the steps, the
+  resamples and the package version (`contribution_lens.circuits.run_folder`): a resumed run must
+  match, and is refused naming what changed (``restart=True``, ``--restart``: start afresh);
 * ``{method}/circuit_scores.safetensors`` -- the method's `CircuitScores` (over every scoring prompt);
 * ``{method}/curve-{level}.safetensors`` -- its `CircuitCurve` at that level (``edge`` or ``node``; a
   method that scores nodes only has no edge level);
@@ -17,11 +19,14 @@ Layout of ``out``:
   forward-pass equivalents per prompt;
 * ``circuits.csv`` -- one row a method and level: the counterfactual, the prompts scored and those
   evaluated (in-sample or not), MIB's CPR and CMD and the ``|score|`` area with their 95 % bootstrap
-  intervals, the planned passes and the measured cost (`circuit_table`);
+  intervals, the planned passes and the measured cost, and a note where the numbers lack something
+  (too few prompts for an interval, an undefined f) (`circuit_table`);
 * ``report.html`` -- the table, the model's accuracy on the task and every method's curves per level.
 
 A finished method's files are never rewritten: a killed run continues with the first method or
-level that has no file. Under ``torchrun --nproc_per_node N`` rank ``r`` takes prompts
+level that has no file, each kept file checked against this run's prompts. Before any method is
+scored, a counterfactual that does not move the metric on the scoring or evaluation prompts is
+refused (f would divide by it). Under ``torchrun --nproc_per_node N`` rank ``r`` takes prompts
 ``r, r + N, ...``; each rank's scores are kept as a part file, every rank merges them (the mean over
 prompts, weighted by each part's prompts) before the curves, and rank 0 puts the curves' per-prompt
 metrics back in prompt order: the merged result is the single-process one up to float32 rounding.
@@ -41,14 +46,31 @@ import pandas as pd
 import torch
 
 from contribution_lens import adapter
+from contribution_lens.circuits import run_folder
 from contribution_lens.circuits.attribution import GRADIENT_COPIES
+from contribution_lens.circuits.checks import (
+    check_count,
+    check_levels,
+    check_memory,
+    check_seed,
+    check_steps,
+    check_switch,
+)
 from contribution_lens.circuits.contribution import COPIES as CONTRIBUTION_COPIES
-from contribution_lens.circuits.evaluation import FRACTIONS, RESAMPLES, SELECTIONS, CircuitCurve, circuit_curve
-from contribution_lens.circuits.graph import Graph
+from contribution_lens.circuits.evaluation import (
+    FRACTIONS,
+    RESAMPLES,
+    SELECTIONS,
+    CircuitCurve,
+    circuit_curve,
+    unmoved,
+)
+from contribution_lens.circuits.graph import Graph, check_counting
 from contribution_lens.circuits.interchange import window_length
 from contribution_lens.circuits.registry import DEFAULT_MEMORY, LEVELS, get_circuit_method
 from contribution_lens.circuits.scoring import CircuitScores, circuit_scores, node_sums
 from contribution_lens.circuits.task import Prompts, Task
+from contribution_lens.circuits.task_checks import check_task
 from contribution_lens.files import write_text
 from contribution_lens.processes import barrier, rank_and_world
 
@@ -95,6 +117,7 @@ def windows(graph: Graph, method: str, length: int, d_model: int, memory: int = 
         >>> windows(graph, "eap", 20, 32, memory=2**30), windows(graph, "eap", 20, 32, memory=20_000)
         (1, 7)
     """
+    memory = check_memory(memory)
     copies = WINDOWED.get(method)
     window = None if copies is None else window_length(length, len(graph.writers), d_model, copies, memory)
     return 1 if window is None else math.ceil(length / window)
@@ -157,6 +180,7 @@ def plan_passes(
         >>> [(p.method, p.forwards, p.backwards, p.curves) for p in plan_passes(graph, ["eap", "random"], ["edge"])]
         [('eap', 2, 1, 20), ('random', 0, 0, 20)]
     """
+    steps, memory = check_steps(steps), check_memory(memory)
     plans = []
     for method in methods:
         count = PASSES.get(get_circuit_method(method).name)
@@ -300,20 +324,33 @@ class RunSettings:
     """At most this many of the scoring part's prompts are scored (its first ones; the evaluation part is the
     same): an expensive method (activation patching) scored on fewer prompts, evaluated on the same ones."""
 
+    def __post_init__(self) -> None:
+        """Every setting checked as the library's functions check it (`contribution_lens.circuits.checks`)."""
+        if isinstance(self.methods, str) or not self.methods:
+            raise ValueError(f"methods must be a non-empty sequence of circuit method names, got {self.methods!r}")
+        methods = tuple(get_circuit_method(method).name for method in self.methods)
+        if len(set(methods)) != len(methods):
+            raise ValueError(f"methods: each method once, got {self.methods!r}")
+        object.__setattr__(self, "methods", methods)
+        object.__setattr__(self, "levels", check_levels(self.levels))
+        object.__setattr__(self, "seed", check_seed(self.seed))
+        object.__setattr__(self, "steps", check_steps(self.steps))
+        object.__setattr__(self, "resamples", check_count(self.resamples, "resamples"))
+        split = self.split
+        if split is not None and (isinstance(split, bool) or not isinstance(split, int | float) or not 0 < split < 1):
+            raise ValueError(f"split must be a number in (0, 1) (the share of prompts scored) or None, got {split!r}")
+        check_switch(self.prune, "prune")
+        check_switch(self.greedy, "greedy", optional=True)
+        check_counting(self.edges)
+        if self.scored is not None:
+            object.__setattr__(self, "scored", check_count(self.scored, "scored"))
+
     def parts(self, task: Task) -> tuple[Task, Task]:
         """The scoring and the evaluation task (the task itself twice where ``split`` is None)."""
         scoring, evaluation = (task, task) if self.split is None else task.split(self.split, seed=self.seed)
         if self.scored is not None and self.scored < len(scoring):
             scoring = scoring.subset(torch.arange(self.scored))
         return scoring, evaluation
-
-
-def _check_config(out: Path, config: dict[str, Any]) -> None:
-    path = out / "config.json"
-    if path.exists():
-        previous = json.loads(path.read_text(encoding="utf-8"))
-        if previous != config:
-            raise ValueError(f"{out} holds a run with other settings ({path}); use another --out folder")
 
 
 def run_circuits(
@@ -324,30 +361,32 @@ def run_circuits(
     *,
     config: dict[str, Any] | None = None,
     report: bool = True,
+    restart: bool = False,
 ) -> pd.DataFrame | None:
     """Score ``task`` with every method and evaluate its curves; the table (`circuit_table`) on rank 0, else None.
 
-    ``config`` (the model's name, the task's settings) is written to ``config.json``; a folder
-    holding another config is refused. What ``out`` already holds is kept and not recomputed.
+    ``config`` (the model's name, the task's settings) is written to ``config.json`` with every other
+    input (`contribution_lens.circuits.run_folder.run_config`); a folder holding a run of other inputs
+    is refused naming what changed, unless ``restart`` (its results removed first). What ``out``
+    already holds of this run is kept, checked against this run's prompts, and not recomputed.
     """
-    for method in settings.methods:
-        get_circuit_method(method)
+    check_task(model, task)
+    check_switch(restart, "restart")
     out_dir = Path(out)
     rank, world = rank_and_world()
     scoring, evaluation = settings.parts(task)
-    config = {**(config or {}), "task": task.name, "counterfactual": task.counterfactual, "prompts": len(task),
-              "scoring_prompts": len(scoring), "evaluation_prompts": len(evaluation),
-              "split": "in-sample" if settings.split is None else settings.split, "seed": settings.seed,
-              "steps": settings.steps, "prune": settings.prune, "greedy": settings.greedy}  # fmt: skip
-    if settings.edges != "native":  # a folder of a native run, written before the option, resumes as it is
-        config["edges"] = settings.edges
-    if settings.scored is not None:  # likewise a folder written before --scored
-        config["scored_limit"] = settings.scored
-    _check_config(out_dir, config)
+    config = run_folder.run_config(task, settings, config)
+    if restart and rank == 0:
+        run_folder.clear_run(out_dir)
+    barrier(world)
+    run_folder.check_run_folder(out_dir, config)
+    _check_folder(out_dir, scoring, evaluation)
+    for part in (scoring,) if scoring is evaluation else (scoring, evaluation):
+        check_counterfactual_moves(model, part, part.part)
     barrier(world)
     if rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
-        write_text(out_dir / "config.json", json.dumps(config, indent=2, sort_keys=True))
+        write_text(out_dir / run_folder.CONFIG, json.dumps(config, indent=2, sort_keys=True))
     barrier(world)
     mine = (shard(scoring, rank, world), shard(evaluation, rank, world))
     forward: tuple[float, float] | None = None
@@ -371,8 +410,41 @@ def run_circuits(
     table = circuit_table(out_dir, methods, LEVELS)
     write_text(out_dir / TABLE, table.to_csv(index=False))
     if report:
-        write_report(model, evaluation, table, out_dir, replace(settings, methods=methods, levels=LEVELS))
+        write_report(model, evaluation, table, out_dir, settings, methods=methods)
     return table
+
+
+def _check_folder(out: Path, scoring: Task, evaluation: Task) -> None:
+    """Every result kept in ``out`` against this run's scoring and evaluation prompts (`run_folder.check_kept`)."""
+    if not out.is_dir():
+        return
+    for folder in sorted(p for p in out.iterdir() if p.is_dir()):
+        if (folder / SCORES).exists():
+            run_folder.check_kept(folder / SCORES, CircuitScores.load(folder / SCORES).prompts, scoring.prompts)
+        for curve in sorted(p for p in folder.glob("curve-*.safetensors") if ".part-" not in p.name):
+            run_folder.check_kept(curve, CircuitCurve.load(curve).evaluated, evaluation.prompts)
+
+
+def _metric_values(model: adapter.Model, task: Task, ids: torch.Tensor, size: int = 16) -> torch.Tensor:
+    """The task's metric of each prompt of ``ids`` (its clean or corrupted prompts) in a plain pass."""
+    values = []
+    for start in range(0, len(task), size):
+        rows = torch.arange(start, min(start + size, len(task)))
+        batch = adapter.to_token_batch(model, ids[rows], attention_mask=task.attention_mask[rows])
+        with torch.no_grad():
+            logits = adapter.forward(model, batch)[:, : batch.tokens.shape[1]]
+        values.append(task.subset(rows).metric_values(logits).cpu())
+    return torch.cat(values)
+
+
+def check_counterfactual_moves(model: adapter.Model, task: Task, part: str) -> None:
+    """Refuse, before any method runs, prompts whose counterfactual does not move the metric (two plain passes)."""
+    reason = unmoved(_metric_values(model, task, task.clean), _metric_values(model, task, task.corrupted))
+    where = "the prompts" if part == "all" else f"the {part} prompts"
+    if reason:
+        raise ValueError(
+            f"task: on {where} {reason}; no circuit can be evaluated: use a counterfactual that changes the answer"
+        )
 
 
 def _part(name: str, rank: int, world: int) -> str:
@@ -444,7 +516,7 @@ COLUMNS = (
     "method", "level", "counterfactual", "scored", "scored_prompts", "evaluated", "evaluated_prompts", "in_sample",
     "prune", "greedy", "cpr", "cpr_low", "cpr_high", "cmd", "cmd_low", "cmd_high",
     "absolute_area", "absolute_area_low", "absolute_area_high",
-    "planned_scoring", "scoring_cost", "curve_cost", "forward_seconds",
+    "planned_scoring", "scoring_cost", "curve_cost", "forward_seconds", "note",
 )  # fmt: skip
 
 
@@ -462,7 +534,9 @@ def circuit_table(
     `PASSES` (NaN where unknown);
     ``scoring_cost`` and ``curve_cost``: the measured seconds of the scoring and of that level's
     curve over the seconds of one plain clean forward pass of the same prompts in the same run
-    (forward-pass equivalents a prompt). ``methods``: every method folder of ``out`` if None.
+    (forward-pass equivalents a prompt). ``note``: what the row's numbers lack, in words (too few
+    prompts for an interval, an undefined f: `CircuitCurve.note`). ``methods``: every method folder
+    of ``out`` if None.
     """
     folder = Path(out)
     if methods is None:
@@ -492,6 +566,7 @@ def circuit_table(
                     "planned_scoring": planned, "scoring_cost": _cost(timing.get("scores")),
                     "curve_cost": _cost(timing.get(f"curve-{level}")),
                     "forward_seconds": timing.get("scores", {}).get("forward_seconds", math.nan),
+                    "note": curve.note,
                 }
             )  # fmt: skip
     return pd.DataFrame(rows, columns=list(COLUMNS))
@@ -530,11 +605,22 @@ def _cost(stage: dict[str, float] | None) -> float:
     return float(stage["seconds"] / stage["forward_seconds"])
 
 
-def write_report(model: adapter.Model, task: Task, table: pd.DataFrame, out: Path, settings: RunSettings) -> Path:
-    """``report.html``: the model's accuracy on the task, the table, and every method's curve per level."""
+def write_report(
+    model: adapter.Model,
+    task: Task,
+    table: pd.DataFrame,
+    out: Path,
+    settings: RunSettings,
+    *,
+    methods: Sequence[str] | None = None,
+) -> Path:
+    """``report.html``: the model's accuracy on the task, the table, and every method's curve per level.
+
+    ``methods``: the methods whose curves are drawn (default: ``settings.methods``), at every level.
+    """
     import warnings
 
-    from contribution_lens.circuits.task import task_report
+    from contribution_lens.circuits.task_checks import task_report
     from contribution_lens.drawing import html
     from contribution_lens.drawing.circuit_figures import faithfulness_figure
 
@@ -549,9 +635,9 @@ def write_report(model: adapter.Model, task: Task, table: pd.DataFrame, out: Pat
     )
     about = f"{task!r}. {samples} {task_summary}. {notes}".strip()
     sections: list[Any] = [("The task", about), ("CPR and CMD", table)]
-    for level in settings.levels:
+    for level in LEVELS:
         rows = []
-        for method in settings.methods:
+        for method in settings.methods if methods is None else methods:
             path = out / method / f"curve-{level}.safetensors"
             if not path.exists():
                 continue

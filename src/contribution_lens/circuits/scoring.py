@@ -45,39 +45,27 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from contribution_lens.adapter import Model
+from contribution_lens.circuits.checks import (
+    check_fraction,
+    check_level,
+    check_memory,
+    check_seed,
+    check_steps,
+    check_switch,
+    checked_scores,
+)
 from contribution_lens.circuits.graph import Graph, check_counting, circuit_graph
 from contribution_lens.circuits.registry import (
     DEFAULT_MEMORY,
     EFFECT,
     IMPORTANCE,
-    LEVELS,
     CircuitContext,
     ScoreOrientation,
     get_circuit_method,
 )
 from contribution_lens.circuits.task import Prompts, Task
+from contribution_lens.circuits.task_checks import check_task
 from contribution_lens.files import Saves
-
-
-def check_fraction(fraction: Any) -> float:
-    if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be a number in (0, 1] (the share of edges or nodes kept), got {fraction!r}")
-    return float(fraction)
-
-
-def check_level(level: Any) -> str:
-    if level not in LEVELS:
-        raise ValueError(f"level must be 'edge' or 'node', got {level!r}")
-    return str(level)
-
-
-def check_switch(value: Any, name: str, *, optional: bool = False) -> bool | None:
-    """``value`` if it is True or False (or None where ``optional``), else a ValueError naming ``name``."""
-    if (value is None and optional) or isinstance(value, bool):
-        return value
-    if optional:
-        raise ValueError(f"{name} must be True, False or None (the method's own), got {value!r}")
-    raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def _reads(graph: Graph) -> Bool[Tensor, "writer input"]:
@@ -300,6 +288,24 @@ class CircuitScores(Saves):
     orientation: ScoreOrientation = EFFECT
     greedy: bool = False
 
+    def __post_init__(self) -> None:
+        """The scores against the graph (one finite score a node, and an edge), the prompts against their count:
+        scores built by hand, merged, read from MIB's file or loaded from an edited one are checked alike."""
+        object.__setattr__(
+            self,
+            "component_scores",
+            checked_scores(self.component_scores, self.graph.components, self.method, "a head or MLP"),
+        )
+        if self.edge_scores is not None:
+            object.__setattr__(
+                self, "edge_scores", checked_scores(self.edge_scores, self.graph.edges, self.method, "an edge")
+            )
+        if self.prompts is not None and len(self.prompts) != self.n_prompts:
+            raise ValueError(
+                f"n_prompts is {self.n_prompts} but the prompts recorded are {len(self.prompts)} "
+                f"(scores of circuit method {self.method!r})"
+            )
+
     @classmethod
     def from_fields(cls, fields: dict[str, Any]) -> "CircuitScores":
         """Rebuild saved scores; a file written before scores said which way they point is refused."""
@@ -483,23 +489,6 @@ class CircuitScores(Saves):
         return html.write_html(path, repr(self), sections)
 
 
-def check_task(model: Model, task: Any) -> Task:
-    """Refuse what is not a `Task`, or token ids outside the model's vocabulary, before any pass."""
-    if not isinstance(task, Task):
-        raise ValueError(f"task must be a contribution_lens Task, got {type(task).__name__}")
-    vocab = int(model.cfg.d_vocab)
-    for name in ("clean", "corrupted", "answer", "foil"):
-        ids = getattr(task, name)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-            raise ValueError(f"task.{name}: token ids must lie in [0, {vocab}) (the model's vocabulary)")
-    if int(task.last.min()) < 0 or int(task.last.max()) >= task.clean.shape[1]:
-        raise ValueError(f"task.last: positions must lie in [0, {task.clean.shape[1]})")
-    from contribution_lens.circuits.interchange import check_metric
-
-    check_metric(task)
-    return task
-
-
 def circuit_scores(
     model: Model,
     task: Task,
@@ -515,20 +504,30 @@ def circuit_scores(
     ``memory``: bytes one batch's activation differences may take (prompts are batched to fit; the
     gradient methods split a prompt that does not fit alone into windows of positions, each its own passes);
     ``steps``: integrated-gradient steps (``eap-ig``); ``edges``: the graph's edge counting, ``"native"``
-    or ``"mib"`` (MIB's ungrouped graph: `contribution_lens.circuits.graph`). Everything is checked before any pass.
+    or ``"mib"`` (MIB's ungrouped graph: `contribution_lens.circuits.graph`). Everything is checked before any pass
+    (`contribution_lens.circuits.checks`: the task against the model, ``memory``, ``seed``, ``steps``), and the
+    method's scores after it: one finite number an edge (or node), a NaN or a wrong shape refused naming the
+    method; scores that are all 0 (the counterfactual moves nothing the method sees) are warned about.
     """
     chosen = get_circuit_method(method)
     check_task(model, task)
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {steps!r}")
-    if isinstance(memory, bool) or not isinstance(memory, int) or memory < 1:
-        raise ValueError(f"memory must be a positive number of bytes, got {memory!r}")
+    memory, seed, steps = check_memory(memory), check_seed(seed), check_steps(steps)
     graph = circuit_graph(model, edges)
     context = CircuitContext(graph, memory, seed, steps)
-    scores = chosen.score_fn(model, task, context).detach().float().cpu()
-    expected = len(graph.edges) if chosen.level == "edge" else len(graph.components)
-    if scores.shape != (expected,):
-        raise ValueError(f"circuit method {chosen.name!r} returned {tuple(scores.shape)}; expected ({expected},)")
+    names = graph.edges if chosen.level == "edge" else graph.components
+    scores = checked_scores(
+        chosen.score_fn(model, task, context),
+        names,
+        chosen.name,
+        "an edge" if chosen.level == "edge" else "a head or MLP",
+    )
+    if not bool(scores.any()):
+        warnings.warn(
+            f"circuit method {chosen.name!r} scored every {chosen.level} 0 on task {task.name!r}: a circuit chosen "
+            "from these scores is arbitrary (does the counterfactual move the metric?)",
+            UserWarning,
+            stacklevel=2,
+        )
     edge_scores, nodes = (None, scores) if chosen.level == "node" else (scores, node_sums(graph, scores))
     return CircuitScores(
         task.name, chosen.name, graph, nodes, edge_scores, len(task), seed, task.prompts, chosen.orientation,

@@ -8,6 +8,9 @@ times one plain pass for the estimate. By default the methods score ``--split`` 
 their circuits are evaluated on the others (as MIB scores on its train split); ``--in-sample``
 scores and evaluates every prompt. The run itself is
 `contribution_lens.circuits.runner.run_circuits` (resumable, split over ``torchrun``'s processes).
+Before the model loads, too, a ``--out`` folder that holds a run of other inputs (another task file's
+contents, seed, split, ..., or another package version: `contribution_lens.circuits.run_folder`) is
+refused naming what changed; ``--restart`` discards that run's results and starts afresh.
 """
 
 import argparse
@@ -124,6 +127,10 @@ class CircuitArgs:
         choices=tuple(GREEDY),
     )
     dry_run: bool = option(False, "print the passes and an estimated time, then stop")
+    restart: bool = option(
+        False, "discard the results of an earlier run in --out (its config, scores, curves, table and report) and "
+        "start afresh; without it a folder of a run of other inputs is refused",
+    )  # fmt: skip
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -163,6 +170,22 @@ def check(args: argparse.Namespace) -> None:
             args.task_object.split(args.settings.split, seed=args.settings.seed)
         except ValueError as error:
             raise checks.UsageError(f"--split: {error} (or pass --in-sample)") from None
+    if not args.settings.restart and not args.settings.dry_run:
+        from contribution_lens.circuits import run_folder
+
+        config = run_folder.run_config(args.task_object, run_settings(args.settings), run_inputs(args))
+        run_folder.check_run_folder(args.out, config)
+
+
+def run_inputs(args: argparse.Namespace) -> dict[str, Any]:
+    """What the run folder records beside the task and the settings: the model, its dtype, the task as given."""
+    settings = args.settings
+    inputs = {"model": str(args.model), "dtype": args.dtype, "task_spec": settings.task, "length": settings.length}
+    if settings.task not in TASKS:
+        from contribution_lens.circuits import run_folder
+
+        inputs["task_file_sha256"] = run_folder.file_fingerprint(settings.task)
+    return inputs
 
 
 def build_task(model: Any, settings: CircuitArgs, *, skeleton: bool = False) -> Any:
@@ -182,7 +205,7 @@ def build_task(model: Any, settings: CircuitArgs, *, skeleton: bool = False) -> 
         )
     if settings.task == "capitals":
         return Task.capitals(model, n=settings.n, seed=settings.seed, counterfactual=counterfactual)
-    return Task.from_jsonl(settings.task, model)
+    return Task.from_jsonl(model, settings.task)
 
 
 def run_settings(settings: CircuitArgs) -> Any:
@@ -220,8 +243,7 @@ def run(args: argparse.Namespace) -> int:
         print(runner.describe_plan(plans, len(task), forward, **counts).splitlines()[-1])
         return 0
     model = common.load(args)
-    config = {"model": str(args.model), "dtype": args.dtype, "task_spec": settings.task, "length": settings.length}
-    table = runner.run_circuits(model, task, chosen, args.out, config=config)
+    table = runner.run_circuits(model, task, chosen, args.out, config=run_inputs(args), restart=settings.restart)
     if table is not None:
         import pandas as pd
 

@@ -49,6 +49,7 @@ METHODS: "Registry[Method]" = Registry(
         f"{_HERE}.logit:METHODS": ("logit_attribution",),
     },
     check=_a_method,
+    calls={"score_fn": "layer, context"},
 )
 """Every registered method by name: the package's own (a new family is one line here), then the user's."""
 _MOVED = ("Method", "ScoreContext", "ScoreFn", "PrepareFn", "DecompositionScore", "SCORE_DTYPES", "check_scores",
