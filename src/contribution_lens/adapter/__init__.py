@@ -3,6 +3,9 @@ QK wiring. This face is what the rest of the package uses (``from contribution_l
 ``adapter.layer_hooks``); inside, one module a concern, each importing only those listed before it:
 
 * `_model`: the loose ``Model`` type, ``HookFn``, a model's device and dtype;
+* `anatomy`: every fact the wiring reads of a model, read once (`anatomy_of`, `Anatomy`): its norms (`Norm`,
+  one type for every norm), soft-caps, name, sizes, positional scheme, attention form per layer (`Layer`),
+  hook names (the constants every module uses) and BOS convention;
 * `tokens`: texts and ids to a right-padded `TokenBatch` with the model's BOS convention (`to_token_batch`);
 * `hooks`: hook names, ``W_O``/``b_O``, `LayerInputs`, and the only code that wires hooks (`hooked`,
   `layer_hooks`, `forward`), with the check a model is loaded with (`attention_problem`);
@@ -14,6 +17,7 @@ QK wiring. This face is what the rest of the package uses (``from contribution_l
 """
 
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
+from contribution_lens.adapter.anatomy import Anatomy, Layer, Norm, anatomy_of, block_hook, read_norm
 from contribution_lens.adapter.circuit_wiring import (
     READS,
     WRITES,
@@ -133,13 +137,16 @@ __all__ = [
     "RESID_POST",
     "RESID_PRE",
     "WRITES",
+    "Anatomy",
     "AttentionUpdate",
     "FrozenNorm",
     "HookFn",
+    "Layer",
     "LayerFn",
     "LayerInputs",
     "Layout",
     "Model",
+    "Norm",
     "PatternEdit",
     "PostNorm",
     "QKForm",
@@ -151,6 +158,7 @@ __all__ = [
     "TargetReads",
     "TokenBatch",
     "Write",
+    "anatomy_of",
     "apply_post_norm",
     "architecture_name",
     "as_index",
@@ -158,6 +166,7 @@ __all__ = [
     "attention_update",
     "block_calls",
     "block_forms",
+    "block_hook",
     "bos_to_prepend",
     "captured_post_scale",
     "check_circuit_model",
@@ -199,6 +208,7 @@ __all__ = [
     "prepends_bos",
     "qk_form",
     "qk_plan",
+    "read_norm",
     "read_values",
     "readout",
     "resid_pre_hook",
