@@ -6,9 +6,10 @@ adapter used (copied from ``hooks.py``, ``forms.py``, ``logit_readout.py``, ``qk
 adapter as it is. `differences` names every fact on which they disagree. Norms are compared by their
 values (centring, the gain as applied, the bias, epsilon), read from the model at the time of the call.
 
-Where the old probes disagreed with each other, the oracle follows the one named here and `DISAGREED` says
-where and how: the post-attention norm (``logit_readout`` took any submodule owning ``hook_attn_out`` other
-than ``attn``, ``attn.o`` of Bloom included; ``circuit_wiring`` only one outside ``attn``).
+Where the old probes disagreed with each other, the oracle follows the readout's and `CORRECTED` says where
+and why the anatomy holds the other: the post-attention norm (``logit_readout`` took any submodule owning
+``hook_attn_out`` other than ``attn``, ``attn.o`` of Bloom included; ``circuit_wiring`` only one outside
+``attn``).
 """
 
 from typing import Any
@@ -296,7 +297,7 @@ def _layer(model: Any, layer: int, readout: Any) -> dict[str, Any]:
 
 
 def _post_ln(norm: Any) -> dict[str, Any]:
-    return {"gain": norm.weight, "bias": norm.bias, "eps": norm.eps}
+    return {"gain": norm.gain, "bias": norm.bias, "eps": norm.eps}
 
 
 def _qk_form(form: Any) -> dict[str, Any]:
@@ -356,14 +357,33 @@ def attempt(read: Any, errors: Any = Exception, *, message_only: bool = False, n
         return None if none else str(error) if message_only else f"{type(error).__name__}: {error}"
 
 
-DISAGREED: dict[str, str] = {
-    name: (
-        "the readout takes attn.o (the o-projection, whose hook_out is hook_attn_out) for a norm after the "
-        "attention and fails; the circuit wiring takes no norm there"
-    )
-    for name in ("BloomForCausalLM", "BloomModel")
+_BLOOM = (
+    "hook_attn_out is attn.o.hook_out, the o-projection itself (Bloom's attention adds the residual stream "
+    "inside): no norm follows the attention. The readout took attn.o for one and failed, the circuit wiring "
+    "took none; the anatomy holds none"
+)
+_NO_WEIGHT = (
+    "forms.post_norm read ln1's weight and raised AttributeError on a norm without one (an Identity, an "
+    "affine-free LayerNorm or RMSNorm); the anatomy reads it as a norm without a gain (a pre-LN block: ALTI "
+    "never reads it)"
+)
+CORRECTED: dict[str, tuple[tuple[str, ...], str]] = {
+    "BloomForCausalLM": (
+        ("layers.0.post_name", "layers.0.post_norm", "layers.1.post_name", "layers.1.post_norm"),
+        _BLOOM,
+    ),
+    "BloomModel": (("layers.0.post_name", "layers.0.post_norm", "layers.1.post_name", "layers.1.post_norm"), _BLOOM),
+    "ModernBertDecoderForCausalLM": (("layers.0.ln1_post_ln",), _NO_WEIGHT),
+    "NanoChatForCausalLM": (("layers.0.ln1_post_ln", "layers.1.ln1_post_ln"), _NO_WEIGHT),
+    "OlmoForCausalLM": (("layers.0.ln1_post_ln", "layers.1.ln1_post_ln"), _NO_WEIGHT),
 }
-"""Architectures on which the adapter's modules disagree with each other about a fact, and how."""
+"""Where the anatomy holds another reading than the oracle's: the facts (keys of `differences`), and why. The
+first is a fact on which the adapter's modules disagreed; the second a probe that failed where a fact exists."""
+
+
+def corrected(name: str) -> list[str]:
+    """The fact keys of `differences` on which ``name``'s anatomy is meant to differ from the oracle."""
+    return sorted(CORRECTED.get(name, ((), ""))[0])
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -11,8 +11,8 @@ from torch import nn
 import contribution_lens as cl
 from conftest import tiny_bridge
 from contribution_lens.adapter import circuit_wiring
+from contribution_lens.adapter.anatomy import Norm
 from contribution_lens.adapter.circuit_wiring import _Norm, _one_input_expanded, _SharedInput
-from contribution_lens.adapter.logit_readout import FrozenNorm
 
 GENERATOR = torch.Generator().manual_seed(0)
 HEADS, D_MODEL, D_HEAD = 3, 6, 2
@@ -43,9 +43,9 @@ def _norms() -> dict[str, object]:
         "LayerNorm": layer,
         "RMSNorm": rms,
         "frozen scale": lambda x: x * layer.weight / scale[..., None],
-        "LayerNorm, closed form": _Norm(layer, f64, FrozenNorm(True, layer.weight.detach(), layer.bias.detach()), 1e-5),
-        "RMSNorm, closed form": _Norm(rms, f64, FrozenNorm(False, rms.weight.detach(), None), 1e-5),
-        "offset RMSNorm, closed form": _Norm(offset, f64, FrozenNorm(False, 1.0 + offset.weight.detach(), None), 1e-6),
+        "LayerNorm, closed form": _Norm(layer, f64, Norm.fixed(True, layer.weight.detach(), layer.bias.detach()), 1e-5),
+        "RMSNorm, closed form": _Norm(rms, f64, Norm.fixed(False, rms.weight.detach()), 1e-5),
+        "offset RMSNorm, closed form": _Norm(offset, f64, Norm.fixed(False, 1.0 + offset.weight.detach()), 1e-6),
     }
 
 

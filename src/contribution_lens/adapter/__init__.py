@@ -16,6 +16,9 @@ QK wiring. This face is what the rest of the package uses (``from contribution_l
   `embedding_pass`, `layout`, `hidden_bias_path`).
 """
 
+import warnings
+from typing import Any
+
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
 from contribution_lens.adapter.anatomy import Anatomy, Layer, Norm, anatomy_of, block_hook, read_norm
 from contribution_lens.adapter.circuit_wiring import (
@@ -30,7 +33,7 @@ from contribution_lens.adapter.circuit_wiring import (
     hidden_bias_path,
     layout,
 )
-from contribution_lens.adapter.forms import POST_LN, PRE_LN, PostNorm, apply_post_norm, block_forms, post_norm
+from contribution_lens.adapter.forms import POST_LN, PRE_LN, apply_post_norm, block_forms, post_norm
 from contribution_lens.adapter.hooks import (
     PROBE_LENGTH,
     RESID_PRE,
@@ -65,7 +68,6 @@ from contribution_lens.adapter.logit_readout import (
     ATTN_OUT,
     RESID_POST,
     AttentionUpdate,
-    FrozenNorm,
     Readout,
     attention_update,
     captured_post_scale,
@@ -139,7 +141,6 @@ __all__ = [
     "WRITES",
     "Anatomy",
     "AttentionUpdate",
-    "FrozenNorm",
     "HookFn",
     "Layer",
     "LayerFn",
@@ -148,7 +149,6 @@ __all__ = [
     "Model",
     "Norm",
     "PatternEdit",
-    "PostNorm",
     "QKForm",
     "QKPlan",
     "Readout",
@@ -225,3 +225,18 @@ __all__ = [
     "values_heads_first",
     "z_hook",
 ]
+
+_RENAMED = {"FrozenNorm": "Norm", "PostNorm": "Norm"}
+"""Names of the norms the readout and ALTI read before one type served every norm (`Norm`)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warnings.warn(
+            f"contribution_lens.adapter.{name} is now contribution_lens.adapter.{_RENAMED[name]} (Norm.fixed builds "
+            "one of given tensors)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return Norm
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

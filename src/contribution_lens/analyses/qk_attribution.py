@@ -615,7 +615,7 @@ def _reads(
 
 
 def _finish(
-    parts: Tensor, norm: adapter.FrozenNorm | None, norm_scale: Tensor | None, scale: float, n_heads: int
+    parts: Tensor, norm: adapter.Norm | None, norm_scale: Tensor | None, scale: float, n_heads: int
 ) -> Float[Tensor, "component pos head d_head"]:
     """A side's parts through its q/k norm (scale frozen per head and position) and, for queries, ``scale``."""
     parts = einops.rearrange(parts, "component pos (head d_head) -> component pos head d_head", head=n_heads)
