@@ -249,6 +249,11 @@ def probed_facts(model: Any) -> dict[str, Any]:
         "unembedding": unembed is not None and "unembed.hook_out" in names,
         "unembedding_bias": isinstance(unembed_bias, Tensor),
         "cuts_unembedding": "unembed.hook_in" in names,
+        "embed_norm": (
+            _old_frozen_norm(model.embed_ln)
+            if "embed_ln.hook_scale" in names and getattr(model, "embed_ln", None) is not None
+            else None
+        ),
         "layers": [_old_layer(model, layer) for layer in range(int(cfg.n_layers))],
     }
 
@@ -260,44 +265,32 @@ def _norm(norm: Any) -> dict[str, Any] | None:
     return None if norm is None else {"centre": norm.centre, "gain": norm.gain, "bias": norm.bias}
 
 
-def _layer(model: Any, layer: int, readout: Any) -> dict[str, Any]:
-    from contribution_lens.adapter import circuit_wiring, forms, logit_readout, qk_wiring
+def _layer(model: Any, layer: int) -> dict[str, Any]:
+    from contribution_lens.adapter import qk_wiring
 
-    block = model.blocks[layer]
+    this = adapter.anatomy_of(model).layers[layer]
     facts: dict[str, Any] = {
-        "value_hook": adapter.value_hook(layer, model),
-        "output_hook": adapter.output_hook(layer, model),
-        "values_heads_first": adapter.values_heads_first(model, layer),
-        "post_name": logit_readout._post_attention_norm_name(model, layer),
+        "value_hook": this.value_hook,
+        "output_hook": this.output_hook,
+        "values_heads_first": this.values_heads_first,
+        "post_name": this.post_attention,
         "qk_refusal": qk_wiring._qk_refusal(model, layer),
-        "ungrouping": circuit_wiring._ungrouping(block.attn),
-        "key_norm_per_key_head": bool(
-            getattr(block.attn, "_qk_norm_phase", None) == "pre_reshape"
-            or getattr(block.attn, "_qk_norm_per_head", False)
-        ),
-        "skippable": {
-            "mlp": circuit_wiring._skippable(block.mlp),
-            **{side: circuit_wiring._skippable_linear(getattr(block.attn, side, None)) for side in "qkvo"},
-        },
-        "post_norm": attempt(lambda: _norm(readout().post_norms[layer])),
+        "ungrouping": this.ungrouping,
+        "key_norm_per_key_head": this.qk_norm_over_heads or this.key_norm_per_key_head,
+        "skippable": {part: part in this.skippable for part in ("mlp", "q", "k", "v", "o")},
+        "post_norm": _norm(this.post_norm),
+        "ln1": _norm(this.ln1),
+        "ln2": _norm(this.ln2),
     }
-    for side in ("ln1", "ln2"):
-        component = getattr(block, side, None)
-        facts[side] = None if component is None else _norm(logit_readout._frozen_norm(component))
-    if getattr(block, "ln1", None) is not None:
-        facts["ln1_rms"] = bool(getattr(block.ln1, "uses_rms_norm", False))
-        facts["ln1_post_ln"] = attempt(lambda: _post_ln(forms.post_norm(model, layer)))
-        closed = circuit_wiring._Norm.of(block.ln1, torch.float32)
-        facts["ln1_closed"] = {"closed": closed.closed, "module": closed.module}
-        if closed.closed:
-            facts["ln1_closed"].update(eps=closed.eps, **_norm(closed.form))
+    if this.ln1 is not None:
+        facts["ln1_rms"] = not this.ln1.centre
+        facts["ln1_post_ln"] = {"gain": this.ln1.gain, "bias": this.ln1.bias, "eps": this.ln1.eps}
+        facts["ln1_closed"] = {"closed": this.ln1.closed, "module": this.ln1.module}
+        if this.ln1.closed:
+            facts["ln1_closed"].update(eps=this.ln1.eps, **_norm(this.ln1))
     if facts["qk_refusal"] is None:
         facts["qk_form"] = attempt(lambda: _qk_form(adapter.qk_form(model, layer)))
     return facts
-
-
-def _post_ln(norm: Any) -> dict[str, Any]:
-    return {"gain": norm.gain, "bias": norm.bias, "eps": norm.eps}
 
 
 def _qk_form(form: Any) -> dict[str, Any]:
@@ -314,38 +307,33 @@ def _qk_form(form: Any) -> dict[str, Any]:
 
 
 def read_facts(model: Any) -> dict[str, Any]:
-    """The facts of `probed_facts`, read through the adapter."""
-    shape = adapter.layout(model)
-    readout = attempt(lambda: adapter.readout(model))
-
-    def whole() -> Any:
-        if isinstance(readout, str):
-            raise RuntimeError(readout)
-        return readout
-
+    """The facts of `probed_facts`, read from the model's anatomy (`adapter.anatomy`) and the wiring that reads it."""
+    facts = adapter.anatomy_of(model)
+    readout = adapter.readout(model)
     return {
-        "name": adapter.architecture_name(model),
-        "causal": attempt(lambda: adapter.is_causal_model(model), ValueError, message_only=True),
-        "prepends_bos": adapter.prepends_bos(model),
-        "bos_id": attempt(lambda: adapter.bos_to_prepend(model, True), ValueError, none=True),
-        "start_ids": adapter.start_ids(model),
-        "pad_id": adapter.pad_id(model),
-        "n_ctx": adapter.context_length(model),
-        "d_vocab": getattr(model.cfg, "d_vocab", None),
-        "n_layers": shape.n_layers,
-        "n_heads": shape.n_heads,
-        "n_kv_heads": shape.n_kv_heads,
-        "pos_embed_hook": shape.pos_embed,
+        "name": facts.name,
+        "causal": attempt(lambda: facts.causal, ValueError, message_only=True),
+        "prepends_bos": facts.prepends_bos,
+        "bos_id": facts.bos_id(),
+        "start_ids": facts.start_ids(),
+        "pad_id": facts.pad_id(),
+        "n_ctx": facts.n_ctx,
+        "d_vocab": facts.d_vocab,
+        "n_layers": facts.n_layers,
+        "n_heads": facts.n_heads,
+        "n_kv_heads": facts.n_kv_heads,
+        "pos_embed_hook": adapter.layout(model).pos_embed,
         "learned_positions": bool(adapter.embedding_hooks(model, adapter.QKPlan(0, False, (), False, ()), {})),
-        "rotary": model.cfg.positional_embedding_type == "rotary",
-        "parallel_attn_mlp": bool(getattr(model.cfg, "parallel_attn_mlp", False)),
-        "logit_softcap": adapter.logit_softcap(model),
-        "final_norm": attempt(lambda: _norm(whole().final_norm)),
-        "final_scale_hook": attempt(lambda: whole().final_scale_hook),
-        "unembedding": attempt(lambda: whole().W_U is not None),
-        "unembedding_bias": attempt(lambda: whole().b_U is not None),
-        "cuts_unembedding": attempt(lambda: whole().cuts_unembedding),
-        "layers": [_layer(model, layer, whole) for layer in range(shape.n_layers)],
+        "rotary": facts.positions == "rotary",
+        "parallel_attn_mlp": facts.parallel_attn_mlp,
+        "logit_softcap": facts.logit_softcap,
+        "final_norm": _norm(facts.final_norm),
+        "final_scale_hook": readout.final_scale_hook,
+        "unembedding": facts.unembedding,
+        "unembedding_bias": facts.unembedding_bias,
+        "cuts_unembedding": readout.cuts_unembedding,
+        "embed_norm": _norm(facts.embed_norm),
+        "layers": [_layer(model, layer) for layer in range(facts.n_layers)],
     }
 
 

@@ -43,3 +43,11 @@ def test_a_weight_edited_between_two_calls_is_seen_by_the_second(tmp_path) -> No
     for fact in ("final_norm.gain", "layers.1.post_norm.gain", "layers.1.qk_form.q_norm.gain"):
         assert fact in changed, changed
     assert not any(fact.startswith("layers.0.") for fact in changed), changed
+
+
+def test_the_old_names_of_the_norm_warn_and_give_the_one_norm() -> None:
+    from contribution_lens import adapter
+
+    for old in ("FrozenNorm", "PostNorm"):
+        with pytest.warns(DeprecationWarning, match=rf"adapter\.{old} is now contribution_lens\.adapter\.Norm"):
+            assert getattr(adapter, old) is adapter.Norm

@@ -20,7 +20,27 @@ import warnings
 from typing import Any
 
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
-from contribution_lens.adapter.anatomy import Anatomy, Layer, Norm, anatomy_of, block_hook, read_norm
+from contribution_lens.adapter.anatomy import (
+    ATTN_OUT,
+    LN1_SCALE,
+    LN2_SCALE,
+    MLP_OUT,
+    QK_COS,
+    QK_K,
+    QK_NORM_SCALES,
+    QK_Q,
+    QK_SCORES,
+    QK_SIN,
+    RESID_POST,
+    RESID_PRE,
+    Anatomy,
+    Layer,
+    Norm,
+    anatomy_of,
+    architecture_name,
+    block_hook,
+    read_norm,
+)
 from contribution_lens.adapter.circuit_wiring import (
     READS,
     WRITES,
@@ -36,7 +56,6 @@ from contribution_lens.adapter.circuit_wiring import (
 from contribution_lens.adapter.forms import POST_LN, PRE_LN, apply_post_norm, block_forms, post_norm
 from contribution_lens.adapter.hooks import (
     PROBE_LENGTH,
-    RESID_PRE,
     LayerFn,
     LayerInputs,
     PatternEdit,
@@ -65,8 +84,6 @@ from contribution_lens.adapter.hooks import (
     z_hook,
 )
 from contribution_lens.adapter.logit_readout import (
-    ATTN_OUT,
-    RESID_POST,
     AttentionUpdate,
     Readout,
     attention_update,
@@ -81,21 +98,11 @@ from contribution_lens.adapter.logit_readout import (
     unembedding,
 )
 from contribution_lens.adapter.qk_wiring import (
-    LN1_SCALE,
-    LN2_SCALE,
-    MLP_OUT,
-    QK_COS,
-    QK_K,
-    QK_NORM_SCALES,
-    QK_Q,
-    QK_SCORES,
-    QK_SIN,
     QKForm,
     QKPlan,
     StreamNorm,
     TargetReads,
     Write,
-    architecture_name,
     embedding_hooks,
     embedding_writes,
     layer_writes,

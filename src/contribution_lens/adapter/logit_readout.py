@@ -19,7 +19,6 @@ from contribution_lens.adapter.anatomy import (
     UNEMBED_OUT,
     Norm,
     anatomy_of,
-    read_norm,
 )
 from contribution_lens.adapter.hooks import LayerInputs, output_hook
 
@@ -368,15 +367,3 @@ def final_hooks(model: Model, positions: Sequence[int], store: dict[str, Tensor]
 def attention_update(model: Model, layer: LayerInputs) -> AttentionUpdate:
     """What layer ``layer`` adds to which residual stream (`Readout.attention_update`)."""
     return readout(model).attention_update(layer)
-
-
-# Read by qk_wiring and circuit_wiring until they read the anatomy themselves.
-FrozenNorm = Norm
-
-
-def _frozen_norm(component: Any) -> Norm:
-    return read_norm(component)
-
-
-def _post_attention_norm_name(model: Model, layer: int) -> str | None:
-    return anatomy_of(model).layers[layer].post_attention
