@@ -247,10 +247,13 @@ def test_a_bfloat16_pass_on_mibs_graph_stays_within_the_models_own_rounding(tmp_
 
 
 def test_a_model_whose_keys_cannot_be_ungrouped_is_refused_for_mibs_graph(monkeypatch) -> None:
-    from contribution_lens.adapter import circuit_wiring
+    import dataclasses
+
+    from contribution_lens import adapter
 
     model = tiny_bridge("gqa")
-    monkeypatch.setattr(circuit_wiring, "_ungrouping", lambda attention: None)
+    facts = adapter.anatomy_of(model)  # an attention whose key-head repeat the wiring cannot switch off
+    monkeypatch.setattr(facts, "layers", tuple(dataclasses.replace(layer, ungrouping=None) for layer in facts.layers))
     with pytest.raises(ValueError, match=r"^edges: MIB's ungrouped graph cannot be wired into .*: layer 0's attention"):
         cl.circuit_graph(model, edges="mib")
     assert cl.circuit_graph(model).counting == "native"

@@ -21,6 +21,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from contribution_lens.adapter._model import Model, _model_device
+from contribution_lens.adapter.anatomy import anatomy_of
 
 
 @dataclass(frozen=True)
@@ -62,8 +63,7 @@ def check_labels(str_tokens: Sequence[Sequence[str]], attention_mask: Tensor) ->
 
 
 def context_length(model: Model) -> int | None:
-    n_ctx = getattr(model.cfg, "n_ctx", None)
-    return None if n_ctx is None else int(n_ctx)
+    return anatomy_of(model).n_ctx
 
 
 def check_length(model: Model, length: int, what: str) -> None:
@@ -74,7 +74,7 @@ def check_length(model: Model, length: int, what: str) -> None:
 
 def check_token_ids(model: Model, tokens: Tensor) -> None:
     """Every id lies in the model's vocabulary ``[0, d_vocab)``."""
-    d_vocab = getattr(model.cfg, "d_vocab", None)
+    d_vocab = anatomy_of(model).d_vocab
     if tokens.numel() == 0 or d_vocab is None:
         return
     low, high = int(tokens.min()), int(tokens.max())
@@ -85,7 +85,7 @@ def check_token_ids(model: Model, tokens: Tensor) -> None:
 
 def _check_text_ids(model: Model, ids: Tensor, index: int) -> None:
     """A text's ids lie in the model's vocabulary: a tokenizer may hold added tokens the model has no row for."""
-    d_vocab = getattr(model.cfg, "d_vocab", None)
+    d_vocab = anatomy_of(model).d_vocab
     if d_vocab is None or ids.numel() == 0 or int(ids.max()) < int(d_vocab):
         return
     bad = int(ids.max())
@@ -96,7 +96,7 @@ def _check_text_ids(model: Model, ids: Tensor, index: int) -> None:
 
 
 def token_labels(model: Model, ids: Sequence[int]) -> list[str]:
-    tokenizer = getattr(model, "tokenizer", None)
+    tokenizer = anatomy_of(model).tokenizer
     if tokenizer is None:
         return [f"<{i}>" for i in ids]
     return [tokenizer.decode([i]) for i in ids]
@@ -104,9 +104,7 @@ def token_labels(model: Model, ids: Sequence[int]) -> list[str]:
 
 def start_ids(model: Model) -> set[int]:
     """The ids a text starts with where the tokenizer begins it (BOS, or ``[CLS]`` for BERT-style tokenizers)."""
-    tokenizer = getattr(model, "tokenizer", None)
-    ids = (getattr(tokenizer, name, None) for name in ("bos_token_id", "cls_token_id"))
-    return {int(i) for i in ids if isinstance(i, int)}
+    return anatomy_of(model).start_ids()
 
 
 _IDENTITIES: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
@@ -145,11 +143,8 @@ def tokenizer_identity(model: Model) -> str:
 
 
 def pad_id(model: Model) -> int:
-    tokenizer = getattr(model, "tokenizer", None)
-    pad = None if tokenizer is None else tokenizer.pad_token_id
-    if pad is None:
-        pad = None if tokenizer is None else tokenizer.eos_token_id
-    return 0 if pad is None else int(pad)
+    """The id padding is written with: the tokenizer's pad id, else its EOS id, else 0."""
+    return anatomy_of(model).pad_id()
 
 
 def prepends_bos(model: Model, prepend_bos: Any = None) -> bool:
@@ -165,7 +160,7 @@ def prepends_bos(model: Model, prepend_bos: Any = None) -> bool:
         (False, True)
     """
     if prepend_bos is None:
-        return bool(getattr(getattr(model, "cfg", None), "default_prepend_bos", True))
+        return anatomy_of(model).prepends_bos
     if isinstance(prepend_bos, bool) or str(getattr(prepend_bos, "dtype", "")) in ("bool", "torch.bool"):
         if getattr(prepend_bos, "ndim", 0) == 0:
             return bool(prepend_bos)
@@ -182,10 +177,10 @@ def bos_to_prepend(model: Model, prepend_bos: Any = None) -> int | None:
     tokenizer has no BOS; ``prepend_bos=True`` on a tokenizer without one is refused.
     """
     wanted = prepends_bos(model, prepend_bos)
-    bos = getattr(getattr(model, "tokenizer", None), "bos_token_id", None)
+    bos = anatomy_of(model).bos_id()
     if wanted and bos is None and prepend_bos:
         raise ValueError("prepend_bos=True, but this model's tokenizer has no BOS token (bos_token_id is None)")
-    return int(bos) if wanted and bos is not None else None
+    return bos if wanted else None
 
 
 def to_token_batch(
@@ -234,7 +229,7 @@ def to_token_batch(
     texts = [inputs] if isinstance(inputs, str) else list(inputs)
     if not texts:
         raise ValueError("no input texts given")
-    if getattr(model, "tokenizer", None) is None:
+    if anatomy_of(model).tokenizer is None:
         raise ValueError("this model has no tokenizer: pass token ids instead of text")
     rows = []
     for index, text in enumerate(texts):

@@ -625,7 +625,7 @@ def _reads(
 
 
 def _finish(
-    parts: Tensor, norm: adapter.FrozenNorm | None, norm_scale: Tensor | None, scale: float, n_heads: int
+    parts: Tensor, norm: adapter.Norm | None, norm_scale: Tensor | None, scale: float, n_heads: int
 ) -> Float[Tensor, "component pos head d_head"]:
     """A side's parts through its q/k norm (scale frozen per head and position) and, for queries, ``scale``."""
     parts = einops.rearrange(parts, "component pos (head d_head) -> component pos head d_head", head=n_heads)
@@ -893,9 +893,8 @@ class QKTape:
         norms' scales per position in the model's dtype, and the pattern's and scores' rows at 4
         bytes a number (some bridges upcast them); the embedding's parts once.
         """
-        cfg = model.cfg
-        n_heads, d_head = int(cfg.n_heads), int(cfg.d_head)
-        n_kv = int(getattr(cfg, "n_key_value_heads", None) or n_heads)
+        cfg, facts = model.cfg, adapter.anatomy_of(model)
+        n_heads, n_kv, d_head = facts.n_heads, facts.n_kv_heads, int(cfg.d_head)
         size = adapter.model_dtype(model).itemsize
         # Four residual vectors (the MLP's output too, in post-LN blocks); cos and sin are d_head wide
         # each; 8 for the norms' scales. The embedding's parts (BERT: three) are kept once.
