@@ -32,6 +32,19 @@ def test_identical_resamples_give_a_jaccard_index_of_one(model) -> None:
     assert bool((result.chance < 1).all())  # a random circuit of that size would not overlap fully
 
 
+def test_bootstrap_resamples_of_distinct_prompts_warn_of_no_repeats(model, recwarn) -> None:
+    """A resample repeats prompts by design: the user's task holds none, so no repeated-prompts warning is theirs."""
+    task = random_task(model, n=6, seed=3)
+    assert len(set(task.fingerprints().tolist())) == 6
+    cl.circuit_stability(model, task, "eap", resamples=4, fractions=(0.1, 1.0), progress=False)
+    repeats = [str(w.message) for w in recwarn if "distinct" in str(w.message) or "repeat" in str(w.message)]
+    assert not repeats, repeats
+    # The same resampling rebuilt as a new task does warn: the check is live.
+    with pytest.warns(UserWarning, match="distinct"):
+        cl.Task(task.name, task.clean[[0, 0, 1]], task.corrupted[[0, 0, 1]], task.answer[[0, 0, 1]],
+                task.foil[[0, 0, 1]], task.last[[0, 0, 1]])  # fmt: skip
+
+
 def test_the_chance_overlap_is_the_mean_over_every_pair_of_subsets() -> None:
     for n, k in ((6, 2), (7, 3), (5, 5), (8, 1)):
         subsets = [set(c) for c in itertools.combinations(range(n), k)]
@@ -98,10 +111,13 @@ def test_mistakes_are_refused_before_any_pass(model) -> None:
         (dict(resamples=1), "resamples must be an integer of at least 2 (pairs of resamples are compared), got 1"),
         (dict(resamples=True), "resamples must be an integer of at least 2"),
         (dict(sampling="jackknife"), "sampling must be one of bootstrap, subsample, got 'jackknife'"),
-        (dict(fractions=()), "fractions must be a non-empty sequence of numbers in (0, 1], got ()"),
-        (dict(fractions="0.1"), "fractions must be a non-empty sequence of numbers in (0, 1], got '0.1'"),
-        (dict(fractions=(0.1, 1.5)), "fraction must be a number in (0, 1] (the share of edges or nodes kept), got 1.5"),
-        (dict(seed="0"), "seed must be an integer (resample r is scored with seed + 1 + r), got '0'"),
+        (dict(fractions=()), "fractions must hold at least one size (a share in (0, 1]), got none"),
+        (dict(fractions="0.1"), "fractions must be a sequence of shares of the edges (or nodes) kept, got '0.1'"),
+        (dict(fractions=(0.1, 1.5)), "fractions: 1.5 is not a number in (0, 1] (a share of edges or nodes kept)"),
+        # The same rules and words as circuit_curve's (checks.check_sizes): a size given twice is refused there too.
+        (dict(fractions=(0.1, 0.1, 1.0)), "fractions: 0.1 is given twice; give each size once"),
+        (dict(seed="0"), "seed must be a non-negative integer, got '0'"),
+        (dict(seed=-1), "seed must be a non-negative integer, got -1"),
         (dict(steps=0), "steps must be a positive integer, got 0"),
         (dict(memory=0), "memory must be a positive number of bytes, got 0"),
     ]  # fmt: skip

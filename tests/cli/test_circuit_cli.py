@@ -416,3 +416,5 @@ def test_a_resume_with_other_inputs_or_kept_results_of_another_run_is_refused(
         "scoring prompts ("
     )
     assert err.endswith("the folder mixes two runs; pass --restart (restart=True) to start afresh\n")
+    # The message says what differs, which the two runs' descriptions alone (same task, part and count) do not.
+    assert re.search(r"\): \d of this run's 3 prompts among its 3\): the folder mixes two runs", err), err

@@ -158,7 +158,13 @@ def check_kept(path: Path, recorded: Prompts | None, prompts: Prompts) -> None:
         torch.sort(recorded.fingerprints).values, torch.sort(prompts.fingerprints).values
     )
     if not same or recorded.tokenizer != prompts.tokenizer:
+        # Both reprs can read alike (same task, part and count): what differs is which prompts they are.
+        differs = (
+            "another tokenizer's ids"
+            if recorded.tokenizer != prompts.tokenizer
+            else f"{recorded.overlap(prompts)} of this run's {len(prompts)} prompts among its {len(recorded)}"
+        )
         raise ValueError(
-            f"{path} was computed on other prompts than this run's {prompts.part} prompts ({recorded!r}, not "
-            f"{prompts!r}): the folder mixes two runs; pass --restart (restart=True) to start afresh"
+            f"{path} was computed on other prompts than this run's {prompts.part} prompts ({recorded!r}: "
+            f"{differs}): the folder mixes two runs; pass --restart (restart=True) to start afresh"
         )

@@ -44,7 +44,6 @@ Example (``cl.circuit_stability(model, task, method="eap")`` makes such a result
     (0.5556, [1.0, 0.3333333333333333, 1.0])
 """
 
-import dataclasses
 import math
 import os
 from collections.abc import Callable, Sequence
@@ -59,11 +58,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from contribution_lens.adapter import Model
+from contribution_lens.circuits.checks import check_seed, check_sizes
 from contribution_lens.circuits.evaluation import FRACTIONS
 from contribution_lens.circuits.graph import Graph, circuit_graph
 from contribution_lens.circuits.registry import DEFAULT_MEMORY, get_circuit_method
 from contribution_lens.circuits.resampling import check_memory, check_steps, percentile_interval
-from contribution_lens.circuits.scoring import CircuitScores, check_fraction, check_level, check_task, circuit_scores
+from contribution_lens.circuits.scoring import CircuitScores, check_level, check_task, circuit_scores
 from contribution_lens.circuits.task import Task
 from contribution_lens.files import Saves
 
@@ -264,13 +264,9 @@ class CircuitStability(Saves):
 
 
 def prompts(task: Task, rows: Tensor) -> Task:
-    """The task of prompts ``rows`` (repeats allowed): every per-prompt tensor field indexed, the rest kept."""
-    picked: dict[str, Any] = {
-        field.name: value[rows]
-        for field in dataclasses.fields(task)
-        if isinstance(value := getattr(task, field.name), Tensor) and value.shape[:1] == (len(task),)
-    }
-    return dataclasses.replace(task, **picked)
+    """The task of prompts ``rows`` (repeats allowed): `Task.subset`, whose checks know that a resample repeats
+    prompts by design (a rebuilt task would warn of the repeats in every bootstrap resample)."""
+    return task.subset(rows)
 
 
 def circuits_of(scores: CircuitScores, fractions: Sequence[float], level: str) -> Bool[Tensor, "size item"]:
@@ -302,15 +298,11 @@ def _check(model: Model, task: Task, method: str, level: str, options: dict[str,
         raise ValueError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {options['sampling']!r}")
     if len(task) < 2:
         raise ValueError(f"task: resampling needs at least 2 prompts, got {len(task)}")
-    fractions = options["fractions"]
-    if isinstance(fractions, str | bytes) or not isinstance(fractions, Sequence) or not fractions:
-        raise ValueError(f"fractions must be a non-empty sequence of numbers in (0, 1], got {fractions!r}")
-    checked = sorted({check_fraction(fraction) for fraction in fractions})
-    if isinstance(options["seed"], bool) or not isinstance(options["seed"], int):
-        raise ValueError(f"seed must be an integer (resample r is scored with seed + 1 + r), got {options['seed']!r}")
+    checked = check_sizes(options["fractions"])  # each size on its own: no area, so 1 need not be among them
+    check_seed(options["seed"])
     check_steps(options["steps"])
     check_memory(options["memory"])
-    return tuple(checked)
+    return checked
 
 
 def circuit_stability(
