@@ -503,7 +503,8 @@ QUOTED: dict[str, dict[str, list[tuple[str, str]]]] = {
 }
 """For each lesson whose prose quotes what its cells compute: per markdown cell, each phrase that quotes a result (a
 format string) and the expression, evaluated in the lesson's kernel once it has run, whose value it quotes (a
-tuple for several fields). Every decimal number, grouped integer and head or MLP name of those cells
+tuple for several fields). A lesson opts in by declaring its quotes here; a lesson that declares none is not
+checked. In a lesson that does, every decimal number, grouped integer and head or MLP name of every markdown cell
 (outside code and formulas) must lie in such a phrase, and every phrase must read as the values give it: a change
 that moves a number fails here, naming the cell, what it says and what the lesson computed."""
 QUOTE = re.compile(r"(?<![\w.])-?\d+\.\d+|(?<![\w.,])\d{1,3}(?:,\d{3})+(?![\d,])|\bL\d+(?:H\d+|\.mlp)\b")
@@ -530,8 +531,13 @@ def unquoted_spans(source: str) -> list[tuple[int, int]]:
 
 
 def quoted_problems(name: str, notebook: nbformat.NotebookNode, values: dict) -> list[str]:
-    """Where a lesson's prose quotes a number its cells do not give, or quotes one that `QUOTED` does not read."""
-    quoted = QUOTED.get(name, {})
+    """Where a lesson's prose quotes a number its cells do not give, or quotes one that `QUOTED` does not read.
+
+    Only a lesson that declares its quotes in `QUOTED` is checked: one that declares none has opted out.
+    """
+    if name not in QUOTED:
+        return []
+    quoted = QUOTED[name]
     problems = []
     for cell in notebook.cells:
         if cell.cell_type != "markdown":
@@ -568,8 +574,17 @@ def test_quoted_problems_names_a_number_the_lesson_does_not_give() -> None:
             "cell a quotes 'L23H0', which QUOTED does not read from the lesson",
             "cell a quotes '0.71', which QUOTED does not read from the lesson",
         ]
+        # A lesson that declares an entry, even an empty one, is checked in every markdown cell ...
+        QUOTED["demo"] = {}
+        assert quoted_problems("demo", notebook, {}) == [
+            "cell a quotes '0.87', which QUOTED does not read from the lesson",
+            "cell a quotes 'L23H0', which QUOTED does not read from the lesson",
+            "cell a quotes '0.71', which QUOTED does not read from the lesson",
+        ]
     finally:
         del QUOTED["demo"]
+    # ... and one that declares none (lessons 01-10) has not opted in: its prose is not checked.
+    assert "demo" not in QUOTED and quoted_problems("demo", notebook, {}) == []
 
 
 def export_problems(notebook: nbformat.NotebookNode, html: str) -> list[str]:
