@@ -234,276 +234,249 @@ def execute(path: Path) -> tuple[nbformat.NotebookNode, float, dict]:
 QUOTED: dict[str, dict[str, list[tuple[str, str]]]] = {
     "11_finding_a_circuit": {
         "11-03": [
-            (
-                "accuracy {:.1f} on the 4 prompts",
-                "report.accuracy",
-            ),
-            (
-                "a mean logit difference of about {:.1f}",
-                "report.mean",
-            ),
-            (
-                "interval of about [{:.1f}, {:.1f}]",
-                "(report.low, report.high)",
-            ),
+            ("accuracy {:.1f} on the 16 prompts", "report.accuracy"),
+            ("a mean logit difference of about {:.1f}", "report.mean"),
+            ("interval of about [{:.1f}, {:.1f}]", "(report.low, report.high)"),
         ],
         "11-05": [
             (
                 "The graph has {} nodes, {} inputs and {:,} edges",
                 "(len(graph.nodes), len(graph.inputs), len(graph.edges))",
             ),
+            ("hold about {:.2f} of the total", "top_share"),
             (
-                "hold about {:.2f} of the total",
-                "top_share",
+                "The largest of all, `{}` (about {:+.2f}), runs from a late head",
+                "(ranked.iloc[0]['edge'], ranked.iloc[0]['score'])",
             ),
             (
-                "The largest of all, `{}` (about {:+.2f}), and the next, `{}` (about {:+.2f})",
-                ("(ranked.iloc[0]['edge'], ranked.iloc[0]['score'], ranked.iloc[1]['edge'], ranked.iloc[1]['score'])"),
+                "The next two are positive, `{}` (about {:+.2f}) and `{}` (about {:+.2f})",
+                "(ranked.iloc[1]['edge'], ranked.iloc[1]['score'], ranked.iloc[2]['edge'], ranked.iloc[2]['score'])",
             ),
-            (
-                "`{}` (about {:+.2f}) runs from a late head",
-                "(ranked.iloc[2]['edge'], ranked.iloc[2]['score'])",
-            ),
-            (
-                "`{}` (about {:+.2f}) and `{}` (about {:+.2f}) are value inputs",
-                ("(ranked.iloc[3]['edge'], ranked.iloc[3]['score'], ranked.iloc[4]['edge'], ranked.iloc[4]['score'])"),
-            ),
+            ("`{}` (about {:+.2f}) enters the value input", "(ranked.iloc[4]['edge'], ranked.iloc[4]['score'])"),
+            ("Last in the table, `{}` (about {:+.2f})", "(ranked.iloc[7]['edge'], ranked.iloc[7]['score'])"),
         ],
         "11-07": [
             (
-                (
-                    "a CPR of about {:.2f} (95 % interval about [{:.2f}, {:.2f}]) and a CMD of about {:.2f} "
-                    "([{:.2f}, {:.2f}])"
-                ),
-                "tuple(areas.loc['eap, edges', ['cpr', 'cpr_low', 'cpr_high', 'cmd', 'cmd_low', 'cmd_high']])",
+                "the clean logit difference is about {:.2f} and the counterfactual's about {:.2f}",
+                "(live.clean.mean(), live.corrupted.mean())",
+            ),
+            ("swing of about {:.2f}", "live.clean.mean() - live.corrupted.mean()"),
+            (
+                "Its smallest circuit, {:.0f} edges chosen and {:.0f} left after pruning, already recovers about "
+                "{:.2f}",
+                "tuple(live.table.set_index(['selection', 'fraction']).loc[('absolute', 0.001), ['chosen', 'edges', "
+                "'faithfulness']])",
             ),
             (
-                "the random control has a CPR of about {:.2f} and a CMD of about {:.2f}",
-                "(areas.loc['random, edges', 'cpr'], areas.loc['random, edges', 'cmd'])",
+                "1 % of the edges recovers about {:.2f} and 10 % about {:.2f}",
+                "tuple(saved.loc['eap', 'evaluation', 'absolute'].loc[[0.01, 0.1]])",
             ),
             (
-                "smallest circuit, {:.1f} % of the edges ({:.0f} edges), already recovers about {:.2f}",
-                "(100 * live.fractions[0], live.sizes[0], live.faithfulness[0])",
+                "recovers three quarters is {:.0f} % of the edges",
+                "100 * saved.loc['eap', 'evaluation', 'absolute'].pipe(lambda f: f[f >= 0.75].index.min())",
             ),
             (
-                "about {:.2f} at 1 %",
-                "saved.loc[0.01]",
+                "Its CMD is about {:.3f} (95 % interval about [{:.3f}, {:.3f}])",
+                "tuple(areas.loc[('eap', 'evaluation'), ['cmd', 'cmd_low', 'cmd_high']])",
+            ),
+            ("even half of the edges recover only about {:.2f}", "saved.loc['eap', 'evaluation', 'signed', 0.5]"),
+            (
+                "Its CPR, about {:.2f} ([{:.2f}, {:.2f}]), is *below* the random control's, about {:.2f} ([{:.2f}, "
+                "{:.2f}])",
+                "(*areas.loc[('eap', 'evaluation'), ['cpr', 'cpr_low', 'cpr_high']], *areas.loc[('random', "
+                "'evaluation'), ['cpr', 'cpr_low', 'cpr_high']])",
             ),
             (
-                "10 % recovers about {:.2f}, 20 % about {:.2f} and half of them about {:.2f}",
-                "tuple(saved.loc[[0.1, 0.2, 0.5]])",
+                "they recover up to about {:.2f} of the logit difference (at {:.0f} % of the edges)",
+                "(saved.loc['eap-ig', 'evaluation', 'signed'].max(), 100 * saved.loc['eap-ig', 'evaluation', "
+                "'signed'].idxmax())",
             ),
             (
-                "three quarters of what the model does is {:.0f} % of the edges",
-                "100 * saved[saved >= 0.75].index.min()",
+                "its CPR is about {:.2f} ([{:.2f}, {:.2f}])",
+                "tuple(areas.loc[('eap-ig', 'evaluation'), ['cpr', 'cpr_low', 'cpr_high']])",
+            ),
+            ("as closely as EAP: CMD about {:.3f}", "areas.loc[('eap-ig', 'evaluation'), 'cmd']"),
+            (
+                "CMD about {:.2f}. Its CPR of about {:.2f} comes from its signed half, which recovers about {:.2f}",
+                "(areas.loc[('random', 'evaluation'), 'cmd'], areas.loc[('random', 'evaluation'), 'cpr'], "
+                "saved.loc['random', 'evaluation', 'signed', 0.5])",
             ),
             (
-                "out of the graph's {:,}",
-                "len(graph.edges)",
+                "about {:.2f} at the smallest and {:.2f} at 1 % (against {:.2f} and {:.2f} on the evaluation prompts)",
+                "(*saved.loc['eap', 'scoring', 'absolute'].loc[[0.001, 0.01]], *saved.loc['eap', 'evaluation', "
+                "'absolute'].loc[[0.001, 0.01]])",
             ),
+            (
+                "(CMD about {:.3f} against {:.3f})",
+                "(areas.loc[('eap', 'scoring'), 'cmd'], areas.loc[('eap', 'evaluation'), 'cmd'])",
+            ),
+        ],
+        "11-07b": [
+            (
+                "EAP's signed 1 % circuit, {} edges before pruning, recovers about {:.2f}",
+                '(len(hub_checks["EAP\'s signed 1 %"].edges), round(hub_results["EAP\'s signed 1 %"].faithfulness, 2)'
+                " + 0.0)",
+            ),
+            (
+                "With the one edge `{}` added it recovers about {:.2f} (interval about [{:.2f}, {:.2f}])",
+                "(hub, hub_results[f'the same and {hub}'].faithfulness, *hub_results[f'the same and {hub}'].interval)",
+            ),
+            (
+                "EAP scores that edge about {:+.2f} and EAP-IG about {:+.2f}",
+                "(hub_scores['EAP'], hub_scores['EAP-IG'])",
+            ),
+            (
+                "its signed 1 % circuit, which keeps the edge, recovers about {:.2f} ([{:.2f}, {:.2f}])",
+                '(hub_results["EAP-IG\'s signed 1 %"].faithfulness, *hub_results["EAP-IG\'s signed 1 %"].interval)',
+            ),
+            ("out of the graph's {:,}", "len(graph.edges)"),
         ],
         "11-09": [
             (
-                "recover only about {:.2f} of the logit difference (interval about [{:.2f}, {:.2f}])",
+                "recover only about {:.2f} of the logit difference on the evaluation prompts (interval about [{:.2f}, "
+                "{:.2f}])",
                 "(drawn_result.faithfulness, *drawn_result.interval)",
             ),
-            (
-                "as the curve said ({:.2f} at {:.0f} edges)",
-                "(live.faithfulness[0], live.sizes[0])",
-            ),
-            (
-                "The figure draws {} lines for the 40 edges",
-                "len(figure_edges)",
-            ),
+            ("as the curve said ({:.2f} for its smallest circuit)", "live.faithfulness[1, 0]"),
+            ("The figure draws {} lines for the 40 edges", "len(figure_edges)"),
         ],
         "11-11": [
             (
-                (
-                    "{} writes the most, about {:.2f}, and it does so *through the S keys* (about {:.2f}; about "
-                    "{:.2f} through the IO key)"
-                ),
-                (
-                    "(writers.index[0], *writers.iloc[0][['logit difference', 'through the S keys', 'through the IO "
-                    "key']])"
-                ),
+                "{} writes the most, about {:.2f}, and it does so *through the S keys* (about {:.2f}; about "
+                "{:.2f} through the IO key)",
+                "(writers.index[0], *writers.iloc[0][['logit difference', 'through the S keys', 'through the IO "
+                "key']])",
             ),
-            (
-                "it puts about {:.2f} of its attention on the subject",
-                "writers.iloc[0]['attention to S']",
-            ),
+            ("it puts about {:.2f} of its attention on the subject", "writers.iloc[0]['attention to S']"),
             (
                 "{} writes about {:.2f} while attending to neither name (about {:.2f} of its attention on S)",
                 "(writers.index[1], *writers.iloc[1][['logit difference', 'attention to S']])",
             ),
             (
-                (
-                    "{} writes about {:.2f} in all, about {:.2f} through the IO key alone, and puts about {:.2f} "
-                    "of its attention on the"
-                ),
-                (
-                    "tuple(head_row(mover_layer, mover_head)[k] for k in ('head', 'logit difference', 'through the "
-                    "IO key', 'attention to IO'))"
-                ),
+                "{} writes about {:.2f} in all, about {:.2f} through the IO key alone, and puts about {:.2f} "
+                "of its attention on the",
+                "tuple(head_row(mover_layer, mover_head)[k] for k in ('head', 'logit difference', 'through the "
+                "IO key', 'attention to IO'))",
             ),
             (
                 "Two heads write against the answer, {} (about {:.2f}) and {} (about {:.2f})",
-                (
-                    "(negative[0], writers.loc[negative[0], 'logit difference'], negative[1], "
-                    "writers.loc[negative[1], 'logit difference'])"
-                ),
+                "(negative[0], writers.loc[negative[0], 'logit difference'], negative[1], "
+                "writers.loc[negative[1], 'logit difference'])",
             ),
             (
-                (
-                    "{} looks at the indirect object too (about {:.2f} of its attention) and writes against it "
-                    "through the IO key (about {:.2f})"
-                ),
-                (
-                    "(lambda n: (n, writers.loc[n, 'attention to IO'], writers.loc[n, 'through the IO "
-                    "key']))(max(negative, key=lambda n: writers.loc[n, 'attention to IO']))"
-                ),
+                "{} looks at the indirect object too (about {:.2f} of its attention) and writes against it "
+                "through the IO key (about {:.2f})",
+                "(lambda n: (n, writers.loc[n, 'attention to IO'], writers.loc[n, 'through the IO "
+                "key']))(max(negative, key=lambda n: writers.loc[n, 'attention to IO']))",
             ),
+            ("no head below layer 20 writes more than about {:.2f} either way", "terms[0, :20].abs().max()"),
         ],
         "11-13": [
             (
                 "keeps only between about {:.2f} and {:.2f} of the logit difference",
                 "writer_checks['the three answer writers'].interval",
             ),
+            ("$f$ between about {:.2f} and {:.2f}", "writer_checks['the two negative writers'].interval"),
             (
-                "$f$ between about {:.2f} and {:.2f}",
-                "writer_checks['the two negative writers'].interval",
+                "three other late heads ({}) leave it where it was, about {:.3f} (interval [{:.3f}, {:.3f}])",
+                "(', '.join(others), writer_checks['three other heads of layers 20-29'].faithfulness, "
+                "*writer_checks['three other heads of layers 20-29'].interval)",
             ),
-            (
-                "three other late heads ({}) leave it where it was, between about {:.2f} and {:.2f}",
-                "(', '.join(others), *writer_checks['three other heads of layers 20-29'].interval)",
-            ),
-            (
-                "For the name mover {} at the last position",
-                "mover",
-            ),
+            ("For the name mover {} at the last position", "mover"),
         ],
         "11-15": [
+            ("The name mover is {} (the largest", "mover"),
             (
-                "The name mover is {} (the largest",
-                "mover",
-            ),
-            (
-                (
-                    "The largest query-side advantage at the IO key is {}'s, about {:.2f}, ahead of {} (about "
-                    "{:.2f}) and {} (about {:.2f})"
-                ),
+                "The largest query-side advantage at the IO key is {}'s, about {:.2f}, ahead of {} (about "
+                "{:.2f}) and {} (about {:.2f})",
                 "tuple(x for name in query_side.index[:3] for x in (name, query_side[name]))",
             ),
             (
-                (
-                    "{} puts about {:.2f} of its attention, from the last position, on the subject: it reads S and "
-                    "writes into the end's stream what makes {}'s"
-                ),
+                "{} puts about {:.2f} of its attention, from the last position, on the subject: it reads S and "
+                "writes into the end's stream what makes {}'s",
                 "(inhibitors[0], head_row(*map(int, inhibitors[0][1:].split('H')))['attention to S'], mover)",
             ),
-            (
-                "into {}'s query input carry the counterfactual",
-                "mover",
-            ),
+            ("into {}'s query input carry the counterfactual", "mover"),
         ],
         "11-17": [
             (
                 "into {}'s query input lowers the faithfulness to about {:.2f} (interval about [{:.2f}, {:.2f}])",
-                (
-                    "(mover, query_results['edges inhibitors -> mover<q> patched'].faithfulness, "
-                    "*query_results['edges inhibitors -> mover<q> patched'].interval)"
-                ),
+                "(mover, query_results['edges inhibitors -> mover<q> patched'].faithfulness, "
+                "*query_results['edges inhibitors -> mover<q> patched'].interval)",
             ),
             (
                 "costs more, about {:.2f} ([{:.2f}, {:.2f}])",
-                (
-                    "(query_results['the inhibitors patched (nodes)'].faithfulness, *query_results['the inhibitors "
-                    "patched (nodes)'].interval)"
-                ),
+                "(query_results['the inhibitors patched (nodes)'].faithfulness, *query_results['the inhibitors "
+                "patched (nodes)'].interval)",
             ),
             (
                 "leaves it at about {:.2f} ([{:.2f}, {:.2f}])",
-                (
-                    "(query_results['three other edges into mover<q> patched'].faithfulness, *query_results['three "
-                    "other edges into mover<q> patched'].interval)"
-                ),
+                "(query_results['three other edges into mover<q> patched'].faithfulness, *query_results['three "
+                "other edges into mover<q> patched'].interval)",
             ),
-            (
-                "The S-inhibition head {} attends",
-                "inhibitor",
-            ),
+            ("The S-inhibition head {} attends", "inhibitor"),
         ],
         "11-19": [
             (
-                (
-                    "{} first (about {:.2f}), then {} (about {:.2f}), {} (about {:.2f}), {} (about {:.2f}) and {} "
-                    "(about {:.2f})"
-                ),
+                "{} first (about {:.2f}), then {} (about {:.2f}), {} (about {:.2f}), {} (about {:.2f}) and {} "
+                "(about {:.2f})",
                 "tuple(x for name in key_side.index[:5] for x in (name, key_side[name]))",
             ),
             (
-                "{} attends to S1, the same name earlier (about {:.2f} of its attention)",
-                "(duplicate_head, key_table.loc[duplicate_head, 'attention S2 -> S1 (duplicate token)'])",
-            ),
-            (
-                "{} attends to the token after S1 (about {:.2f})",
+                "{} attends to the token after S1 (about {:.2f} of its attention): an **induction head**",
                 "(induction_head, key_table.loc[induction_head, 'attention S2 -> S1+1 (induction)'])",
             ),
             (
-                "the key input of {}'s group",
-                "inhibitor",
+                "{} does too, more weakly (about {:.2f})",
+                "(lambda c: (c.index[1], c.iloc[1]))(key_table['attention S2 -> S1+1 (induction)'].sort_values("
+                "ascending=False))",
             ),
+            (
+                "(the most, {}, about {:.2f})",
+                "(duplicate_head, key_table.loc[duplicate_head, 'attention S2 -> S1 (duplicate token)'])",
+            ),
+            ("the key input of {}'s group", "inhibitor"),
         ],
         "11-21": [
             (
-                "lowers the faithfulness only to about {:.2f} (interval about [{:.2f}, {:.2f}])",
-                "(next(iter(key_results.values())).faithfulness, *next(iter(key_results.values())).interval)",
+                "leaves the faithfulness at about {:.3f} (interval about [{:.3f}, {:.3f}])",
+                "(key_results[f'edges -> {key_input} patched'].faithfulness, *key_results[f'edges -> {key_input} "
+                "patched'].interval)",
+            ),
+            (
+                "value input carry more: patched, they lower it to about {:.3f} ([{:.3f}, {:.3f}])",
+                "(key_results[f'edges -> {value_input} patched'].faithfulness, *key_results[f'edges -> "
+                "{value_input} patched'].interval)",
             ),
             (
                 "cost more, about {:.2f} ([{:.2f}, {:.2f}])",
-                (
-                    "(key_results['the key-side heads patched (nodes)'].faithfulness, *key_results['the key-side "
-                    "heads patched (nodes)'].interval)"
-                ),
+                "(key_results['the key-side heads patched (nodes)'].faithfulness, *key_results['the key-side "
+                "heads patched (nodes)'].interval)",
             ),
+            ("a name mover, {}, three quarters", "mover"),
             (
-                "a name mover, {}, three quarters",
-                "mover",
-            ),
-            (
-                (
-                    "a negative name mover, {}, which attends to the indirect object and writes against it, and "
-                    "another negative writer, {},"
-                ),
+                "a negative name mover, {}, which attends to the indirect object and writes against it, and "
+                "another negative writer, {},",
                 "tuple(sorted(negative, key=lambda n: -writers.loc[n, 'attention to IO']))",
             ),
-            (
-                "an S-inhibition head, {}, attending",
-                "inhibitor",
-            ),
-            (
-                "a duplicate-token head, {}, and a weak induction pattern in {}.",
-                "(duplicate_head, induction_head)",
-            ),
-            (
-                "The largest direct writer, {}, is not",
-                "writers.index[0]",
-            ),
+            ("an S-inhibition head, {}, attending", "inhibitor"),
+            ("an induction head, {}. Three things differ", "induction_head"),
+            ("The largest direct writer, {}, is not", "writers.index[0]"),
             (
                 "EAP's circuits need {:.0f} % of the {:,} edges",
-                "(100 * saved[saved >= 0.75].index.min(), len(graph.edges))",
+                "(100 * saved.loc['eap', 'evaluation', 'absolute'].pipe(lambda f: f[f >= 0.75].index.min()), "
+                "len(graph.edges))",
             ),
         ],
         "11-21a": [
-            (
-                "(the size at which the curve read {:.2f})",
-                "live.faithfulness[0]",
-            ),
+            ("(the curve's smallest, which read {:.2f})", "live.faithfulness[1, 0]"),
         ],
     },
 }
 """For each lesson whose prose quotes what its cells compute: per markdown cell, each phrase that quotes a result (a
 format string) and the expression, evaluated in the lesson's kernel once it has run, whose value it quotes (a
-tuple for several fields). Every decimal number, grouped integer and head or MLP name of those cells
+tuple for several fields). A lesson opts in by declaring its quotes here; a lesson that declares none is not
+checked. In a lesson that does, every decimal number, grouped integer and head or MLP name of every markdown cell
 (outside code and formulas) must lie in such a phrase, and every phrase must read as the values give it: a change
 that moves a number fails here, naming the cell, what it says and what the lesson computed."""
 QUOTE = re.compile(r"(?<![\w.])-?\d+\.\d+|(?<![\w.,])\d{1,3}(?:,\d{3})+(?![\d,])|\bL\d+(?:H\d+|\.mlp)\b")
@@ -530,8 +503,13 @@ def unquoted_spans(source: str) -> list[tuple[int, int]]:
 
 
 def quoted_problems(name: str, notebook: nbformat.NotebookNode, values: dict) -> list[str]:
-    """Where a lesson's prose quotes a number its cells do not give, or quotes one that `QUOTED` does not read."""
-    quoted = QUOTED.get(name, {})
+    """Where a lesson's prose quotes a number its cells do not give, or quotes one that `QUOTED` does not read.
+
+    Only a lesson that declares its quotes in `QUOTED` is checked: one that declares none has opted out.
+    """
+    if name not in QUOTED:
+        return []
+    quoted = QUOTED[name]
     problems = []
     for cell in notebook.cells:
         if cell.cell_type != "markdown":
@@ -568,8 +546,17 @@ def test_quoted_problems_names_a_number_the_lesson_does_not_give() -> None:
             "cell a quotes 'L23H0', which QUOTED does not read from the lesson",
             "cell a quotes '0.71', which QUOTED does not read from the lesson",
         ]
+        # A lesson that declares an entry, even an empty one, is checked in every markdown cell ...
+        QUOTED["demo"] = {}
+        assert quoted_problems("demo", notebook, {}) == [
+            "cell a quotes '0.87', which QUOTED does not read from the lesson",
+            "cell a quotes 'L23H0', which QUOTED does not read from the lesson",
+            "cell a quotes '0.71', which QUOTED does not read from the lesson",
+        ]
     finally:
         del QUOTED["demo"]
+    # ... and one that declares none (lessons 01-10) has not opted in: its prose is not checked.
+    assert "demo" not in QUOTED and quoted_problems("demo", notebook, {}) == []
 
 
 def export_problems(notebook: nbformat.NotebookNode, html: str) -> list[str]:
