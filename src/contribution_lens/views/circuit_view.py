@@ -52,8 +52,8 @@ def check_prompt(task: Task, prompt: Any) -> int:
 
     Example:
         >>> import torch
-        >>> task = Task("t", torch.zeros(2, 3, dtype=torch.long), torch.zeros(2, 3, dtype=torch.long),
-        ...             torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.long), torch.tensor([2, 1]))
+        >>> ids = torch.tensor([[5, 6, 7], [5, 8, 7]])
+        >>> task = Task("t", ids, ids + 1, torch.tensor([1, 1]), torch.tensor([2, 2]), Task.full_length(ids))
         >>> check_prompt(task, 1)
         1
     """
