@@ -14,7 +14,11 @@ from test_import_order import LAYERS, PACKAGE, SRC, layer_of
 
 PACKAGE_DOC = ROOT / "docs" / "package.md"
 CONTRIBUTING = ROOT / "CONTRIBUTING.md"
-SECTIONS = {"views/inspector": "The inspector", "views/inspector/static": "The inspector"}
+SECTIONS = {
+    "views/inspector": "The inspector",
+    "views/inspector/static": "The inspector",
+    "views/inspector/static/panels": "The inspector",
+}
 """Folders whose modules are listed by file name in the tables of their own section of docs/package.md."""
 CODE = re.compile(r"`([^`]+)`")
 
@@ -38,7 +42,7 @@ def _documented_files(folder: str, text: str) -> set[str]:
     """The file names docs/package.md's tables give ``folder`` (relative to the package; ``""`` is its top)."""
     if folder in SECTIONS:
         rows = _rows(_section(text, SECTIONS[folder]))
-        return {name for row in rows for name in CODE.findall(row[0])}
+        return {name.rpartition("/")[2] for row in rows for name in CODE.findall(row[0])}  # panels/why.js: why.js
     rows = _rows(_section(text, "The layout"))
     if not folder:
         return {name for row in rows for name in CODE.findall(row[0]) if not name.endswith("/")}

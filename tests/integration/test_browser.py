@@ -399,6 +399,7 @@ window.host = window.hosts[0];
 
 def widget_state(inspector) -> dict:
     names = ("layer", "head", "factor", "scope", "query", "start", "tokens", "view", "step", "steps", "meta", "payload")
+    names = (*names, "panels")
     return {name: getattr(inspector, name) for name in names}
 
 

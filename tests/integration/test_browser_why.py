@@ -146,7 +146,7 @@ def kernel_page(inspector, folder: Path, monkeypatch) -> tuple[Path, list[dict]]
 
 def answer_why(browser, inspector, sent: list[dict]) -> dict:
     """The kernel's side: the page's last why request answered, and the answer handed to the page."""
-    asked = browser.execute_script("return window.host.messages.filter((m) => m.type === 'why')")
+    asked = browser.execute_script("return window.host.messages.filter((m) => m.type === 'panel' && m.panel === 'why')")
     assert asked, "the page asked the kernel nothing"
     inspector._on_message(inspector, asked[-1], [])
     answer = sent.pop()
@@ -166,7 +166,7 @@ def test_widget_why_panel_asks_the_kernel_once_per_cell_and_draws_its_answer(
     split = splits[LAYER]
     # Before a click the kernel is asked nothing (a head chosen in the menu costs no pass): the panel says to click.
     assert not drawn_why(browser, "click a cell of the heatmap")["shown"]
-    assert "why" not in browser.execute_script("return window.host.sent")
+    assert "panel" not in browser.execute_script("return window.host.sent")
     click_heatmap_cell(browser, query, 5)
     assert "computing" in drawn_why(browser, f"computing L{LAYER}H{HEAD} at query {query}")["caption"]
     asked = answer_why(browser, inspector, sent)
@@ -181,7 +181,7 @@ def test_widget_why_panel_asks_the_kernel_once_per_cell_and_draws_its_answer(
     answer_why(browser, inspector, sent)
     other = drawn_why(browser, "to key 5:")
     check_bars(other, split, HEAD, 8, 5)
-    whys = [m for m in browser.execute_script("return window.host.messages") if m["type"] == "why"]
+    whys = [m for m in browser.execute_script("return window.host.messages") if m.get("panel") == "why"]
     assert [m["query"] for m in whys] == [query, 8], whys
     # A kernel that does not answer: the panel says so, by the widget's rule.
     browser.execute_script("window.host.deaf = true")

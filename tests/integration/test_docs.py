@@ -200,7 +200,7 @@ NOT_THE_PACKAGES_PYTHON = {
     ),
     "query 3's panel was not embedded in this page (it carries queries 11): write it with write_html(..., "
     "why_queries=[3]), or open the live inspector, which computes it for the clicked cell.": (
-        'src/contribution_lens/views/inspector/static/page.js:"\'s panel was not embedded in this page (it carries "'
+        'src/contribution_lens/views/inspector/static/panels/why.js:panel was not embedded in this page (it carries "'
     ),
     "This page draws the inspector with JavaScript, which has not run. In JupyterLab's HTML viewer, press Trust "
     "HTML at the top of the viewer; elsewhere, open the file in a browser with scripts allowed.": (

@@ -395,7 +395,8 @@ def test_a_late_window_shows_the_rest_of_each_row_and_all_heads_say_how_in_jupyt
 
 WHY = """() => {
   const root = document.querySelectorAll('.cl-inspector')[0];
-  const gd = root.querySelector('.cl-why-bars');
+  const gd = root && root.querySelector('.cl-why-bars');  // drawn by the why panel's module, once it is loaded
+  if (!gd) return null;
   const menu = (name) => root.querySelector("select[data-control='" + name + "']").value;
   return {caption: root.querySelector('.cl-why-caption').textContent, layer: menu('layer'), head: menu('head'),
           bars: gd.offsetHeight > 0 && gd.data ? gd.data.map((t) => ({y: t.y, x: t.x, text: t.text})) : null};

@@ -34,8 +34,8 @@ SHOWN = """() => {
   const root = roots[roots.length - 1];
   const figure = [...document.querySelectorAll('.js-plotly-plot')].find((gd) => (gd.data || []).some(
     (t) => t.name === 'nodes'));
-  if (!root || !figure) return null;
-  const gd = root.querySelector('.cl-why-bars');
+  const gd = root && root.querySelector('.cl-why-bars');  // drawn by the why panel's module, once it is loaded
+  if (!figure || !gd) return null;
   const menu = (name) => root.querySelector("select[data-control='" + name + "']").value;
   const notes = [...document.querySelectorAll('.cl-circuit-note')].map((e) => e.textContent);
   return {caption: root.querySelector('.cl-why-caption').textContent, layer: menu('layer'), head: menu('head'),

@@ -1,6 +1,7 @@
 // The inspector's front-end against the Python side: run by tests/views/test_inspector_front_end.py,
 // which writes CL_GOLDEN/golden.json (payloads and the values the Python side computes of them) and
-// CL_GOLDEN/inspector.mjs (the module exactly as the widget and the page load it). No browser.
+// CL_GOLDEN/inspector.mjs (the module exactly as the widget and the page load it) and CL_GOLDEN/why.mjs (the why
+// panel's module). No browser.
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import { join } from "node:path";
@@ -11,6 +12,7 @@ const folder = process.env.CL_GOLDEN;
 if (!folder) throw new Error("run through pytest (tests/views/test_inspector_front_end.py): CL_GOLDEN names the golden files");
 const golden = JSON.parse(readFileSync(join(folder, "golden.json"), "utf8"));
 const js = await import(pathToFileURL(join(folder, "inspector.mjs")).href);
+const whyPanel = await import(pathToFileURL(join(folder, "why.mjs")).href); // a panel's module of its own
 
 // |got - want| <= atol + rtol |want| for each number; null (NaN in Python) wants NaN.
 function close(got, want, what, { atol = 0, rtol = 0 } = {}) {
@@ -180,17 +182,17 @@ test("why", () => {
   const { row, bars, heads, keys } = golden.why;
   // Each key's bars: the top terms then the other components, adding up to log alpha + H.
   row.key_side.forEach((side, n) => {
-    for (const drawn of [js.whyBars(side), js.whyBars(row.query_side[n])]) {
+    for (const drawn of [whyPanel.whyBars(side), whyPanel.whyBars(row.query_side[n])]) {
       assert.deepEqual(drawn.names.slice(0, -1), side === drawn ? side.names : drawn.names.slice(0, -1));
-      assert.equal(drawn.names.at(-1), js.OTHER);
+      assert.equal(drawn.names.at(-1), whyPanel.OTHER);
       const sum = drawn.values.reduce((a, b) => a + b, 0);
       close([sum, drawn.total], [bars[n].total, bars[n].total], `key ${row.keys[n]}: the bars' sum and total`, { atol: 1e-4 });
     }
-    assert.deepEqual(js.whyBars(side).names, bars[n].names);
+    assert.deepEqual(whyPanel.whyBars(side).names, bars[n].names);
   });
   // A component's head, as the Python side reads it: only L{m}H{h} opens a head.
-  for (const [name, where] of Object.entries(heads)) assert.deepEqual(js.headOf(name), where, name);
-  for (const [what, [clicked, want]] of Object.entries(keys)) assert.equal(row.keys[js.whyKey(row, clicked)], want, what);
+  for (const [name, where] of Object.entries(heads)) assert.deepEqual(whyPanel.headOf(name), where, name);
+  for (const [what, [clicked, want]] of Object.entries(keys)) assert.equal(row.keys[whyPanel.whyKey(row, clicked)], want, what);
 });
 
 // A widget model as anywidget gives it: traits, save_changes, and JupyterLab's notebook through its widget manager.

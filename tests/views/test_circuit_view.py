@@ -62,11 +62,13 @@ def test_open_moves_the_inspector_and_sends_the_heads_why_row(view, monkeypatch)
     assert (inspector.layer, inspector.head, inspector.query, inspector.group_kv) == (1, 2, view.query, False)
     assert "L1H2 opened" in note and f"query {view.query}" in note
     (message,) = sent
-    assert message["key"] == f"{inspector.meta['key']}|1/2/{view.query}"
-    assert message["row"] == inspector.why(view.query, layer=1, head=2)
-    assert (message["row"]["layer"], message["row"]["head"], message["row"]["query"]) == (1, 2, view.query)
+    assert (message["type"], message["panel"]) == ("panel", "why")
+    assert message["key"] == f"{inspector.meta['key']}|why|1/2/{view.query}"
+    row = message["data"]
+    assert row == inspector.why(view.query, layer=1, head=2)
+    assert (row["layer"], row["head"], row["query"]) == (1, 2, view.query)
     view.open("L0H1")
-    assert sent[1]["row"]["key_side"] != message["row"]["key_side"], "two heads sent the same why row"
+    assert sent[1]["data"]["key_side"] != row["key_side"], "two heads sent the same why row"
 
 
 def test_open_and_the_page_go_back_to_the_window_of_the_final_position(view, monkeypatch) -> None:
@@ -74,7 +76,7 @@ def test_open_and_the_page_go_back_to_the_window_of_the_final_position(view, mon
     view.inspector.tokens, view.inspector.start = 2, 0  # the user moved to a window without the final position
     assert view.query not in view.inspector.window.queries
     data = page_data(view.render_html())
-    assert data["meta"]["queries"][-1] == view.query and data["why"]["queries"] == [view.query]
+    assert data["meta"]["queries"][-1] == view.query and data["panel_data"]["why"]["queries"] == [view.query]
     view.open("L1H2")
     assert view.query in view.inspector.window.queries
     assert (view.inspector.layer, view.inspector.head, view.inspector.query) == (1, 2, view.query)
@@ -110,9 +112,9 @@ def test_the_page_embeds_exactly_the_circuits_heads_at_the_final_position(view, 
     assert heads == {"L0H1": (0, 1), "L1H2": (1, 2)}
     assert set(circuit["nodes"]) == {"embed", *NODES, "logits"}
     assert circuit["query"] == view.query and circuit["prompt"] == 2
-    assert data["why"]["queries"] == [view.query]
+    assert data["panel_data"]["why"]["queries"] == [view.query]
     assert sorted(int(layer) for layer in data["layers"]) == data["meta"]["layers"] == [0, 1]
-    rows = data["why"]["rows"]
+    rows = data["panel_data"]["why"]["data"]
     # Every head of the page's layers (its menus open them too), hence every head of the circuit.
     assert set(rows) == {f"{layer}/{h}/{view.query}" for layer in (0, 1) for h in range(model.cfg.n_heads)}
     for layer, head in heads.values():

@@ -500,7 +500,9 @@ def test_the_face_offers_what_users_call_and_the_old_names_warn_with_their_place
     from contribution_lens.views import export
     from contribution_lens.views.inspector import _deprecated
 
-    assert ins.__all__ == ["Inspector", "InspectorError", "inspect"]
+    panels = ["PANELS", "Panel", "PanelSource", "register_panel", "unregister_panel"]  # the panel seam (panel.py)
+    assert sorted(ins.__all__) == sorted(["Inspector", "InspectorError", "inspect", *panels])
+    assert ins.register_panel is importlib.import_module("contribution_lens.views.inspector.panel").register_panel
     assert ins.inspect is widget.inspect and issubclass(ins.InspectorError, ValueError)
     for name, home in _deprecated.INSPECTOR_NAMES.items():
         moved = re.escape(f"contribution_lens.views.inspector.{name} is deprecated: use {home}.{name}")

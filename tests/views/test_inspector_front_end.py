@@ -269,6 +269,7 @@ def golden(tmp_path_factory) -> Path:
              "still": still_case()}  # fmt: skip
     (folder / "golden.json").write_text(json.dumps(cases), encoding="utf-8")
     (folder / "inspector.mjs").write_text(page.module(), encoding="utf-8")
+    (folder / "why.mjs").write_text(why.PANEL.script, encoding="utf-8")  # the why panel's own module
     return folder
 
 
@@ -338,10 +339,12 @@ MUTATIONS = [
     ("check", "original", "broken"), MUTATIONS, ids=[f"{c}-{i}" for i, (c, _, _) in enumerate(MUTATIONS)]
 )
 def test_each_golden_check_fails_when_its_function_breaks(golden, tmp_path, check, original, broken) -> None:
-    module = (golden / "inspector.mjs").read_text(encoding="utf-8")
+    file = "why.mjs" if check == "why" else "inspector.mjs"  # the why panel is a module of its own
+    module = (golden / file).read_text(encoding="utf-8")
     assert module.count(original) == 1, f"the mutation's target is not one place in the module: {original}"
-    (tmp_path / "golden.json").symlink_to(golden / "golden.json")
-    (tmp_path / "inspector.mjs").write_text(module.replace(original, broken), encoding="utf-8")
+    for name in {"golden.json", "inspector.mjs", "why.mjs"} - {file}:
+        (tmp_path / name).symlink_to(golden / name)
+    (tmp_path / file).write_text(module.replace(original, broken), encoding="utf-8")
     code, _, failed, output = node_test(tmp_path)
     assert code != 0 and check in failed, output
 
@@ -355,7 +358,7 @@ def test_the_widget_and_the_page_load_one_module_of_every_file() -> None:
     module = page.module()
     assert not re.search(r"^\s*import\s", module, re.MULTILINE), "an import the assembly did not remove"
     assert module.count("export default") == 1 and module.rstrip().endswith("export default { render };")
-    for name in files:
+    for name in [*files, *(f"panels/{path.name}" for path in STATIC.glob("panels/*.js"))]:
         assert (STATIC / name).read_text(encoding="utf-8").startswith("// @ts-check\n"), name
     widget = cl.views.inspector.Inspector._esm
     assert widget == module and module in cl.inspect(tiny_bridge("mha"), torch.arange(5)).render_html()
@@ -364,7 +367,7 @@ def test_the_widget_and_the_page_load_one_module_of_every_file() -> None:
 def function_lengths() -> dict[str, int]:
     """Every top-level function of the front-end and its length in lines (to its closing brace at column 0)."""
     lengths = {}
-    for path in sorted(STATIC.glob("*.js")):
+    for path in sorted([*STATIC.glob("*.js"), *STATIC.glob("panels/*.js")]):  # the built-in panels' modules too
         lines = path.read_text(encoding="utf-8").splitlines()
         for i, line in enumerate(lines):
             found = re.match(r"(?:export )?(?:async )?function (\w+)", line)
@@ -376,7 +379,7 @@ def function_lengths() -> dict[str, int]:
 
 def test_no_front_end_function_is_longer_than_sixty_lines() -> None:
     lengths = function_lengths()
-    assert len(lengths) > 40 and "view.js:mount" in lengths
+    assert len(lengths) > 40 and "view.js:mount" in lengths and "why.js:draw" in lengths
     assert {name: n for name, n in lengths.items() if n > 60} == {}
 
 

@@ -18,8 +18,9 @@ from contribution_lens.views.inspector.subject import RULES, InspectorError, Sub
 
 STATIC = Path(state.__file__).parent / "static"
 IDS = torch.tensor([[3, 7, 7, 7, 2, 9, 7, 1, 4, 5]])
-DATA_TRAITS = {"steps", "error", "meta", "payload", "model_ref", "circuit"}
-"""The widget's synced traits that are not settings: what the kernel sends, the refusal, a circuit drawn beside."""
+DATA_TRAITS = {"steps", "error", "meta", "payload", "model_ref", "circuit", "panels"}
+"""The widget's synced traits that are not settings: what the kernel sends, the refusal, a circuit drawn beside, the
+registered panels' modules."""
 
 
 @pytest.fixture(scope="module")

@@ -159,7 +159,7 @@ def test_a_page_off_the_tape_leaves_the_widgets_tape_in_place(monkeypatch) -> No
     kept = inspector._splits.tape
     # The page's query is off the tape, and the shown window with it passes the budget: a pass per layer.
     page = inspector.render_html(start=0, tokens=8, why_queries=[5])
-    assert "1/0/5" in page_data(page)["why"]["rows"]
+    assert "1/0/5" in page_data(page)["panel_data"]["why"]["data"]
     assert inspector._splits.tape is kept
     passes = count_passes(model)
     try:
@@ -191,12 +191,13 @@ def test_widget_refuses_what_it_cannot_split_and_answers_the_front_end() -> None
         inspector.why(3, head=0)
     sent: list[dict] = []
     inspector.send = sent.append  # type: ignore[method-assign]
-    ask = {"type": "why", "key": "8-11|1/2/9", "layer": 1, "head": 2, "query": 9}
+    ask = {"type": "panel", "panel": "why", "key": "8-11|why|1/2/9", "layer": 1, "head": 2, "query": 9}
     inspector._on_message(inspector, ask, [])
     inspector._on_message(inspector, {**ask, "head": -1}, [])
     inspector._on_message(inspector, {**ask, "head": "x"}, [])
-    assert sent[0] == {"type": "why", "key": "8-11|1/2/9", "row": inspector.why(9, head=2)}
-    assert sent[1] == {"type": "why", "key": "8-11|1/2/9", "error": PICK_ONE_HEAD}
+    answer = {"type": "panel", "panel": "why", "key": "8-11|why|1/2/9"}
+    assert sent[0] == {**answer, "data": inspector.why(9, head=2)}
+    assert sent[1] == {**answer, "error": PICK_ONE_HEAD}
     assert sent[2]["error"] == "invalid literal for int() with base 10: 'x'"
     assert inspector.error == "", "a refused why request leaves the widget's own settings alone"
 
@@ -212,15 +213,15 @@ def test_page_embeds_the_named_queries_rows_for_every_head_of_its_layers() -> No
     ids = torch.arange(12)
     inspector = cl.inspect(model, ids, tokens=6, start=6)
     data = page_data(inspector.render_html(why_queries=[-1, 7]))
-    assert data["why"]["queries"] == [7, 11]
+    assert data["panel_data"]["why"]["queries"] == [7, 11]
     n_heads = model.cfg.n_heads
-    assert sorted(data["why"]["rows"]) == sorted(
+    assert sorted(data["panel_data"]["why"]["data"]) == sorted(
         f"{layer}/{h}/{q}" for layer in (0, 1) for h in range(n_heads) for q in (7, 11)
     )
     split = cl.qk_attribution(model, ids, 1, None, query=[7, 11])
     for head in range(n_heads):
-        check_row(data["why"]["rows"][f"1/{head}/11"], split, head, 11, inspector.window.keys)
-    assert page_data(inspector.render_html())["why"] is None, "nothing embedded unless asked"
+        check_row(data["panel_data"]["why"]["data"][f"1/{head}/11"], split, head, 11, inspector.window.keys)
+    assert page_data(inspector.render_html())["panel_data"] == {}, "nothing embedded unless asked"
 
 
 def test_page_refuses_why_queries_off_its_window_before_any_pass(monkeypatch) -> None:

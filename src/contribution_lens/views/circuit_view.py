@@ -276,10 +276,10 @@ class CircuitInspector:
     def open(self, node: str) -> str:
         """Show head ``node`` in the inspector at the final position, its why panel sent: a click on its node.
 
-        Returns the note the view shows under the figure. The why row is computed here
-        (`Inspector.why`: from the first pass's record, no pass of its own) and sent to the
-        front-end as the answer to the request a clicked cell would make, so the panel is drawn
-        without a click on the heatmap.
+        Returns the note the view shows under the figure. The panels' data (the why row among them:
+        `Inspector.why`, from the first pass's record, no pass of its own) is computed here and sent to
+        the front-end as the answers to the requests a clicked cell would make
+        (`Inspector.send_panels`), so the panels are drawn without a click on the heatmap.
         """
         layer, head, query = self.target(node)
         inspector = self.inspector
@@ -289,10 +289,7 @@ class CircuitInspector:
             inspector.group_kv = False  # the why panel splits one head, not a KV group
             inspector.view = "heatmap"
             inspector.layer, inspector.head, inspector.query = layer, head, query
-        row = inspector.why(query, layer=layer, head=head)
-        # The key the front-end files a why answer under (static/inspector.js, whyRows).
-        key = f"{inspector.meta['key']}|{layer}/{head}/{query}"
-        inspector.send({"type": "why", "key": key, "row": row})
+        inspector.send_panels()
         return self._targets[node]["note"]
 
     def page_data(self) -> dict[str, Any]:

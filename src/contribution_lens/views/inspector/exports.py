@@ -3,7 +3,8 @@
 `Export` draws a view state (`contribution_lens.views.inspector.state.NAMES`' values) from the
 payloads an inspector holds (`contribution_lens.views.inspector.caches.LayerCache`): the figure
 of its still and of ``save_image``, the selected query's bars, and the page of ``write_html``
-(every requested layer, opened on that view, with the *why* rows it was asked to carry).
+(every requested layer, opened on that view, with the panels' data it was asked to carry:
+`contribution_lens.views.inspector.panel.page_data`).
 """
 
 import inspect
@@ -11,8 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from contribution_lens import adapter
-from contribution_lens.choices import as_indices, as_position
-from contribution_lens.views.inspector import figure, page
+from contribution_lens.views.inspector import figure, page, panel
 from contribution_lens.views.inspector.caches import LayerCache, WhyCache
 from contribution_lens.views.inspector.payload import meta, payload_bytes
 from contribution_lens.views.inspector.state import LINKED
@@ -41,10 +41,10 @@ def opening_view(state: dict[str, Any], *, head: int | str, query: int) -> dict[
 
 
 class Export:
-    """The figures and the page of one inspector's subject, from the payloads and *why* rows it keeps."""
+    """The figures and the page of one inspector's subject, from the payloads and the QK splits it keeps."""
 
-    def __init__(self, subject: Subject, layers: LayerCache, why: WhyCache) -> None:
-        self._subject, self._layers, self._why = subject, layers, why
+    def __init__(self, subject: Subject, layers: LayerCache, splits: WhyCache) -> None:
+        self._subject, self._layers, self._splits = subject, layers, splits
 
     def _payload(self, state: dict[str, Any]) -> dict[str, Any]:
         """The payload of the state's layer and window: already here, the figure needs no forward pass."""
@@ -76,10 +76,13 @@ class Export:
         start: int | None,
         tokens: int | None,
         compact: bool | None,
-        why_queries: Sequence[int] | None,
+        panels: dict[str, tuple[str, Sequence[int]]],
         circuit: dict[str, Any] | None = None,
     ) -> str:
-        """The self-contained page opened on ``state`` (``inspector.write_html``'s arguments; see there)."""
+        """The self-contained page opened on ``state`` (``inspector.write_html``'s arguments; see there).
+
+        ``panels``: by panel name, the argument that named its queries (for messages) and the queries.
+        """
         subject = self._subject
         wanted = subject.layers if layers is None else adapter.check_layers(subject.model, layers)
         window = subject.window(
@@ -88,7 +91,7 @@ class Export:
         if compact is None:
             fine = payload_bytes(window, subject.n_heads, subject.n_kv_heads) * len(wanted)
             compact = fine > COMPACT_ABOVE_BYTES
-        chosen = self._why_queries(window, why_queries)
+        chosen = self._panel_queries(window, panels)
         payloads = self._layers.page_payloads(window, wanted, compact)
         # The page opens on the window's last query, whatever the widget's query, or on the explained step's position.
         query = window.queries[-1]
@@ -99,23 +102,15 @@ class Export:
         groups = next(iter(payloads.values()))["kv_groups"]
         about = meta(subject.labels, window, wanted, subject.n_heads, initial, kv_groups=groups, compact=compact)
         shown = subject.window(state["start"], state["tokens"])
-        why = None if chosen is None else self._why.page_rows(window, wanted, chosen, shown)
-        return page.render(about, payloads, steps=steps, why=why, circuit=circuit)
+        source = panel.PanelSource(subject, window, shown, self._splits)
+        carried = panel.page_data(source, list(wanted), chosen)
+        return page.render(about, payloads, steps=steps, panels=carried, circuit=circuit)
 
-    def _why_queries(self, window: Any, queries: Sequence[int] | None) -> list[int] | None:
-        """``why_queries`` checked (before any pass): positions (negative from the end) of the window's queries."""
-        if queries is None:
-            return None
-        n = len(self._subject.labels)
-        try:
-            chosen = sorted({as_position(q, n) for q in as_indices(queries, "why_queries")})
-        except ValueError as error:
-            raise InspectorError(f"why_queries: {error}") from error
-        outside = [q for q in chosen if q not in window.queries]
-        if outside or not chosen:
-            first, last = window.queries[0], window.queries[-1]
-            raise InspectorError(
-                f"why_queries {outside or list(queries)} are not queries of the page's window {first}..{last}: "
-                "name positions the page shows (or set start= and tokens=)"
-            )
+    def _panel_queries(self, window: Any, panels: dict[str, tuple[str, Sequence[int]]]) -> dict[str, list[int]]:
+        """Each named panel's queries checked (before any pass): positions (negative from the end) of the window's."""
+        chosen = {}
+        for name, (label, queries) in panels.items():
+            if name not in panel.PANELS:
+                raise InspectorError(f"{label}: {panel.PANELS.unknown(name)}")
+            chosen[name] = panel.checked_queries(label, queries, len(self._subject.labels), window)
         return chosen

@@ -17,6 +17,7 @@ from typing import Any
 import plotly.offline
 
 from contribution_lens.files import write_text
+from contribution_lens.views.inspector import panel
 
 
 def asset(name: str) -> str:
@@ -33,7 +34,7 @@ MODULES = (
     "settings.js",
     "controls.js",
     "figures.js",
-    "why.js",
+    "panels.js",
     "prediction.js",
     "view.js",
     "fragment.js",
@@ -75,14 +76,15 @@ def render(
     meta: dict[str, Any],
     payloads: dict[int, dict[str, Any]],
     steps: dict[str, Any] | None = None,
-    why: dict[str, Any] | None = None,
+    panels: dict[str, Any] | None = None,
     circuit: dict[str, Any] | None = None,
 ) -> str:
     """The page for `contribution_lens.views.inspector.payload.meta`, those layers' payloads and explained steps.
 
     ``steps`` (`contribution_lens.views.inspector.steps.steps_payload`) adds the step control and
-    the prediction view; ``why`` (``{"queries": [...], "rows": {"layer/head/query": row}}``, rows of
-    `contribution_lens.views.inspector.why.why_row`) the *why* panel of those queries; ``circuit``
+    the prediction view; ``panels`` (`contribution_lens.views.inspector.panel.page_data`: by panel name,
+    ``{"queries": [...], "data": {request_key: data}}``) the data of the panels the writer named, every
+    registered panel's module being embedded (`contribution_lens.views.inspector.panel.specs`); ``circuit``
     (`contribution_lens.views.circuit_view.CircuitInspector.page_data`) a circuit drawn beside the
     inspector (above it on a narrow page), whose head nodes open that head (``static/circuit.js``).
     """
@@ -90,7 +92,8 @@ def render(
         "meta": meta,
         "layers": {str(layer): {**payload, "key": str(layer)} for layer, payload in payloads.items()},
         "steps": steps,
-        "why": why,
+        "panels": panel.specs(),
+        "panel_data": panels or {},
         "circuit": circuit,
     }
     blob = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")

@@ -14,6 +14,10 @@ query's mean key,
 so that the drawn bars add up to the total), the side's total, ``alpha_ij`` and ``log alpha_ij +
 H(alpha_i)``. The numbers are `contribution_lens.QKAttribution.advantage`'s: the panel computes none
 of its own.
+
+`PANEL` puts it on the inspector's panel seam (`contribution_lens.views.inspector.panel`): a row is
+computed for a request (layer, head, query) from the splits the first view's pass recorded
+(`contribution_lens.views.inspector.caches.WhyCache`), and drawn by ``static/panels/why.js``.
 """
 
 from collections.abc import Sequence
@@ -22,6 +26,8 @@ from typing import Any
 import numpy as np
 
 from contribution_lens.analyses.qk_attribution import QKAttribution
+from contribution_lens.views.inspector.panel import Panel, PanelSource, static_script
+from contribution_lens.views.inspector.subject import InspectorError
 
 TOP = 8
 """The terms drawn per side (the rest are one "other components" bar)."""
@@ -103,3 +109,28 @@ def why_row(
 def row_key(layer: int, head: int, query: int) -> str:
     """How a row is named in a page's ``why.rows`` and in the front-end's cache: ``"layer/head/query"``."""
     return f"{layer}/{head}/{query}"
+
+
+def panel_row(source: PanelSource, request: dict[str, int]) -> dict[str, Any]:
+    """The panel's data of one request: the row of its head and query over the window's keys (kept once computed)."""
+    if request["head"] == -1:
+        raise InspectorError(PICK_ONE_HEAD)
+    return source.splits.row(request["layer"], request["head"], request["query"], source.window)
+
+
+def page_rows(source: PanelSource, layers: list[int], queries: list[int]) -> dict[str, Any]:
+    """The rows a page carries: every head of ``layers`` at each query, one split a layer."""
+    return source.splits.page_rows(source.window, layers, queries, source.shown)["rows"]
+
+
+PANEL = Panel(
+    name="why",
+    title="why this head attends",
+    compute=panel_row,
+    script=static_script("why.js"),
+    on=("layer", "head", "query"),
+    page=page_rows,
+)
+"""The *why* panel on the inspector's seam."""
+PANELS = (PANEL,)
+"""The built-in panels this module defines (`contribution_lens.views.inspector.panel.PANELS` declares them)."""

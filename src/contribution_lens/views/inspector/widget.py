@@ -21,7 +21,7 @@ from torch import Tensor
 from contribution_lens import adapter
 from contribution_lens.choices import as_count
 from contribution_lens.drawing import plot
-from contribution_lens.views.inspector import page, still
+from contribution_lens.views.inspector import page, panel, still
 from contribution_lens.views.inspector.caches import LayerCache, WhyCache
 from contribution_lens.views.inspector.exports import Export, opening_view
 from contribution_lens.views.inspector.payload import meta
@@ -29,7 +29,6 @@ from contribution_lens.views.inspector.progress import Progress, kernel_shell
 from contribution_lens.views.inspector.state import ARGUMENTS, CHECKED, NAMES, ViewTraits
 from contribution_lens.views.inspector.steps import steps_payload
 from contribution_lens.views.inspector.subject import Explained, InspectorError, Subject
-from contribution_lens.views.inspector.why import PICK_ONE_HEAD
 from contribution_lens.views.inspector.windows import Window, window_start
 
 if TYPE_CHECKING:
@@ -123,15 +122,13 @@ class Inspector(ViewTraits):
     window): a later layer or window switch only sends what is ready. A new
     ``tokens`` (or a start off those windows) runs one more pass.
 
-    With one head shown, a click on a cell asks the kernel for the *why* panel of that query: the
-    head's score at each key split over the upstream components (`why`, computed on demand as
-    `contribution_lens.qk_attribution` computes it, and kept). The first view's pass records what
-    these splits read (`contribution_lens.views.inspector.caches.WHY_TAPE_BYTES` at most), so a
-    click needs no pass of its own.
+    Under the view, each registered panel (`contribution_lens.views.inspector.panel.PANELS`) draws
+    what it computes of the view (`panel`), asked of the kernel by the front-end; the first view's
+    pass records the QK splits a panel may read (`contribution_lens.views.inspector.caches.WhyCache`).
 
     The settings are `contribution_lens.views.inspector.state.ViewTraits`' traits (one table,
     `contribution_lens.views.inspector.state.SETTINGS`, which the front-end reads too); what it
-    keeps between views is a `LayerCache` and a `WhyCache`, what it writes an `Export`. A bad value
+    keeps between views is a `LayerCache` and the QK splits, what it writes an `Export`. A bad value
     (each setting of `contribution_lens.views.inspector.state.CHECKED`) is refused before
     anything changes: Python gets an `InspectorError` (a ``TraitError`` and a ``ValueError``),
     the front-end the reason in the ``error`` trait ("" when all is well) and the value it had.
@@ -149,6 +146,8 @@ class Inspector(ViewTraits):
     circuit = traitlets.Dict().tag(sync=True)
     """A circuit drawn beside the view, whose head nodes open that head (`contribution_lens.inspect_circuit` sets it:
     `contribution_lens.views.circuit_view.CircuitInspector.page_data`); empty for a plain inspector."""
+    panels: "traitlets.List[dict[str, Any]]" = traitlets.List().tag(sync=True)
+    """The registered panels' names, titles, settings and modules (`contribution_lens.views.inspector.panel.specs`)."""
 
     def __init__(self, subject: Subject, opening: dict[str, Any]) -> None:
         """The widget of ``subject`` opened on ``opening`` (both checked: build it with `inspect`)."""
@@ -159,7 +158,7 @@ class Inspector(ViewTraits):
         self._payloads = LayerCache(subject, self._splits, self._progress)
         self._exports = Export(subject, self._payloads, self._splits)
         sent = {} if subject.steps is None else {"steps": steps_payload(subject.steps, subject.labels)}
-        super().__init__(**opening, **sent)
+        super().__init__(**opening, **sent, panels=panel.specs())
         self.model_ref = self.model_id
         self._still = still.Still(self.view_state, self._view_figure, self._send_still, self.model_id)
         self._ready = True
@@ -300,28 +299,32 @@ class Inspector(ViewTraits):
                 self.error = str(refused)
         elif kind == "snapshot":  # the view the front-end settled on, as it drew it
             self._snapshot(content)
-        elif kind == "why":  # a cell clicked with one head shown: the why panel's row
-            self._answer_why(content)
+        elif kind == "panel":  # a panel's data for a request (the settings it names)
+            self._answer_panel(content)
 
-    # --- the why panel: one head's scores split over upstream components, on demand ----------------
+    # --- the panels: what each computes of the view, on demand ---------------------------------------
+
+    def panel(self, name: str, query: int | None = None, *, layer: int | None = None, head: int | None = None) -> Any:
+        """Panel ``name``'s data of the window at ``layer``, ``head`` and ``query`` (defaults: the widget's).
+
+        What the front-end asks the kernel for (`contribution_lens.views.inspector.panel.Panel.compute`
+        of the settings the panel names); a layer, head or query the inspector does not show, or an
+        unknown name, is refused (`InspectorError`).
+        """
+        try:
+            shown = panel.PANELS.lookup(name)
+        except ValueError as unknown:
+            raise InspectorError(str(unknown)) from None
+        given = {"layer": layer, "head": head, "query": query}
+        request: dict[str, int] = {n: getattr(self, n) for n in shown.on}
+        request.update({n: value for n, value in given.items() if n in request and value is not None})
+        window = self.window
+        for setting, value in request.items():
+            self._subject.check(setting, value, window)  # unlike self._check, leaves `error` alone
+        return shown.compute(panel.PanelSource(self._subject, window, window, self._splits), request)
 
     def why(self, query: int | None = None, *, layer: int | None = None, head: int | None = None) -> dict[str, Any]:
-        """The *why* panel's numbers of one head at ``query``: each window key's largest advantage terms.
-
-        For head ``h`` of layer ``l``, query ``i`` and every key ``j`` of the window, each side's
-        (key, query) largest advantage terms ``A_ij^c = T_ij^c - sum_k alpha_ik T_ik^c`` over the
-        upstream components ``c``, the rest's sum and the total, which is ``log alpha_ij +
-        H(alpha_i)`` (`contribution_lens.views.inspector.why.why_row`; the maths:
-        `contribution_lens.qk_attribution`). Defaults: the widget's layer, head and query.
-
-        The first call for a (layer, head) splits its scores at the window's queries: from what
-        the first view's pass recorded (`contribution_lens.views.inspector.caches.WHY_TAPE_BYTES`;
-        no pass), else with `contribution_lens.qk_attribution` (one pass up to that layer).
-        Another query of it is cut from that split (the last
-        `contribution_lens.views.inspector.caches.WHY_KEPT` are kept) and every row is kept, so a
-        repeated click costs nothing.
-        A head of -1 (all heads) is refused (`InspectorError`), as is a layer, head or query the
-        inspector does not show.
+        """The *why* panel's numbers of one head at ``query``: `panel` ``"why"``.
 
         Example:
             >>> import contribution_lens as cl
@@ -330,24 +333,24 @@ class Inspector(ViewTraits):
             >>> row["keys"] == inspector.window.keys, len(row["key_side"][0]["names"])
             (True, 8)
         """
-        layer = self.layer if layer is None else layer
-        head = self.head if head is None else head
-        query = self.query if query is None else query
-        if head == -1:
-            raise InspectorError(PICK_ONE_HEAD)
-        window = self.window
-        for name, value in (("layer", layer), ("head", head), ("query", query)):
-            self._subject.check(name, value, window)  # unlike self._check, leaves `error` alone
-        return self._splits.row(layer, head, query, window)
+        return self.panel("why", query, layer=layer, head=head)
 
-    def _answer_why(self, content: dict) -> None:
-        """The front-end's request for a row (layer, head, query): the row, or why it cannot be had."""
+    def _answer_panel(self, content: dict) -> None:
+        """The front-end's request for a panel's data (the settings it names): the data, or why it cannot be had."""
+        name = content.get("panel")
         try:
-            layer, head, query = (int(content[name]) for name in ("layer", "head", "query"))
-            answer: dict[str, Any] = {"row": self.why(query, layer=layer, head=head)}
+            request = {n: int(content[n]) for n in panel.PANELS.lookup(str(name)).on}
+            answer: dict[str, Any] = {"data": self.panel(str(name), **request)}
         except (InspectorError, KeyError, TypeError, ValueError, RuntimeError) as refused:
             answer = {"error": str(refused)}
-        self.send({"type": "why", "key": content.get("key"), **answer})
+        self.send({"type": "panel", "panel": name, "key": content.get("key"), **answer})
+
+    def send_panels(self) -> None:
+        """Every panel's data of the view shown, sent as the answers to the requests the front-end would make."""
+        for name, shown in panel.PANELS.items():
+            request = {n: getattr(self, n) for n in shown.on}
+            key = f"{self.meta['key']}|{name}|{panel.request_key(shown, request)}"
+            self._answer_panel({"panel": name, "key": key, **request})
 
     # --- what is left when the widget cannot run: a still, an image, a page ---------------------------
 
@@ -422,12 +425,16 @@ class Inspector(ViewTraits):
         tokens: int | None = None,
         compact: bool | None = None,
         why_queries: Sequence[int] | None = None,
+        panels: dict[str, Sequence[int]] | None = None,
         circuit: dict[str, Any] | None = None,
     ) -> str:
         """The self-contained page of `write_html` as a string (``circuit``: drawn above it, `page.render`)."""
+        named = {name: (f"panels[{name!r}]", queries) for name, queries in (panels or {}).items()}
+        if why_queries is not None:
+            named["why"] = ("why_queries", why_queries)
         return self._exports.render_html(
             self.view_state(), self.steps or None, layers=layers, start=start, tokens=tokens, compact=compact,
-            why_queries=why_queries, circuit=circuit,
+            panels=named, circuit=circuit,
         )  # fmt: skip
 
     def write_html(
@@ -439,6 +446,7 @@ class Inspector(ViewTraits):
         tokens: int | None = None,
         compact: bool | None = None,
         why_queries: Sequence[int] | None = None,
+        panels: dict[str, Sequence[int]] | None = None,
     ) -> Path:
         """One self-contained HTML file (plotly.js once, every requested layer's data once, offline).
 
@@ -464,10 +472,15 @@ class Inspector(ViewTraits):
                 else one pass that records them (or, past that budget, one
                 `contribution_lens.qk_attribution` pass per layer). The panel of any
                 other query says it was not embedded and names this argument. Default: none.
+            panels: by panel name (`contribution_lens.views.inspector.panel.PANELS`), the query positions
+                whose data the page carries, every layer and head of them (``why_queries=q`` is
+                ``panels={"why": q}``). Default: none.
 
         The page opens on the window's last query, in the view named in its URL fragment,
         ``#layer=L&head=H&factor=F&scope=S&query=Q`` (``H`` a head or ``all``), and rewrites the
         fragment when the view changes.
         """
-        html = self.render_html(layers=layers, start=start, tokens=tokens, compact=compact, why_queries=why_queries)
+        html = self.render_html(
+            layers=layers, start=start, tokens=tokens, compact=compact, why_queries=why_queries, panels=panels
+        )
         return page.write(path, html)

@@ -1,7 +1,7 @@
 // @ts-check
 // The circuit view (circuit_view.py): the circuit drawn beside the inspector (above it on a narrow screen), on the
 // static page (CircuitInspector.write_html) and in the live widget alike. A click on a head node opens that head at the
-// task's final position, its why panel asked for (the page holds the rows; the widget asks its kernel); a click on any
+// task's final position, its panels asked for (the page holds their data; the widget asks its kernel); a click on any
 // other node (an MLP, the embeddings, the logits) opens nothing and says so. The answer is brought into sight: its
 // note sits at the top of the inspector, which is scrolled to where it is out of view. What each node does is written
 // by the Python side (page_data's `nodes`), so both front-ends say the same.
@@ -25,10 +25,10 @@ import { scroller } from "./view.js";
  */
 
 /**
- * What the circuit view needs of its inspector: set a view; ask for a why row (the widget: its kernel); say
- * whether a kernel is missing (the widget, after a click: null while it may answer).
- * @typedef {{set: (partial: Partial<State>) => void, why?: (layer: number, head: number, query: number,
- *            ask: boolean) => unknown, missing?: () => string | null}} CircuitHost
+ * What the circuit view needs of its inspector: set a view; ask for its panels' data (the widget: its kernel);
+ * say whether a kernel is missing (the widget, after a click: null while it may answer).
+ * @typedef {{set: (partial: Partial<State>) => void, ask?: (state: Partial<State>) => void,
+ *            missing?: () => string | null}} CircuitHost
  */
 
 /**
@@ -78,7 +78,7 @@ export function revealAnswer(answer) {
 
 /**
  * The circuit in `root`, beside its inspector (`answer`, the element the inspector is drawn in): a click on a node's
- * marker sets the inspector's view (`circuitTarget`), asks for the head's why row, and writes the node's note at
+ * marker sets the inspector's view (`circuitTarget`), asks for its panels' data, and writes the node's note at
  * the top of the inspector, brought into sight.
  * @param {HTMLElement} root
  * @param {CircuitData} circuit
@@ -107,7 +107,7 @@ export function circuitView(root, circuit, host, answer) {
     if (state) {
       host.set(state);
       try {
-        if (host.why) host.why(Number(state.layer), Number(state.head), Number(state.query), true);
+        if (host.ask) host.ask(state);
       } catch (error) {
         // A closed comm (no kernel holds the widget): the note says so below.
       }

@@ -128,14 +128,13 @@ export function buildParts(root, host) {
   const figures = element("div", { className: "cl-figures" }, root);
   const heatmap = element("div", { className: "cl-heatmap" }, figures);
   const bars = element("div", { className: "cl-bars" }, figures);
-  const why = element("div", { className: "cl-why" }, root);
-  const whyCaption = element("div", { className: "cl-text-caption cl-why-caption" }, why);
-  const whyBars = element("div", { className: "cl-why-bars" }, why);
+  // The registered panels (panels.js), each in an element of its own made on its first draw.
+  const panels = element("div", { className: "cl-panels" }, root);
   const prediction = element("div", { className: "cl-prediction" }, root);
   const predictionCaption = element("div", { className: "cl-text-caption" }, prediction);
   const heads = element("div", { className: "cl-heads" }, prediction);
   const keyText = element("div", { className: "cl-text cl-keys" }, prediction);
-  return { controls, toggles, status, problem, flow, heatmap, bars, why, whyCaption, whyBars, prediction, predictionCaption, heads,
+  return { controls, toggles, status, problem, flow, heatmap, bars, panels, prediction, predictionCaption, heads,
            keyText };
 }
 

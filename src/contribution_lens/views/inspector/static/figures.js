@@ -253,7 +253,7 @@ function clicked(view, event) {
   const column = point.curveNumber === 0 && current.kLabels ? current.kLabels.indexOf(point.x) : -1;
   view.selected = { query: current.queries[row], key: column >= 0 ? keys[column] : -1 };
   view.reveal = true;
-  view.whyNote = "";
+  view.panelMemo = {}; // a panel's notes last until the next click
   // Another key of the query shown: no setting changes (the widget's model sends no change), so redraw here.
   const same = view.host.state().query === current.queries[row];
   view.host.set({ query: current.queries[row] });

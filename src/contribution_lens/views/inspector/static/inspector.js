@@ -15,6 +15,7 @@
 import { stillCaption } from "./captions.js";
 import { circuitPanes, circuitView } from "./circuit.js";
 import { element } from "./controls.js";
+import { panelRequest, requestKey } from "./panels.js";
 import { settingNames } from "./settings.js";
 import { mount } from "./view.js";
 import { windowStarts } from "./windows.js";
@@ -22,6 +23,7 @@ import { windowStarts } from "./windows.js";
 /** @typedef {import("./types.js").WidgetModel} WidgetModel */
 /** @typedef {import("./types.js").Host} Host */
 /** @typedef {import("./types.js").State} State */
+/** @typedef {import("./types.js").PanelSpec} PanelSpec */
 
 /** A request the kernel has not answered within this long is reported (a busy kernel answers later). */
 const KERNEL_WAIT_S = 4;
@@ -31,8 +33,6 @@ const NO_KERNEL =
   "was reopened). This view is the last one drawn; run the cell again to explore it (the page of write_html needs no kernel).";
 /** The still's line (still.py's RUN_AGAIN), drawn above the view sent to the kernel. */
 const RUN_AGAIN = "The inspector's last view: run the cell again to explore it.";
-/** The why panel before a click: the kernel splits a head's score only for a clicked cell (widget.py's _split). */
-const CLICK_A_CELL = "click a cell of the heatmap: the kernel splits this head's score there";
 /** How long a view must stay unchanged before it is sent to the kernel as the still. */
 const SETTLE_MS = 1000;
 /** Said with NO_KERNEL where a change could not be drawn and was undone (one state: the menus show what is drawn). */
@@ -152,55 +152,56 @@ export function kernelWatch(model, onChange) {
 }
 
 /**
- * The why panel's rows, asked of the kernel once per window, layer, head and query, and only for a
- * clicked cell (`ask`: a head chosen in the menu costs the kernel nothing), kept as they arrive (a
- * repeated click asks nothing); `onAnswer` is called when one arrives.
+ * The panels' data, asked of the kernel once per window, panel and request, and only where the panel asks
+ * (`ask`: a panel may ask only for a clicked cell, so that a head chosen in the menu costs the kernel nothing), kept
+ * as they arrive (a repeated request asks nothing); `onAnswer` is called when one arrives.
  * @param {WidgetModel} model
  * @param {ReturnType<typeof kernelWatch>} kernel
  * @param {() => void} onAnswer
- * @returns {(layer: number, head: number, query: number, ask: boolean) => import("./types.js").WhyRow | string | null}
+ * @returns {(spec: PanelSpec, request: Record<string, number>, ask: boolean) => import("./types.js").PanelAnswer}
  */
-export function whyRows(model, kernel, onAnswer) {
-  /** @type {Map<string, {row?: import("./types.js").WhyRow, error?: string}>} */
+export function panelAnswers(model, kernel, onAnswer) {
+  /** @type {Map<string, {data?: any, error?: string}>} */
   const answers = new Map();
   const asked = new Set();
   model.on("msg:custom", (message) => {
-    if (!message || message.type !== "why" || typeof message.key !== "string") return;
+    if (!message || message.type !== "panel" || typeof message.key !== "string") return;
     answers.set(message.key, message);
     onAnswer();
   });
-  return (layer, head, query, ask) => {
-    const key = model.get("meta").key + "|" + layer + "/" + head + "/" + query;
+  return (spec, request, ask) => {
+    const key = model.get("meta").key + "|" + spec.name + "|" + requestKey(spec, request);
     const answer = answers.get(key);
-    if (answer) return answer.row || "the kernel could not split this score: " + answer.error;
-    if (!asked.has(key) && !ask) return CLICK_A_CELL;
+    if (answer) return "error" in answer ? { error: String(answer.error) } : { data: answer.data };
+    if (!asked.has(key) && !ask) return { unasked: true };
     if (!asked.has(key)) {
       asked.add(key);
       try {
-        model.send({ type: "why", key, layer, head, query });
+        model.send(Object.assign({ type: "panel", panel: spec.name, key }, request));
       } catch (error) {
         // A closed comm (the kernel is gone): the check below finds it missing.
       }
     }
     kernel.check();
-    if (!kernel.missing) return null;
+    if (!kernel.missing) return { pending: true };
     asked.delete(key); // asked again once the kernel answers
-    return "not drawn: no kernel answered";
+    return { gone: true };
   };
 }
 
 /**
  * The widget's model as the view's host: the state is the traits, a change is saved to the kernel,
- * which answers with the window's meta and the layer's payload (and, asked, a why row).
+ * which answers with the window's meta and the layer's payload (and, asked, a panel's data).
  * @param {WidgetModel} model
  * @param {ReturnType<typeof kernelWatch>} kernel
- * @param {ReturnType<typeof whyRows>} why
+ * @param {ReturnType<typeof panelAnswers>} panel
  * @param {() => void} undo called when a change cannot be drawn: no kernel answered it
  * @returns {Host}
  */
-function widgetHost(model, kernel, why, undo) {
+function widgetHost(model, kernel, panel, undo) {
   return {
-    why,
+    panels: () => model.get("panels") || [],
+    panel,
     meta: () => model.get("meta"),
     layer: (l) => {
       const payload = model.get("payload");
@@ -488,7 +489,7 @@ export function drawnState(model, root) {
 
 /**
  * A circuit view's circuit, drawn in its pane beside the inspector: a click on a head sets the widget's view (back
- * to the window it opened on where the query has left the window) and asks the kernel for its why row.
+ * to the window it opened on where the query has left the window) and asks the kernel for its panels' data.
  * @param {WidgetModel} model
  * @param {{circuit: HTMLElement, inspector: HTMLElement}} panes
  * @param {import("./circuit.js").CircuitData} circuit
@@ -503,7 +504,11 @@ function liveCircuit(model, panes, circuit, host, kernel) {
     host.set(Object.assign({}, back, partial));
   };
   const missing = () => (kernel.checking ? null : kernel.missing ? NO_KERNEL_CIRCUIT : "");
-  return circuitView(panes.circuit, circuit, { set, why: host.why, missing }, panes.inspector);
+  /** @param {Partial<State>} state */
+  const ask = (state) => {
+    for (const spec of host.panels ? host.panels() : []) if (host.panel) host.panel(spec, panelRequest(spec, state), true);
+  };
+  return circuitView(panes.circuit, circuit, { set, ask, missing }, panes.inspector);
 }
 
 /**
@@ -552,8 +557,8 @@ async function render({ model, el }) {
   const waiting = element("div", { className: "cl-status", textContent: "waiting for the kernel…" }, root);
   await ensurePlotly(model, kernel);
   waiting.remove();
-  const why = whyRows(model, kernel, () => view && view.refresh());
-  const host = widgetHost(model, kernel, why, undo);
+  const answers = panelAnswers(model, kernel, () => view && view.refresh());
+  const host = widgetHost(model, kernel, answers, undo);
   view = mount(root, host);
   if (panes && circuit) liveCircuit(model, panes, circuit, host, kernel);
   const settled = stillKeeper(model, root, kernel);

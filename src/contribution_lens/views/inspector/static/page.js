@@ -4,6 +4,7 @@
 import { element } from "./controls.js";
 import { inflate } from "./factors.js";
 import { droppedFragment, fragment, readFragment } from "./fragment.js";
+import { requestKey } from "./panels.js";
 import { linkedSettings } from "./settings.js";
 import { mount } from "./view.js";
 
@@ -11,29 +12,27 @@ import { mount } from "./view.js";
 /** @typedef {import("./types.js").State} State */
 /** @typedef {import("./types.js").Payload} Payload */
 /** @typedef {import("./types.js").StepsPayload} StepsPayload */
+/** @typedef {import("./types.js").PanelSpec} PanelSpec */
 
 /**
- * What a page embeds (page.py, render): the meta, each layer's payload by layer, the explained steps and
- * the why panel's rows of the queries the writer named (by "layer/head/query").
+ * What a page embeds (page.py, render): the meta, each layer's payload by layer, the explained steps, the
+ * registered panels' modules and, for each panel the writer named, its queries and its data by request key.
  * @typedef {{meta: Meta, layers: Record<string, Payload>, steps: StepsPayload | null,
- *            why?: {queries: number[], rows: Record<string, import("./types.js").WhyRow>} | null}} PageData
+ *            panels?: PanelSpec[], panel_data?: Record<string, {queries: number[], data: Record<string, any>}>}} PageData
  */
 
 /**
- * The why panel's row of one head and query where the page carries it, else what the panel says.
+ * A panel's data for a request where the page carries it, else the queries it carries for that panel.
  * @param {PageData} data
- * @param {number} layer
- * @param {number} head
- * @param {number} query
- * @returns {import("./types.js").WhyRow | string}
+ * @param {PanelSpec} spec
+ * @param {Record<string, number>} request
+ * @returns {import("./types.js").PanelAnswer}
  */
-export function pageWhy(data, layer, head, query) {
-  const row = data.why && data.why.rows[layer + "/" + head + "/" + query];
-  if (row) return row;
-  const named = data.why ? data.why.queries : [];
-  return "query " + query + "'s panel was not embedded in this page (it carries " +
-    (named.length ? "queries " + named.join(", ") : "none") + "): write it with write_html(..., why_queries=[" + query +
-    "]), or open the live inspector, which computes it for the clicked cell.";
+export function pageAnswer(data, spec, request) {
+  const carried = data.panel_data && data.panel_data[spec.name];
+  const key = requestKey(spec, request);
+  if (carried && Object.prototype.hasOwnProperty.call(carried.data, key)) return { data: carried.data[key] };
+  return { missing: carried ? carried.queries : [] };
 }
 
 /**
@@ -147,7 +146,8 @@ export function page(root, data) {
     steps: () => steps,
     set,
     open,
-    why: (layer, head, query) => pageWhy(data, layer, head, query),
+    panels: () => data.panels || [],
+    panel: (spec, request) => pageAnswer(data, spec, request),
   });
   /** @param {Partial<State>} partial */
   function set(partial) {

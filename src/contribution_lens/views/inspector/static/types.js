@@ -151,33 +151,48 @@
  * @property {(state: State | null) => string} [pending] what to say while a layer is not here
  * @property {() => StepsPayload | null} [steps]
  * @property {(step: number, layer: number, head: number) => void} [open] a head clicked in the prediction view
- * @property {(layer: number, head: number, query: number, ask: boolean) => WhyRow | string | null} [why] the why
- *   panel's row of one head and query, a string saying why there is none, or null while it is on its way (the
- *   kernel computes it, where `ask`: a cell of that query was clicked)
+ * @property {() => PanelSpec[]} [panels] the registered panels (panel.py, specs)
+ * @property {(spec: PanelSpec, request: Record<string, number>, ask: boolean) => PanelAnswer} [panel] a panel's data
+ *   for a request, or why there is none (the widget asks its kernel where `ask`; the page reads what it carries)
  */
 
 /**
- * One side (key or query) of the why panel at one key (why.py, why_row): the largest advantage terms.
- * @typedef {object} WhySide
- * @property {string[]} names the components, largest |A| first
- * @property {number[]} values their advantages A
- * @property {number} other the sum of the other components' advantages
- * @property {number} total the sum of every component's: log alpha + H (without a soft-cap)
+ * A registered panel as a front-end loads it (panel.py, specs).
+ * @typedef {object} PanelSpec
+ * @property {string} name
+ * @property {string} title
+ * @property {string[]} on the settings its request names (layer, head, query)
+ * @property {string} script its ES module's source, exporting draw(element, context)
  */
 
 /**
- * The why panel's numbers of one head and query, for each key of the window (why.py, why_row).
- * @typedef {object} WhyRow
- * @property {number} layer
- * @property {number} head
- * @property {number} query
- * @property {number} top the terms drawn per side
- * @property {number | null} softcap the model's attention soft-cap (null: none)
- * @property {number[]} keys key positions
- * @property {Array<number | null>} alpha the head's attention to each key (null: underflowed to 0)
- * @property {Array<number | null>} log_alpha_plus_entropy what each side adds up to (null: -inf)
- * @property {WhySide[]} key_side per key
- * @property {WhySide[]} query_side per key
+ * What a host answers for a panel's request: exactly one of these is set.
+ * @typedef {object} PanelAnswer
+ * @property {any} [data] the data the panel's compute returned
+ * @property {string} [error] why the kernel could not compute it
+ * @property {boolean} [pending] asked: the kernel computes it
+ * @property {boolean} [unasked] not asked (ask was false) and not here
+ * @property {boolean} [gone] no kernel answered
+ * @property {number[]} [missing] the page does not carry it; the queries it carries for this panel
+ */
+
+/**
+ * What a panel's draw(element, context) is given.
+ * @typedef {object} PanelContext
+ * @property {string} name
+ * @property {string} title
+ * @property {State} state the view drawn
+ * @property {Meta} meta the window's meta (labels, layers)
+ * @property {Record<string, number>} request the settings the panel names, for this state
+ * @property {{query: number, key: number} | null} selected the clicked cell, where its query is the state's
+ * @property {number} width the width the view is drawn for, px
+ * @property {Record<string, any>} memo the panel's own notes, kept until the next click on the heatmap
+ * @property {(ask?: boolean) => PanelAnswer} answer the request's data (ask: false asks no kernel for it)
+ * @property {(partial: Partial<State>) => void} set change the view, as the menus do
+ * @property {() => Promise<unknown>} redraw draw everything again
+ * @property {(node: HTMLElement, traces: any[], layout: any, onClick?: (event: any) => void) => Promise<unknown>} plot
+ *   plotly's drawing as the inspector's figures use it
+ * @property {(x: number) => string} fmt a number as the inspector writes it (4 significant digits)
  */
 
 /**
@@ -201,9 +216,7 @@
  * @property {HTMLElement} flow the text view
  * @property {HTMLElement} heatmap
  * @property {HTMLElement} bars the selected query's factors
- * @property {HTMLElement} why the why panel: caption and bars
- * @property {HTMLElement} whyCaption
- * @property {HTMLElement} whyBars
+ * @property {HTMLElement} panels the registered panels' elements
  * @property {HTMLElement} prediction the prediction view: caption, heads, key text
  * @property {HTMLElement} predictionCaption
  * @property {HTMLElement} heads
@@ -232,8 +245,9 @@
  * @property {{query: number, key: number} | null} [selected] the cell last clicked (marked while its query is shown)
  * @property {boolean} [reveal] the bars come into view once drawn (after a click)
  * @property {() => Promise<unknown>} [redraw] everything drawn again from the host (what mount's refresh does)
- * @property {string} [whyNote] why the last head clicked in the why panel cannot be opened ("" when it could)
- * @property {{row: WhyRow, n: number}} [whyShown] the why row and key index drawn last
+ * @property {Array<{spec: PanelSpec, module: {draw: (element: HTMLElement, context: PanelContext) => unknown}}>}
+ *   [panels] the panels' loaded modules
+ * @property {Record<string, Record<string, any>>} [panelMemo] each panel's notes, by name, until the next click
  */
 
 export {};

@@ -3,7 +3,8 @@
 //
 // host: the static page (page.js) or the widget's model (inspector.js), as types.js's Host says:
 // it answers meta(), layer(L) (the payload, or null while it is not here), state() and set(partial),
-// and, where it has them, windows(), error(), pending(state), steps() and open(step, layer, head).
+// and, where it has them, windows(), error(), pending(state), steps(), open(step, layer, head), and the
+// registered panels (panels(), and panel(spec, request, ask) answering a panel's request).
 // state: the settings of meta.settings (state.py's SETTINGS): layer, head ("all" or a number), factor, scope,
 // query, view ("heatmap", "text" or "prediction") and, where the host has them, the window and the toggles.
 
@@ -11,8 +12,8 @@ import { decodeSteps } from "./codecs.js";
 import { buildParts, showControls } from "./controls.js";
 import { decode, outsideShares, shownFactors, viewLevel } from "./factors.js";
 import { cellPx, drawBars, drawHeatmap, drawText } from "./figures.js";
+import { drawPanels, loadPanels } from "./panels.js";
 import { drawPrediction } from "./prediction.js";
-import { drawWhy } from "./why.js";
 
 /** @typedef {import("./types.js").Host} Host */
 /** @typedef {import("./types.js").Meta} Meta */
@@ -170,7 +171,7 @@ function drawLayer(view, meta, state, shown) {
   const extra = { textKey: "text/" + viewKey(meta, state), outside: outside(meta, entry, state) };
   const drawn = shown === "text" ? drawText(view, meta, entry, both, state) : drawHeatmap(view, meta, entry, both, state, extra);
   const bars = drawBars(view, meta, entry, both[/** @type {"intra" | "inter"} */ (state.scope)], state);
-  return Promise.all([drawn, bars, drawWhy(view, meta, state)]).then(() => {
+  return Promise.all([drawn, bars, drawPanels(view, meta, state)]).then(() => {
     // A click's effect: the bars of the clicked query come into view, its row of the heatmap kept in view too.
     if (view.reveal) reveal(view, shown === "text" ? -1 : meta.queries.indexOf(state.query));
     view.reveal = false;
@@ -251,7 +252,7 @@ function refresh(view) {
   showControls(parts, host, meta, state, shown, steps);
   parts.prediction.style.display = shown === "prediction" ? "" : "none";
   if (shown !== "prediction") return drawLayer(view, meta, state, shown);
-  parts.flow.style.display = parts.heatmap.style.display = parts.bars.style.display = parts.why.style.display = "none";
+  parts.flow.style.display = parts.heatmap.style.display = parts.bars.style.display = parts.panels.style.display = "none";
   parts.status.textContent = "";
   // The click handlers of the hidden views read `current`; the resize observer needs it set to redraw.
   view.current = { queries: meta.queries, qLabels: meta.query_labels };
@@ -291,7 +292,14 @@ export function mount(root, host) {
     const position = Number(target.dataset && target.dataset.position);
     if (view.current && view.current.queries.includes(position)) host.set({ query: position });
   });
-  const redraw = () => refresh(view);
+  // The panels' modules load first (once, from their sources): the first drawing holds every panel. Once they
+  // are here a refresh draws at once, as the host's callbacks expect (the kernel's watch reads its state then).
+  const loading = loadPanels(host.panels ? host.panels() : []).then((loaded) => {
+    view.panels = loaded;
+  });
+  let ready = false;
+  loading.then(() => (ready = true));
+  const redraw = () => (ready ? refresh(view) : loading.then(() => refresh(view)));
   view.redraw = redraw;
   redrawOnResize(view, redraw);
   return { refresh: redraw };

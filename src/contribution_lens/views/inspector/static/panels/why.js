@@ -1,16 +1,37 @@
 // @ts-check
-// The why panel: for one head, query and key, the score's largest advantage terms on the key side and
-// on the query side (why.py, why_row), as two bar charts that add up to log alpha + H; a click on a
-// head's bar (L{m}H{h}) opens that head's view.
+// The why panel (why.py, PANEL): for one head, query and key, the score's largest advantage terms on the key
+// side and on the query side (why.py, why_row), as two bar charts that add up to log alpha + H; a click on a
+// head's bar (L{m}H{h}) opens that head's view. A panel module of its own (panel.py): it imports nothing,
+// and draws what context.answer() gives into its element.
 
-import { fmt } from "./captions.js";
-import { plot } from "./figures.js";
+/** @typedef {import("../types.js").Meta} Meta */
+/** @typedef {import("../types.js").State} State */
+/** @typedef {import("../types.js").PanelContext} PanelContext */
+/** @typedef {import("../types.js").PanelAnswer} PanelAnswer */
 
-/** @typedef {import("./types.js").Meta} Meta */
-/** @typedef {import("./types.js").State} State */
-/** @typedef {import("./types.js").View} View */
-/** @typedef {import("./types.js").WhyRow} WhyRow */
-/** @typedef {import("./types.js").WhySide} WhySide */
+/**
+ * One side (key or query) of the why panel at one key (why.py, why_row): the largest advantage terms.
+ * @typedef {object} WhySide
+ * @property {string[]} names the components, largest |A| first
+ * @property {number[]} values their advantages A
+ * @property {number} other the sum of the other components' advantages
+ * @property {number} total the sum of every component's: log alpha + H (without a soft-cap)
+ */
+
+/**
+ * The why panel's numbers of one head and query, for each key of the window (why.py, why_row).
+ * @typedef {object} WhyRow
+ * @property {number} layer
+ * @property {number} head
+ * @property {number} query
+ * @property {number} top the terms drawn per side
+ * @property {number | null} softcap the model's attention soft-cap (null: none)
+ * @property {number[]} keys key positions
+ * @property {Array<number | null>} alpha the head's attention to each key (null: underflowed to 0)
+ * @property {Array<number | null>} log_alpha_plus_entropy what each side adds up to (null: -inf)
+ * @property {WhySide[]} key_side per key
+ * @property {WhySide[]} query_side per key
+ */
 
 /** The bar holding the components not drawn (why.py's OTHER). */
 export const OTHER = "other components";
@@ -20,6 +41,8 @@ const SIDES = /** @type {const} */ (["key_side", "query_side"]);
 /** The narrowest panel with the two sides beside each other (narrower: the query side under the key side). */
 const WHY_SIDE_BY_SIDE_PX = 760;
 const SIDE_NAMES = { key_side: "key side", query_side: "query side" };
+/** The panel before a click: the kernel splits a head's score only for a clicked cell (`ask`). */
+const CLICK_A_CELL = "click a cell of the heatmap: the kernel splits this head's score there";
 
 /**
  * One side's bars at one key: the largest terms, largest first, then the other components' sum, so
@@ -65,9 +88,10 @@ export function whyKey(row, clicked) {
  * @param {number} n the key's index in the row
  * @param {string} query the query's label
  * @param {string} key the key's label
+ * @param {(x: number) => string} fmt how the inspector writes a number
  * @returns {string}
  */
-export function whyCaption(row, n, query, key) {
+export function whyCaption(row, n, query, key, fmt) {
   const target = row.log_alpha_plus_entropy[n];
   const sum = target === null ? "−∞" : fmt(target);
   const alpha = row.alpha[n];
@@ -86,8 +110,9 @@ export function whyCaption(row, n, query, key) {
  * The two bar traces (key side left, query side right) of key `n`, with hover text.
  * @param {WhyRow} row
  * @param {number} n
+ * @param {(x: number) => string} fmt
  */
-function whyTraces(row, n) {
+function whyTraces(row, n, fmt) {
   return SIDES.map((side, i) => {
     const { names, values } = whyBars(row[side][n]);
     return {
@@ -108,20 +133,56 @@ function whyTraces(row, n) {
 }
 
 /**
+ * What the panel says where it has no row (null: the row is on its way).
+ * @param {PanelAnswer} answer
+ * @param {number} query
+ * @returns {string | null}
+ */
+function noRow(answer, query) {
+  if (answer.unasked) return CLICK_A_CELL;
+  if (answer.gone) return "not drawn: no kernel answered";
+  if (answer.error !== undefined) return "the kernel could not split this score: " + answer.error;
+  if (!answer.missing) return null;
+  const named = answer.missing;
+  return "query " + query + "'s panel was not embedded in this page (it carries " +
+    (named.length ? "queries " + named.join(", ") : "none") + "): write it with write_html(..., why_queries=[" + query +
+    "]), or open the live inspector, which computes it for the clicked cell.";
+}
+
+/**
+ * The panel's caption and bars in its element, made on the first draw.
+ * @param {HTMLElement} element
+ * @returns {{caption: HTMLElement, figure: HTMLElement}}
+ */
+function parts(element) {
+  if (!element.firstChild) {
+    element.className += " cl-why";
+    element.style.margin = "8px 0";
+    const caption = element.appendChild(document.createElement("div"));
+    caption.className = "cl-text-caption cl-why-caption";
+    const figure = element.appendChild(document.createElement("div"));
+    figure.className = "cl-why-bars";
+    figure.style.maxWidth = "100%";
+  }
+  return {
+    caption: /** @type {HTMLElement} */ (element.querySelector(".cl-why-caption")),
+    figure: /** @type {HTMLElement} */ (element.querySelector(".cl-why-bars")),
+  };
+}
+
+/**
  * The panel drawn for the view: one head's row, or why there is none (all heads, a KV group, not
  * embedded, the kernel busy or gone).
- * @param {View} view
- * @param {Meta} meta
- * @param {State} state
+ * @param {HTMLElement} element
+ * @param {PanelContext} context
  * @returns {Promise<unknown>}
  */
-export function drawWhy(view, meta, state) {
-  const { why, whyCaption: caption, whyBars: figure } = view.parts;
-  why.style.display = view.host.why ? "" : "none";
-  if (!view.host.why) return Promise.resolve();
-  const clicked = view.selected && view.selected.query === state.query ? view.selected.key : -1;
-  const got = state.head === "all" || state.group_kv ? PICK_ONE_HEAD
-    : view.host.why(state.layer, Number(state.head), state.query, Boolean(view.selected && view.selected.query === state.query));
+export function draw(element, context) {
+  const { caption, figure } = parts(element);
+  const { state, meta, selected, fmt } = context;
+  const clicked = selected ? selected.key : -1;
+  const answer = state.head === "all" || state.group_kv ? null : context.answer(Boolean(selected));
+  const got = answer === null ? PICK_ONE_HEAD : answer.data ? /** @type {WhyRow} */ (answer.data) : noRow(answer, state.query);
   figure.style.display = got && typeof got !== "string" ? "" : "none";
   if (!got || typeof got === "string") {
     caption.textContent = "Why: " + (got || "computing L" + state.layer + "H" + state.head + " at query " + state.query + "…");
@@ -130,11 +191,11 @@ export function drawWhy(view, meta, state) {
   const n = whyKey(got, clicked);
   const qLabel = meta.query_labels[meta.queries.indexOf(state.query)];
   const kLabel = meta.key_labels[meta.keys.indexOf(got.keys[n])];
-  caption.textContent = whyCaption(got, n, qLabel, kLabel) + (view.whyNote ? " " + view.whyNote : "");
-  view.whyShown = { row: got, n };
+  const note = context.memo.note ? " " + context.memo.note : "";
+  caption.textContent = whyCaption(got, n, qLabel, kLabel, fmt) + note;
   const axis = (/** @type {string} */ text, /** @type {number[]} */ domain, /** @type {string} */ anchor) =>
     ({ title: { text, font: { size: 12 } }, domain, anchor, zeroline: true, automargin: true });
-  const width = Math.min(1000, view.drawnWidth);
+  const width = Math.min(1000, context.width);
   // Side by side where both sides' labels and titles fit; one above the other on a narrow output (368, 620 px).
   const stacked = width < WHY_SIDE_BY_SIDE_PX;
   const chart = 60 + 22 * (got.top + 1);
@@ -152,26 +213,25 @@ export function drawWhy(view, meta, state) {
     yaxis: { autorange: "reversed", type: "category", automargin: true, anchor: "x", domain: upper },
     yaxis2: { autorange: "reversed", type: "category", automargin: true, anchor: "x2", domain: lower },
   };
-  return plot(figure, whyTraces(got, n), layout, (event) => whyClicked(view, meta, event));
+  return context.plot(figure, whyTraces(got, n, fmt), layout, (event) => whyClicked(context, event));
 }
 
 /**
  * A click on a bar: a head's bar opens that head's view (where the inspector shows its layer).
- * @param {View} view
- * @param {Meta} meta
+ * @param {PanelContext} context
  * @param {any} event
  */
-function whyClicked(view, meta, event) {
+function whyClicked(context, event) {
   const head = headOf(String(event.points[0].y));
   if (!head) return;
   const [layer, h] = head;
+  const { meta, memo } = context;
   if (!meta.layers.includes(layer)) {
-    view.whyNote = "L" + layer + "H" + h + " cannot be opened: layer " + layer + " is not among the inspected layers " +
+    memo.note = "L" + layer + "H" + h + " cannot be opened: layer " + layer + " is not among the inspected layers " +
       meta.layers.join(", ") + ".";
-    if (view.redraw) view.redraw();
+    context.redraw();
     return;
   }
-  view.whyNote = "";
-  view.host.set({ layer, head: h });
+  memo.note = "";
+  context.set({ layer, head: h });
 }
-
