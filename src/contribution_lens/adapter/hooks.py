@@ -30,18 +30,20 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from contribution_lens import tiles as tiling
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
 from contribution_lens.adapter.tokens import TokenBatch, to_token_batch
 from contribution_lens.choices import as_index
 from contribution_lens.decomposition import (
     Decomposition,
+    KeySide,
     Scope,
     accumulation_dtype,
-    decompose_layer,
     head_gram,
     head_outputs,
     valid_positions,
 )
+from contribution_lens.tiles import QueryKeys, Tile, query_tiles
 
 
 def pattern_hook(layer: int) -> str:
@@ -248,7 +250,65 @@ class LayerInputs:
     """What `gram` reads, when first asked for (None: no Gram matrix)."""
     captured: dict[str, Tensor] = field(default_factory=dict)
     """Extra per-layer hooks asked for with ``capture`` (e.g. ``"hook_resid_pre"``), by relative name."""
+    qk: QueryKeys | None = field(default=None, repr=False)
+    """The layer's queries and keys as they enter ``q k^T`` (`contribution_lens.tiles.QueryKeys`), where the
+    pass kept them (``record_qk``) or ran in tiles; then ``pattern`` may be a shape alone (`whole`)."""
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def whole(self) -> bool:
+        """Whether ``pattern`` holds the pattern; else (a pass in tiles) it is a shape on the meta device, and the
+        pattern is read a tile of queries at a time (`pattern_rows`, recomputed from `qk`)."""
+        return not self.pattern.is_meta
+
+    def tiles(self, budget: int | None = None) -> list[Tile]:
+        """The layer's queries in tiles of ``budget`` bytes a pattern-sized tensor (default
+        `contribution_lens.tiles.TILE_BYTES`; `contribution_lens.tiles.query_tiles`).
+
+        A per-layer function that reads the pattern tile by tile (`pattern_rows`, `decompose_rows`)
+        works whether the pass kept the pattern or not: it then never holds a whole one.
+        """
+        batch, heads, n_query, n_key = self.pattern.shape
+        budget = tiling.TILE_BYTES if budget is None else budget
+        return query_tiles(n_query, n_key, heads=heads, batch=batch, causal=self.causal, budget=budget)
+
+    def pattern_rows(self, tile: Tile) -> Float[Tensor, "batch head row key"]:
+        """The pattern's rows of ``tile``'s queries over its keys: cut from ``pattern``, or recomputed from `qk`."""
+        if self.whole:
+            return self.pattern[:, :, tile.queries, : tile.keys]
+        if self.qk is None:
+            raise ValueError(f"layer {self.layer} kept neither its pattern nor its queries and keys")
+        return self.qk.pattern(tile)
+
+    def key_side(self, dtype: torch.dtype | str | None = None) -> KeySide:
+        """What every query reads of the layer's keys (`contribution_lens.decomposition.KeySide`), computed once."""
+        tensors = (self.v, self.W_O) if not self.whole else (self.pattern, self.v, self.W_O)
+        acc = accumulation_dtype(dtype, *tensors)
+        key = ("key_side", acc)
+        if key not in self._cache:
+            self._cache[key] = KeySide.of(self.v, self.W_O, dtype=acc, attention_mask=self.padding_mask, gram=self.gram)
+        return self._cache[key]
+
+    def decompose_rows(
+        self,
+        scope: Scope | str,
+        tile: Tile,
+        *,
+        pattern: Tensor | None = None,
+        dtype: torch.dtype | str | None = None,
+    ) -> Decomposition:
+        """The `Decomposition` of ``tile``'s queries over its keys: the rows of `decompose`'s.
+
+        ``pattern``: those rows of the pattern where the caller has them already (`pattern_rows`).
+        """
+        rows = self.pattern_rows(tile) if pattern is None else pattern
+        n_key = self.pattern.shape[-1]
+        first = n_key - self.pattern.shape[2] + tile.start
+        z = None if self.z is None else self.z[:, first : first + tile.rows]
+        output = self.output_without_bias(slice(first, first + tile.rows))
+        return self.key_side(dtype).decompose(
+            rows, scope=Scope.of(scope), causal=self.causal, first_query=first, z=z, output=output
+        )
 
     @property
     def causal(self) -> bool:
@@ -300,28 +360,29 @@ class LayerInputs:
         dtype = None if dtype is None else accumulation_dtype(dtype)
         key = ("decompose", scope, dtype)
         if key not in self._cache:
-            self._cache[key] = decompose_layer(
+            if not self.whole:
+                raise ValueError(
+                    f"layer {self.layer} was read in tiles: its pattern was never held whole, so it has no whole "
+                    "decomposition; read it a tile at a time (layer.tiles(), layer.decompose_rows(scope, tile))"
+                )
+            self._cache[key] = self.key_side(dtype).decompose(
                 self.pattern,
-                self.v,
-                self.W_O,
                 scope=scope,
                 causal=self.causal,
-                attention_mask=self.padding_mask,
-                dtype=dtype,
                 z=self.head_outputs(dtype),
                 output=self.output_without_bias(),
-                gram=self.gram,
             )
         return self._cache[key]
 
-    def output_without_bias(self) -> Float[Tensor, "batch query d_model"] | None:
-        """``sum_h z^h W_O^h`` read off ``hook_out``, where that is at least float32 (else None).
+    def output_without_bias(self, queries: slice = slice(None)) -> Float[Tensor, "batch query d_model"] | None:
+        """``sum_h z^h W_O^h`` read off ``hook_out`` (at ``queries``), where that is at least float32 (else None).
 
         A half-precision ``hook_out`` is rounded once more than the float32 sum of ``z W_O``.
         """
         if self.hook_out is None or self.hook_out.dtype not in (torch.float32, torch.float64):
             return None
-        return self.hook_out if self.b_O is None else self.hook_out - self.b_O
+        out = self.hook_out[:, queries]
+        return out if self.b_O is None else out - self.b_O
 
 
 LayerFn = Callable[[LayerInputs], Any]
