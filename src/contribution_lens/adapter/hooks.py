@@ -32,6 +32,7 @@ from torch import Tensor
 
 from contribution_lens import tiles as tiling
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
+from contribution_lens.adapter.attention import AttentionForm, tiled_attention
 from contribution_lens.adapter.tokens import TokenBatch, to_token_batch
 from contribution_lens.choices import as_index
 from contribution_lens.decomposition import (
@@ -410,17 +411,29 @@ def has_capture(model: Model, layers: Sequence[int], capture: Sequence[str]) -> 
     return True
 
 
-def _layer_inputs(model: Model, batch: TokenBatch, layer: int, slot: dict[str, Tensor]) -> LayerInputs:
-    """What one layer offers, from the tensors its hooks caught."""
+def _layer_inputs(
+    model: Model, batch: TokenBatch, layer: int, slot: dict[str, Any], form: "AttentionForm | None" = None
+) -> LayerInputs:
+    """What one layer offers, from the tensors its hooks caught (and its queries and keys, where ``form`` says how)."""
     W_O, b_O = output_weights(model, layer)
+    qk = slot.get("qk")
+    if form is not None and "q" in slot:
+        dtype = slot["pattern"].dtype if "pattern" in slot else None
+        padding = batch.attention_mask.to(torch.bool) if batch.padded else None
+        qk = form.query_keys(slot["q"], slot["k"], padding, dtype=dtype)
+    if "pattern" in slot:
+        pattern = slot["pattern"]
+    else:  # a pass in tiles holds no pattern: its shape alone, on the meta device (`LayerInputs.whole`)
+        assert qk is not None, f"layer {layer} caught neither its pattern nor its queries and keys"
+        pattern = torch.empty(qk.shape, device="meta", dtype=qk.q.dtype)
     return LayerInputs(
         gram_of=lambda: layer_gram(model, layer, W_O),
         layer=layer,
-        pattern=slot["pattern"],
+        pattern=pattern,
         v=slot["v"],
         W_O=W_O,
         b_O=b_O,
-        z=_per_head(slot.get("z"), slot["pattern"].shape[1]),
+        z=_per_head(slot.get("z"), pattern.shape[1]),
         hook_out=slot.get("hook_out"),
         tokens=batch.tokens,
         attention_mask=batch.attention_mask,
@@ -428,6 +441,7 @@ def _layer_inputs(model: Model, batch: TokenBatch, layer: int, slot: dict[str, T
         cfg=model.cfg,
         bos_first=batch.bos_first,
         captured={k.split(":", 1)[1]: t for k, t in slot.items() if k.startswith("captured:")},
+        qk=qk,
     )
 
 
@@ -510,6 +524,10 @@ def hooked(model: Model, fwd_hooks: Sequence[tuple[str, HookFn]]) -> Iterator[No
             yield
 
 
+QK_MODES = ("record", "tiles")
+"""How a pass reads each layer's queries and keys (`layer_hooks`' ``qk``; `contribution_lens.adapter.attention`)."""
+
+
 @contextmanager
 def layer_hooks(
     model: Model,
@@ -521,6 +539,9 @@ def layer_hooks(
     capture: Sequence[str] = (),
     stop_after_last: bool = False,
     extra: Sequence[tuple[str, HookFn]] = (),
+    qk: str | None = None,
+    forms: "dict[int, AttentionForm] | None" = None,
+    receive: Callable[[int, QueryKeys], None] | None = None,
 ) -> Iterator[None]:
     """The one place that wires hooks: call ``fn(LayerInputs)`` for each layer in the forward pass.
 
@@ -530,41 +551,71 @@ def layer_hooks(
     their order. Nothing is kept afterwards: only one layer's activations are alive at a time.
     With ``stop_after_last``, `StopForward` is raised after the last layer's ``fn``. ``extra``
     (hook name, function) pairs are attached with them, after them.
+
+    ``qk`` (`QK_MODES`): ``"record"`` also reads each layer's queries and keys into
+    `LayerInputs.qk`; ``"tiles"`` runs attention a tile of queries at a time
+    (`contribution_lens.adapter.attention.tiled_attention`): ``LayerInputs.pattern`` is then its
+    shape alone and ``fn`` reads the pattern through ``LayerInputs.pattern_rows``. ``forms``: each
+    layer's `contribution_lens.adapter.attention.AttentionForm` (``contribution_lens.adapter.attention_forms``,
+    learned on a probe that cannot run inside another pass: needed to record); ``receive(layer, qk)``
+    sees each tiled layer's queries and keys.
     """
+    if qk is not None and qk not in QK_MODES:
+        raise ValueError(f"qk must be one of {QK_MODES} or None, got {qk!r}")
+    if qk == "tiles" and edit is not None:
+        raise ValueError("a pass in tiles holds no pattern to edit: run pattern edits with qk=None")
+    if qk == "record" and forms is None:
+        raise ValueError("qk='record' needs the layers' forms (contribution_lens.adapter.attention_forms)")
     known = check_hooks(model, layers)
     _check_capture(known, layers, capture)
     optional = [("z", z_hook), ("hook_out", lambda layer: output_hook(layer, known=known))]
-    pending: dict[int, dict[str, Tensor]] = {}
+    pending: dict[int, dict[str, Any]] = {}
     last = max(layers)
 
     def slots(layer: int) -> list[tuple[str, str]]:
-        names = [("v", value_hook(layer, known=known)), ("pattern", pattern_hook(layer))]
+        names = [("v", value_hook(layer, known=known))]
+        names += [] if qk == "tiles" else [("pattern", pattern_hook(layer))]
         names += [(kind, make(layer)) for kind, make in optional if make(layer) in known]
+        if qk == "record" and forms is not None:
+            names += [("q", f"blocks.{layer}.{forms[layer].q_hook}"), ("k", f"blocks.{layer}.{forms[layer].k_hook}")]
         return names + [(f"captured:{name}", f"blocks.{layer}.{name}") for name in capture]
 
-    def capture_hook(layer: int, kind: str, needed: int) -> HookFn:
+    needed = {layer: len(slots(layer)) + (qk == "tiles") for layer in layers}
+
+    def fill(layer: int, kind: str, value: Any) -> None:
+        slot = pending.setdefault(layer, {})
+        slot[kind] = value
+        if len(slot) == needed[layer]:
+            form = None if forms is None or qk != "record" else forms[layer]
+            fn(_layer_inputs(model, batch, layer, pending.pop(layer), form))
+            if stop_after_last and layer == last:
+                raise StopForward
+
+    def capture_hook(layer: int, kind: str) -> HookFn:
         def hook(tensor: Tensor, hook: Any) -> Tensor | None:
             replaced = None
             if kind == "pattern" and edit is not None:
                 replaced = _edited(edit, layer, tensor, pending.get(layer, {}))
-            slot = pending.setdefault(layer, {})
             kept = (tensor if replaced is None else replaced).detach()
-            slot[kind] = read_values(model, layer, kept) if kind == "v" else kept
-            if len(slot) == needed:
-                fn(_layer_inputs(model, batch, layer, pending.pop(layer)))
-                if stop_after_last and layer == last:
-                    raise StopForward
+            fill(layer, kind, read_values(model, layer, kept) if kind == "v" else kept)
             return replaced
 
         return hook
 
-    fwd_hooks = []
-    for layer in layers:
-        names = slots(layer)
-        fwd_hooks += [(name, capture_hook(layer, kind, len(names))) for kind, name in names]
+    def received(layer: int, found: QueryKeys) -> None:
+        if receive is not None:
+            receive(layer, found)
+        if layer in needed:
+            fill(layer, "qk", found)
+
+    fwd_hooks = [(name, capture_hook(layer, kind)) for layer in layers for kind, name in slots(layer)]
     try:
         with hooked(model, [*fwd_hooks, *extra]):
-            yield
+            if qk == "tiles":
+                with tiled_attention(model, batch, received):
+                    yield
+            else:
+                yield
     finally:
         pending.clear()
 

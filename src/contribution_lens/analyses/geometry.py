@@ -21,7 +21,7 @@ from transformer_lens import ActivationCache
 from contribution_lens import adapter
 from contribution_lens.choices import as_index, as_indices
 from contribution_lens.decomposition import MEASURES, Decomposition, Factor, Scope, accumulation_dtype, decompose
-from contribution_lens.engine import LayerResults, map_layers
+from contribution_lens.engine import LayerResults, map_layers, tiles_mode
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -391,11 +391,15 @@ def layer_summary(
     scope: Scope | str = Scope.INTER,
     sink: int | None = None,
     prepend_bos: bool | None = None,
+    tiles: bool | None = None,
 ) -> pd.DataFrame:
     """`Geometry.layer_summary` without keeping any layer: memory of one layer at a time.
 
     ``sink`` as in `Geometry.layer_summary` (None: 0 after a BOS, else found per layer and text);
-    ``prepend_bos``: prepend the tokenizer's BOS to texts (None: the model's own choice).
+    ``prepend_bos``: prepend the tokenizer's BOS to texts (None: the model's own choice). Each layer
+    is read a tile of queries at a time; ``tiles=True`` runs the pass itself in tiles, holding no
+    pattern (`contribution_lens.adapter.tiled_attention`: what a 32,768-token text needs), ``False``
+    keeps the model's own, None (default) decides by the length (`contribution_lens.engine.WHOLE_PATTERN_BYTES`).
 
     Example:
         >>> import contribution_lens as cl
@@ -414,7 +418,8 @@ def layer_summary(
             summary.add(layer.decompose_rows(scope, tile), tile.start)
         return summary.result()
 
-    results = map_layers(model, inputs, summarise, layers=layers, prepend_bos=prepend_bos)
+    mode = tiles_mode(tiles)
+    results = map_layers(model, inputs, summarise, layers=layers, prepend_bos=prepend_bos, qk=mode)
     return pd.DataFrame([{"layer": layer, **row} for layer, row in results.items()]).set_index("layer")
 
 

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from contribution_lens import adapter
 from contribution_lens.choices import as_index
 from contribution_lens.decomposition import Decomposition, Factor, Scope, head_gram, is_causal
-from contribution_lens.engine import LayerResults, map_layers
+from contribution_lens.engine import LayerResults, map_layers, tiles_mode
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -831,6 +831,7 @@ def sink_analysis(
     attention_mask: Tensor | None = None,
     prepend_bos: bool | None = None,
     progress: bool = False,
+    tiles: bool | None = None,
 ) -> SinkAnalysis:
     """Sink geometry and sink/tail factors of every requested layer in one forward pass.
 
@@ -851,6 +852,10 @@ def sink_analysis(
         prepend_bos: prepend the tokenizer's BOS to texts; None: the model's own choice
             (``cfg.default_prepend_bos``).
         progress: show a progress bar ("sink analysis"), one step a layer.
+        tiles: each layer is read a tile of queries at a time; True runs the pass itself in tiles,
+            holding no pattern (`contribution_lens.adapter.tiled_attention`: what a 32,768-token text
+            needs), False keeps the model's own, None (default) decides by the length
+            (`contribution_lens.engine.WHOLE_PATTERN_BYTES`).
 
     Example:
         >>> import contribution_lens as cl
@@ -871,6 +876,8 @@ def sink_analysis(
     described = _quantile_scopes(quantiles, wanted)
     positions = None if isinstance(sinks, str) else sinks
     _check_epsilon(epsilon)
+    mode = tiles_mode(tiles)  # a bad value is refused before the pass
+    tiles_mode(tiles)  # a bad value is refused before the pass
 
     def on_layer(layer: adapter.LayerInputs) -> SinkLayer:
         find = isinstance(sinks, str) or (sinks is None and k is None and not layer.bos_first)
@@ -884,8 +891,8 @@ def sink_analysis(
     total = len(adapter.check_layers(model, layers))
     with tqdm(total=total, desc="sink analysis", unit="layer", disable=not progress) as bar:
         results = map_layers(
-            model, inputs, on_layer, layers=layers, attention_mask=attention_mask, prepend_bos=prepend_bos
-        )
+            model, inputs, on_layer, layers=layers, attention_mask=attention_mask, prepend_bos=prepend_bos, qk=mode,
+        )  # fmt: skip
     return SinkAnalysis.from_results(results, k=k or 1)
 
 
