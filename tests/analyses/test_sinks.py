@@ -339,7 +339,9 @@ def test_masked_quantiles_are_torch_quantile_exactly(case: str, dtype: torch.dty
 
 
 DOMAINS = {
-    "unit": lambda g: torch.cat([torch.rand(4, 1500, generator=g) * 2 - 1, torch.tensor([[-1.0, 1.0, 0.0, -0.0]] * 4)], 1),
+    "unit": lambda g: torch.cat(
+        [torch.rand(4, 1500, generator=g) * 2 - 1, torch.tensor([[-1.0, 1.0, 0.0, -0.0]] * 4)], 1
+    ),
     "non-negative": lambda g: torch.cat(
         [torch.randn(4, 1500, generator=g).exp() ** 8, torch.tensor([[0.0, 1e-40, 3e-12, 1e20]] * 4)], 1
     ),  # a subnormal, and values under 2**-32 and over 2**32 (the first and last bins)
