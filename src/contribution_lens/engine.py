@@ -233,11 +233,7 @@ def map_layers(
             model allows it, else the ordinary pass (for an ``fn`` that reads the pattern in tiles).
     """
     wanted = adapter.check_layers(model, layers)
-    batch = (
-        inputs
-        if isinstance(inputs, adapter.TokenBatch)
-        else adapter.to_token_batch(model, inputs, attention_mask=attention_mask, prepend_bos=prepend_bos)
-    )
+    batch = _token_batch(model, inputs, attention_mask, prepend_bos)
     adapter.is_causal_model(model)  # an unknown attention_dir fails before the pass
     if qk == "auto":
         qk = "tiles" if not pattern_fits(model, batch) and adapter.tiles_problem(model) is None else None
@@ -248,34 +244,33 @@ def map_layers(
         results[layer.layer] = fn(layer)
 
     logits = None
-    with adapter.layer_hooks(
-        model,
-        batch,
-        wanted,
-        on_layer,
-        edit=edit,
-        capture=capture,
-        stop_after_last=not (keep_logits or whole_pass),
-        extra=extra_hooks,
-        qk=qk,
-        forms=forms,
-    ):
+    hooks = adapter.layer_hooks(
+        model, batch, wanted, on_layer, edit=edit, capture=capture, stop_after_last=not (keep_logits or whole_pass),
+        extra=extra_hooks, qk=qk, forms=forms,
+    )  # fmt: skip
+    with hooks:
         try:
             logits = adapter.forward(model, batch)
         except adapter.StopForward:
             pass
-    missing = [layer for layer in wanted if layer not in results]
-    if missing:
+    if missing := [layer for layer in wanted if layer not in results]:
         raise RuntimeError(f"the forward pass never reached the hooks of layers {missing}")
     return LayerResults(
-        results,
-        tokens=batch.tokens,
-        attention_mask=batch.attention_mask,
-        str_tokens=batch.str_tokens,
-        n_layers=adapter.n_layers(model),
-        logits=logits if keep_logits else None,
-        bos_first=batch.bos_first,
-    )
+        results, tokens=batch.tokens, attention_mask=batch.attention_mask, str_tokens=batch.str_tokens,
+        n_layers=adapter.n_layers(model), logits=logits if keep_logits else None, bos_first=batch.bos_first,
+    )  # fmt: skip
+
+
+def _token_batch(
+    model: adapter.Model,
+    inputs: str | Sequence[str] | Tensor | adapter.TokenBatch,
+    attention_mask: Tensor | None,
+    prepend_bos: bool | None,
+) -> adapter.TokenBatch:
+    """`map_layers`'s ``inputs`` as a batch of token ids (a batch already made is used as it is)."""
+    if isinstance(inputs, adapter.TokenBatch):
+        return inputs
+    return adapter.to_token_batch(model, inputs, attention_mask=attention_mask, prepend_bos=prepend_bos)
 
 
 def pattern_fits(model: adapter.Model, batch: adapter.TokenBatch) -> bool:

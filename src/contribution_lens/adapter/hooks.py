@@ -21,7 +21,7 @@ or goes through the functions here. The hooks read, per layer ``l``:
 import threading
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -545,12 +545,11 @@ def layer_hooks(
 ) -> Iterator[None]:
     """The one place that wires hooks: call ``fn(LayerInputs)`` for each layer in the forward pass.
 
-    Per layer the hooks read ``hook_v``, ``hook_pattern`` (after ``edit``, if given, has
-    replaced it), ``hook_z`` and ``attn.hook_out`` where the model has them, and any
-    ``capture`` names relative to ``blocks.{l}``; ``fn`` runs once all have fired, whatever
-    their order. Nothing is kept afterwards: only one layer's activations are alive at a time.
-    With ``stop_after_last``, `StopForward` is raised after the last layer's ``fn``. ``extra``
-    (hook name, function) pairs are attached with them, after them.
+    Per layer the hooks read ``hook_v``, ``hook_pattern`` (after ``edit``, if given, has replaced it), ``hook_z``
+    and ``attn.hook_out`` where the model has them, and any ``capture`` names relative to ``blocks.{l}``; ``fn``
+    runs once all have fired, whatever their order. Nothing is kept afterwards: only one layer's activations
+    are alive at a time. With ``stop_after_last``, `StopForward` is raised after the last layer's ``fn``.
+    ``extra`` (hook name, function) pairs are attached with them, after them.
 
     ``qk`` (`QK_MODES`): ``"record"`` also reads each layer's queries and keys into
     `LayerInputs.qk`; ``"tiles"`` runs attention a tile of queries at a time
@@ -560,12 +559,7 @@ def layer_hooks(
     learned on a probe that cannot run inside another pass: needed to record); ``receive(layer, qk)``
     sees each tiled layer's queries and keys.
     """
-    if qk is not None and qk not in QK_MODES:
-        raise ValueError(f"qk must be one of {QK_MODES} or None, got {qk!r}")
-    if qk == "tiles" and edit is not None:
-        raise ValueError("a pass in tiles holds no pattern to edit: run pattern edits with qk=None")
-    if qk == "record" and forms is None:
-        raise ValueError("qk='record' needs the layers' forms (contribution_lens.adapter.attention_forms)")
+    _check_qk(qk, edit, forms)
     known = check_hooks(model, layers)
     _check_capture(known, layers, capture)
     optional = [("z", z_hook), ("hook_out", lambda layer: output_hook(layer, known=known))]
@@ -609,15 +603,22 @@ def layer_hooks(
             fill(layer, "qk", found)
 
     fwd_hooks = [(name, capture_hook(layer, kind)) for layer in layers for kind, name in slots(layer)]
+    in_tiles = tiled_attention(model, batch, received) if qk == "tiles" else nullcontext()
     try:
-        with hooked(model, [*fwd_hooks, *extra]):
-            if qk == "tiles":
-                with tiled_attention(model, batch, received):
-                    yield
-            else:
-                yield
+        with hooked(model, [*fwd_hooks, *extra]), in_tiles:
+            yield
     finally:
         pending.clear()
+
+
+def _check_qk(qk: str | None, edit: PatternEdit | None, forms: "dict[int, AttentionForm] | None") -> None:
+    """`layer_hooks`'s ``qk`` against its other arguments, before any hook is attached."""
+    if qk is not None and qk not in QK_MODES:
+        raise ValueError(f"qk must be one of {QK_MODES} or None, got {qk!r}")
+    if qk == "tiles" and edit is not None:
+        raise ValueError("a pass in tiles holds no pattern to edit: run pattern edits with qk=None")
+    if qk == "record" and forms is None:
+        raise ValueError("qk='record' needs the layers' forms (contribution_lens.adapter.attention_forms)")
 
 
 def forward(
