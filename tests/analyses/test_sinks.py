@@ -420,7 +420,7 @@ def test_sink_factors_match_the_masked_oracle(scope: str, sinks, budget: int) ->
     rows = SinkRows(v, W_O, sink_mask(sinks, 1, 2, 9, pattern.device), attention_mask=mask)
     tail = TailQuantiles(4, torch.float32, pattern.device, items=81)
     keys = KeySide.of(v, W_O, dtype=torch.float32, attention_mask=mask)
-    for tile in query_tiles(9, 9, heads=4, batch=2, causal=True, budget=budget):
+    for tile in query_tiles(9, 9, heads=4, batch=2, causal=True, budget=budget, min_rows=1):
         rows.add(pattern[:, :, tile.queries, : tile.keys], causal=True, first_query=tile.start)
         part = keys.decompose(pattern[:, :, tile.queries, : tile.keys], scope=cl.Scope.of(scope), causal=True,
                               first_query=tile.start)  # fmt: skip

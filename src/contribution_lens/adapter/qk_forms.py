@@ -26,7 +26,7 @@ from contribution_lens.adapter.hooks import (
     n_layers,
 )
 from contribution_lens.adapter.tokens import TokenBatch, to_token_batch
-from contribution_lens.tiles import QueryKeys
+from contribution_lens.tiles import QueryKeys, Tile
 
 _FORMS: "weakref.WeakKeyDictionary[Any, dict[int, AttentionForm] | str]" = weakref.WeakKeyDictionary()
 
@@ -97,7 +97,7 @@ def _check_forms(
             problems[layer.layer] = f"its attention is {'causal' if form.causal else 'bidirectional'}, its config not"
         elif layer.qk is None or layer.qk.shape != tuple(layer.pattern.shape):
             problems[layer.layer] = f"its {form.q_hook} and {form.k_hook} do not make its pattern's shape"
-        elif (error := _relative_error(layer.qk.pattern(layer.tiles(1 << 40)[0]), layer.pattern)) > tolerance:
+        elif (error := _relative_error(layer.qk.pattern(Tile(0, *layer.pattern.shape[2:])), layer.pattern)) > tolerance:
             problems[layer.layer] = f"its pattern rebuilt from {form.q_hook} and {form.k_hook} is {error:.2g} off"
         elif (
             (tiled := tiled_z[layer.layer]) is not None
