@@ -70,12 +70,12 @@ def parts_of(model: Any, tokens: torch.Tensor, layer: int) -> dict[str, Callable
         tail.result()
 
     n_layers = adapter.n_layers(model)
-    output = caught.output_without_bias()
+    output, reading = caught.output_without_bias(), caught.inter_reading()
     return {
         "forward / layer": lambda: _ratios.plain(model, tokens),
         "sink rows": lambda: sink_rows(fresh()),
         "geometry": lambda: rows.geometry(),
-        "factors": lambda: [rows.factors(scope, z=caught.z, output=output) for scope in cl.Scope],
+        "factors": lambda: [rows.factors(scope, z=caught.z, output=output, reading=reading) for scope in cl.Scope],
         "decompose inter": lambda: [fresh().decompose_rows("inter", tile) for tile in tiles],
         "quantiles inter": lambda: quantiles("inter"),
         "decompose intra": lambda: [fresh().decompose_rows("intra", tile) for tile in tiles],

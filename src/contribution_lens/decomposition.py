@@ -629,6 +629,32 @@ class KeySide:
         v_gram_t = einops.rearrange(v_gram, "batch kv group key e_head -> batch kv group e_head key").contiguous()
         return cls(values, weights, gram_g, v_gram, value_norm_sq, values_t, v_gram_t, v_scale, w_scale, mask, dtype)
 
+    def reading(
+        self,
+        z: Float[Tensor, "batch query head d_head"] | None,
+        output: Float[Tensor, "batch query d_model"] | None,
+        first_query: int = 0,
+    ) -> tuple[Tensor, Tensor]:
+        """`inter_reading` of queries ``first_query ..`` (``z`` and ``output`` theirs), scaled as `decompose` scales.
+
+        One product of every query's output with ``W_O`` (``[query d_model] x [d_model head d_head]``):
+        a layer read a tile of queries at a time computes it once and hands `decompose` each tile's rows.
+        """
+        n_kv_heads, n_heads = self.values.shape[2], self.weights.shape[0]
+        if output is not None:
+            output = (
+                output.to(device=self.values.device, dtype=self.dtype) * (self.v_scale * self.w_scale)[:, None, None]
+            )
+            z_g = output.new_empty(output.shape[0], n_kv_heads, 0, output.shape[1], 0)  # the layout alone
+        elif z is not None:
+            scaled = z.to(device=self.values.device, dtype=self.dtype) * self.v_scale[:, None, None, None]
+            z_g = einops.rearrange(scaled, "batch query (kv g) d -> batch kv g query d", kv=n_kv_heads)
+        else:
+            raise ValueError("the inter scope's reading needs the heads' outputs z or the layer's output")
+        n_query = z_g.shape[3]
+        real_q = None if self.attention_mask is None else self.attention_mask[:, first_query : first_query + n_query]
+        return inter_reading(_layer_output(z_g, self.weights, output, real_q), self.weights, n_kv_heads, n_heads)
+
     def decompose(
         self,
         pattern: Float[Tensor, "batch head query key"],
@@ -638,12 +664,15 @@ class KeySide:
         first_query: int | None = None,
         z: Float[Tensor, "batch query head d_head"] | None = None,
         output: Float[Tensor, "batch query d_model"] | None = None,
+        reading: tuple[Tensor, Tensor] | None = None,
     ) -> Decomposition:
         """The `Decomposition` of the queries whose pattern rows are ``pattern``, over its first ``key`` keys.
 
         ``first_query``: the position of the first row (default: the last rows of the keys, as a
         causal tile of queries with the keys up to its last one); ``z`` and ``output`` those rows'
-        (as in `decompose_layer`). A row's numbers are those of the whole layer's decomposition.
+        (as in `decompose_layer`); ``reading``: those rows of `reading` (the inter scope), where the
+        caller computed it for the whole layer at once. A row's numbers are those of the whole
+        layer's decomposition.
         """
         batch, n_heads, n_query, n_key = pattern.shape
         acc = self.dtype
@@ -672,7 +701,7 @@ class KeySide:
         else:
             real_q = None if mask is None else self.attention_mask[:, first : first + n_query]  # type: ignore[index]
             dot, output_norm_sq = _inter_products(
-                z_g, self.values_t[..., :n_key], self.weights, output, real_q, n_heads
+                z_g, self.values_t[..., :n_key], self.weights, output, real_q, n_heads, reading
             )
         cosine, value_norm, output_norm = _cosine_and_norms(dot, self.value_norm_sq[..., :n_key], output_norm_sq)
         unscale = einops.rearrange(v_scale * w_scale, "batch -> batch 1 1")
@@ -773,32 +802,57 @@ def _intra_products(z_g: Tensor, v_gram_t: Tensor, gram_g: Tensor) -> tuple[Tens
 
 
 def _inter_products(
-    z_g: Tensor, values_t: Tensor, weights: Tensor, output: Tensor | None, real_q: Tensor | None, n_heads: int
+    z_g: Tensor,
+    values_t: Tensor,
+    weights: Tensor,
+    output: Tensor | None,
+    real_q: Tensor | None,
+    n_heads: int,
+    reading: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``<o_i, vt_j^h> = (o_i W_O^h^T) v_j^h`` and ``||o_i||^2`` repeated over heads, grouped by kv head.
 
-    ``o_i`` lives in d_model once per query; it is pulled back through each head's ``W_O``. ``values_t``
-    is ``[batch kv_head d_head key]``; ``real_q`` ``[batch query]`` the real queries (None without
-    padding), where a given ``output`` is kept.
+    ``values_t`` is ``[batch kv_head d_head key]``; ``reading``: `inter_reading` of these queries where
+    the caller has it (computed once for a layer), else computed here from ``output`` (or ``z_g``).
     """
-    n_kv_heads = z_g.shape[1]
+    if reading is None:
+        reading = inter_reading(_layer_output(z_g, weights, output, real_q), weights, z_g.shape[1], n_heads)
+    output_back, output_norm_sq = reading
+    batch, n_kv_heads, group, n_query, d_head = output_back.shape
+    dot = torch.matmul(output_back.reshape(batch, n_kv_heads, group * n_query, d_head), values_t).view(
+        batch, n_kv_heads, group, n_query, values_t.shape[-1]
+    )
+    return dot, output_norm_sq
+
+
+def _layer_output(z_g: Tensor, weights: Tensor, output: Tensor | None, real_q: Tensor | None) -> Tensor:
+    """``o_i``: the given ``output`` (0 at padded queries, ``real_q`` False), else ``sum_h z_i^h W_O^h``."""
+    if output is None:
+        W_O_g = einops.rearrange(
+            weights, "(kv_head group) d_head d_model -> kv_head group d_head d_model", kv_head=z_g.shape[1]
+        )
+        return einops.einsum(
+            z_g, W_O_g, "batch kv_head group query d_head, kv_head group d_head d_model -> batch query d_model"
+        )
+    output = output.to(device=z_g.device, dtype=z_g.dtype)
+    if real_q is not None:
+        output = torch.where(einops.rearrange(real_q.to(z_g.device), "batch query -> batch query 1"), output, 0)
+    return output
+
+
+def inter_reading(
+    output: Float[Tensor, "batch query d_model"], weights: Float[Tensor, "head d_head d_model"], n_kv_heads: int,
+    n_heads: int,
+) -> tuple[Float[Tensor, "batch kv_head group query d_head"], Float[Tensor, "batch kv_head group query"]]:  # fmt: skip
+    """``o_i W_O^h^T`` per head and ``||o_i||^2``: what the inter scope reads of its queries, grouped by kv head.
+
+    ``o_i`` lives in d_model once per query; it is pulled back through each head's ``W_O``.
+    """
     W_O_g = einops.rearrange(
         weights, "(kv_head group) d_head d_model -> kv_head group d_head d_model", kv_head=n_kv_heads
     )
-    if output is None:
-        output = einops.einsum(
-            z_g, W_O_g, "batch kv_head group query d_head, kv_head group d_head d_model -> batch query d_model"
-        )
-    else:
-        output = output.to(device=z_g.device, dtype=z_g.dtype)
-        if real_q is not None:
-            output = torch.where(einops.rearrange(real_q.to(z_g.device), "batch query -> batch query 1"), output, 0)
     output_back = einops.einsum(
         output, W_O_g, "batch query d_model, kv_head group d_head d_model -> batch kv_head group query d_head"
-    )
-    batch, _, group, n_query, d_head = output_back.shape
-    dot = torch.matmul(output_back.reshape(batch, n_kv_heads, group * n_query, d_head), values_t).view(
-        batch, n_kv_heads, group, n_query, values_t.shape[-1]
     )
     output_norm_sq = einops.repeat(
         einops.einsum(output, output, "batch query d_model, batch query d_model -> batch query"),
@@ -806,7 +860,7 @@ def _inter_products(
         kv_head=n_kv_heads,
         group=n_heads // n_kv_heads,
     )
-    return dot, output_norm_sq
+    return output_back, output_norm_sq
 
 
 def _cosine_and_norms(dot: Tensor, value_norm_sq: Tensor, output_norm_sq: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -307,9 +307,34 @@ class LayerInputs:
         first = n_key - self.pattern.shape[2] + tile.start
         z = None if self.z is None else self.z[:, first : first + tile.rows]
         output = self.output_without_bias(slice(first, first + tile.rows))
+        scope = Scope.of(scope)
+        reading = None
+        if scope == Scope.INTER:
+            back, norm_sq = self._reading(dtype)
+            reading = (back[..., tile.queries, :], norm_sq[..., tile.queries])
         return self.key_side(dtype).decompose(
-            rows, scope=Scope.of(scope), causal=self.causal, first_query=first, z=z, output=output
+            rows, scope=scope, causal=self.causal, first_query=first, z=z, output=output, reading=reading
         )
+
+    def _reading(self, dtype: torch.dtype | str | None = None) -> tuple[Tensor, Tensor]:
+        """`contribution_lens.decomposition.KeySide.reading` of every query of the layer, computed once."""
+        keys = self.key_side(dtype)
+        key = ("reading", keys.dtype)
+        if key not in self._cache:
+            first = self.pattern.shape[-1] - self.pattern.shape[2]
+            z = None if self.z is None else self.z[:, first:]
+            self._cache[key] = keys.reading(z, self.output_without_bias(slice(first, None)), first)
+        return self._cache[key]
+
+    def inter_reading(self, dtype: torch.dtype | str | None = None) -> Float[Tensor, "batch head query d_head"]:
+        """``o_i W_O^h^T`` per head (``o_i`` the layer's output less ``b_O``): ``<o_i, x W_O^h> = inter_reading . x``.
+
+        What the inter scope's weights read of each query, computed once a layer (the decomposition's,
+        brought back from its exact power-of-two scaling).
+        """
+        keys = self.key_side(dtype)
+        back = self._reading(dtype)[0] / (keys.v_scale * keys.w_scale.square())[:, None, None, None, None]
+        return einops.rearrange(back, "batch kv group query d -> batch (kv group) query d")
 
     @property
     def causal(self) -> bool:

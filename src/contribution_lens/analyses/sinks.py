@@ -325,7 +325,7 @@ class SinkRows:
         return found[..., :d_head], found[..., d_head : 2 * d_head], found[..., -2], found[..., -1]
 
     def factors(
-        self, scope: Scope, *, z: Tensor | None = None, output: Tensor | None = None
+        self, scope: Scope, *, z: Tensor | None = None, output: Tensor | None = None, reading: Tensor | None = None
     ) -> dict[str, Float[Tensor, " head"]]:
         """The sink vs tail factors of ``scope`` per head, each a mean over the sink layer's queries.
 
@@ -334,7 +334,9 @@ class SinkRows:
         attention-weighted means ``sum_{j in P} alpha_ij x_ij / sum_{j in P} alpha_ij``. ``o`` is the
         heads' output ``z`` (``[batch query head d_head]``, the model's ``hook_z``; default the sum of
         the parts) through ``W_O`` (intra), or the layer's ``output`` (``[batch query d_model]``, the
-        o-projection's less ``b_O``; default ``sum_h z^h W_O^h``) (inter).
+        o-projection's less ``b_O``; default ``sum_h z^h W_O^h``) (inter), read through each head as
+        ``reading`` ``[batch head query d_head]`` where the caller has it (``o W_O^h^T``,
+        `contribution_lens.adapter.LayerInputs.inter_reading`).
         """
         parts = {part: self._part(part) for part in PARTS}
         z_out = parts["sink"][0] + parts["tail"][0]
@@ -345,7 +347,9 @@ class SinkRows:
         else:
             W_O = self.W_O.to(heads_z.dtype)
             o = einops.einsum(heads_z, W_O, "b h q d, h d m -> b q m") if output is None else output.float()
-            reading = einops.einsum(o, W_O, "b q m, h d m -> b h q d")  # <o, x W_O^h> = (o W_O^h^T) x
+            if reading is None:
+                reading = einops.einsum(o, W_O, "b q m, h d m -> b h q d")  # <o, x W_O^h> = (o W_O^h^T) x
+            reading = reading.float()
             norm = einops.repeat(o.norm(dim=-1), "b q -> b h q", h=heads_z.shape[1])
         q_mask = einops.rearrange(self.queries, "b q -> b 1 q")
         reading, norm = torch.where(q_mask[..., None], reading, 0), torch.where(q_mask, norm, 0)
@@ -564,7 +568,7 @@ def order_bins(values: Tensor, domain: str = "any", bits: int = STREAM_BITS) -> 
     top = (1 << bits) - 1
     if domain == "unit":
         half = top / 2
-        return values.mul(half).add_(half).clamp_(0, top).to(torch.int32)
+        return values.clamp(-1, 1).mul_(half).add_(half).to(torch.int32)
     integer, width, mantissa = (torch.int64, 64, 52) if values.dtype == torch.float64 else (torch.int32, 32, 23)
     raw = values.contiguous().view(integer)
     if domain == "non-negative":
@@ -928,8 +932,11 @@ def analyse_layer(
             tail.collect(layer.decompose_rows(scope, tile), rows.is_sink, rows.queries, tile.start + offset)
     geometry = rows.geometry(named)
     output = layer.output_without_bias()
+    # The inter scope's reading of each query, which its decomposition computed already where it was asked for.
+    reading = layer.inter_reading() if Scope.INTER in described and output is not None else None
     factors = {
-        scope: rows.factors(scope, z=layer.z, output=output) | (tails[scope].result() if scope in tails else {})
+        scope: rows.factors(scope, z=layer.z, output=output, reading=reading)
+        | (tails[scope].result() if scope in tails else {})
         for scope in scopes
     }
     return replace(geometry, factors=factors)
