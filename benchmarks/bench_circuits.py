@@ -26,6 +26,7 @@ each method (``torch.cuda.max_memory_allocated``, reset before it) on a GPU, els
 process's peak RSS (``VmHWM``) over the loaded model, in the order run. Run:
 ``python benchmarks/bench_circuits.py --prompts 8`` (bundled SmolLM2), or
 ``python benchmarks/bench_circuits.py --model qwen2.5-0.5b --prompts 64 --task ioi --device cuda``.
+``--edges mib`` measures the same on MIB's ungrouped graph (every query head its own k and v inputs).
 """
 
 import argparse
@@ -123,6 +124,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch threads on a CPU (default: torch's own)")
     parser.add_argument("--level", default="edge", choices=("edge", "node"), help="the curve's circuits")
     parser.add_argument("--parts", action="store_true", help="print the CPU time of each part of eap and contribution")
+    parser.add_argument("--edges", default="native", choices=("native", "mib"), help="the graph's edge counting")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -133,8 +135,9 @@ def main() -> None:
         task = cl.Task.ioi(model, n=args.prompts, seed=0)  # type: ignore[attr-defined]
     else:
         task = induction_task(model, args.prompts, args.half, seed=0)
-    graph = cl.circuit_graph(model)
-    scores = cl.circuit_scores(model, task, method="eap", memory=args.memory)  # warm-up, and the curve's scores
+    graph = cl.circuit_graph(model, edges=args.edges)
+    options = {"memory": args.memory, "edges": args.edges}
+    scores = cl.circuit_scores(model, task, method="eap", **options)  # warm-up, and the curve's scores
     size = cl.circuits.interchange.batch_size(task, len(graph.writers), int(model.cfg.d_model), 2.0, args.memory)
 
     def plain() -> None:
@@ -144,10 +147,10 @@ def main() -> None:
 
     methods: dict[str, Callable[[], Any]] = {
         "plain": plain,
-        "eap": lambda: cl.circuit_scores(model, task, method="eap", memory=args.memory),
-        "contribution": lambda: cl.circuit_scores(model, task, method="contribution", memory=args.memory),
-        "eap-ig": lambda: cl.circuit_scores(model, task, method="eap-ig", memory=args.memory),
-        "activation-patching": lambda: cl.circuit_scores(model, task, method="activation-patching", memory=args.memory),
+        "eap": lambda: cl.circuit_scores(model, task, method="eap", **options),
+        "contribution": lambda: cl.circuit_scores(model, task, method="contribution", **options),
+        "eap-ig": lambda: cl.circuit_scores(model, task, method="eap-ig", **options),
+        "activation-patching": lambda: cl.circuit_scores(model, task, method="activation-patching", **options),
         "curve": lambda: cl.circuit_curve(model, task, scores, args.level, memory=args.memory),
     }
     chosen = args.methods.split(",")
@@ -181,7 +184,8 @@ def main() -> None:
     best["plain"], best_cpu["plain"] = (float(torch.tensor(column).median()) for column in zip(*plains, strict=True))
     print(
         f"{args.model or 'SmolLM2-135M'} on {args.device}, {args.task}: {len(task)} prompts of "
-        f"{task.clean.shape[1]} tokens, {len(graph.edges)} edges, {len(graph.components)} nodes, batches of {size}"
+        f"{task.clean.shape[1]} tokens, {len(graph.edges)} edges ({args.edges} counting), {len(graph.components)} "
+        f"nodes, batches of {size}"
     )
     unit = "peak CUDA MiB" if cuda else "peak RSS growth MiB"
     print(f"torch threads {torch.get_num_threads()}, load average before and after: {load} / {_load()}")

@@ -14,7 +14,9 @@ import time
 import warnings
 
 import contribution_lens as cl
-from contribution_lens.circuits.task import Task, _paired, task_report
+from contribution_lens.circuits.task import Task
+from contribution_lens.circuits.task_builders import _paired
+from contribution_lens.circuits.task_checks import task_report
 
 DAYS = "Monday Tuesday Wednesday Thursday Friday Saturday Sunday".split()
 MONTHS = "January February March April May June July August September October November December".split()
@@ -51,7 +53,7 @@ def main(names: list[str]) -> None:
             "induction": lambda m=model: Task.induction(m, n=64, length=10, seed=0),
             "capitals": lambda m=model: Task.capitals(m, n=64, seed=0),
             **{
-                task: lambda m=model, t=task, items=items: _paired(m, t, items, n=64, seed=0)
+                task: lambda m=model, t=task, items=items: _paired(Task, m, t, items, n=64, seed=0)
                 for task, items in CANDIDATES.items()
             },
         }

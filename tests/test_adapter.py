@@ -117,3 +117,17 @@ def test_the_readout_of_a_post_normed_model_reads_every_layers_norm(tmp_path) ->
     stream, scale, raw = _final_stream(model, ids, [len(ids) - 1])
     target = int(raw[-1].argmax())
     assert_close(readout.logit(stream, scale, [target]), raw[-1:, target].double(), rtol=1e-4, atol=1e-4)
+
+
+def test_the_readout_of_bloom_takes_no_norm_after_its_attention(tmp_path) -> None:
+    """Bloom's ``hook_attn_out`` is ``attn.o.hook_out``, the o-projection itself (its attention adds the residual
+    stream inside): no norm follows the attention, as the circuit wiring always read it, and logit attribution's
+    terms sum to the model's logit (the readout took ``attn.o`` for a norm and refused, before one anatomy)."""
+    import architectures
+
+    model = cl.load_model(str(architectures.build("BloomForCausalLM", tmp_path / "bloom")))
+    readout = adapter.readout(model)
+    assert readout.post_norms == (None, None) and readout.flow_capture == ("hook_resid_pre",)
+    assert adapter.circuit_wiring._weights(model, 0, torch.float32).post_name is None
+    explained = cl.logit_attribution(model, architectures.TEXT)
+    assert_close(torch.tensor(explained.total()), torch.tensor(explained.logit).double(), rtol=1e-5, atol=1e-5)

@@ -1,9 +1,12 @@
 """The architecture's docs cannot drift from the code: docs/package.md's tables name every module of the
 package (and no module that is not there), the layer order printed in docs/package.md and CONTRIBUTING.md is
-the import-order test's, and CONTRIBUTING.md's recipe for a new analysis names every place one touches."""
+the import-order test's, CONTRIBUTING.md's recipe for a new analysis names every place one touches, and each
+registry's guide names every built-in the registry declares."""
 
 import re
 from pathlib import Path
+
+import pytest
 
 import contribution_lens as cl
 from helpers import ROOT
@@ -50,11 +53,12 @@ def _documented_files(folder: str, text: str) -> set[str]:
 
 
 def _package_files() -> dict[str, set[str]]:
-    """Folder (relative to the package) -> the modules and front-end files in it (faces left out)."""
+    """Folder (relative to the package) -> the modules and front-end files in it (faces left out; a ``__main__.py``
+    is a module like any other, and is named)."""
     files: dict[str, set[str]] = {}
     for path in [*SRC.rglob("*.py"), *SRC.rglob("*.js")]:
         relative = path.relative_to(SRC)
-        if "__pycache__" in relative.parts or path.name in ("__init__.py", "__main__.py", "types.js"):
+        if "__pycache__" in relative.parts or path.name in ("__init__.py", "types.js"):
             continue
         files.setdefault(str(relative.parent).replace(".", ""), set()).add(path.name)
     return files
@@ -128,10 +132,27 @@ def test_the_recipe_for_an_analysis_names_every_place_one_touches() -> None:
 
 def test_the_docstrings_that_list_a_set_name_all_of_it() -> None:
     """The command line's face names every command, the registry every family that registers itself."""
-    from contribution_lens import cli, methods
+    from contribution_lens import cli
     from contribution_lens.cli.app import COMMANDS
     from contribution_lens.methods import registry
 
     assert cli.__doc__ and all(f"``{name}``" in cli.__doc__ for name in COMMANDS), cli.__doc__
-    families = [family.__name__.rpartition(".")[2] for family in methods._FAMILIES]
+    families = [location.partition(":")[0].rpartition(".")[2] for location in registry.METHODS.declared]
     assert registry.__doc__ and all(f"``{name}``" in registry.__doc__ for name in families), families
+
+
+@pytest.mark.parametrize(
+    ("registry", "page", "heading", "written"),
+    [
+        ("contribution_lens.methods.registry:METHODS", "maths.md", "The registered measures", "`{}`"),
+        ("contribution_lens.circuits.registry:CIRCUIT_METHODS", "circuits.md", "The methods", "**`{}`**"),
+        ("contribution_lens.faithfulness.registry:PROTOCOLS", "faithfulness.md", "Removal protocols", "| `{}` |"),
+    ],
+)
+def test_each_registrys_guide_names_every_built_in(registry: str, page: str, heading: str, written: str) -> None:
+    """The names a guide gives are the registry's: a built-in added to a registry is described in its guide."""
+    from contribution_lens._lazy import resolve
+
+    section = _section((ROOT / "docs" / page).read_text(encoding="utf-8"), heading)
+    unnamed = [name for name in resolve(registry) if written.format(name) not in section]
+    assert not unnamed, f"docs/{page}'s section {heading!r} does not name: {unnamed}"

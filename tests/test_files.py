@@ -48,7 +48,7 @@ def _replication() -> Any:
 
 
 def _circuit_results() -> dict[str, Any]:
-    """The circuit results of one tiny task (computed once: four cases read them)."""
+    """The circuit results of one tiny task (computed once: seven cases read them)."""
     if not _CIRCUITS:
         model = tiny_bridge("gqa", biases=True)
         clean, corrupted = CHUNKS[:, :6], CHUNKS.flip(0)[:, :6]
@@ -60,6 +60,9 @@ def _circuit_results() -> dict[str, Any]:
             Circuit=circuit,
             CircuitEvaluation=cl.evaluate_circuit(model, task, circuit),
             CircuitCurve=cl.circuit_curve(model, task, scores),
+            CircuitStability=cl.circuit_stability(model, task, resamples=3, fractions=(0.1, 0.5), progress=False),
+            Linearisation=cl.linearisation_error(model, task),
+            EdgeEffects=cl.exact_edge_effects(model, task, scores, count=1, progress=False),
         )
     return _CIRCUITS
 
@@ -103,6 +106,9 @@ RESULTS: dict[str, tuple[Callable[[], Any], bool, str]] = {
     "Circuit": (lambda: _circuit_results()["Circuit"], False, "Circuit(edge level"),
     "CircuitEvaluation": (lambda: _circuit_results()["CircuitEvaluation"], False, "CircuitEvaluation(Circuit"),
     "CircuitCurve": (lambda: _circuit_results()["CircuitCurve"], False, "CircuitCurve(eap on tiny"),
+    "CircuitStability": (lambda: _circuit_results()["CircuitStability"], False, "CircuitStability(eap on tiny"),
+    "Linearisation": (lambda: _circuit_results()["Linearisation"], False, "Linearisation(contribution on tiny"),
+    "EdgeEffects": (lambda: _circuit_results()["EdgeEffects"], False, "EdgeEffects(5 edges on tiny beside eap"),
 }
 
 

@@ -2,8 +2,8 @@
 
 The layers, bottom first, and why each sits where it does:
 
-1. **maths** (`_lazy`, `_settings`, `files`, `choices`, `losses`, `decomposition`): tensors, files and
-   settings; no model, no TransformerLens.
+1. **maths** (`_lazy`, `_registry`, `_settings`, `files`, `choices`, `losses`, `decomposition`): tensors, files,
+   settings and the one registry type; no model, no TransformerLens.
 2. **adapter** (`adapter`): the one place that knows a TransformerLens model (hooks, ``W_O``, the readout, the
    hooks a circuit is patched through), one module a concern.
 3. **engine** (`engine`, `mixing`, `interventions`, `loading`, `processes`): what runs on a model through the adapter:
@@ -41,7 +41,7 @@ import contribution_lens as cl
 SRC = Path(cl.__file__).parent
 PACKAGE = "contribution_lens"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("maths", ("_lazy", "_settings", "files", "choices", "losses", "decomposition", "qk", "tiles")),
+    ("maths", ("_lazy", "_registry", "_settings", "files", "choices", "losses", "decomposition", "qk", "tiles")),
     ("adapter", ("adapter",)),
     ("engine", ("engine", "mixing", "interventions", "loading", "processes")),
     ("drawing", ("drawing",)),

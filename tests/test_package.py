@@ -19,7 +19,8 @@ CORE_FOLDERS = ("adapter",)
 TESTS_OF = {"drawing": "views"}
 """Where a subpackage's tests are, where that is not ``tests/<subpackage>``."""
 CORE = (
-    "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "processes", "qk", "tiles"
+    "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "processes", "qk",
+    "tiles",
 )  # fmt: skip
 
 
@@ -86,6 +87,22 @@ def test_no_function_is_longer_than_eighty_lines() -> None:
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.end_lineno - node.lineno >= 80:
                 long.append(f"{path.relative_to(SRC)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)")
     assert not long, long
+
+
+LONG_CLASSES = {"views/inspector/widget.py:Inspector": "its panels move onto a seam of their own (issue 54, item 2)"}
+"""Classes allowed over 300 lines for now, and why; one that shrinks under the limit must leave this table."""
+
+
+def test_no_class_is_longer_than_three_hundred_lines() -> None:
+    """A class is one responsibility a reader can hold: its data and lifecycle, its views or its computation."""
+    long = []
+    for path in modules():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno >= 300:
+                long.append(f"{path.relative_to(SRC)}:{node.name}")
+    over = [name for name in long if name not in LONG_CLASSES]
+    assert not over, f"classes over 300 lines (split them by responsibility): {over}"
+    assert sorted(LONG_CLASSES) == sorted(set(long) & set(LONG_CLASSES)), "a class of LONG_CLASSES is short now"
 
 
 def _code_strings(path: Path) -> list[str]:
@@ -190,6 +207,36 @@ def test_the_drawings_old_places_in_views_still_work_and_name_the_new_one() -> N
         assert old_report.write_html is html.write_html
 
 
+def test_the_circuits_figures_old_places_still_work_and_name_the_new_one() -> None:
+    from contribution_lens.drawing import circuit_figures
+
+    for old in ("contribution_lens.circuits.figures", "contribution_lens.circuits.curve_figure"):
+        sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=r"circuits\.figures is deprecated: its names moved to contribution_l"):
+        from contribution_lens.circuits import figures
+    with pytest.warns(
+        DeprecationWarning, match=r"figures\.circuit_figure is deprecated: use contribution_lens\.drawing"
+    ):
+        assert figures.circuit_figure is circuit_figures.circuit_figure is cl.plot.circuit_figure
+    with pytest.warns(DeprecationWarning, match=r"curves_figure is deprecated: use contribution_lens\.plot\.faithful"):
+        assert figures.curves_figure is circuit_figures.faithfulness_figure
+    with pytest.warns(DeprecationWarning, match=r"circuits\.circuit_figure is deprecated: use contribution_lens\.plot"):
+        assert cl.circuits.circuit_figure is circuit_figures.circuit_figure
+    with pytest.warns(DeprecationWarning, match=r"circuits\.curve_figure is deprecated"):
+        from contribution_lens.circuits import curve_figure as old
+    with pytest.warns(DeprecationWarning, match=r"curve_figure\.scores_figure is deprecated: use contribution_lens\."):
+        assert old.scores_figure is circuit_figures.node_scores_figure
+    with pytest.warns(DeprecationWarning, match=r"curve_figure\.curve_figure is deprecated: use contribution_lens\."):
+        old_curve = old.curve_figure
+    import torch
+
+    sizes = torch.tensor([[1.0, 2.0]] * 2, dtype=torch.float64)  # one row a selection: signed, |score|
+    curve = cl.CircuitCurve("demo", "eap", "edge", torch.tensor([0.5, 1.0], dtype=torch.float64), torch.ones(3),
+                            torch.zeros(3), torch.tensor([[[0.5] * 3, [1.0] * 3]] * 2), sizes, sizes)  # fmt: skip
+    drawn = old_curve([curve])  # the old call draws what the curve's own figure draws
+    assert [t.name for t in drawn.data] == [t.name for t in curve.figures()["faithfulness"].data]
+
+
 def test_the_readmes_five_lines_run_and_give_what_their_comments_say(bundled_model, monkeypatch) -> None:
     import pandas as pd
     import plotly.graph_objects as go
@@ -291,7 +338,9 @@ def _expected_imports(exports: dict[str, str]) -> set[tuple[str, str]]:
     return pairs
 
 
-@pytest.mark.parametrize("face", ["contribution_lens", *(f"contribution_lens.{p}" for p in ("drawing", "views"))])
+@pytest.mark.parametrize(
+    "face", ["contribution_lens", *(f"contribution_lens.{p}" for p in ("circuits", "drawing", "methods", "views"))]
+)
 def test_each_faces_names_are_written_once(face: str) -> None:
     """A face's table (`_EXPORTS`) is its one list: ``__all__`` follows from it, and the imports type checkers read
     under ``TYPE_CHECKING`` (which mypy must see written out) are exactly the table's; the message prints them."""

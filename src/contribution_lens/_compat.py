@@ -30,7 +30,7 @@ MOVED: dict[str, tuple[str, ...]] = {
         "contribution_lens.methods.alti",
         "contribution_lens.methods.value_zeroing",
         "contribution_lens.methods.gradient",
-        "contribution_lens.methods.registry",
+        "contribution_lens.methods.method",
         "contribution_lens.decomposition",
         "contribution_lens.losses",
     ),
@@ -40,6 +40,8 @@ MOVED: dict[str, tuple[str, ...]] = {
     "inspector": ("contribution_lens.views.inspector",),
     "_cli_checks": ("contribution_lens.cli.checks",),
     "_outdir": ("contribution_lens.cli.outdir",),
+    "circuits.figures": ("contribution_lens.drawing.circuit_figures",),
+    "circuits.curve_figure": ("contribution_lens.drawing.circuit_figures",),
 }
 """Old module (under ``contribution_lens.``) -> the modules its names now live in, searched in order."""
 ALIASES: dict[str, str] = {"plot": "contribution_lens.drawing.plot"}
@@ -62,6 +64,26 @@ RENAMED: dict[str, tuple[str, str]] = {
     ),
     "mean_next_token_nll": ("contribution_lens._compat:mean_next_token_nll", "contribution_lens.losses.mean_token_nll"),
     "PEER_METHODS": ("contribution_lens._compat:PEER_METHODS", "contribution_lens.available_methods()"),
+    "curves_figure": (
+        "contribution_lens.drawing.circuit_figures:faithfulness_figure",
+        "contribution_lens.plot.faithfulness_figure (contribution_lens.drawing.circuit_figures)",
+    ),
+    "curve_figure": (
+        "contribution_lens._compat:curve_figure",
+        "contribution_lens.plot.faithfulness_figure(curve.table.assign(method=...)), or curve.figures()",
+    ),
+    "scores_figure": (
+        "contribution_lens.drawing.circuit_figures:node_scores_figure",
+        "contribution_lens.drawing.circuit_figures.node_scores_figure",
+    ),
+    "nodes_figure": (
+        "contribution_lens._compat:nodes_figure",
+        "contribution_lens.drawing.circuit_figures.circuit_nodes_figure(graph.components, kept)",
+    ),
+    "metrics_figure": (
+        "contribution_lens.drawing.circuit_figures:prompt_metrics_figure",
+        "contribution_lens.drawing.circuit_figures.prompt_metrics_figure",
+    ),
 }
 """Names that changed, wherever they were read from: (where the old behaviour lives, what to use instead)."""
 
@@ -126,7 +148,7 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             module.__spec__ = self._specs.pop(module.__name__)
             return
         warnings.warn(
-            f"{module.__name__} is deprecated: its names moved to {MOVED[module.__name__.rpartition('.')[2]][0]}",
+            f"{module.__name__} is deprecated: its names moved to {MOVED[module.__name__.partition('.')[2]][0]}",
             DeprecationWarning,
             stacklevel=2,
         )
@@ -156,6 +178,24 @@ def run_faithfulness(model: Any, config: Any, protocol: Any, out: Any, **options
     rows = options.pop("rows_per_pass", None)
     result = run(model, protocol, config, out, options=RunOptions(resamples, rows), **options)
     return None if result is None else result.summary
+
+
+def curve_figure(curves: Any) -> Any:
+    """``circuits.curve_figure.curve_figure(curves)``: now `contribution_lens.plot.faithfulness_figure`."""
+    import pandas as pd
+
+    from contribution_lens.drawing.circuit_figures import faithfulness_figure
+
+    tables = [curve.figure_table() for curve in curves]
+    title = f"Faithfulness of circuits on {curves[0].task}/{curves[0].counterfactual}" if len(curves) else ""
+    return faithfulness_figure(pd.concat(tables, ignore_index=True), title=title)
+
+
+def nodes_figure(graph: Any, kept: Any) -> Any:
+    """``circuits.curve_figure.nodes_figure(graph, kept)``: now ``circuit_nodes_figure(graph.components, kept)``."""
+    from contribution_lens.drawing.circuit_figures import circuit_nodes_figure
+
+    return circuit_nodes_figure(graph.components, kept)
 
 
 def _run_of(records: list[dict[str, Any]], resamples: int, seed: int) -> Any:

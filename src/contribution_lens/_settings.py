@@ -64,7 +64,8 @@ class _Names(dict):
 class Option:
     """What a settings field says about itself (kept in the field's metadata)."""
 
-    help: str
+    help: str | Callable[[], str]
+    """One line; a function where it names what a registry holds (read when the command line is built)."""
     parse: Callable[[str], Any] | None = None
     """From the command line's string to the value (None: the default's type, or the string)."""
     check: Callable[[Any], None] | None = None
@@ -84,7 +85,7 @@ class Option:
 
 def option(
     default: Any,
-    help: str,
+    help: str | Callable[[], str],
     *,
     parse: Callable[[str], Any] | None = None,
     check: Callable[[Any], None] | None = None,

@@ -243,7 +243,7 @@ def _dequantised_checkpoint(name: str = BUNDLED) -> Path:
 def _save_dequantised(gguf: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    with _quiet_transformers():
+    with _quiet_transformers(), _gguf_bar_follows_transformers():
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # GGUF-derived configs carry no architectures (boot_transformers dispatches on it) and a
@@ -254,6 +254,28 @@ def _save_dequantised(gguf: Path, folder: Path) -> None:
     hf.hf_quantizer = None  # type: ignore[assignment]
     hf.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+
+
+@contextmanager
+def _gguf_bar_follows_transformers() -> Iterator[None]:
+    """transformers' GGUF reader's bar ("Converting and de-quantizing GGUF tensors...") on or off with its others.
+
+    The reader uses tqdm itself, not transformers' logging, so `_progress_bars` did not reach it: the first
+    load of a bundled model left that bar's first frame ("0%") in a notebook's saved outputs and exports.
+    Here it is transformers' own tqdm, which `load_model`'s ``progress`` turns on and off.
+    """
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:  # another transformers: nothing to route
+        yield
+        return
+    gguf_utils.tqdm = hf_logging.tqdm
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
 
 
 def bundled_encoder_dir() -> Path:

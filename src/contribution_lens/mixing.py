@@ -216,7 +216,7 @@ def _heads_sum(
 def _value_norm(
     v: Float[Tensor, "batch key kv_head d_head"],
     W_O: Float[Tensor, "head d_head d_model"],
-    norm: adapter.FrozenNorm | None,
+    norm: adapter.Norm | None,
 ) -> Float[Tensor, "batch head key"]:
     """``||vt_j^h||`` (through the post-norm's gain) as ``sqrt(v G^h v)``, ``G^h`` the Gram matrix of ``W_O^h``."""
     gram = head_gram(W_O if norm is None else norm.linear(W_O, None))

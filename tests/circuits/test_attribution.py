@@ -95,7 +95,8 @@ def test_a_users_method_is_one_call() -> None:
         scores = cl.circuit_scores(model, task, method="later-first")
         assert scores.circuit(0.2, level="node").nodes[-2:] == ["L1.mlp", "logits"]
         curve = cl.circuit_curve(model, task, scores, level="node")
-        assert curve.faithfulness.shape == (10,) and abs(float(curve.faithfulness[-1]) - 1) < 1e-5
+        assert curve.faithfulness.shape == (2, 10)  # signed and |score| selections, ten sizes
+        assert (curve.faithfulness[:, -1] - 1).abs().max() < 1e-5
     finally:
         cl.unregister_circuit_method("later-first")
     assert "later-first" not in cl.available_circuit_methods()

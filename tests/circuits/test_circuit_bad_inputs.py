@@ -43,7 +43,7 @@ def test_an_unknown_method_is_refused(model) -> None:
         cl.circuit_scores(model, random_task(model), method="acdc")
     assert str(error.value) == (
         "method: unknown circuit method 'acdc'; registered: eap, eap-ig, activation-patching, random, "
-        "contribution, information-flow-routes"
+        "contribution, contribution-ig, information-flow-routes, information-flow-routes-last"
     )
 
 
@@ -120,7 +120,7 @@ def test_a_circuit_of_another_model_is_refused(model) -> None:
 
 @pytest.mark.parametrize(("name", "value", "message"), [
     ("steps", 0, "steps must be a positive integer, got 0"),
-    ("memory", -1, "memory must be a positive number of bytes, got -1"),
+    ("memory", -1, "memory must be a positive whole number of bytes (2**30 is 1 GiB), got -1"),
 ])  # fmt: skip
 def test_bad_settings_are_refused(model, name, value, message) -> None:
     with no_pass(model), pytest.raises(ValueError) as error:

@@ -184,3 +184,65 @@ def test_eap_in_the_linearised_model_is_contribution_on_every_edge_but_q_and_k(v
     torch.testing.assert_close(got[carried], want[carried], rtol=1e-6, atol=1e-7)
     assert bool((want[attention] == 0).all())
     assert float(got[attention].abs().max()) > 1e-3
+
+
+@torch.no_grad()
+def _path_derivative(model, task, points, step: float = 1e-5) -> torch.Tensor:
+    """Each prompt's ``mean_k dm/dt`` at ``e_o + t_k (e_r - e_o)`` by central differences of the plain model (no
+    pattern, scale or MLP frozen): what ``contribution-ig``'s terms must add up to."""
+    kept: dict[str, torch.Tensor] = {}
+    model.run_with_hooks(task.clean, fwd_hooks=[("embed.hook_out", lambda x, hook: kept.update(clean=x.clone()))])
+    model.run_with_hooks(task.corrupted, fwd_hooks=[("embed.hook_out", lambda x, hook: kept.update(cf=x.clone()))])
+    rows = torch.arange(len(task))
+
+    def metric(t: float) -> torch.Tensor:
+        moved = kept["clean"] + t * (kept["cf"] - kept["clean"])
+        logits = model.run_with_hooks(task.clean, fwd_hooks=[("embed.hook_out", lambda x, hook: moved)])
+        at = logits[rows, task.last]
+        return at.gather(1, task.answer[:, None])[:, 0] - at.gather(1, task.foil[:, None])[:, 0]
+
+    return torch.stack([(metric(t + step) - metric(t - step)) / (2 * step) for t in points]).mean(0)
+
+
+@pytest.mark.parametrize("variant", ["gqa", "mqa"])
+def test_contribution_ig_terms_add_up_across_every_cut_to_its_own_metric_change(variant) -> None:
+    """q and k edges included: with nothing frozen every edge carries its part of the model's own derivative."""
+    model = tiny_bridge(variant, biases=True).to(torch.float64)
+    task = random_task(model)
+    graph = cl.circuit_graph(model)
+    writers, inputs = graph.edge_index
+    upstream = graph.upstream[inputs]
+    points = [graph.layer_start(layer) + offset for layer in range(graph.n_layers) for offset in (0, graph.n_heads)]
+    for steps in (1, 3):
+        want = float(_path_derivative(model, task, contribution_method.path_points(steps)).mean())
+        terms = cl.circuit_scores(model, task, method="contribution-ig", steps=steps).edge_scores.double()
+        assert abs(want) > 1e-3
+        attention = contribution_method.attention_inputs(graph)[inputs]
+        assert float(terms[attention].abs().max()) > 1e-4  # the q and k edges carry a part
+        for point in [*points, len(graph.writers)]:
+            crossing = (writers < point) & (upstream >= point)
+            assert abs(float(terms[crossing].sum()) - want) <= 1e-5 * abs(want) + 1e-6, (steps, point)
+
+
+def test_contribution_ig_in_windows_of_positions_gives_the_same_scores() -> None:
+    """A budget of three positions: one prompt at a time, its positions in windows, each its own passes."""
+    from contribution_lens.circuits import interchange as ic
+
+    model = tiny_bridge("gqa", biases=True)
+    task = random_task(model, n=2, seed=4)
+    graph = cl.circuit_graph(model)
+    whole = cl.circuit_scores(model, task, method="contribution-ig", steps=2).edge_scores
+    per_position = len(graph.writers) * int(model.cfg.d_model) * 4 * contribution_method.COPIES
+    memory = int(3 * per_position)
+    assert ic.window_length(task.clean.shape[1], len(graph.writers), 32, contribution_method.COPIES, memory) == 3
+    part = cl.circuit_scores(model, task, method="contribution-ig", steps=2, memory=memory).edge_scores
+    torch.testing.assert_close(part, whole, rtol=1e-4, atol=1e-6)
+
+
+def test_contribution_ig_scores_a_circuit_and_its_curve() -> None:
+    model = tiny_bridge("mha", biases=True)
+    task = random_task(model)
+    scores = cl.circuit_scores(model, task, method="contribution-ig", steps=2)
+    assert bool(torch.isfinite(scores.edge_scores).all()) and scores.method == "contribution-ig"
+    curve = cl.circuit_curve(model, task, scores, level="edge", fractions=(0.5, 1.0))
+    assert float((curve.faithfulness[:, -1] - 1.0).abs().max()) < 1e-4  # both selections, the whole graph

@@ -9,8 +9,10 @@ import torch
 
 from conftest import tiny_bridge, tiny_encoder
 from contribution_lens import adapter, loading
-from contribution_lens.circuits import task as task_module
-from contribution_lens.circuits.task import IOI_NAMES, METRICS, Task, task_report
+from contribution_lens.circuits import task_builders
+from contribution_lens.circuits.task import METRICS, Task
+from contribution_lens.circuits.task_builders import IOI_NAMES
+from contribution_lens.circuits.task_checks import task_report
 
 BUNDLED = {"smollm2": loading.BUNDLED, "gemma3": loading.GEMMA, "qwen2.5": loading.QWEN}
 BOS_FIRST = {"smollm2": True, "gemma3": True, "qwen2.5": False}
@@ -45,9 +47,10 @@ def check_layout(task: Task, model, *, bos_first: bool) -> None:
             assert bos not in real_tokens(task, prompt)
 
 
-def test_ioi_names_are_one_token_and_the_counterfactual_is_abc(skeleton) -> None:
+def test_ioi_names_are_one_token_and_the_abc_counterfactual_has_three_other_names(skeleton) -> None:
     key, model = skeleton
-    task = Task.ioi(model, n=24, seed=3)
+    task = Task.ioi(model, n=24, seed=3, counterfactual="abc")
+    assert task.counterfactual == "abc"
     check_layout(task, model, bos_first=BOS_FIRST[key])
     tokenizer = model.tokenizer
     names = {tokenizer.encode(name, add_special_tokens=False)[0]: name for name in IOI_NAMES}
@@ -69,11 +72,94 @@ def test_ioi_names_are_one_token_and_the_counterfactual_is_abc(skeleton) -> None
     assert {a == int(io) for a, io in zip(first_name, task.answer, strict=True)} == {True, False}
 
 
+def test_ioi_defaults_to_mibs_s2_io_flip_the_subjects_second_mention_replaced_by_the_indirect_object(skeleton) -> None:
+    _, model = skeleton
+    task = Task.ioi(model, n=24, seed=3)
+    assert task.counterfactual == "s2-io-flip" and "counterfactual s2-io-flip" in repr(task)
+    assert torch.equal(task.clean, Task.ioi(model, n=24, seed=3, counterfactual="abc").clean)  # one seed, one prompt
+    for prompt in range(len(task)):
+        io, s = int(task.answer[prompt]), int(task.foil[prompt])
+        clean, corrupted = real_tokens(task, prompt), real_tokens(task, prompt, "corrupted")
+        differ = [i for i, (a, b) in enumerate(zip(clean, corrupted, strict=True)) if a != b]
+        # One position differs: the subject's second (last) mention, which now names the indirect object.
+        assert differ == [max(i for i, t in enumerate(clean) if t == s)]
+        assert corrupted[differ[0]] == io and corrupted.count(io) == 2 and corrupted.count(s) == 1
+
+
+@pytest.mark.usefixtures("as_a_user")
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (
+            lambda m: Task.ioi(m, n=2, counterfactual="ABC"),
+            "counterfactual: Task.ioi offers s2-io-flip, abc; got 'ABC'",
+        ),
+        (
+            lambda m: Task.induction(m, n=2, counterfactual="abc"),
+            "counterfactual: Task.induction offers first-copy-resampled; got 'abc'",
+        ),
+        (
+            lambda m: Task.capitals(m, n=2, counterfactual=None),
+            "counterfactual: Task.capitals offers other-country; got None",
+        ),
+    ],
+    ids=["ioi", "induction", "capitals"],
+)
+def test_an_unknown_counterfactual_is_refused_with_the_tasks_list(build, message) -> None:
+    with pytest.raises(ValueError) as error:
+        build(loading.load_skeleton(loading.BUNDLED))
+    assert str(error.value) == message
+
+
+def numbered_task(n: int, duplicates: int = 0) -> Task:
+    """``n`` distinct prompts, then the first ``duplicates`` of them again."""
+    ids = torch.arange(2 * n).reshape(n, 2)
+    ids = torch.cat([ids, ids[:duplicates]])
+    answer = torch.zeros(len(ids), dtype=torch.long)
+    return Task("numbered", ids, ids + 100, answer, answer + 1, Task.full_length(ids), counterfactual="numbers")
+
+
+def test_a_split_is_disjoint_deterministic_and_keeps_equal_prompts_together() -> None:
+    task = numbered_task(20, duplicates=5)
+    scoring, evaluation = task.split(0.5, seed=4)
+    again = task.split(0.5, seed=4)
+    assert torch.equal(again[0].clean, scoring.clean) and torch.equal(again[1].clean, evaluation.clean)
+    assert not torch.equal(task.split(0.5, seed=5)[0].clean, scoring.clean)
+    assert (scoring.part, evaluation.part, scoring.counterfactual) == ("scoring", "evaluation", "numbers")
+    assert len(scoring) + len(evaluation) == len(task)
+    assert not set(scoring.fingerprints().tolist()) & set(evaluation.fingerprints().tolist())
+    assert scoring.prompts.overlap(evaluation.prompts) == 0 and task.prompts.overlap(scoring.prompts) == len(scoring)
+    assert len(set(scoring.fingerprints().tolist())) == 10  # half of the 20 distinct prompts
+    for part in numbered_task(10).split(0.3):  # each part keeps the task's order
+        assert part.clean[:, 0].tolist() == sorted(part.clean[:, 0].tolist())
+    assert "scoring part" in repr(scoring)
+    small, large = task.split(0.01)[0], task.split(0.99)[1]
+    assert len(small) >= 1 and len(large) >= 1  # never empty
+
+
+@pytest.mark.usefixtures("as_a_user")
+@pytest.mark.parametrize(
+    ("task", "fraction", "message"),
+    [
+        (numbered_task(4), 0, "fraction must be a number in (0, 1) (the share of prompts scored), got 0"),
+        (numbered_task(4), 1.0, "fraction must be a number in (0, 1) (the share of prompts scored), got 1.0"),
+        (numbered_task(4), True, "fraction must be a number in (0, 1) (the share of prompts scored), got True"),
+        (numbered_task(1), 0.5, "task: 1 prompts, 1 distinct, cannot be split into two non-empty parts"),
+        (numbered_task(1, duplicates=1), 0.5, "task: 2 prompts, 1 distinct, cannot be split"),
+    ],
+    ids=["zero", "one", "bool", "one prompt", "one distinct"],
+)
+def test_a_bad_split_is_refused_naming_the_argument(task, fraction, message) -> None:
+    with pytest.raises(ValueError) as error:
+        task.split(fraction)
+    assert message in str(error.value)
+
+
 def test_capitals_pair_two_countries_of_equal_length(skeleton) -> None:
     key, model = skeleton
     task = Task.capitals(model, n=16, seed=1)
     check_layout(task, model, bos_first=BOS_FIRST[key])
-    capitals = {model.tokenizer.encode(capital, add_special_tokens=False)[0] for _, capital in task_module.CAPITALS}
+    capitals = {model.tokenizer.encode(capital, add_special_tokens=False)[0] for _, capital in task_builders.CAPITALS}
     assert set(task.answer.tolist()) <= capitals and set(task.foil.tolist()) <= capitals
     assert (task.clean != task.corrupted).sum(1).tolist() == [1] * 16  # only the country differs (one token here)
 
@@ -118,16 +204,17 @@ def logits_at_last(model, task: Task) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def padded_task(model) -> Task:
-    """Three prompts of different lengths, right-padded."""
+def padded_task(model, n: int = 3) -> Task:
+    """``n`` prompts of different lengths, right-padded."""
     generator = torch.Generator().manual_seed(0)
-    clean = torch.randint(1, model.cfg.d_vocab, (3, 7), generator=generator)
-    corrupted = torch.randint(1, model.cfg.d_vocab, (3, 7), generator=generator)
-    last = torch.tensor([6, 3, 4])
+    clean = torch.randint(1, model.cfg.d_vocab, (n, 7), generator=generator)
+    corrupted = torch.randint(1, model.cfg.d_vocab, (n, 7), generator=generator)
+    last = torch.tensor([6, 3, 4] * n)[:n]
     for row, end in enumerate(last.tolist()):
         clean[row, end + 1 :] = 0
         corrupted[row, end + 1 :] = 0
-    return Task("toy", clean, corrupted, torch.tensor([3, 4, 5]), torch.tensor([7, 8, 9]), last)
+    answer = torch.tensor([3, 4, 5] * n)[:n]
+    return Task("toy", clean, corrupted, answer, answer + 4, last)
 
 
 def test_metric_values_against_a_direct_computation() -> None:
@@ -236,7 +323,7 @@ def test_from_jsonl_reads_a_users_task(skeleton, tmp_path) -> None:
     key, model = skeleton
     second = {"clean": "When Mary and John went out, John gave a drink to", "answer": " Mary", "foil": " John",
               "corrupted": "When Anna and Paul went out, Kate gave a drink to", "note": "ignored"}  # fmt: skip
-    task = Task.from_jsonl(write_lines(tmp_path / "mine.jsonl", [GOOD, "", second]), model, metric="probability")
+    task = Task.from_jsonl(model, write_lines(tmp_path / "mine.jsonl", [GOOD, "", second]), metric="probability")
     assert task.name == "mine" and len(task) == 2 and task.metric == "probability"
     check_layout(task, model, bos_first=BOS_FIRST[key])
     encode = model.tokenizer.encode
@@ -263,27 +350,48 @@ def test_from_jsonl_reads_a_users_task(skeleton, tmp_path) -> None:
             "line 3: field 'answer' (' Parisian capital') is 3 tokens; it must be one token",
         ),
         (GOOD | {"foil": " Paris"}, "line 3: field 'foil' is the same token as field 'answer' (' Paris')"),
+        (
+            GOOD | {"answer": "Paris"},
+            "line 3: field 'answer' ('Paris') is glued to the last word of field 'clean' (the text would read "
+            "'isParis'); write it with its leading space, as the built-in tasks do (' Paris')",
+        ),
+        (
+            GOOD | {"clean": "The capital of France is ", "corrupted": "The capital of Japan is ", "answer": "Paris"},
+            "line 3: field 'answer' ('Paris') is not the token read after field 'clean': the clean text ends in "
+            "[' '], but with 'Paris' after it the end reads [' Paris']; write it as the text goes on",
+        ),
         ("{not json", "line 3: not a JSON object"),
         ("[1, 2]", "line 3: not a JSON object with fields clean, corrupted, answer, foil"),
     ],
-    ids=["missing", "not a string", "empty", "lengths", "answer tokens", "foil is answer", "bad json", "a list"],
+    ids=[
+        "missing",
+        "not a string",
+        "empty",
+        "lengths",
+        "answer tokens",
+        "foil is answer",
+        "glued",
+        "merged",
+        "bad json",
+        "a list",
+    ],
 )
 def test_from_jsonl_refuses_a_bad_line_naming_it_and_the_field(row, message, tmp_path) -> None:
     model = loading.load_skeleton()
     path = write_lines(tmp_path / "task.jsonl", [GOOD, "   ", row])
     with pytest.raises(ValueError) as error:
-        Task.from_jsonl(path, model)
+        Task.from_jsonl(model, path)
     assert f"{path}, {message}" in str(error.value)
 
 
 def test_from_jsonl_refuses_a_missing_or_empty_file(tmp_path) -> None:
     model = loading.load_skeleton()
     with pytest.raises(ValueError, match="path: no such file"):
-        Task.from_jsonl(tmp_path / "absent.jsonl", model)
+        Task.from_jsonl(model, tmp_path / "absent.jsonl")
     with pytest.raises(ValueError, match="holds no task line"):
-        Task.from_jsonl(write_lines(tmp_path / "empty.jsonl", ["", " "]), model)
+        Task.from_jsonl(model, write_lines(tmp_path / "empty.jsonl", ["", " "]))
     with pytest.raises(ValueError, match="metric must be one of"):
-        Task.from_jsonl(write_lines(tmp_path / "one.jsonl", [GOOD]), model, metric="accuracy")
+        Task.from_jsonl(model, write_lines(tmp_path / "one.jsonl", [GOOD]), metric="accuracy")
 
 
 def test_report_reads_each_prompt_at_its_last_position_and_warns_on_a_model_that_does_not_do_it() -> None:
@@ -303,10 +411,10 @@ def test_report_reads_each_prompt_at_its_last_position_and_warns_on_a_model_that
 
 def test_report_on_a_task_done_does_not_warn(monkeypatch) -> None:
     model = tiny_bridge("mha")
-    task = padded_task(model)
+    task = padded_task(model, 12)  # twelve prompts: enough for an interval
     # Logits that prefer every answer by 2: the interval lies above 0.
-    fake = torch.zeros(3, 7, model.cfg.d_vocab)
-    fake[torch.arange(3), :, task.answer] = 2.0
+    fake = torch.zeros(12, 7, model.cfg.d_vocab)
+    fake[:, :, task.answer.unique()] = 2.0
     monkeypatch.setattr(adapter, "forward", lambda model, batch: fake[: batch.tokens.shape[0]])
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -11,8 +11,8 @@ from torch import nn
 import contribution_lens as cl
 from conftest import tiny_bridge
 from contribution_lens.adapter import circuit_wiring
-from contribution_lens.adapter.circuit_wiring import _Norm, _one_input_expanded, _SharedInput
-from contribution_lens.adapter.logit_readout import FrozenNorm
+from contribution_lens.adapter.anatomy import Norm, anatomy_of, read_norm
+from contribution_lens.adapter.circuit_wiring import _one_input_expanded, _projected, _SharedInput
 
 GENERATOR = torch.Generator().manual_seed(0)
 HEADS, D_MODEL, D_HEAD = 3, 6, 2
@@ -30,7 +30,8 @@ class OffsetRMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
 
-def _norms() -> dict[str, object]:
+def _norms() -> dict[str, tuple[object, Norm | None]]:
+    """Per case, the norm as a pass applies it and, where its products are taken in closed form, its `Norm`."""
     layer, rms = nn.LayerNorm(D_MODEL).double(), nn.RMSNorm(D_MODEL, eps=1e-5).double()
     offset = OffsetRMSNorm()
     with torch.no_grad():
@@ -38,14 +39,13 @@ def _norms() -> dict[str, object]:
             module.weight.copy_(torch.rand(D_MODEL, generator=GENERATOR, dtype=torch.float64) + 0.5)
         layer.bias.copy_(torch.randn(D_MODEL, generator=GENERATOR, dtype=torch.float64))
     scale = torch.rand(2, 4, 1, generator=GENERATOR, dtype=torch.float64) + 0.5
-    f64 = torch.float64
     return {
-        "LayerNorm": layer,
-        "RMSNorm": rms,
-        "frozen scale": lambda x: x * layer.weight / scale[..., None],
-        "LayerNorm, closed form": _Norm(layer, f64, FrozenNorm(True, layer.weight.detach(), layer.bias.detach()), 1e-5),
-        "RMSNorm, closed form": _Norm(rms, f64, FrozenNorm(False, rms.weight.detach(), None), 1e-5),
-        "offset RMSNorm, closed form": _Norm(offset, f64, FrozenNorm(False, 1.0 + offset.weight.detach(), None), 1e-6),
+        "LayerNorm": (layer, None),
+        "RMSNorm": (rms, None),
+        "frozen scale": (lambda x: x * layer.weight / scale[..., None], None),
+        "LayerNorm, closed form": (layer, Norm(True, 1e-5, module=layer, gained=True, biased=True, closed=True)),
+        "RMSNorm, closed form": (rms, Norm(False, 1e-5, module=rms, gained=True, closed=True)),
+        "offset RMSNorm, closed form": (offset, Norm(False, 1e-6, 1.0, module=offset, gained=True, closed=True)),
     }
 
 
@@ -55,9 +55,9 @@ CLOSED = ["LayerNorm, closed form", "RMSNorm, closed form", "offset RMSNorm, clo
 @pytest.mark.parametrize("name", ["LayerNorm", "RMSNorm", "frozen scale", *CLOSED])
 def test_each_heads_gradient_is_the_one_of_its_own_normed_input(name, monkeypatch) -> None:
     """Against the per-head way: every head normed apart, in float64, with a different gradient a head; a norm
-    of known form (`_Norm`: LayerNorm, RMSNorm, Gemma's offset gain) takes the closed-form product, any other
-    autograd's."""
-    norm = _norms()[name]
+    of known form (a closed `Norm`: LayerNorm, RMSNorm, Gemma's offset gain) takes the closed-form product, any
+    other autograd's."""
+    norm, form = _norms()[name]
     closed = []
     vjp = circuit_wiring._norm_vjp
     monkeypatch.setattr(circuit_wiring, "_norm_vjp", lambda *args: closed.append(1) or vjp(*args))
@@ -68,7 +68,7 @@ def test_each_heads_gradient_is_the_one_of_its_own_normed_input(name, monkeypatc
     for shared in (True, False):
         x = stream[:, :, None].expand(-1, -1, HEADS, -1)
         assert _one_input_expanded(x)
-        out = _SharedInput.apply(x, W, norm) if shared else torch.einsum("bphd,hde->bphe", norm(x), W)
+        out = _SharedInput.apply(x, W, norm, form) if shared else torch.einsum("bphd,hde->bphe", norm(x), W)
         per_head, whole = torch.autograd.grad((out * upstream).sum(), [x, stream])
         found.append((out.detach(), per_head, whole))
     for mine, theirs in zip(found[0], found[1], strict=True):
@@ -84,11 +84,11 @@ def test_the_norms_of_the_bundled_families_are_known_forms() -> None:
 
     for name, centre in (("LlamaForCausalLM", False), ("Gemma3ForCausalLM", False), ("GPT2LMHeadModel", True)):
         model = cl.load_model(str(architectures.build(name, Path(tempfile.mkdtemp()) / name)))
-        norm = _Norm.of(model.blocks[0].ln1, torch.float32)
+        norm = anatomy_of(model).layers[0].ln1
         module = model.blocks[0].ln1.original_component
-        assert norm.form is not None and norm.form.centre == centre, name
+        assert norm is not None and norm.closed and norm.centre == centre and norm.module is module, name
         assert norm.eps == getattr(module, "variance_epsilon", getattr(module, "eps", None)), name
-    assert _Norm.of(nn.Identity(), torch.float32).form is None
+    assert not read_norm(nn.Identity()).closed
 
 
 def test_the_shared_way_is_taken_only_for_one_expanded_input_autograd_records() -> None:
@@ -110,7 +110,7 @@ def test_eaps_gradient_pass_norms_each_layers_input_once_a_side(monkeypatch, bia
     model = tiny_bridge("gqa", biases=biases)
     calls = []
     apply = _SharedInput.apply
-    monkeypatch.setattr(circuit_wiring._SharedInput, "apply", lambda *args: calls.append(args[3]) or apply(*args))
+    monkeypatch.setattr(circuit_wiring._SharedInput, "apply", lambda *args: calls.append(args[4]) or apply(*args))
     ids = torch.randint(0, 50, (2, 5), generator=GENERATOR)
     task = cl.Task("t", ids, ids.flip(0), ids[:, 0], ids[:, 1], cl.Task.full_length(ids))
     reused = cl.circuit_scores(model, task, method="eap").edge_scores
@@ -128,9 +128,9 @@ def test_eaps_gradient_pass_norms_each_layers_input_once_a_side(monkeypatch, bia
 def test_each_heads_own_input_is_normed_and_projected_in_closed_form(name) -> None:
     """A patched pass's inputs differ by head: ``N(x^h) W^h`` in closed form is the module's own norm of each
     head's input, projected (float64; inputs whose mean is far from 0, where centring matters)."""
-    norm = _norms()[name]
-    assert isinstance(norm, _Norm)
+    _, form = _norms()[name]
+    assert form is not None and form.closed
     W = torch.randn(HEADS, D_MODEL, D_HEAD, generator=GENERATOR, dtype=torch.float64)
     x = 3 * torch.randn(2, 4, HEADS, D_MODEL, generator=GENERATOR, dtype=torch.float64) + 2
-    want = torch.einsum("bphd,hde->bphe", norm.module(x), W)
-    torch.testing.assert_close(norm.projected(x, W), want, rtol=1e-12, atol=1e-12)
+    want = torch.einsum("bphd,hde->bphe", form.module(x), W)
+    torch.testing.assert_close(_projected(form, x, W), want, rtol=1e-12, atol=1e-12)

@@ -61,6 +61,59 @@ def test_help_shows_defaults_without_importing_torch() -> None:
     assert "torch imported: False" in result.stdout
 
 
+def _help(capsys, *argv: str) -> str:
+    """What ``contribution-lens ARGV --help`` prints, its lines joined (argparse wraps at the terminal's width)."""
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(SystemExit) as exit:
+        patch.setenv("COLUMNS", "400")  # no name broken at its hyphen
+        cli.main([*argv, "--help"])
+    assert exit.value.code == 0
+    return " ".join(capsys.readouterr().out.split())
+
+
+def test_a_measure_registered_here_is_in_the_registry_and_the_faithfulness_help(capsys) -> None:
+    import contribution_lens as cl
+
+    assert "values_alone" not in _help(capsys, "faithfulness")
+    cl.register_method("values_alone", lambda layer, context: layer.decompose(context.scope).value_norm[:, :, None])
+    try:
+        assert cl.available_methods()[-1] == "values_alone"
+        assert "logit_attribution, values_alone)" in _help(capsys, "faithfulness")
+    finally:
+        cl.unregister_method("values_alone")
+    assert "values_alone" not in _help(capsys, "faithfulness")
+
+
+def test_a_circuit_method_registered_here_is_in_the_registry_and_the_circuit_help(capsys) -> None:
+    import contribution_lens as cl
+
+    cl.register_circuit_method("later_first", lambda model, task, context: None, level="node")
+    try:
+        assert cl.available_circuit_methods()[-1] == "later_first"
+        assert "information-flow-routes-last, later_first;" in _help(capsys, "circuit")
+    finally:
+        cl.unregister_circuit_method("later_first")
+    assert "later_first" not in _help(capsys, "circuit")
+
+
+def test_a_protocol_registered_here_is_in_the_registry_and_the_faithfulness_help(capsys) -> None:
+    from contribution_lens import faithfulness
+
+    class Nowhere(faithfulness.RemovalProtocol):
+        name, description = "nowhere", "removes nothing"
+
+        def keep(self, clean, condition, layer):
+            return None
+
+    faithfulness.register_protocol(Nowhere())
+    try:
+        assert list(faithfulness.PROTOCOLS)[-1] == "nowhere"
+        assert faithfulness.Settings(protocols=("nowhere",)).protocols == ("nowhere",)
+        assert "prediction, nowhere)" in _help(capsys, "faithfulness")
+    finally:
+        faithfulness.PROTOCOLS.unregister("nowhere")
+    assert "nowhere" not in _help(capsys, "faithfulness")
+
+
 def test_version() -> None:
     result = python("from contribution_lens import cli\ncli.main(['--version'])")
     assert result.returncode == 0, result.stderr

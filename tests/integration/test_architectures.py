@@ -3,8 +3,9 @@
 For each name of ``SUPPORTED_ARCHITECTURES``, `architectures.build` writes a 2-layer checkpoint with
 transformers' own classes (nothing is downloaded) and `architectures.EXPECTED` says what must happen:
 
-* works: on every layer the weights sum to 1 (per query over heads and keys in the inter scope,
-  per head and query in the intra scope), ``sum_h z^h W_O^h + b_O`` reconstructs the hook the
+* works: every fact the adapter's wiring reads of the model is the one its modules probed before it
+  read them once (``tests/probes.py``); on every layer the weights sum to 1 (per query over heads and keys
+  in the inter scope, per head and query in the intra scope), ``sum_h z^h W_O^h + b_O`` reconstructs the hook the
   adapter reads as the o-projection output, ``hook_z`` is ``pattern @ v``, the decomposition
   agrees with the float64 oracle of ``tests/reference.py``, and a pattern edit reaches that output
   (or, where the bridge fires ``hook_pattern`` after making the output, is refused);
@@ -23,6 +24,7 @@ from transformer_lens.factories.architecture_adapter_factory import SUPPORTED_AR
 
 import architectures
 import contribution_lens as cl
+import probes
 from contribution_lens import adapter, loading
 
 EXPECTED = architectures.EXPECTED
@@ -49,6 +51,9 @@ def load(name: str, tmp_path) -> object:
 @pytest.mark.parametrize("name", names("works"))
 def test_works(name: str, tmp_path) -> None:
     model = load(name, tmp_path)
+    # Every fact the adapter's wiring reads is the one its modules probed (`probes`), read before any pass.
+    found = probes.differences(probes.probed_facts(model), probes.read_facts(model))
+    assert found == probes.corrected(name)
     inputs = architectures.native_tokens() if name == architectures.NATIVE else architectures.TEXT
     measured = architectures.measure(model, inputs)
     assert measured.n_layers == architectures.N_LAYERS == model.cfg.n_layers

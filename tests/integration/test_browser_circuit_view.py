@@ -52,7 +52,7 @@ def click_node(browser, node: str) -> None:
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", figure)
     dx, dy = browser.execute_script(
         "const gd = arguments[0], fl = gd._fullLayout, r = gd.getBoundingClientRect();"
-        "const t = gd.data.find((d) => d.name === 'nodes'), n = t.text.indexOf(arguments[1]);"
+        "const t = gd.data.find((d) => d.name === 'nodes'), n = t.customdata.indexOf(arguments[1]);"
         "return [fl.xaxis.l2p(t.x[n]) + fl._size.l - r.width / 2, fl.yaxis.l2p(t.y[n]) + fl._size.t - r.height / 2];",
         figure,
         node,
@@ -61,7 +61,8 @@ def click_node(browser, node: str) -> None:
     # plotly gives a click the point it last hovered: click once the pointer's hover is on this node.
     WebDriverWait(browser, 10).until(
         lambda b: b.execute_script(
-            "return (arguments[0]._hoverdata || []).some((p) => p.data.name === 'nodes' && p.text === arguments[1]);",
+            "return (arguments[0]._hoverdata || [])"
+            ".some((p) => p.data.name === 'nodes' && p.customdata === arguments[1]);",
             figure,
             node,
         )
@@ -125,3 +126,98 @@ def test_a_head_node_opens_that_head_at_the_final_position_with_its_why_panel(br
     assert browser.execute_script(PANEL)["hash"] == before
     errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
     assert not errors, errors
+
+
+SIGHT = """
+const box = (e) => { const r = e.getBoundingClientRect(); return {l: r.left, r: r.right, t: r.top, b: r.bottom}; };
+return {figure: box(document.querySelector('.cl-circuit-figure')), heatmap: box(document.querySelector('.cl-heatmap')),
+        note: box(document.querySelector('.cl-circuit-note')), height: window.innerHeight, width: window.innerWidth,
+        noted: document.querySelector('.cl-circuit-note').textContent};
+"""
+
+
+@pytest.mark.parametrize("width", [1400, 620])
+def test_a_clicks_answer_is_in_sight_beside_the_figure_or_scrolled_to(browser, opened, width) -> None:
+    # Failed before: the note and the inspector sat 700-1,000 px under the circuit, and a click on a top-layer head
+    # changed nothing on screen. Wide, the inspector is beside the figure; narrow, under it and scrolled to.
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _, _, page = opened
+    browser.set_window_size(width, 700)
+    try:
+        browser.get(page.resolve().as_uri())
+        WebDriverWait(browser, 30).until(
+            lambda b: b.execute_script("return document.querySelector('.cl-circuit-root').dataset.ready") == "true"
+        )
+        wait_ready(browser)
+        click_node(browser, "L1H2")  # the top layer's head: the top of the figure
+        WebDriverWait(browser, 20).until(lambda b: b.execute_script(SIGHT)["noted"].startswith("L1H2"))
+        time.sleep(0.5)  # the scroll, if any, is done
+        seen = browser.execute_script(SIGHT)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / f"circuit_view_click_{width}.png"))
+    finally:
+        browser.set_window_size(1400, 1000)
+    note, heatmap, figure = seen["note"], seen["heatmap"], seen["figure"]
+    assert 0 <= note["t"] and note["b"] <= seen["height"], f"the note is out of sight: {seen}"
+    assert heatmap["t"] < seen["height"] - 100 and heatmap["b"] > 0, f"the heatmap is out of sight: {seen}"
+    if width >= 1400:
+        assert heatmap["l"] >= figure["r"] - 1 and note["l"] >= figure["r"] - 1, f"not beside the figure: {seen}"
+    else:
+        assert heatmap["t"] >= figure["b"] - 1, f"a narrow page puts the inspector under the figure: {seen}"
+
+
+PANEL_TEXTS = """
+const box = (e) => { const r = e.getBoundingClientRect(); return {l: r.left, r: r.right, t: r.top, b: r.bottom}; };
+const texts = (gd) => [...gd.querySelectorAll('.xtick text, .ytick text, .g-xtitle text, .g-ytitle text, .gtitle')]
+  .filter((e) => e.textContent.trim() && e.getBoundingClientRect().width > 0)
+  .map((e) => ({text: e.textContent, ...box(e)}));
+const why = document.querySelector('.cl-why-bars'), bars = document.querySelector('.cl-bars');
+return {why: {svg: box(why.querySelector('.main-svg')), texts: texts(why)},
+        bars: {svg: box(bars.querySelector('.main-svg')), texts: texts(bars)},
+        caption: document.querySelector('.cl-why-caption').textContent,
+        scroll: document.documentElement.scrollWidth, width: document.documentElement.clientWidth};
+"""
+
+
+def overlapping(texts: list[dict]) -> list[tuple[str, str]]:
+    """Pairs of texts whose boxes overlap by more than half a pixel each way."""
+    return [
+        (a["text"], b["text"])
+        for i, a in enumerate(texts)
+        for b in texts[i + 1 :]
+        if min(a["r"], b["r"]) - max(a["l"], b["l"]) > 0.5 and min(a["b"], b["b"]) - max(a["t"], b["t"]) > 0.5
+    ]
+
+
+def cut(part: dict) -> list[str]:
+    """Texts of a figure that reach past its edges."""
+    svg = part["svg"]
+
+    def outside(t: dict) -> bool:
+        return t["l"] < svg["l"] - 0.5 or t["r"] > svg["r"] + 0.5 or t["t"] < svg["t"] - 0.5 or t["b"] > svg["b"] + 0.5
+
+    return [t["text"] for t in part["texts"] if outside(t)]
+
+
+@pytest.mark.parametrize("width", [368, 620, 968, 1280])
+def test_the_why_panel_and_the_bars_caption_read_at_every_width(browser, opened, width) -> None:
+    # Failed before: at 368 and 620 px the why panel's two charts ran over each other's labels and axis titles, and
+    # the bars' caption was cut 6 px at the top at every width (in the saved image too).
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    _, view, page = opened
+    browser.set_window_size(width, 1000)
+    try:
+        browser.get(page.resolve().as_uri() + f"#layer=1&head=2&query={view.query}")
+        WebDriverWait(browser, 30).until(lambda b: "Why L1H2 attends" in b.execute_script(PANEL_TEXTS)["caption"])
+        time.sleep(0.5)
+        seen = browser.execute_script(PANEL_TEXTS)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / f"why_panel_{width}.png"))
+    finally:
+        browser.set_window_size(1400, 1000)
+    assert seen["scroll"] <= seen["width"], f"the page scrolls sideways at {width} px"
+    for name in ("why", "bars"):
+        assert not overlapping(seen[name]["texts"]), (name, overlapping(seen[name]["texts"])[:6])
+        assert not cut(seen[name]), (name, cut(seen[name]))

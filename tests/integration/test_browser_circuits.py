@@ -1,11 +1,13 @@
-"""The circuit figure in headless Chromium: the edges drawn, their hover text, two circuits drawn differently."""
+"""The circuit figure in headless Chromium: the edges drawn, their hover text, two circuits drawn differently, and a
+lesson-sized circuit readable at every width: no label over another or outside the figure, none under an edge."""
 
+import numpy as np
 import pandas as pd
 import pytest
 
 from conftest import ARTIFACTS
 from contribution_lens import files
-from contribution_lens.circuits.figures import circuit_figure
+from contribution_lens.drawing.circuit_figures import circuit_figure
 from helpers import CHROMEDRIVER, CHROMIUM, NO_CHROMIUM, chromium_driver
 
 pytestmark = [pytest.mark.browser, pytest.mark.skipif(CHROMIUM is None or CHROMEDRIVER is None, reason=NO_CHROMIUM)]
@@ -104,3 +106,103 @@ def test_two_circuits_draw_differently(browser, tmp_path) -> None:
     assert (full["lines"], pruned["lines"]) == (7, 2)
     assert sorted(pruned["hover"]) == ["L0H2 → L1H1 (k)<br>score=-2", "L1H1 → logits<br>score=1.5"]
     assert browser.get_screenshot_as_png() != first
+
+
+def lesson_sized_circuit() -> tuple[pd.DataFrame, pd.DataFrame]:
+    """A circuit shaped like lesson 11's (SmolLM2: 30 layers, 9 heads in 3 KV groups): 40 edges in 11 of its layers,
+    those into a shared key or value drawn into each of the group's query heads (more lines than edges)."""
+    generator = np.random.default_rng(0)
+    layers = [0, 13, 14, 17, 18, 20, 21, 22, 23, 24, 29]
+    heads = [f"L{layer}H{h}" for layer in layers[1:] for h in generator.choice(9, 2, replace=False)]
+    writers = ["embed", "L0.mlp", "L18.mlp", "L21.mlp", *heads]
+    rows = []
+    for e in range(40):
+        upstream = writers[e % len(writers)]
+        below = -1 if upstream == "embed" else int(upstream[1:].split("H")[0].split(".")[0])
+        later = [h for h in heads if int(h[1:].split("H")[0]) > below]
+        if not later or e % 5 == 0:
+            rows.append((upstream, "logits", "", float(generator.normal()), f"{upstream}->logits"))
+            continue
+        target = later[int(generator.integers(len(later)))]
+        kind = "qkv"[e % 3]
+        layer, head = (int(x) for x in target[1:].split("H"))
+        group = range(3 * (head // 3), 3 * (head // 3) + 3) if kind != "q" else [head]
+        name = f"{upstream}->L{layer}KV{head // 3}<{kind}>" if kind != "q" else f"{upstream}->{target}<q>"
+        score = float(generator.normal())
+        rows += [(upstream, f"L{layer}H{h}", kind, score, name) for h in group]
+    edges = pd.DataFrame(rows, columns=["upstream", "downstream", "input", "score", "edge"])
+    names = sorted(set(edges["upstream"]) | set(edges["downstream"]))
+    return pd.DataFrame({"node": names, "score": generator.normal(size=len(names))}), edges
+
+
+TEXTS = """
+const gd = document.querySelector('.js-plotly-plot');
+const svg = gd.querySelector('.main-svg').getBoundingClientRect();
+const box = (e) => { const r = e.getBoundingClientRect(); return {l: r.left, r: r.right, t: r.top, b: r.bottom}; };
+const texts = [];
+const add = (kind, e) => {
+  const b = box(e);
+  if (b.r - b.l > 0 && e.textContent.trim()) texts.push({kind, text: e.textContent, ...b});
+};
+gd.querySelectorAll('.ytick text').forEach((e) => add('tick', e));
+gd.querySelectorAll('.gtitle, .annotation-text').forEach((e) => add('title', e));
+gd.querySelectorAll('.legend .legendtext, .legend .legendtitletext').forEach((e) => add('legend', e));
+gd.querySelectorAll('.colorbar text').forEach((e) => add('colorbar', e));
+const traces = [...gd.querySelectorAll('.scatterlayer .trace')];
+const index = gd.data.findIndex((t) => t.name === 'nodes');
+const nodes = traces[index];
+const labels = [...nodes.querySelectorAll('.textpoint text')];
+labels.forEach((e) => add('node', e));
+const discs = [...nodes.querySelectorAll('.points path')].map(box);
+return {svg: {l: svg.left, r: svg.right, t: svg.top, b: svg.bottom}, texts, discs, labels: labels.map(box),
+        nodesLast: index === gd.data.filter((t) => t.type === 'scatter' || !t.type).length - 1,
+        scroll: document.documentElement.scrollWidth, width: document.documentElement.clientWidth};
+"""
+
+
+def overlaps(texts: list[dict]) -> list[tuple[str, str]]:
+    """Pairs of texts whose boxes overlap by more than half a pixel each way."""
+    found = []
+    for i, a in enumerate(texts):
+        for b in texts[i + 1 :]:
+            if min(a["r"], b["r"]) - max(a["l"], b["l"]) > 0.5 and min(a["b"], b["b"]) - max(a["t"], b["t"]) > 0.5:
+                found.append((f"{a['kind']} {a['text']!r}", f"{b['kind']} {b['text']!r}"))
+    return found
+
+
+@pytest.mark.parametrize("width", [368, 620, 968, 1280])
+def test_a_lesson_sized_circuit_reads_at_every_width(browser, tmp_path, width) -> None:
+    # Failed before: at 368 px 345 pairs of labels overlapped, the title was cut, and edges crossed the labels.
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    nodes, edges = lesson_sized_circuit()
+    assert edges["edge"].nunique() == 40 and len(edges) > 40
+    figure = circuit_figure(nodes, edges, n_layers=30, n_heads=9, title="The 40 edges of largest |EAP score|")
+    page = tmp_path / f"circuit_{width}.html"
+    html = figure.to_html(include_plotlyjs=True, full_html=True, default_width="100%", config={"responsive": True})
+    files.write_text(page, html.replace("<body>", "<body style='margin: 0'>"))
+    browser.set_window_size(width, 1000)
+    try:
+        browser.get(page.resolve().as_uri())
+        WebDriverWait(browser, 60).until(
+            lambda b: b.execute_script("return document.querySelectorAll('.js-plotly-plot .main-svg').length") > 0
+        )
+        seen = browser.execute_script(TEXTS)
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        browser.save_screenshot(str(ARTIFACTS / f"circuit_figure_{width}.png"))
+    finally:
+        browser.set_window_size(1400, 1000)
+    assert abs(seen["width"] - width) <= 20, f"the window is {seen['width']} px wide, not {width}"
+    assert seen["scroll"] <= seen["width"], f"the page scrolls sideways: {seen['scroll']} > {seen['width']}"
+    assert not overlaps(seen["texts"]), overlaps(seen["texts"])[:10]
+    svg = seen["svg"]
+    outside = [
+        t["kind"] + " " + repr(t["text"])
+        for t in seen["texts"]
+        if t["l"] < svg["l"] - 0.5 or t["r"] > svg["r"] + 0.5 or t["t"] < svg["t"] - 0.5 or t["b"] > svg["b"] + 0.5
+    ]
+    assert not outside, f"cut at the figure's edge: {outside}"  # fmt: skip
+    # Every node label sits on its own disc, and the nodes are drawn after (over) every edge.
+    assert seen["nodesLast"] and len(seen["labels"]) == len(seen["discs"]) == len(nodes)
+    for label, disc in zip(seen["labels"], seen["discs"], strict=True):
+        assert disc["l"] <= label["l"] + 0.5 and label["r"] <= disc["r"] + 0.5, (label, disc)

@@ -89,7 +89,11 @@ def lab(tmp_path_factory):
         yield {"url": url, "token": token, "folder": folder}
     finally:
         server.terminate()
-        server.wait(30)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:  # a kernel still starting (a notebook reopened) holds it up
+            server.kill()
+            server.wait(30)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ figure an image, no script source as text, no raw tags in the prose. The execute
 both HTML pages are kept under ``test-artifacts/notebooks/``.
 """
 
+import json
 import re
 import time
 from pathlib import Path
@@ -208,15 +209,367 @@ def warnings_in(notebook: nbformat.NotebookNode) -> list[str]:
     return found
 
 
-def execute(path: Path) -> tuple[nbformat.NotebookNode, float]:
+def execute(path: Path) -> tuple[nbformat.NotebookNode, float, dict]:
+    """The executed notebook, its time, and the values its prose quotes (`QUOTED`), read in its kernel at its end."""
     from nbclient import NotebookClient
 
     notebook = read(path)
+    quoted = QUOTED.get(path.stem, {})
+    if quoted:  # one cell more, read and removed: what the prose quotes, as the lesson's own objects hold it
+        notebook.cells.append(nbformat.v4.new_code_cell(probe(quoted), id="quoted-values"))
     started = time.perf_counter()
     NotebookClient(
         notebook, timeout=MAX_SECONDS, kernel_name="python3", resources={"metadata": {"path": str(path.parent)}}
     ).execute()
-    return notebook, time.perf_counter() - started
+    seconds = time.perf_counter() - started
+    values: dict = {}
+    if quoted:
+        cell = notebook.cells.pop()
+        values = json.loads("".join(out.get("text", "") for out in cell.outputs if out.output_type == "stream"))
+    return notebook, seconds, values
+
+
+# --- the numbers the prose quotes, read from the executed lesson --------------------------------------------
+
+QUOTED: dict[str, dict[str, list[tuple[str, str]]]] = {
+    "11_finding_a_circuit": {
+        "11-03": [
+            (
+                "accuracy {:.1f} on the 4 prompts",
+                "report.accuracy",
+            ),
+            (
+                "a mean logit difference of about {:.1f}",
+                "report.mean",
+            ),
+            (
+                "interval of about [{:.1f}, {:.1f}]",
+                "(report.low, report.high)",
+            ),
+        ],
+        "11-05": [
+            (
+                "The graph has {} nodes, {} inputs and {:,} edges",
+                "(len(graph.nodes), len(graph.inputs), len(graph.edges))",
+            ),
+            (
+                "hold about {:.2f} of the total",
+                "top_share",
+            ),
+            (
+                "The largest of all, `{}` (about {:+.2f}), and the next, `{}` (about {:+.2f})",
+                ("(ranked.iloc[0]['edge'], ranked.iloc[0]['score'], ranked.iloc[1]['edge'], ranked.iloc[1]['score'])"),
+            ),
+            (
+                "`{}` (about {:+.2f}) runs from a late head",
+                "(ranked.iloc[2]['edge'], ranked.iloc[2]['score'])",
+            ),
+            (
+                "`{}` (about {:+.2f}) and `{}` (about {:+.2f}) are value inputs",
+                ("(ranked.iloc[3]['edge'], ranked.iloc[3]['score'], ranked.iloc[4]['edge'], ranked.iloc[4]['score'])"),
+            ),
+        ],
+        "11-07": [
+            (
+                (
+                    "a CPR of about {:.2f} (95 % interval about [{:.2f}, {:.2f}]) and a CMD of about {:.2f} "
+                    "([{:.2f}, {:.2f}])"
+                ),
+                "tuple(areas.loc['eap, edges', ['cpr', 'cpr_low', 'cpr_high', 'cmd', 'cmd_low', 'cmd_high']])",
+            ),
+            (
+                "the random control has a CPR of about {:.2f} and a CMD of about {:.2f}",
+                "(areas.loc['random, edges', 'cpr'], areas.loc['random, edges', 'cmd'])",
+            ),
+            (
+                "smallest circuit, {:.1f} % of the edges ({:.0f} edges), already recovers about {:.2f}",
+                "(100 * live.fractions[0], live.sizes[0], live.faithfulness[0])",
+            ),
+            (
+                "about {:.2f} at 1 %",
+                "saved.loc[0.01]",
+            ),
+            (
+                "10 % recovers about {:.2f}, 20 % about {:.2f} and half of them about {:.2f}",
+                "tuple(saved.loc[[0.1, 0.2, 0.5]])",
+            ),
+            (
+                "three quarters of what the model does is {:.0f} % of the edges",
+                "100 * saved[saved >= 0.75].index.min()",
+            ),
+            (
+                "out of the graph's {:,}",
+                "len(graph.edges)",
+            ),
+        ],
+        "11-09": [
+            (
+                "recover only about {:.2f} of the logit difference (interval about [{:.2f}, {:.2f}])",
+                "(drawn_result.faithfulness, *drawn_result.interval)",
+            ),
+            (
+                "as the curve said ({:.2f} at {:.0f} edges)",
+                "(live.faithfulness[0], live.sizes[0])",
+            ),
+            (
+                "The figure draws {} lines for the 40 edges",
+                "len(figure_edges)",
+            ),
+        ],
+        "11-11": [
+            (
+                (
+                    "{} writes the most, about {:.2f}, and it does so *through the S keys* (about {:.2f}; about "
+                    "{:.2f} through the IO key)"
+                ),
+                (
+                    "(writers.index[0], *writers.iloc[0][['logit difference', 'through the S keys', 'through the IO "
+                    "key']])"
+                ),
+            ),
+            (
+                "it puts about {:.2f} of its attention on the subject",
+                "writers.iloc[0]['attention to S']",
+            ),
+            (
+                "{} writes about {:.2f} while attending to neither name (about {:.2f} of its attention on S)",
+                "(writers.index[1], *writers.iloc[1][['logit difference', 'attention to S']])",
+            ),
+            (
+                (
+                    "{} writes about {:.2f} in all, about {:.2f} through the IO key alone, and puts about {:.2f} "
+                    "of its attention on the"
+                ),
+                (
+                    "tuple(head_row(mover_layer, mover_head)[k] for k in ('head', 'logit difference', 'through the "
+                    "IO key', 'attention to IO'))"
+                ),
+            ),
+            (
+                "Two heads write against the answer, {} (about {:.2f}) and {} (about {:.2f})",
+                (
+                    "(negative[0], writers.loc[negative[0], 'logit difference'], negative[1], "
+                    "writers.loc[negative[1], 'logit difference'])"
+                ),
+            ),
+            (
+                (
+                    "{} looks at the indirect object too (about {:.2f} of its attention) and writes against it "
+                    "through the IO key (about {:.2f})"
+                ),
+                (
+                    "(lambda n: (n, writers.loc[n, 'attention to IO'], writers.loc[n, 'through the IO "
+                    "key']))(max(negative, key=lambda n: writers.loc[n, 'attention to IO']))"
+                ),
+            ),
+        ],
+        "11-13": [
+            (
+                "keeps only between about {:.2f} and {:.2f} of the logit difference",
+                "writer_checks['the three answer writers'].interval",
+            ),
+            (
+                "$f$ between about {:.2f} and {:.2f}",
+                "writer_checks['the two negative writers'].interval",
+            ),
+            (
+                "three other late heads ({}) leave it where it was, between about {:.2f} and {:.2f}",
+                "(', '.join(others), *writer_checks['three other heads of layers 20-29'].interval)",
+            ),
+            (
+                "For the name mover {} at the last position",
+                "mover",
+            ),
+        ],
+        "11-15": [
+            (
+                "The name mover is {} (the largest",
+                "mover",
+            ),
+            (
+                (
+                    "The largest query-side advantage at the IO key is {}'s, about {:.2f}, ahead of {} (about "
+                    "{:.2f}) and {} (about {:.2f})"
+                ),
+                "tuple(x for name in query_side.index[:3] for x in (name, query_side[name]))",
+            ),
+            (
+                (
+                    "{} puts about {:.2f} of its attention, from the last position, on the subject: it reads S and "
+                    "writes into the end's stream what makes {}'s"
+                ),
+                "(inhibitors[0], head_row(*map(int, inhibitors[0][1:].split('H')))['attention to S'], mover)",
+            ),
+            (
+                "into {}'s query input carry the counterfactual",
+                "mover",
+            ),
+        ],
+        "11-17": [
+            (
+                "into {}'s query input lowers the faithfulness to about {:.2f} (interval about [{:.2f}, {:.2f}])",
+                (
+                    "(mover, query_results['edges inhibitors -> mover<q> patched'].faithfulness, "
+                    "*query_results['edges inhibitors -> mover<q> patched'].interval)"
+                ),
+            ),
+            (
+                "costs more, about {:.2f} ([{:.2f}, {:.2f}])",
+                (
+                    "(query_results['the inhibitors patched (nodes)'].faithfulness, *query_results['the inhibitors "
+                    "patched (nodes)'].interval)"
+                ),
+            ),
+            (
+                "leaves it at about {:.2f} ([{:.2f}, {:.2f}])",
+                (
+                    "(query_results['three other edges into mover<q> patched'].faithfulness, *query_results['three "
+                    "other edges into mover<q> patched'].interval)"
+                ),
+            ),
+            (
+                "The S-inhibition head {} attends",
+                "inhibitor",
+            ),
+        ],
+        "11-19": [
+            (
+                (
+                    "{} first (about {:.2f}), then {} (about {:.2f}), {} (about {:.2f}), {} (about {:.2f}) and {} "
+                    "(about {:.2f})"
+                ),
+                "tuple(x for name in key_side.index[:5] for x in (name, key_side[name]))",
+            ),
+            (
+                "{} attends to S1, the same name earlier (about {:.2f} of its attention)",
+                "(duplicate_head, key_table.loc[duplicate_head, 'attention S2 -> S1 (duplicate token)'])",
+            ),
+            (
+                "{} attends to the token after S1 (about {:.2f})",
+                "(induction_head, key_table.loc[induction_head, 'attention S2 -> S1+1 (induction)'])",
+            ),
+            (
+                "the key input of {}'s group",
+                "inhibitor",
+            ),
+        ],
+        "11-21": [
+            (
+                "lowers the faithfulness only to about {:.2f} (interval about [{:.2f}, {:.2f}])",
+                "(next(iter(key_results.values())).faithfulness, *next(iter(key_results.values())).interval)",
+            ),
+            (
+                "cost more, about {:.2f} ([{:.2f}, {:.2f}])",
+                (
+                    "(key_results['the key-side heads patched (nodes)'].faithfulness, *key_results['the key-side "
+                    "heads patched (nodes)'].interval)"
+                ),
+            ),
+            (
+                "a name mover, {}, three quarters",
+                "mover",
+            ),
+            (
+                (
+                    "a negative name mover, {}, which attends to the indirect object and writes against it, and "
+                    "another negative writer, {},"
+                ),
+                "tuple(sorted(negative, key=lambda n: -writers.loc[n, 'attention to IO']))",
+            ),
+            (
+                "an S-inhibition head, {}, attending",
+                "inhibitor",
+            ),
+            (
+                "a duplicate-token head, {}, and a weak induction pattern in {}.",
+                "(duplicate_head, induction_head)",
+            ),
+            (
+                "The largest direct writer, {}, is not",
+                "writers.index[0]",
+            ),
+            (
+                "EAP's circuits need {:.0f} % of the {:,} edges",
+                "(100 * saved[saved >= 0.75].index.min(), len(graph.edges))",
+            ),
+        ],
+        "11-21a": [
+            (
+                "(the size at which the curve read {:.2f})",
+                "live.faithfulness[0]",
+            ),
+        ],
+    },
+}
+"""For each lesson whose prose quotes what its cells compute: per markdown cell, each phrase that quotes a result (a
+format string) and the expression, evaluated in the lesson's kernel once it has run, whose value it quotes (a
+tuple for several fields). Every decimal number, grouped integer and head or MLP name of those cells
+(outside code and formulas) must lie in such a phrase, and every phrase must read as the values give it: a change
+that moves a number fails here, naming the cell, what it says and what the lesson computed."""
+QUOTE = re.compile(r"(?<![\w.])-?\d+\.\d+|(?<![\w.,])\d{1,3}(?:,\d{3})+(?![\d,])|\bL\d+(?:H\d+|\.mlp)\b")
+"""What counts as a quoted result in prose: 0.87, -1.60, 70,651, L23H0, L18.mlp (a share such as "10 %" is a size the
+lesson chooses, and a count such as "4 prompts" one it sets)."""
+
+
+def probe(quoted: dict[str, list[tuple[str, str]]]) -> str:
+    """The code of the cell that prints, as JSON, every expression `QUOTED` names for one lesson."""
+    expressions = sorted({expression for phrases in quoted.values() for _, expression in phrases})
+    return (
+        "import json as _json\n\n"
+        "def _plain(value):\n"
+        "    if isinstance(value, (tuple, list)):\n"
+        "        return [_plain(v) for v in value]\n"
+        "    return value.item() if hasattr(value, 'item') else value\n\n"
+        f"print(_json.dumps({{e: _plain(eval(e)) for e in {expressions!r}}}))"
+    )
+
+
+def unquoted_spans(source: str) -> list[tuple[int, int]]:
+    """The spans of ``source`` that quote nothing: code (`...`) and formulas ($...$, $$...$$)."""
+    return [m.span() for m in re.finditer(r"`[^`]*`|\$\$.+?\$\$|\$[^$]+\$", source, flags=re.S)]
+
+
+def quoted_problems(name: str, notebook: nbformat.NotebookNode, values: dict) -> list[str]:
+    """Where a lesson's prose quotes a number its cells do not give, or quotes one that `QUOTED` does not read."""
+    quoted = QUOTED.get(name, {})
+    problems = []
+    for cell in notebook.cells:
+        if cell.cell_type != "markdown":
+            continue
+        covered = []
+        for phrase, expression in quoted.get(cell.id, []):
+            value = values[expression]
+            said = phrase.format(*value) if isinstance(value, list) else phrase.format(value)
+            start = cell.source.find(said)
+            if start < 0:
+                problems.append(f"cell {cell.id} does not say {said!r} ({expression} = {value})")
+            else:
+                covered.append((start, start + len(said)))
+        skipped = unquoted_spans(cell.source)
+        for match in QUOTE.finditer(cell.source):
+            start, end = match.span()
+            if not any(a <= start and end <= b for a, b in [*skipped, *covered]):
+                problems.append(f"cell {cell.id} quotes {match.group(0)!r}, which QUOTED does not read from the lesson")
+    return problems
+
+
+def test_quoted_problems_names_a_number_the_lesson_does_not_give() -> None:
+    cells = [nbformat.v4.new_markdown_cell("The CPR is about 0.87, and L23H0 writes 0.71 (`fraction=0.001`).", id="a")]
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    QUOTED["demo"] = {"a": [("CPR is about {:.2f}", "curve.cpr"), ("{} writes {:.2f}", "(mover, term)")]}
+    try:
+        assert quoted_problems("demo", notebook, {"curve.cpr": 0.871, "(mover, term)": ["L23H0", 0.714]}) == []
+        assert quoted_problems("demo", notebook, {"curve.cpr": 0.85, "(mover, term)": ["L23H0", 0.714]}) == [
+            "cell a does not say 'CPR is about 0.85' (curve.cpr = 0.85)",
+            "cell a quotes '0.87', which QUOTED does not read from the lesson",
+        ]
+        QUOTED["demo"] = {"a": [("CPR is about {:.2f}", "curve.cpr")]}
+        assert quoted_problems("demo", notebook, {"curve.cpr": 0.871}) == [
+            "cell a quotes 'L23H0', which QUOTED does not read from the lesson",
+            "cell a quotes '0.71', which QUOTED does not read from the lesson",
+        ]
+    finally:
+        del QUOTED["demo"]
 
 
 def export_problems(notebook: nbformat.NotebookNode, html: str) -> list[str]:
@@ -328,22 +681,69 @@ def inspector_cells(notebook: nbformat.NotebookNode) -> list[str]:
     ]
 
 
-SERVER_CONFIG = ROOT / "jupyter-config" / "jupyter_server_config.d" / "contribution_lens.json"
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One Jupyter server for every lesson's export, as installed (its extensions as `jupyter_server_config.d` enables
+    them), with an empty user config: ``{"url", "token", "root"}``."""
+    import os
+    import secrets
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    pytest.importorskip("jupyter_server", reason="needs jupyter_server (the dev extras)")
+    root, home = tmp_path_factory.mktemp("served"), tmp_path_factory.mktemp("server-home")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = secrets.token_hex(16)
+    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
+    log = open(home / "server.log", "w")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "jupyter", "server", "--allow-root", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"],
+        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=log,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(120):
+            try:
+                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        else:
+            pytest.fail("the Jupyter server did not start: " + (home / "server.log").read_text()[-2000:])
+        yield {"url": url, "token": token, "root": root}
+    finally:
+        process.terminate()
+        process.wait(30)
+        log.close()
 
 
-def jupyterlab_export(notebook: nbformat.NotebookNode, *, config_file: Path | None = SERVER_CONFIG) -> str:
-    """The page JupyterLab 4.6's *File › Save and Export Notebook As › HTML* downloads, with its defaults.
+def server_export(server: dict, notebook: nbformat.NotebookNode, name: str) -> str:
+    """The page JupyterLab 4.6's *File › Save and Export Notebook As › HTML* downloads from a running server.
 
-    JupyterLab asks "Sanitize HTML output" (ticked) and the server (jupyter_server 2.x's
-    ``NbconvertFileHandler``) runs ``get_exporter("html", config=its config)`` with
-    ``sanitize_html = True``; its config holds the package's ``jupyter_server_config.d`` file.
+    JupyterLab asks "Sanitize HTML output" (ticked) and sends
+    ``/nbconvert/html/PATH?download=true&sanitize_html=true``: the server exports with its own config, which
+    the package's server extension (`contribution_lens.views.server_extension`) sets when the server starts.
     """
-    import json
+    import urllib.request
 
+    nbformat.write(notebook, server["root"] / f"{name}.ipynb")
+    address = f"{server['url']}/nbconvert/html/{name}.ipynb?download=true&sanitize_html=true&token={server['token']}"
+    with urllib.request.urlopen(address, timeout=300) as answer:
+        return answer.read().decode("utf-8")
+
+
+def nbconvert_export(notebook: nbformat.NotebookNode, filters: dict | None = None) -> str:
+    """nbconvert's sanitized HTML export in this process, with ``filters`` (none: nbconvert's own): for the checks'
+    own test, which needs a page whose faults are known."""
     from nbconvert.exporters import get_exporter
     from traitlets.config import Config
 
-    config = Config(json.loads(config_file.read_text(encoding="utf-8")) if config_file else {})
+    config = Config({"HTMLExporter": {"filters": filters or {}}})
     exporter = get_exporter("html", config=config)(config=config)
     exporter.sanitize_html = True
     page, _ = exporter.from_notebook_node(notebook, resources={"metadata": {"name": "lesson"}})
@@ -352,10 +752,13 @@ def jupyterlab_export(notebook: nbformat.NotebookNode, *, config_file: Path | No
 
 RAW_TAG = re.compile(r"&lt;/?(p|h[1-6]|div|span|img|br|hr|a|script|style|table|tr|td|th|ul|ol|li|strong|em)\b")
 SCRIPT_TEXT = ("Plotly.newPlot", "plotly.js v", "window.PlotlyConfig", "&lt;script")
+CSS_TEXT = re.compile(r"\.dataframe\s+(?:tbody|thead)|vertical-align:\s*(?:top|middle)")
+"""A DataFrame's style element printed as text (nbconvert's own filter escapes it)."""
+MARKDOWN_MATH = re.compile(r"\$\$.+?\$\$|(?<![\\$])\$(?![\s$])[^$]+?(?<![\s\\])\$(?!\d)", flags=re.S)
 
 
 def sanitized_problems(notebook: nbformat.NotebookNode, page: str) -> list[str]:
-    """What a reader of JupyterLab's default (sanitized) export would miss: figures, prose."""
+    """What a reader of JupyterLab's default (sanitized) export would miss: figures, prose, tables, formulas offline."""
     problems = []
     figures = [out for cell in notebook.cells for out in cell.get("outputs", []) if is_figure(out)]
     stills = [out for cell in notebook.cells for out in cell.get("outputs", []) if still_of(out)]
@@ -366,13 +769,27 @@ def sanitized_problems(notebook: nbformat.NotebookNode, page: str) -> list[str]:
     if images < len(figures) + len(stills):
         problems.append(f"{images} images in the page, {len(figures)} figures and {len(stills)} stills")
     # A script element is not shown (the export keeps the widgets' state in one, the inspector's front-end
-    # source included); script source escaped into the page's text is.
-    shown = re.sub(r"<script\b.*?</script>", " ", page, flags=re.S)
+    # source included); script source escaped into the page's text is. The page's own styles are not text either.
+    shown = re.sub(r"<(script|style)\b.*?</\1>", " ", page, flags=re.S)
     problems += [f"script text in the page: {text!r}" for text in SCRIPT_TEXT if text in shown]
+    if CSS_TEXT.search(shown):
+        problems.append(f"CSS as text in the page: {CSS_TEXT.search(shown).group(0)!r}")
     prose = re.sub(r"<(code|pre)\b.*?</\1>", " ", shown, flags=re.S)  # a tag written as code is code
     raw = RAW_TAG.findall(prose)
     if raw:
         problems.append(f"raw tags in the page: {sorted(set(raw))[:5]}")
+    # A table keeps its labels: every DataFrame output's header cells are header cells in the page.
+    tables = [out.get("data", {}).get("text/html", "") for cell in notebook.cells for out in cell.get("outputs", [])]
+    labels = sum(html.count("<th") for html in tables if "dataframe" in html)
+    if prose.count("<th") < labels:
+        problems.append(f"{labels} table labels in the outputs, {prose.count('<th')} in the page")
+    # Formulas readable offline: drawn as MathML (no script, no network), none left as TeX in the prose.
+    sources = "\n".join(re.sub(r"`[^`]*`", " ", c.source) for c in notebook.cells if c.cell_type == "markdown")
+    formulas = len(MARKDOWN_MATH.findall(sources))
+    text = re.sub(r"<math\b.*?</math>", " ", prose, flags=re.S)
+    tex = RAW_TEX.findall(re.sub(r"<[^>]+>", " ", text))
+    if formulas and (prose.count("<math") < formulas or tex):
+        problems.append(f"{formulas} formulas, {prose.count('<math')} drawn offline, TeX left: {tex[:3]}")
     return problems
 
 
@@ -382,23 +799,51 @@ def test_sanitized_problems_names_what_a_reader_would_miss() -> None:
         data={"text/html": '<div class="plotly-graph-div" id="a"></div><script>Plotly.newPlot()</script>'},
     )
     cells = [
-        nbformat.v4.new_markdown_cell("# Title\n\nA paragraph with `<div>` as code."),
+        nbformat.v4.new_markdown_cell("# Title\n\nA paragraph with `<div>` as code and $c_{ij}$."),
         nbformat.v4.new_code_cell("figure", outputs=[html_figure]),
     ]
+    ours = {"clean_html": "contribution_lens.views.export.clean_html"}
     notebook = nbformat.v4.new_notebook(cells=cells)
-    assert sanitized_problems(notebook, jupyterlab_export(notebook)) == [
+    assert sanitized_problems(notebook, nbconvert_export(notebook, ours)) == [
         "1 of 1 figures carry no image/png",
         "0 images in the page, 1 figures and 0 stills",
     ]
     prose = nbformat.v4.new_notebook(cells=cells[:1])
-    assert sanitized_problems(prose, jupyterlab_export(prose)) == []
+    assert sanitized_problems(prose, nbconvert_export(prose, ours)) == []
     # The widgets' state travels in a script element, which no reader sees: not a problem.
     state = '<script type="application/vnd.jupyter.widget-state+json">{"_esm": "Plotly.newPlot(node)"}</script>'
-    assert sanitized_problems(prose, jupyterlab_export(prose).replace("</body>", state + "</body>")) == []
-    # Without the package's server config nbconvert's own filter escapes every paragraph and heading.
-    assert sanitized_problems(prose, jupyterlab_export(prose, config_file=None)) == [
-        "raw tags in the page: ['h1', 'p']"
+    assert sanitized_problems(prose, nbconvert_export(prose, ours).replace("</body>", state + "</body>")) == []
+    # nbconvert's own filter escapes every paragraph and heading, and leaves the formula for a MathJax from a CDN.
+    assert sanitized_problems(prose, nbconvert_export(prose)) == [
+        "raw tags in the page: ['h1', 'p']",
+        "1 formulas, 0 drawn offline, TeX left: ['$c_{ij}$']",
     ]
+    table = nbformat.v4.new_output("display_data", data={"text/html": pd_table_html()})
+    framed = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("table", outputs=[table])])
+    assert sanitized_problems(framed, nbconvert_export(framed, ours)) == []
+    assert sanitized_problems(framed, nbconvert_export(framed))[0].startswith("CSS as text in the page")
+
+
+def pd_table_html() -> str:
+    """A DataFrame's HTML output, its style element and header cells included."""
+    import pandas as pd
+
+    return pd.DataFrame({"faithfulness": [0.5]}, index=["eap"])._repr_html_()
+
+
+@pytest.mark.slow
+def test_jupyterlabs_own_export_through_a_running_server_reads_as_the_notebook(server) -> None:
+    # Failed before: the package installed a config file in jupyter_server_config.d, which a server reads only to
+    # enable extensions: its export (the request JupyterLab sends) escaped every paragraph, heading and table.
+    cells = [
+        nbformat.v4.new_markdown_cell("# Export\n\nThe weights $c_{ij}$ sum to 1:\n\n$$\\sum_j c_{ij} = 1$$"),
+        nbformat.v4.new_code_cell("table", outputs=[nbformat.v4.new_output("display_data",
+                                                                           data={"text/html": pd_table_html()})]),
+    ]  # fmt: skip
+    notebook = nbformat.v4.new_notebook(cells=cells)
+    page = server_export(server, notebook, "probe")
+    assert not sanitized_problems(notebook, page), sanitized_problems(notebook, page)
+    assert '<h1 id="Export">' in page and page.count("<math") == 2 and "<th>faithfulness</th>" in page
 
 
 def export(notebook: nbformat.NotebookNode, name: str) -> tuple[Path, str]:
@@ -447,17 +892,21 @@ def test_an_exported_notebook_shows_formulas_finished_bars_and_the_inspectors_vi
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=IDS)
-def test_notebook_runs_and_exports_with_every_figure(path: Path, request) -> None:
-    notebook, seconds = execute(path)
+def test_notebook_runs_and_exports_with_every_figure(path: Path, request, server) -> None:
+    notebook, seconds, values = execute(path)
     nbformat.write(notebook, (ARTIFACTS / "notebooks").mkdir(parents=True, exist_ok=True) or
                    ARTIFACTS / "notebooks" / f"{path.stem}.executed.ipynb")  # fmt: skip
     page, html = export(notebook, path.stem)
     assert not export_problems(notebook, html), f"{path.name}: {export_problems(notebook, html)}"
-    # JupyterLab's default export of the same executed notebook: sanitized, every figure an image.
-    sanitized = jupyterlab_export(notebook)
+    # JupyterLab's default export of the same executed notebook, from a running server: sanitized, every figure an
+    # image, the prose's tags, tables and formulas as a reader sees them offline.
+    sanitized = server_export(server, notebook, path.stem)
     (ARTIFACTS / "notebooks" / f"{path.stem}.jupyterlab.html").write_text(sanitized, encoding="utf-8")
     assert not sanitized_problems(notebook, sanitized), f"{path.name}: {sanitized_problems(notebook, sanitized)}"
     assert not inspector_problems(path.stem, notebook), f"{path.name}: {inspector_problems(path.stem, notebook)}"
+    assert not quoted_problems(path.stem, notebook, values), (
+        f"{path.name}: {quoted_problems(path.stem, notebook, values)}"
+    )
     if CHROMIUM is not None and CHROMEDRIVER is not None:
         figures = sum(is_figure(out) for cell in notebook.cells for out in cell.get("outputs", []))
         seen = seen_in_browser(request.getfixturevalue("browser"), page)

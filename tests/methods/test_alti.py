@@ -26,7 +26,7 @@ def authors_layers(model, batch, layers: list[int]) -> dict[int, tuple[torch.Ten
             got["values"],
             got["dense_weight"],
             got["dense_bias"],
-            ln=None if norm is None else (norm.weight, norm.bias, norm.eps),
+            ln=None if norm is None else (norm.gain, norm.bias, norm.eps),
             pre_ln_states=got["pre_ln"] if post else None,
         )
         out[layer] = contributions, resultant, (got["post_ln"] if post else got["mid"])[0]

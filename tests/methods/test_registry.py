@@ -102,10 +102,12 @@ def test_a_method_returning_the_wrong_shape_is_named() -> None:
 
 
 def test_the_registry_knows_no_method_and_every_built_in_comes_from_a_family_file() -> None:
+    """The registry imports the type of a method, never a family: it declares each family's names, and the
+    family's ``METHODS`` tuple holds exactly those, in that order."""
     import ast
+    import importlib
     import inspect
 
-    from contribution_lens import methods
     from contribution_lens.methods import registry
 
     imported = {
@@ -113,11 +115,12 @@ def test_the_registry_knows_no_method_and_every_built_in_comes_from_a_family_fil
         for node in ast.walk(ast.parse(inspect.getsource(registry)))
         if isinstance(node, ast.ImportFrom) and node.module
     }
-    assert not {m for m in imported if m.startswith("contribution_lens.methods")}, imported
-    from_families = [m.name for family in methods._FAMILIES for m in family.METHODS]
+    assert {m for m in imported if m.startswith("contribution_lens.methods")} == {"contribution_lens.methods.method"}
+    families = [importlib.import_module(location.partition(":")[0]) for location in registry.METHODS.declared]
+    from_families = [m.name for family in families for m in family.METHODS]
     assert list(cl.available_methods()[: len(from_families)]) == from_families
-    assert all(cl.get_method(name).builtin for name in from_families)
-    defaults = [m.name for family in methods._FAMILIES for m in family.METHODS if m.default]
+    assert all(cl.get_method(name).builtin and registry.METHODS.is_builtin(name) for name in from_families)
+    defaults = [m.name for family in families for m in family.METHODS if m.default]
     assert cl.default_methods() == tuple(defaults) == ("attention", "value_weighted", "output_normalized",
                                                         "contribution", "random")  # fmt: skip
 

@@ -239,11 +239,16 @@ def test_use_in_notebook_refuses_an_images_that_is_not_a_bool(monkeypatch) -> No
     assert pio.renderers.default == "plotly_mimetype"  # refused before anything changed
 
 
-def test_the_jupyter_server_config_ships_and_names_the_packages_filter() -> None:
-    """pip installs ``jupyter_server_config.d/contribution_lens.json``; the filter it names is `export.clean_html`."""
+def test_the_jupyter_server_config_ships_and_enables_the_extension_that_sets_the_filter() -> None:
+    """pip installs ``jupyter_server_config.d/contribution_lens.json``, which enables the server extension (a server
+    reads that folder only to enable extensions); at the server's start the extension makes `export.clean_html` the
+    HTML exporter's filter, keeping a filter the server's own config names."""
     import json
 
+    from traitlets.config import Config
     from traitlets.utils.importstring import import_item
+
+    from contribution_lens.views import server_extension
 
     root = Path(__file__).resolve().parents[2]
     folder = "jupyter-config/jupyter_server_config.d"
@@ -251,7 +256,15 @@ def test_the_jupyter_server_config_ships_and_names_the_packages_filter() -> None
     table = (root / "pyproject.toml").read_text().split("[tool.hatch.build.targets.wheel.shared-data]")[1]
     assert f'"{folder}" = "etc/jupyter/jupyter_server_config.d"' in table.split("\n[")[0]
     config = json.loads((root / folder / "contribution_lens.json").read_text())
-    assert import_item(config["HTMLExporter"]["filters"]["clean_html"]) is export.clean_html
+    (enabled,) = config["ServerApp"]["jpserver_extensions"].items()
+    assert enabled == ("contribution_lens.views.server_extension", True)
+    assert server_extension._jupyter_server_extension_points() == [{"module": enabled[0]}]
+    served = Config()
+    server_extension.configure(served)
+    assert import_item(served.HTMLExporter.filters["clean_html"]) is export.clean_html
+    own = Config({"HTMLExporter": {"filters": {"clean_html": "my.filter", "other": "x.y"}}})
+    server_extension.configure(own)
+    assert dict(own.HTMLExporter.filters) == {"clean_html": "my.filter", "other": "x.y"}
 
 
 @pytest.mark.parametrize(
@@ -268,3 +281,14 @@ def test_the_jupyter_server_config_ships_and_names_the_packages_filter() -> None
 )
 def test_the_export_filter_keeps_markdown_and_nothing_that_runs(dirty, clean) -> None:
     assert export.clean_html(dirty) == clean
+
+
+def test_clean_html_draws_formulas_as_mathml_and_leaves_prices_and_code_alone() -> None:
+    # Failed before: JupyterLab's sanitized export left every formula as $...$ for a MathJax from a CDN (raw offline).
+    page = export.clean_html(
+        "<p>Weights $c_{ij} &lt; 1$ cost $5 and $6.</p><p>$$\\sum_j c_{ij} = 1$$</p><pre>s = '$a$'</pre>"
+    )
+    assert page.count("<math") == 2 and 'display="block"' in page and 'display="inline"' in page
+    assert "<mi>c</mi>" in page and "&#x0003C;" in page  # the unescaped "<" of the formula, as MathML
+    assert "cost $5 and $6." in page and "<pre>s = '$a$'</pre>" in page
+    assert "$" not in page.replace("$5 and $6", "").replace("'$a$'", "")

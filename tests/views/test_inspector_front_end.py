@@ -245,8 +245,8 @@ def still_case() -> dict:
     states = [base, base | {"head": 2, "view": "text", "factor": "cosine", "scope": "intra"},
               base | {"view": "prediction", "step": -1}, base | {"view": "prediction", "step": 4}]  # fmt: skip
     png = base64.b64encode(b"\x89PNG\r\n\x1a\n....").decode()
-    drawn = still.bundle(base64.b64decode(png), 300, states[1], drawn_by="browser")
-    undrawn = still.bundle(None, None, states[2])
+    drawn = still.bundle(base64.b64decode(png), 300, states[1], drawn_by="browser", widget="w1")
+    undrawn = still.bundle(None, None, states[2], widget="w1")
     return {
         "captions": [{"state": s, "caption": still.caption(s)} for s in states],
         "drawn": {"state": states[1], "png": png, "width": 300, "data": drawn[0], "metadata": drawn[1]},

@@ -18,8 +18,8 @@ from contribution_lens.views.inspector.subject import RULES, InspectorError, Sub
 
 STATIC = Path(state.__file__).parent / "static"
 IDS = torch.tensor([[3, 7, 7, 7, 2, 9, 7, 1, 4, 5]])
-DATA_TRAITS = {"steps", "error", "meta", "payload", "model_ref"}
-"""The widget's synced traits that are not settings: what the kernel sends (and the refusal)."""
+DATA_TRAITS = {"steps", "error", "meta", "payload", "model_ref", "circuit"}
+"""The widget's synced traits that are not settings: what the kernel sends, the refusal, a circuit drawn beside."""
 
 
 @pytest.fixture(scope="module")

@@ -3,6 +3,9 @@ QK wiring. This face is what the rest of the package uses (``from contribution_l
 ``adapter.layer_hooks``); inside, one module a concern, each importing only those listed before it:
 
 * `_model`: the loose ``Model`` type, ``HookFn``, a model's device and dtype;
+* `anatomy`: every fact the wiring reads of a model, read once (`anatomy_of`, `Anatomy`): its norms (`Norm`,
+  one type for every norm), soft-caps, name, sizes, positional scheme, attention form per layer (`Layer`),
+  hook names (the constants every module uses) and BOS convention;
 * `tokens`: texts and ids to a right-padded `TokenBatch` with the model's BOS convention (`to_token_batch`);
 * `attention`: each layer's attention as queries and keys (`AttentionForm`) and the pass that runs attention a
   tile of queries at a time, never holding a pattern (`tiled_attention`);
@@ -16,7 +19,31 @@ QK wiring. This face is what the rest of the package uses (``from contribution_l
   `embedding_pass`, `layout`, `hidden_bias_path`).
 """
 
+import warnings
+from typing import Any
+
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
+from contribution_lens.adapter.anatomy import (
+    ATTN_OUT,
+    LN1_SCALE,
+    LN2_SCALE,
+    MLP_OUT,
+    QK_COS,
+    QK_K,
+    QK_NORM_SCALES,
+    QK_Q,
+    QK_SCORES,
+    QK_SIN,
+    RESID_POST,
+    RESID_PRE,
+    Anatomy,
+    Layer,
+    Norm,
+    anatomy_of,
+    architecture_name,
+    block_hook,
+    read_norm,
+)
 from contribution_lens.adapter.attention import AttentionForm, tiled_attention
 from contribution_lens.adapter.circuit_wiring import (
     READS,
@@ -30,11 +57,10 @@ from contribution_lens.adapter.circuit_wiring import (
     hidden_bias_path,
     layout,
 )
-from contribution_lens.adapter.forms import POST_LN, PRE_LN, PostNorm, apply_post_norm, block_forms, post_norm
+from contribution_lens.adapter.forms import POST_LN, PRE_LN, apply_post_norm, block_forms, post_norm
 from contribution_lens.adapter.hooks import (
     PROBE_LENGTH,
     QK_MODES,
-    RESID_PRE,
     LayerFn,
     LayerInputs,
     PatternEdit,
@@ -63,10 +89,7 @@ from contribution_lens.adapter.hooks import (
     z_hook,
 )
 from contribution_lens.adapter.logit_readout import (
-    ATTN_OUT,
-    RESID_POST,
     AttentionUpdate,
-    FrozenNorm,
     Readout,
     attention_update,
     captured_post_scale,
@@ -81,21 +104,11 @@ from contribution_lens.adapter.logit_readout import (
 )
 from contribution_lens.adapter.qk_forms import attention_forms, tiles_problem
 from contribution_lens.adapter.qk_wiring import (
-    LN1_SCALE,
-    LN2_SCALE,
-    MLP_OUT,
-    QK_COS,
-    QK_K,
-    QK_NORM_SCALES,
-    QK_Q,
-    QK_SCORES,
-    QK_SIN,
     QKForm,
     QKPlan,
     StreamNorm,
     TargetReads,
     Write,
-    architecture_name,
     embedding_hooks,
     embedding_writes,
     layer_writes,
@@ -118,6 +131,7 @@ from contribution_lens.adapter.tokens import (
     start_ids,
     to_token_batch,
     token_labels,
+    tokenizer_identity,
 )
 from contribution_lens.choices import as_index
 
@@ -140,16 +154,17 @@ __all__ = [
     "RESID_POST",
     "RESID_PRE",
     "WRITES",
+    "Anatomy",
     "AttentionForm",
     "AttentionUpdate",
-    "FrozenNorm",
     "HookFn",
+    "Layer",
     "LayerFn",
     "LayerInputs",
     "Layout",
     "Model",
+    "Norm",
     "PatternEdit",
-    "PostNorm",
     "QKForm",
     "QKPlan",
     "Readout",
@@ -159,6 +174,7 @@ __all__ = [
     "TargetReads",
     "TokenBatch",
     "Write",
+    "anatomy_of",
     "apply_post_norm",
     "architecture_name",
     "as_index",
@@ -167,6 +183,7 @@ __all__ = [
     "attention_update",
     "block_calls",
     "block_forms",
+    "block_hook",
     "bos_to_prepend",
     "captured_post_scale",
     "check_circuit_model",
@@ -208,6 +225,7 @@ __all__ = [
     "prepends_bos",
     "qk_form",
     "qk_plan",
+    "read_norm",
     "read_values",
     "readout",
     "resid_pre_hook",
@@ -220,9 +238,25 @@ __all__ = [
     "tiles_problem",
     "to_token_batch",
     "token_labels",
+    "tokenizer_identity",
     "unembedding",
     "value_hook",
     "value_key_dim",
     "values_heads_first",
     "z_hook",
 ]
+
+_RENAMED = {"FrozenNorm": "Norm", "PostNorm": "Norm"}
+"""Names of the norms the readout and ALTI read before one type served every norm (`Norm`)."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _RENAMED:
+        warnings.warn(
+            f"contribution_lens.adapter.{name} is now contribution_lens.adapter.{_RENAMED[name]} (Norm.fixed builds "
+            "one of given tensors)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return Norm
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -23,6 +23,14 @@ own q, k and v inputs, and the model's own projections of the stream there are s
 The output projection never runs in a circuit pass: the heads' outputs, computed for the writes,
 summed with ``b_O`` are its output.
 
+Ungrouped passes (``circuit_pass(..., ungroup=True)``, MIB's ``ungroup_grouped_query_attention``):
+a grouped-query model's k and v inputs are read one per query head, ``[batch pos head d_model]``, and
+query head ``h``'s key is ``LN1(x^h) W_K^g + b_K^g`` with ``g`` its key head (values likewise): the
+key head's weights repeated over its group (`_ungrouped_weights`), and the attention told to use the
+keys and values it is handed, one per query head, instead of repeating each key head's over its
+group (`_ungrouped_attention`). A layer whose k and v inputs the stream does not read gets the
+model's own keys and values repeated over the group: the same numbers the model computes.
+
 Post-attention norms (Gemma 2/3's ``ln1_post``): the stream receives ``N(sum_h o^h + b_O)``. With
 the norm's scale ``s`` of this pass frozen, ``N`` is linear, and head ``h``'s output is its share
 ``N_lin(o^h; s) = P(o^h) * gain / s``; the shares plus ``N_lin(b_O; s) + bias`` are the norm's
@@ -43,18 +51,34 @@ from jaxtyping import Float, Int
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from contribution_lens.adapter._model import HookFn, Model, model_dtype
-from contribution_lens.adapter.forms import PRE_LN, block_forms
-from contribution_lens.adapter.hooks import StopForward, hooked, is_causal_model, output_weights
-from contribution_lens.adapter.logit_readout import (
-    FrozenNorm,
-    _frozen_norm,
-    logit_softcap,
-    post_attention_norm,
-    unembedding,
+from contribution_lens.adapter._model import HookFn, Model, _model_device, model_dtype
+from contribution_lens.adapter.anatomy import (
+    EMBED_PARTS,
+    FINAL_IN,
+    LN1_IN,
+    LN1_SCALE,
+    LN2_IN,
+    MLP_OUT,
+    NORM_OUT,
+    O_OUT,
+    PATTERN,
+    QK_K,
+    QK_Q,
+    QK_V,
+    RESID_PRE,
+    SCALE,
+    UNEMBED_IN,
+    Norm,
+    Z,
+    anatomy_of,
+    block_hook,
 )
-from contribution_lens.adapter.qk_wiring import architecture_name
+from contribution_lens.adapter.forms import PRE_LN, block_forms
+from contribution_lens.adapter.hooks import StopForward, hooked, output_weights
+from contribution_lens.adapter.logit_readout import unembedding
 
+_PROJECTIONS = {"q": QK_Q, "k": QK_K, "v": QK_V}
+"""Each head's query, key and value: where the wiring writes the heads' own projections."""
 READS = ("q", "k", "v", "mlp", "logits")
 """Where a node reads the stream: a head's q, k or v input, an MLP's input, the logits' input."""
 WRITES = ("embed", "pos_embed", "heads", "mlp")
@@ -86,19 +110,17 @@ class Stream(Protocol):
 
 def circuit_refusal(model: Model) -> str | None:
     """Why the circuit graph cannot be wired into ``model``, in words, or None."""
-    if not is_causal_model(model):
+    facts = anatomy_of(model)
+    if not facts.causal:
         return (
             "it is an encoder (bidirectional attention): a circuit's metric is read at each prompt's last "
             "position, which every position of an encoder sees, so right-padded prompts are not separable"
         )
-    names = model.hook_dict
-    needed_hooks = ["embed.hook_out", "ln_final.hook_in"]
-    needed_hooks += [
-        f"blocks.0.{n}" for n in ("hook_resid_pre", "ln1.hook_in", "ln2.hook_in", "hook_mlp_out", "attn.hook_z")
-    ]
-    needed_hooks += [f"blocks.0.attn.hook_{side}" for side in "qkv"]
+    needed_hooks = [EMBED_PARTS["embed"], FINAL_IN]
+    needed_hooks += [block_hook(0, name) for name in (RESID_PRE, LN1_IN, LN2_IN, MLP_OUT, Z)]
+    needed_hooks += [block_hook(0, _PROJECTIONS[side]) for side in "qkv"]
     for needed in needed_hooks:
-        if needed not in names:
+        if needed not in facts.hook_names:
             return f"its bridge has no {needed} hook"
     for layer, form in block_forms(model).items():
         if form != PRE_LN and not form.startswith("pre-LN with a norm on the attention output"):
@@ -114,94 +136,92 @@ def hidden_bias_path(model: Model) -> bool:
     idle (`contribution_lens.circuits.interchange.active_writers`). Gemma's attention has no bias.
     """
     return any(
-        post_attention_norm(model, layer) is not None
-        and (bias := output_weights(model, layer)[1]) is not None
-        and bool(bias.any())
-        for layer in range(layout(model).n_layers)
+        facts.post_norm is not None and (bias := output_weights(model, layer)[1]) is not None and bool(bias.any())
+        for layer, facts in enumerate(anatomy_of(model).layers)
     )
 
 
-def check_circuit_model(model: Model) -> None:
-    """Refuse a model whose circuit graph cannot be wired, with the reason (before any circuit pass)."""
+def check_circuit_model(model: Model, *, ungrouped: bool = False) -> None:
+    """Refuse a model whose circuit graph cannot be wired, with the reason (before any circuit pass).
+
+    ``ungrouped``: the graph gives every query head its own k and v inputs (`ungrouping_refusal`).
+    """
     problem = circuit_refusal(model)
     if problem is not None:
-        raise ValueError(f"model: circuits cannot be found in {architecture_name(model)}: {problem}")
+        raise ValueError(f"model: circuits cannot be found in {anatomy_of(model).name}: {problem}")
+    problem = ungrouping_refusal(model) if ungrouped else None
+    if problem is not None:
+        raise ValueError(f"edges: MIB's ungrouped graph cannot be wired into {anatomy_of(model).name}: {problem}")
+
+
+def ungrouping_refusal(model: Model) -> str | None:
+    """Why ``model``'s keys and values cannot be computed one per query head (`_ungrouped_attention`), or None.
+
+    Nothing to do under multi-head attention. A key norm over every key head at once (OLMo-2's) or
+    with weights of its own per key head has no per-query-head form.
+    """
+    facts = anatomy_of(model)
+    if facts.n_kv_heads == facts.n_heads:
+        return None
+    for layer, this in enumerate(facts.layers):
+        if this.ungrouping is None:
+            return (
+                f"layer {layer}'s attention ({this.attention}) repeats its key heads in a way the "
+                "circuit wiring cannot switch off; use edges='native'"
+            )
+        if this.qk_norm_over_heads or this.key_norm_per_key_head:
+            return f"layer {layer} norms its keys with weights per key head; use edges='native'"
+    return None
 
 
 def layout(model: Model) -> Layout:
     """The `Layout` of ``model``: layers, heads, key heads and whether it has learned positions."""
-    cfg = model.cfg
-    n_heads = int(cfg.n_heads)
+    facts = anatomy_of(model)
     return Layout(
-        n_layers=int(cfg.n_layers),
-        n_heads=n_heads,
-        n_kv_heads=int(getattr(cfg, "n_key_value_heads", None) or n_heads),
-        pos_embed="pos_embed.hook_out" in model.hook_dict,
+        n_layers=facts.n_layers,
+        n_heads=facts.n_heads,
+        n_kv_heads=facts.n_kv_heads,
+        pos_embed=EMBED_PARTS["pos_embed"] in facts.hook_names,
     )
 
 
-@dataclass(frozen=True)
-class _Norm:
-    """A layer's pre-attention norm on any ``[..., d_model]``: the model's own module (in its dtype, then float32
-    at least), and its form where that is known, for a vector-Jacobian product in closed form (`_SharedInput`).
+def _in_dtype(norm: Norm, dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+    """A layer's pre-attention norm on any ``[..., d_model]``: the model's own module, in its dtype, then float32
+    at least."""
+    return lambda x: _up(norm.module(x.to(dtype)))
+
+
+def _folded(form: Norm, W: Float[Tensor, "head d_model d_head"]) -> tuple[Tensor, Tensor | None]:
+    """``W`` with the gain folded in, ``gain[:, None] * W^h``, and the bias's projection ``bias W^h`` (or None)."""
+    gain, bias = form.gain, form.bias
+    W_gain = W if gain is None else W * _up(gain).to(W.dtype)[None, :, None]
+    return W_gain, None if bias is None else einops.einsum(_up(bias).to(W.dtype), W, "d, h d e -> h e")
+
+
+def _projected(
+    form: Norm, x: Float[Tensor, "batch pos head d_model"], W: Float[Tensor, "head d_model d_head"]
+) -> Float[Tensor, "batch pos head d_head"]:
+    """``N(x^h) W^h`` for every head's own input, in closed form (``form.closed``: `Norm`).
 
     Known forms, ``N(x) = gain * P(x) / r(x) + bias`` with ``r(x) = sqrt(mean(P(x)^2) + eps)``: a
     ``torch.nn.LayerNorm`` (``P`` subtracts the mean) and a Hugging Face ``*RMSNorm`` (``P`` is the
-    identity; Gemma's ``1 + w`` as the gain). Any other module keeps autograd's product.
+    identity; Gemma's ``1 + w`` as the gain); any other module keeps autograd's product.
+    ``(gain * P(x) / r + bias) W = (x W_gain - mean(x) 1 W_gain) / r + bias W`` with ``W_gain``
+    the gain folded into ``W``: the scale ``r`` a head and position, and no normed copy of
+    ``[batch pos head d_model]`` (the module's own norm makes several, elementwise).
     """
-
-    module: Any
-    dtype: torch.dtype
-    form: FrozenNorm | None = None
-    eps: float | None = None
-
-    def __call__(self, x: Tensor) -> Tensor:
-        return _up(self.module(x.to(self.dtype)))
-
-    @property
-    def closed(self) -> bool:
-        """Whether the form is known: products in closed form (`projected`, `_norm_vjp`)."""
-        return self.form is not None and self.eps is not None
-
-    def folded(self, W: Float[Tensor, "head d_model d_head"]) -> tuple[Tensor, Tensor | None]:
-        """``W`` with the gain folded in, ``gain[:, None] * W^h``, and the bias's projection ``bias W^h`` (or None)."""
-        assert self.form is not None
-        form = self.form
-        W_gain = W if form.gain is None else W * _up(form.gain).to(W.dtype)[None, :, None]
-        bias = None if form.bias is None else einops.einsum(_up(form.bias).to(W.dtype), W, "d, h d e -> h e")
-        return W_gain, bias
-
-    def projected(
-        self, x: Float[Tensor, "batch pos head d_model"], W: Float[Tensor, "head d_model d_head"]
-    ) -> Float[Tensor, "batch pos head d_head"]:
-        """``N(x^h) W^h`` for every head's own input, in closed form (a known form: ``form`` is set).
-
-        ``(gain * P(x) / r + bias) W = (x W_gain - mean(x) 1 W_gain) / r + bias W`` with ``W_gain``
-        the gain folded into ``W``: the scale ``r`` a head and position, and no normed copy of
-        ``[batch pos head d_model]`` (the module's own norm makes several, elementwise).
-        """
-        assert self.form is not None and self.eps is not None
-        x = _up(x)
-        W_gain, bias = self.folded(W.to(x.dtype))
-        out = einops.einsum(x, W_gain, "b p h d, h d e -> b p h e")
-        if self.form.centre:
-            mean = x.mean(-1, keepdim=True)
-            square = (x - mean).pow(2).mean(-1, keepdim=True)
-            out = out - mean * W_gain.sum(1)
-        else:
-            square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).pow(2) / x.shape[-1]
-        out = out * torch.rsqrt(square + self.eps)
-        return out if bias is None else out + bias
-
-    @classmethod
-    def of(cls, component: Any, dtype: torch.dtype) -> "_Norm":
-        module = getattr(component, "original_component", None) or component
-        form, eps = _frozen_norm(component), getattr(module, "variance_epsilon", getattr(module, "eps", None))
-        layer_norm = isinstance(module, torch.nn.LayerNorm)
-        known = (layer_norm and form.centre) or (type(module).__name__.endswith("RMSNorm") and not form.centre)
-        if not known or not isinstance(eps, float):
-            return cls(module, dtype)
-        return cls(module, dtype, form, eps)
+    assert form.eps is not None
+    x = _up(x)
+    W_gain, bias = _folded(form, W.to(x.dtype))
+    out = einops.einsum(x, W_gain, "b p h d, h d e -> b p h e")
+    if form.centre:
+        mean = x.mean(-1, keepdim=True)
+        square = (x - mean).pow(2).mean(-1, keepdim=True)
+        out = out - mean * W_gain.sum(1)
+    else:
+        square = torch.linalg.vector_norm(x, dim=-1, keepdim=True).pow(2) / x.shape[-1]
+    out = out * torch.rsqrt(square + form.eps)
+    return out if bias is None else out + bias
 
 
 @dataclass(frozen=True)
@@ -211,7 +231,10 @@ class _LayerWeights:
     W_O: Float[Tensor, "head d_head d_model"]
     b_O: Float[Tensor, " d_model"] | None
     norm: Callable[[Tensor], Tensor]
-    post: FrozenNorm | None
+    """The pre-attention norm as the pass applies it (the model's module, or frozen at this pass's scale)."""
+    form: Norm | None
+    """That norm where its products are taken in closed form (`Norm.closed`), else None."""
+    post: Norm | None
     post_name: str | None
 
 
@@ -228,17 +251,18 @@ def _weights(model: Model, layer: int, dtype: torch.dtype) -> _LayerWeights:
         return _up(value.detach()) if isinstance(value, Tensor) else None
 
     W_O, b_O = output_weights(model, layer)
-    aliases = getattr(model.blocks[layer], "hook_aliases", {})
-    target = aliases.get("hook_attn_out", "attn.hook_out")
-    post_name = None if target.split(".")[0] == "attn" else target.rsplit(".", 1)[0]
+    facts = anatomy_of(model).layers[layer]
+    ln1 = facts.ln1
+    assert ln1 is not None  # `circuit_refusal` asks for ln1's hooks
     return _LayerWeights(
         W={side: _up(getattr(attn, f"W_{side.upper()}").detach()) for side in "qkv"},
         b={side: bias(f"b_{side.upper()}") for side in "qkv"},
         W_O=_up(W_O),
         b_O=None if b_O is None else _up(b_O),
-        norm=_Norm.of(model.blocks[layer].ln1, dtype),
-        post=post_attention_norm(model, layer),
-        post_name=post_name,
+        norm=_in_dtype(ln1, dtype),
+        form=ln1 if ln1.closed else None,
+        post=facts.post_norm,
+        post_name=facts.post_attention,
     )
 
 
@@ -256,9 +280,9 @@ def _project(
     bias = weights.b[side]
     if _one_input_expanded(x):
         unbiased = own if own is None or bias is None else own - bias
-        out = _SharedInput.apply(x, weights.W[side], weights.norm, unbiased)
-    elif isinstance(weights.norm, _Norm) and weights.norm.closed:
-        out = weights.norm.projected(x, weights.W[side])
+        out = _SharedInput.apply(x, weights.W[side], weights.norm, weights.form, unbiased)
+    elif weights.form is not None:
+        out = _projected(weights.form, x, weights.W[side])
     else:
         out = einops.einsum(weights.norm(x), weights.W[side], "b p h d, h d e -> b p h e")
     return out if bias is None else out + bias
@@ -294,7 +318,7 @@ class _SharedInput(torch.autograd.Function):
     its backward, elementwise on ``[batch pos head d_model]``, cost a third of a forward pass of
     Qwen2.5-0.5B. Here ``s`` is normed once and projected by every head in one product, or, given
     ``own``, the model's own projection of ``s`` (bias apart) is the value. In the backward pass a
-    norm of known form (`_Norm`) takes its product in closed form: with
+    norm of known form (``form``, a `Norm` whose ``closed`` is true) takes its product in closed form: with
     ``n = P(s) / r``, ``u = gain * (W^h g^h)`` and ``d`` the width,
 
         J^T u = (P(u) - n (n . u) / d) / r,
@@ -307,34 +331,41 @@ class _SharedInput(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, W: Tensor, norm: Callable[[Tensor], Tensor], own: Tensor | None = None) -> Tensor:
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        W: Tensor,
+        norm: Callable[[Tensor], Tensor],
+        form: Norm | None = None,
+        own: Tensor | None = None,
+    ) -> Tensor:
         shared = x[:, :, :1].detach()  # ``[batch pos 1 d_model]``: the norm takes a head axis
         ctx.norm = norm
         with torch.no_grad():
             # The model's own projection where it computed this one (bias apart): not computed twice.
             out = einops.einsum(norm(shared)[:, :, 0], W, "b p d, h d e -> b p h e") if own is None else own.detach()
-            if not isinstance(norm, _Norm) or not norm.closed:
+            if form is None:
                 ctx.save_for_backward(shared, W)
                 return out
-            assert norm.form is not None and norm.eps is not None
-            s, centre = shared[:, :, 0], norm.form.centre
+            assert form.eps is not None
+            s, centre = shared[:, :, 0], form.centre
             centred = s - s.mean(-1, keepdim=True) if centre else s
-            r = (centred.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
-            W_gain, bias = norm.folded(W)
+            r = (centred.pow(2).mean(-1, keepdim=True) + form.eps).sqrt()
+            W_gain, bias = _folded(form, W)
         ctx.centre = centre
         ctx.save_for_backward(centred / r, r, W_gain, out if bias is None else out - bias)
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
         if len(ctx.saved_tensors) == 4:
-            return _norm_vjp(ctx.centre, grad, *ctx.saved_tensors), None, None, None
+            return _norm_vjp(ctx.centre, grad, *ctx.saved_tensors), None, None, None, None
         shared, W = ctx.saved_tensors
         grad_normed = einops.einsum(grad, W.to(grad.dtype), "b p h e, h d e -> h b p d")[:, :, :, None]
         with torch.enable_grad():
             leaf = shared.detach().requires_grad_(True)
             (grads,) = torch.autograd.grad(ctx.norm(leaf), leaf, grad_normed, is_grads_batched=True)
-        return grads[:, :, :, 0].permute(1, 2, 0, 3), None, None, None
+        return grads[:, :, :, 0].permute(1, 2, 0, 3), None, None, None, None
 
 
 def _norm_vjp(
@@ -366,16 +397,18 @@ def _norm_vjp(
 
 
 def _layer_hooks(
-    model: Model, layer: int, stream: Stream, dtype: torch.dtype, frozen: bool = False
+    model: Model, layer: int, stream: Stream, dtype: torch.dtype, frozen: bool = False, group: int = 1
 ) -> list[tuple[str, HookFn]]:
-    weights = _weights(model, layer, dtype)
+    """The hooks of layer ``layer``; ``group`` > 1: its k and v computed one a query head (`_ungrouped_weights`)."""
+    weights = _ungrouped_weights(_weights(model, layer, dtype), group)
+    facts = anatomy_of(model).layers[layer]
     kept: dict[str, Tensor] = {}
     edited = {"attention_in": False}  # whether this pass replaced the layer's attention input (`read_shared`)
-    block = f"blocks.{layer}"
     if frozen:
         # LN1 with this pass's scale, detached: the q, k, v inputs are read through a frozen norm too.
-        ln1 = _frozen_norm(model.blocks[layer].ln1)
-        weights = replace(weights, norm=lambda x: ln1.apply(_up(x), _up(kept["scale1"])))
+        ln1 = facts.ln1
+        assert ln1 is not None
+        weights = replace(weights, norm=lambda x: ln1.apply(_up(x), _up(kept["scale1"])), form=None)
 
     def keep_resid(tensor: Tensor, hook: Any) -> None:
         kept["resid"] = tensor
@@ -414,39 +447,49 @@ def _layer_hooks(
     def mlp_out(tensor: Tensor, hook: Any) -> Tensor | None:
         return _corrected(tensor, stream.write("mlp", layer, _up(tensor)[:, :, None]))
 
-    out_hook = f"{block}.attn.o.hook_out" if weights.post_name is None else f"{block}.{weights.post_name}.hook_out"
-    hooks: list[tuple[str, HookFn]] = [(f"{block}.hook_resid_pre", keep_resid), (f"{block}.ln1.hook_in", attention_in)]
+    post = weights.post_name
+    out_hook = block_hook(layer, O_OUT if post is None else f"{post}.{NORM_OUT}")
+    hooks: list[tuple[str, HookFn]] = [
+        (block_hook(layer, RESID_PRE), keep_resid),
+        (block_hook(layer, LN1_IN), attention_in),
+    ]
     if frozen:
-        hooks.append((f"{block}.ln1.hook_scale", keep_scale1))
+        hooks.append((block_hook(layer, LN1_SCALE), keep_scale1))
     replaced = _replaces(stream, layer)
     hooks += [
-        (f"{block}.attn.hook_{side}", _projection_hook(stream, weights, layer, side, kept, edited, replaced))
+        (
+            block_hook(layer, _PROJECTIONS[side]),
+            _projection_hook(stream, weights, (layer, side), kept, edited, replaced, 1 if side == "q" else group),
+        )
         for side in "qkv"
     ]
-    hooks += [(f"{block}.attn.hook_z", heads)]
-    if _skippable_linear(getattr(model.blocks[layer].attn, "o", None)):
-        hooks.append((f"{block}.attn.o.hook_out", summed_heads))  # before any write there: it fills the output
-    if weights.post_name is not None:
-        hooks.append((f"{block}.{weights.post_name}.hook_scale", scale))
-    hooks += [(out_hook, attention_out), (f"{block}.ln2.hook_in", mlp_in), (f"{block}.hook_mlp_out", mlp_out)]
+    hooks += [(block_hook(layer, Z), heads)]
+    if "o" in facts.skippable:
+        hooks.append((block_hook(layer, O_OUT), summed_heads))  # before any write there: it fills the output
+    if post is not None:
+        hooks.append((block_hook(layer, f"{post}.{SCALE}"), scale))
+    hooks += [(out_hook, attention_out), (block_hook(layer, LN2_IN), mlp_in), (block_hook(layer, MLP_OUT), mlp_out)]
     return hooks
 
 
 def _projection_hook(
     stream: Stream,
     weights: _LayerWeights,
-    layer: int,
-    side: str,
+    where: tuple[int, str],
     kept: dict[str, Tensor],
     edited: dict[str, bool],
     replaced: bool,
+    group: int = 1,
 ) -> HookFn:
     """The hook at layer ``layer``'s ``side`` projection (``attn.hook_{side}``): each head's own input projected.
 
-    ``kept["resid"]`` is the stream the layer read; ``edited["attention_in"]`` whether this pass
-    replaced the layer's attention input (`read_shared`); ``replaced`` whether the stream declared it
-    replaces the layer's projections (`_replaces`), which then did not run.
+    ``where``: ``(layer, side)``. ``kept["resid"]`` is the stream the layer read;
+    ``edited["attention_in"]`` whether this pass replaced the layer's attention input
+    (`read_shared`); ``replaced`` whether the stream declared it replaces the layer's projections
+    (`_replaces`), which then did not run. ``group`` > 1: the keys or values are handed on one per
+    query head (an ungrouped pass), flat ``[batch pos head * d_head]``.
     """
+    layer, side = where
 
     def hook(tensor: Tensor, hook: Any) -> Tensor | None:
         resid = _up(kept["resid"])
@@ -454,7 +497,7 @@ def _projection_hook(
         if x is None:
             if replaced:  # the model's own projection was skipped (`_skipped_work`): it must not be used
                 raise RuntimeError(f"layer {layer}'s {side} inputs were to be replaced, but the stream read none")
-            return None
+            return None if group == 1 else _repeated(tensor, weights.W[side].shape[0] // group, group)
         # The stream read as it is, expanded over heads: the model projected that very input (and its
         # projection carries no forward-mode tangent, which the shared way does not define).
         reusable = (
@@ -463,10 +506,48 @@ def _projection_hook(
             and _expands(x, resid)
             and forward_ad.unpack_dual(tensor).tangent is None
         )
-        own = _up(tensor).reshape(*x.shape[:3], -1) if reusable else None
-        return _project(weights, side, x, own).reshape(tensor.shape).to(tensor.dtype)
+        own = _up(tensor).reshape(*x.shape[:2], x.shape[2] // group, -1) if reusable else None
+        own = own.repeat_interleave(group, 2) if own is not None and group > 1 else own
+        out = _project(weights, side, x, own)
+        return (out.reshape(tensor.shape) if group == 1 else out.flatten(2)).to(tensor.dtype)
 
     return hook
+
+
+def _ungrouped_weights(weights: _LayerWeights, group: int) -> _LayerWeights:
+    """``weights`` with each key head's k and v weights and biases repeated over its ``group`` query heads."""
+    if group == 1:
+        return weights
+    W = {side: w if side == "q" else w.repeat_interleave(group, 0) for side, w in weights.W.items()}
+    b = {side: v if side == "q" or v is None else v.repeat_interleave(group, 0) for side, v in weights.b.items()}
+    return replace(weights, W=W, b=b)
+
+
+def _repeated(tensor: Tensor, n_kv_heads: int, group: int) -> Tensor:
+    """The model's own keys (values), ``[batch pos kv_head d_head]`` or flat, repeated over each group: flat, one a
+    query head, as an ungrouped attention takes them."""
+    heads = tensor.reshape(*tensor.shape[:2], n_kv_heads, -1).repeat_interleave(group, 2)
+    return heads.flatten(2)
+
+
+@contextmanager
+def _ungrouped_attention(model: Model, group: int) -> Iterator[None]:
+    """Every attention takes the keys and values handed to it as one a query head, for one pass (`Layer.ungrouping`)."""
+    changed: list[tuple[Any, str, Any]] = []
+    if group > 1:
+        for layer, facts in enumerate(anatomy_of(model).layers):
+            settings = facts.ungrouping
+            if settings is None:
+                raise ValueError(f"edges: layer {layer}'s attention cannot be ungrouped ({ungrouping_refusal(model)})")
+            module = model.blocks[layer].attn.original_component
+            changed += [(module, name, getattr(module, name)) for name in settings]
+            for name, value in settings.items():
+                setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for module, name, value in changed:
+            setattr(module, name, value)
 
 
 def _corrected(tensor: Tensor, correction: Tensor | None) -> Tensor | None:
@@ -498,6 +579,7 @@ def circuit_pass(
     patterns: dict[int, Tensor] | None = None,
     last: Int[Tensor, " batch"] | None = None,
     columns: Int[Tensor, "batch column"] | None = None,
+    ungroup: bool = False,
 ) -> Float[Tensor, "batch logit_pos d_vocab"]:
     """The logits of one forward pass on ``tokens`` with ``stream`` called at every write and read.
 
@@ -519,33 +601,35 @@ def circuit_pass(
     unembedding (or, in a bridge without an unembedding hook, reads them off the full logits). A
     metric that reads two logits then reads two columns of ``W_U``, not all of it: on a CPU the
     unembedding of a few rows is bound by reading its weights (545 MB in Qwen2.5-0.5B), once in
-    the pass and once more in a backward pass.
+    the pass and once more in a backward pass. ``ungroup``: a grouped-query model's k and v inputs
+    are read one per query head and the attention uses one key and value head a query head (the
+    module docstring; MIB's ungrouped graph).
     """
     dtype = model_dtype(model)
     shape = layout(model)
+    group = shape.n_heads // shape.n_kv_heads if ungroup else 1
     hooks = freezing_hooks(model, norms=freeze_norms, patterns=freeze_patterns)
-    hooks.append(("embed.hook_out", _embedding_hook(stream, "embed")))
-    if shape.pos_embed:
-        hooks.append(("pos_embed.hook_out", _embedding_hook(stream, "pos_embed")))
+    hooks += _embedding_hooks(model, stream)
     for layer in range(shape.n_layers):
-        hooks += _layer_hooks(model, layer, stream, dtype, frozen=freeze_norms)
-    hooks.append(("ln_final.hook_in", _final_hook(stream)))
+        hooks += _layer_hooks(model, layer, stream, dtype, frozen=freeze_norms, group=group)
+    hooks.append((FINAL_IN, _final_hook(stream)))
     if patterns is not None:
-        hooks += [(f"blocks.{layer}.attn.hook_pattern", _keeper(patterns, layer)) for layer in range(shape.n_layers)]
+        hooks += [(block_hook(layer, PATTERN), _keeper(patterns, layer)) for layer in range(shape.n_layers)]
     found: dict[str, Tensor] = {}
-    if last is not None and "unembed.hook_in" in model.hook_dict:
+    if last is not None and UNEMBED_IN in anatomy_of(model).hook_names:
         read = _at_positions(last) if columns is None else _columns_at(model, last, columns, found)
-        hooks.append(("unembed.hook_in", read))
+        hooks.append((UNEMBED_IN, read))
     with (
         hooked(model, hooks),
         _weights_need_no_gradient(model),
         _skipped_work(model, stream),
+        _ungrouped_attention(model, group),
         warnings.catch_warnings(),
     ):
         # A detached hook_scale counts as an edit: the bridge then rebuilds the norm's output from it.
         warnings.filterwarnings("ignore", message=".*edited hook_scale.*")
         try:
-            logits = model(tokens.to(_device(model)))
+            logits = model(tokens.to(_model_device(model)))
         except StopForward:
             if "logits" not in found:
                 raise
@@ -577,10 +661,6 @@ def _weights_need_no_gradient(model: Model) -> Iterator[None]:
             weight.requires_grad_(True)
 
 
-SKIPPABLE_MLPS = ("MLPBridge", "GatedMLPBridge", "JointGateUpMLPBridge")
-"""Bridges whose forward maps ``[batch pos d_model]`` to ``[batch pos d_model]`` alone (`_skipped_work`)."""
-
-
 def _replaces(stream: Stream, layer: int) -> bool:
     """Whether ``stream`` declares, before the pass, that it replaces layer ``layer``'s q, k and v projections."""
     replaces = getattr(stream, "replaces", None)
@@ -599,20 +679,20 @@ def _skipped_work(model: Model, stream: Stream) -> Iterator[None]:
     input for is an error, not zeros). Every pass skips a layer's output projection: the circuit hooks
     compute each head's output ``z^h W_O^h`` anyway, and their sum (plus ``b_O``) is written in its
     place (`_layer_hooks`). A bridge of another kind, or a Hugging Face module that is not a plain
-    MLP or ``nn.Linear``, computes as usual (the stream's write replaces its output all the same).
+    MLP or ``nn.Linear``, computes as usual (the stream's write replaces its output all the same):
+    which are plain is `Layer.skippable`.
     """
     supplies = getattr(stream, "supplies", None)
     skipped: list[tuple[Any, Callable[..., Tensor]]] = []
-    for layer in range(layout(model).n_layers):
+    for layer, facts in enumerate(anatomy_of(model).layers):
         block = model.blocks[layer]
-        if supplies is not None and supplies("mlp", layer) and _skippable(block.mlp):
+        if supplies is not None and supplies("mlp", layer) and "mlp" in facts.skippable:
             skipped.append((block.mlp, _zeros_through(block.mlp)))
-        if _replaces(stream, layer):
-            for side in "qkv":
-                if _skippable_linear(linear := getattr(block.attn, side, None)):
-                    skipped.append((linear, _zeros_projected(linear)))
-        if _skippable_linear(output := getattr(block.attn, "o", None)):
-            skipped.append((output, _zeros_projected(output)))
+        sides = ("q", "k", "v", "o") if _replaces(stream, layer) else ("o",)
+        for side in sides:
+            if side in facts.skippable:
+                linear = getattr(block.attn, side)
+                skipped.append((linear, _zeros_projected(linear)))
     for module, forward in skipped:
         # In the instance's own dict: a bridge's setattr hands attributes on to the wrapped module.
         vars(module)["forward"] = forward
@@ -623,22 +703,11 @@ def _skipped_work(model: Model, stream: Stream) -> Iterator[None]:
             vars(module).pop("forward", None)
 
 
-def _skippable(mlp: Any) -> bool:
-    original = type(getattr(mlp, "original_component", None)).__name__
-    return type(mlp).__name__ in SKIPPABLE_MLPS and original.endswith("MLP")
-
-
 def _zeros_through(mlp: Any) -> Callable[..., Tensor]:
     def forward(hidden: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         return mlp.hook_out(torch.zeros_like(hidden))
 
     return forward
-
-
-def _skippable_linear(linear: Any) -> bool:
-    return type(linear).__name__ == "LinearBridge" and isinstance(
-        getattr(linear, "original_component", None), torch.nn.Linear
-    )
 
 
 def _zeros_projected(linear: Any) -> Callable[..., Tensor]:
@@ -661,15 +730,18 @@ def _zeros_projected(linear: Any) -> Callable[..., Tensor]:
 
 def embedding_pass(model: Model, tokens: Int[Tensor, "batch pos"], stream: Stream) -> None:
     """Call ``stream.write`` at the embeddings of ``tokens`` (``embed``, ``pos_embed``) and stop: no block runs."""
-    hooks = [("embed.hook_out", _embedding_hook(stream, "embed"))]
-    if layout(model).pos_embed:
-        hooks.append(("pos_embed.hook_out", _embedding_hook(stream, "pos_embed")))
-    hooks.append(("blocks.0.hook_resid_pre", _stop))
+    hooks = [*_embedding_hooks(model, stream), (block_hook(0, RESID_PRE), _stop)]
     with hooked(model, hooks):
         try:
-            model(tokens.to(_device(model)))
+            model(tokens.to(_model_device(model)))
         except StopForward:
             pass
+
+
+def _embedding_hooks(model: Model, stream: Stream) -> list[tuple[str, HookFn]]:
+    """``stream.write`` at the embeddings: ``embed``, and ``pos_embed`` where the model has learned positions."""
+    kinds = ("embed", "pos_embed") if layout(model).pos_embed else ("embed",)
+    return [(EMBED_PARTS[kind], _embedding_hook(stream, kind)) for kind in kinds]
 
 
 def _stop(tensor: Tensor, hook: Any) -> None:
@@ -692,7 +764,7 @@ def _columns_at(model: Model, last: Tensor, columns: Tensor, found: dict[str, Te
     The soft-cap ``cap * tanh(z / cap)`` (Gemma 2) is what the model applies after the unembedding.
     """
     W_U, b_U = unembedding(model)
-    cap = logit_softcap(model)
+    cap = anatomy_of(model).logit_softcap
 
     def hook(tensor: Tensor, hook: Any) -> None:
         rows = torch.arange(tensor.shape[0], device=tensor.device)
@@ -720,14 +792,7 @@ def _detach(tensor: Tensor, hook: Any) -> Tensor:
 
 def freezing_hooks(model: Model, *, norms: bool, patterns: bool) -> list[tuple[str, HookFn]]:
     """Hooks that detach every norm's scale (``norms``) and every attention pattern (``patterns``)."""
-    names = list(model.hook_dict)
-    chosen = [name for name in names if norms and name.endswith(".hook_scale")]
-    chosen += [name for name in names if patterns and name.endswith("attn.hook_pattern")]
+    names = sorted(anatomy_of(model).hook_names)
+    chosen = [name for name in names if norms and name.endswith(f".{SCALE}")]
+    chosen += [name for name in names if patterns and name.endswith(PATTERN)]
     return [(name, _detach) for name in chosen]
-
-
-def _device(model: Model) -> torch.device:
-    try:
-        return next(model.parameters()).device
-    except (AttributeError, StopIteration):
-        return torch.device("cpu")

@@ -1,7 +1,6 @@
 """The form of the attention block (ALTI): pre-LN or post-LN, read once per model on a probe (`block_forms`)."""
 
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -9,7 +8,17 @@ from jaxtyping import Float
 from torch import Tensor
 
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
-from contribution_lens.adapter.hooks import PROBE_LENGTH, RESID_PRE, _relative_error, forward, n_layers, output_hook
+from contribution_lens.adapter.anatomy import (
+    ATTN_OUT,
+    LN1_IN,
+    LN1_OUT,
+    RESID_MID,
+    RESID_PRE,
+    Norm,
+    anatomy_of,
+    block_hook,
+)
+from contribution_lens.adapter.hooks import PROBE_LENGTH, _relative_error, forward, n_layers, output_hook
 from contribution_lens.adapter.tokens import to_token_batch
 
 # --- the form of the attention block (ALTI) ---------------------------------------------------
@@ -20,36 +29,21 @@ POST_LN = "post-LN"
 """``y = LayerNorm(x + Attn(x))`` (BERT, RoBERTa): the LayerNorm ``ln1`` follows the residual sum."""
 
 
-@dataclass(frozen=True)
-class PostNorm:
-    """The LayerNorm after a post-LN block's residual sum: ``LN(s) = (s - mean(s)) / sigma * weight + bias``.
+def post_norm(model: Model, layer: int) -> Norm:
+    """The LayerNorm ``ln1`` after a post-LN block's residual sum: ``LN(s) = (s - mean(s)) / sigma * g + b``.
 
-    ``sigma = sqrt(var(s) + eps)``, ``var`` the population variance over ``d_model``.
+    ``sigma = sqrt(var(s) + eps)``, ``var`` the population variance over ``d_model`` (`Norm.normalise`); its
+    gain and bias are read from the model when used (edited weights are seen).
     """
-
-    weight: Float[Tensor, " d_model"]
-    bias: Float[Tensor, " d_model"] | None
-    eps: float
-
-
-def post_norm(model: Model, layer: int) -> PostNorm:
-    """The LayerNorm ``ln1`` of a post-LN block, read from the model now (edited weights are seen)."""
-    norm = model.blocks[layer].ln1
-    weight = norm.weight.detach()
-    if getattr(norm, "uses_weight_offset", False):
-        weight = 1 + weight
-    component = getattr(norm, "original_component", None)
-    bias = getattr(component, "bias", None)
-    eps = getattr(component, "eps", None)
-    return PostNorm(weight, None if bias is None else bias.detach(), float(model.cfg.eps if eps is None else eps))
+    norm = anatomy_of(model).layers[layer].ln1
+    if norm is None or norm.eps is None:
+        raise ValueError(f"layer {layer} has no norm ln1 of a known epsilon")
+    return norm
 
 
-def apply_post_norm(norm: PostNorm, s: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
-    """``LN(s)`` with ``norm`` in the dtype of ``s``."""
-    centred = s - s.mean(-1, keepdim=True)
-    sigma = (centred.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt()
-    out = centred / sigma * norm.weight.to(s.dtype)
-    return out if norm.bias is None else out + norm.bias.to(s.dtype)
+def apply_post_norm(norm: Norm, s: Float[Tensor, "*batch d_model"]) -> Float[Tensor, "*batch d_model"]:
+    """``LN(s)`` with ``norm`` in the dtype of ``s`` (`Norm.normalise`)."""
+    return norm.normalise(s)
 
 
 _FORMS: "weakref.WeakKeyDictionary[Any, dict[int, str]]" = weakref.WeakKeyDictionary()
@@ -62,7 +56,7 @@ def _block_form(model: Model, layer: int, caught: dict[str, Tensor], tolerance: 
     to that output: the residual stream can be far larger than what one block adds to it.
     """
     x, out = caught.get(RESID_PRE), caught.get("out")
-    if getattr(model.cfg, "parallel_attn_mlp", False):
+    if anatomy_of(model).parallel_attn_mlp:
         return "parallel attention and MLP (one residual sum for both, as in GPT-J)"
     if x is None or out is None:
         return "unrecognised (hook_resid_pre or the o-projection output never fires)"
@@ -79,16 +73,17 @@ def _block_form(model: Model, layer: int, caught: dict[str, Tensor], tolerance: 
         excess = ((total - x - added.double()).abs() - rounding).clamp(min=0)
         return float(excess.max()) <= tolerance * max(float(added.abs().max()), 1e-30)
 
-    if adds("hook_resid_mid", out):
+    if adds(RESID_MID, out):
         return PRE_LN
-    if adds("ln1.hook_in", out) and "ln1.hook_out" in caught:
-        if getattr(model.blocks[layer].ln1, "uses_rms_norm", False):
+    if adds(LN1_IN, out) and LN1_OUT in caught:
+        norm = post_norm(model, layer)
+        if not norm.centre:
             return "post-RMSNorm (RMSNorm after the residual sum; ALTI's post-LN form is for LayerNorm)"
-        normed = apply_post_norm(post_norm(model, layer), x + out.double())
-        if _relative_error(caught["ln1.hook_out"], normed) <= tolerance:
+        normed = apply_post_norm(norm, x + out.double())
+        if _relative_error(caught[LN1_OUT], normed) <= tolerance:
             return POST_LN
         return "post-norm of an unrecognised kind (ln1 after the residual sum is not a LayerNorm)"
-    if "hook_attn_out" in caught and adds("hook_resid_mid", caught["hook_attn_out"]):
+    if ATTN_OUT in caught and adds(RESID_MID, caught[ATTN_OUT]):
         return "pre-LN with a norm on the attention output before the residual sum (as in Gemma)"
     return "unrecognised (neither hook_resid_mid nor ln1's input is hook_resid_pre + the attention output)"
 
@@ -136,21 +131,21 @@ _PROBING: "weakref.WeakSet[Any]" = weakref.WeakSet()
 def _probe_block_forms(model: Model) -> dict[int, str]:
     """`block_forms` without its cache: one probe pass."""
     total = n_layers(model)
-    d_vocab = int(getattr(model.cfg, "d_vocab", None) or PROBE_LENGTH + 1)
-    batch = to_token_batch(model, (torch.arange(PROBE_LENGTH) + 1) % d_vocab)
+    facts = anatomy_of(model)
+    batch = to_token_batch(model, (torch.arange(PROBE_LENGTH) + 1) % (facts.d_vocab or PROBE_LENGTH + 1))
     tolerance = 3e-2 if model_dtype(model) in (torch.float16, torch.bfloat16) else 1e-3
     caught: dict[int, dict[str, Tensor]] = {layer: {} for layer in range(total)}
-    relative = (RESID_PRE, "hook_resid_mid", "hook_attn_out", "ln1.hook_in", "ln1.hook_out")
+    relative = (RESID_PRE, RESID_MID, ATTN_OUT, LN1_IN, LN1_OUT)
 
     def keep(layer: int, name: str) -> HookFn:
         return lambda tensor, hook: caught[layer].__setitem__(name, tensor.detach())
 
     hooks = [(output_hook(layer, model), keep(layer, "out")) for layer in range(total)]
     hooks += [
-        (f"blocks.{layer}.{name}", keep(layer, name))
+        (block_hook(layer, name), keep(layer, name))
         for layer in range(total)
         for name in relative
-        if f"blocks.{layer}.{name}" in model.hook_dict
+        if block_hook(layer, name) in facts.hook_names
     ]
     forward(model, batch, hooks)
     forms = {layer: _block_form(model, layer, caught[layer], tolerance) for layer in range(total)}

@@ -32,6 +32,17 @@ from torch import Tensor
 
 from contribution_lens import tiles as tiling
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
+from contribution_lens.adapter.anatomy import (
+    ATTN_HOOK_OUT,
+    NORMED_VALUES,
+    O_OUT,
+    PATTERN,
+    RESID_PRE,
+    VALUES,
+    Z,
+    anatomy_of,
+    block_hook,
+)
 from contribution_lens.adapter.attention import AttentionForm, tiled_attention
 from contribution_lens.adapter.tokens import TokenBatch, to_token_batch
 from contribution_lens.choices import as_index
@@ -48,12 +59,12 @@ from contribution_lens.tiles import QueryKeys, Tile, query_tiles
 
 
 def pattern_hook(layer: int) -> str:
-    return f"blocks.{layer}.attn.hook_pattern"
+    return block_hook(layer, PATTERN)
 
 
 def _hook_names(model: "Model | None", known: Collection[str] | None) -> Collection[str] | None:
     """``known`` if given, else the model's hook names (a bridge rebuilds ``hook_dict`` on every read: read it once)."""
-    return known if known is not None or model is None else model.hook_dict
+    return known if known is not None or model is None else anatomy_of(model).hook_names
 
 
 def value_hook(layer: int, model: "Model | None" = None, *, known: Collection[str] | None = None) -> str:
@@ -63,11 +74,11 @@ def value_hook(layer: int, model: "Model | None" = None, *, known: Collection[st
     fires ``hook_v`` before that norm, so there ``pattern @ hook_v`` is not ``hook_z``. ``known``:
     the model's ``hook_dict`` where the caller has read it already.
     """
-    normed = f"blocks.{layer}.attn.v_norm.hook_out"
+    normed = block_hook(layer, NORMED_VALUES)
     names = _hook_names(model, known)
     if names is not None and normed in names:
         return normed
-    return f"blocks.{layer}.attn.hook_v"
+    return block_hook(layer, VALUES)
 
 
 def values_heads_first(model: Model, layer: int) -> bool:
@@ -77,12 +88,7 @@ def values_heads_first(model: Model, layer: int) -> bool:
     GLM-4 MoE Lite, GLM MoE DSA, Youtu) fires ``hook_v`` on the decompressed values it multiplies the
     pattern with, heads first, one value head per query head. Every other bridge fires it positions first.
     """
-    try:
-        from transformer_lens.model_bridge.generalized_components import MLAAttentionBridge
-    except ImportError:  # pragma: no cover - a TransformerLens without it has no such models
-        return False
-    blocks = getattr(model, "blocks", None)
-    return blocks is not None and isinstance(getattr(blocks[layer], "attn", None), MLAAttentionBridge)
+    return anatomy_of(model).layers[layer].values_heads_first
 
 
 def read_values(
@@ -115,17 +121,15 @@ def output_hook(layer: int, model: "Model | None" = None, *, known: Collection[s
     That is ``attn.o.hook_out`` where the bridge has it. ``attn.hook_out`` is the same tensor in
     decoders, but in BERT-style encoders it is ``LayerNorm(o + resid_pre)``. ``known`` as in `value_hook`.
     """
-    name = f"blocks.{layer}.attn.o.hook_out"
+    name = block_hook(layer, O_OUT)
     names = _hook_names(model, known)
     if names is not None and name not in names:
-        return f"blocks.{layer}.attn.hook_out"
+        return block_hook(layer, ATTN_HOOK_OUT)
     return name
 
 
 def n_layers(model: Model) -> int:
-    if getattr(model, "hook_dict", None) is None or getattr(model, "cfg", None) is None:
-        raise TypeError(f"{type(model).__name__} has no hook_dict: expected a TransformerLens TransformerBridge")
-    return int(model.cfg.n_layers)
+    return anatomy_of(model).n_layers
 
 
 def check_layers(model: Model, layers: int | Sequence[int] | None) -> list[int]:
@@ -149,11 +153,9 @@ def check_layers(model: Model, layers: int | Sequence[int] | None) -> list[int]:
     return sorted(set(resolved))
 
 
-def check_hooks(model: Model, layers: Sequence[int]) -> dict[str, Any]:
-    """Raise if the model lacks the hooks that contribution weights need; return its ``hook_dict``."""
-    hook_dict = getattr(model, "hook_dict", None)
-    if hook_dict is None:
-        raise TypeError(f"{type(model).__name__} has no hook_dict: expected a TransformerLens TransformerBridge")
+def check_hooks(model: Model, layers: Sequence[int]) -> Collection[str]:
+    """Raise if the model lacks the hooks that contribution weights need; return its hook names."""
+    hook_dict = anatomy_of(model).hook_names
     for layer in layers:
         for name in (pattern_hook(layer), value_hook(layer, known=hook_dict)):
             if name not in hook_dict:
@@ -196,30 +198,23 @@ def output_weights(model: Model, layer: int) -> tuple[Float[Tensor, "head d_head
         if type(error).__name__ != "PerLayerGeometryError":
             raise
         weight = attn.o.weight.detach()
-        W_O = einops.rearrange(weight, "d_model (head d_head) -> head d_head d_model", head=int(model.cfg.n_heads))
+        W_O = einops.rearrange(weight, "d_model (head d_head) -> head d_head d_model", head=anatomy_of(model).n_heads)
     b_O = getattr(attn, "b_O", None)
     return W_O, None if b_O is None else b_O.detach()
 
 
 def z_hook(layer: int) -> str:
-    return f"blocks.{layer}.attn.hook_z"
-
-
-RESID_PRE = "hook_resid_pre"
-"""The residual stream entering a block, as a ``capture`` name (relative to ``blocks.{l}``)."""
+    return block_hook(layer, Z)
 
 
 def resid_pre_hook(layer: int) -> str:
     """``blocks.{l}.hook_resid_pre``: the residual stream entering block ``l``."""
-    return f"blocks.{layer}.{RESID_PRE}"
+    return block_hook(layer, RESID_PRE)
 
 
 def is_causal_model(model: Model) -> bool:
-    """``cfg.attention_dir``: "causal" for decoders, "bidirectional" for BERT-style encoders."""
-    direction = getattr(model.cfg, "attention_dir", "causal")
-    if direction not in ("causal", "bidirectional"):
-        raise ValueError(f"model.cfg.attention_dir is {direction!r}; expected 'causal' or 'bidirectional'")
-    return direction == "causal"
+    """``cfg.attention_dir``: "causal" for decoders, "bidirectional" for BERT-style encoders (`Anatomy.causal`)."""
+    return anatomy_of(model).causal
 
 
 @dataclass(frozen=True, eq=False)
@@ -422,7 +417,7 @@ class StopForward(Exception):
 
 def _check_capture(known: Collection[str], layers: Sequence[int], capture: Sequence[str]) -> None:
     for name in capture:
-        missing = [f"blocks.{layer}.{name}" for layer in layers if f"blocks.{layer}.{name}" not in known]
+        missing = [block_hook(layer, name) for layer in layers if block_hook(layer, name) not in known]
         if missing:
             raise ValueError(f"model has no hook {missing[0]!r} to capture")
 
@@ -430,7 +425,7 @@ def _check_capture(known: Collection[str], layers: Sequence[int], capture: Seque
 def has_capture(model: Model, layers: Sequence[int], capture: Sequence[str]) -> bool:
     """Whether every layer of ``layers`` has every ``capture`` hook (else `layer_hooks` would refuse them)."""
     try:
-        _check_capture(model.hook_dict, layers, capture)
+        _check_capture(anatomy_of(model).hook_names, layers, capture)
     except ValueError:
         return False
     return True
@@ -596,8 +591,8 @@ def layer_hooks(
         names += [] if qk == "tiles" else [("pattern", pattern_hook(layer))]
         names += [(kind, make(layer)) for kind, make in optional if make(layer) in known]
         if qk == "record" and forms is not None:
-            names += [("q", f"blocks.{layer}.{forms[layer].q_hook}"), ("k", f"blocks.{layer}.{forms[layer].k_hook}")]
-        return names + [(f"captured:{name}", f"blocks.{layer}.{name}") for name in capture]
+            names += [("q", block_hook(layer, forms[layer].q_hook)), ("k", block_hook(layer, forms[layer].k_hook))]
+        return names + [(f"captured:{name}", block_hook(layer, name)) for name in capture]
 
     needed = {layer: len(slots(layer)) + (qk == "tiles") for layer in layers}
 
@@ -755,16 +750,14 @@ def attention_problem(model: Model) -> str | None:
     o-projection, or hooks wired some other way, is found here rather than giving wrong weights.
     """
     total = n_layers(model)
-    hook_dict = model.hook_dict
-    missing = [
-        layer for layer in range(total) if {pattern_hook(layer), value_hook(layer, known=hook_dict)} - hook_dict.keys()
-    ]
+    hook_dict = anatomy_of(model).hook_names
+    missing = [layer for layer in range(total) if {pattern_hook(layer), value_hook(layer, known=hook_dict)} - hook_dict]
     hooks = "blocks.{l}.attn.hook_pattern and hook_v"
     if len(missing) == total:
         return f"its bridge has no attention pattern on any layer (no {hooks})"
     if missing:
         return f"its bridge has no attention pattern on layers {missing} of {total} (no {hooks})"
-    d_vocab = int(getattr(model.cfg, "d_vocab", None) or PROBE_LENGTH + 1)
+    d_vocab = anatomy_of(model).d_vocab or PROBE_LENGTH + 1
     batch = to_token_batch(model, (torch.arange(PROBE_LENGTH) + 1) % d_vocab)
     tolerance = 3e-2 if model_dtype(model) in (torch.float16, torch.bfloat16) else 1e-3
     problems: dict[int, str] = {}

@@ -9,7 +9,18 @@ from jaxtyping import Float
 from torch import Tensor
 
 from contribution_lens.adapter._model import HookFn, Model
-from contribution_lens.adapter.hooks import RESID_PRE, LayerInputs, n_layers, output_hook
+from contribution_lens.adapter.anatomy import (
+    ATTN_OUT,
+    FINAL_SCALE,
+    RESID_POST,
+    RESID_PRE,
+    SCALE,
+    UNEMBED_IN,
+    UNEMBED_OUT,
+    Norm,
+    anatomy_of,
+)
+from contribution_lens.adapter.hooks import LayerInputs, output_hook
 
 # --- The readout: the residual stream, the norms around it and the unembedding ---------------------
 #
@@ -25,89 +36,15 @@ from contribution_lens.adapter.hooks import RESID_PRE, LayerInputs, n_layers, ou
 # position: ``a_i = N(o_i + b_O)``, ``N(p) = P(p) * gain / scale_i + bias``. In post-LN encoders
 # (BERT) the norm comes after the sum and ``r_mid`` is the sum before it.
 
-RESID_POST = "hook_resid_post"
-ATTN_OUT = "hook_attn_out"
 
-
-@dataclass(frozen=True)
-class FrozenNorm:
-    """A normalisation with its scale frozen: ``N(x) = P(x) * gain / scale + bias``.
-
-    ``P`` subtracts the mean over ``d_model`` (LayerNorm, ``centre=True``) or is the identity
-    (RMSNorm); ``gain`` is the weight as the norm applies it (Gemma's ``1 + w``), None when the
-    norm has none; ``scale`` is the norm's own ``hook_scale`` at a position. Then
-    ``<N(x), u> = <x, pull_back(u, scale)> + <bias, u>``: the adjoint of ``P`` is ``P``.
-
-    Example:
-        >>> norm = FrozenNorm(centre=True, gain=torch.tensor([2.0, 2.0]), bias=torch.tensor([1.0, 0.0]))
-        >>> norm.apply(torch.tensor([3.0, 1.0]), torch.tensor(2.0)).tolist()
-        [2.0, -1.0]
-    """
-
-    centre: bool
-    gain: Float[Tensor, " d_model"] | None
-    bias: Float[Tensor, " d_model"] | None
-
-    def pull_back(
-        self, direction: Float[Tensor, "*rows d_model"], scale: Float[Tensor, "*rows"]
-    ) -> Float[Tensor, "*rows d_model"]:
-        """The direction ``P(gain * u) / scale`` in the norm's input space that reads the same logit."""
-        if self.gain is not None:
-            direction = direction * self.gain.to(direction.dtype)
-        if self.centre:
-            direction = direction - direction.mean(-1, keepdim=True)
-        return direction / scale.to(direction.dtype)[..., None]
-
-    def linear(
-        self, parts: Float[Tensor, "*rows d_model"], scale: Float[Tensor, "*scale"] | None
-    ) -> Float[Tensor, "*rows d_model"]:
-        """The norm's linear part ``P(p) * gain / scale`` (no bias: it belongs to no part; no scale: 1).
-
-        ``scale`` broadcasts against ``parts`` without its ``d_model`` axis.
-        """
-        if self.centre:
-            parts = parts - parts.mean(-1, keepdim=True)
-        if self.gain is not None:
-            parts = parts * self.gain.to(parts.dtype)
-        return parts if scale is None else parts / scale.to(parts.dtype)[..., None]
-
-    def apply(
-        self, x: Float[Tensor, "*rows d_model"], scale: Float[Tensor, "*scale"]
-    ) -> Float[Tensor, "*rows d_model"]:
-        """``N(x)`` in the dtype of ``x``, the scale as given."""
-        out = self.linear(x, scale)
-        return out if self.bias is None else out + self.bias.to(out.dtype)
-
-
-def _frozen_norm(component: Any) -> FrozenNorm:
-    """The frozen affine form of a TransformerLens normalisation bridge (weight offset and bias included)."""
-    rms = bool(getattr(component, "uses_rms_norm", False))
-    weight = getattr(getattr(component, "original_component", None), "weight", None)
-    if isinstance(weight, Tensor) and type(component).__name__ not in ("LayerNormPreBridge", "RMSNormPreBridge"):
-        gain = weight.detach() + 1.0 if getattr(component, "uses_weight_offset", False) else weight.detach()
-    else:
-        gain = None
-    bias = getattr(getattr(component, "original_component", None), "bias", None)
-    return FrozenNorm(centre=not rms, gain=gain, bias=bias.detach() if isinstance(bias, Tensor) and not rms else None)
-
-
-def _post_attention_norm_name(model: Model, layer: int) -> str | None:
-    """The submodule whose ``hook_out`` is ``hook_attn_out`` when that is a norm of the attention output."""
-    target = getattr(model.blocks[layer], "hook_aliases", {}).get(ATTN_OUT, "attn.hook_out")
-    owner = target.rsplit(".", 1)[0]
-    return None if owner == "attn" or not target.endswith(".hook_out") else owner
-
-
-def post_attention_norm(model: Model, layer: int) -> FrozenNorm | None:
+def post_attention_norm(model: Model, layer: int) -> Norm | None:
     """Layer ``layer``'s norm of the attention output before it joins the residual stream (Gemma), or None."""
-    name = _post_attention_norm_name(model, layer)
-    return None if name is None else _frozen_norm(model.blocks[layer].get_submodule(name))
+    return anatomy_of(model).layers[layer].post_norm
 
 
-def final_norm(model: Model) -> FrozenNorm | None:
+def final_norm(model: Model) -> Norm | None:
     """The norm between the residual stream and the unembedding (``ln_final``), or None where there is none."""
-    component = getattr(model, "ln_final", None)
-    return None if component is None else _frozen_norm(component)
+    return anatomy_of(model).final_norm
 
 
 def _no_unembedding(name: str) -> str:
@@ -116,27 +53,24 @@ def _no_unembedding(name: str) -> str:
 
 def unembedding(model: Model) -> tuple[Float[Tensor, "d_model d_vocab"], Float[Tensor, " d_vocab"] | None]:
     """``W_U`` and ``b_U`` (None when the unembedding has no bias); raises where the model has no LM head."""
-    unembed = getattr(model, "unembed", None)
-    if unembed is None or "unembed.hook_out" not in model.hook_dict:
+    if not anatomy_of(model).unembedding:
         raise ValueError(_no_unembedding(type(model).__name__))
-    return _unembedding_weights(unembed)
+    return _unembedding_weights(model)
 
 
-def _unembedding_weights(unembed: Any) -> tuple[Tensor, Tensor | None]:
-    bias = getattr(getattr(unembed, "original_component", None), "bias", None)
-    return unembed.W_U.detach(), bias.detach() if isinstance(bias, Tensor) else None
+def _unembedding_weights(model: Model) -> tuple[Tensor, Tensor | None]:
+    """``W_U`` and ``b_U``, read from the model now."""
+    unembed = model.unembed
+    bias = unembed.original_component.bias.detach() if anatomy_of(model).unembedding_bias else None
+    return unembed.W_U.detach(), bias
 
 
 def logit_softcap(model: Model) -> float | None:
     """The cap ``c`` of a model whose output logits are ``c * tanh(z / c)`` (Gemma 2), or None.
 
-    The unembedding's output ``z`` (``unembed.hook_out``) comes before the cap.
+    The unembedding's output ``z`` (``unembed.hook_out``) comes before the cap (`Anatomy.logit_softcap`).
     """
-    cap = getattr(model.cfg, "output_logits_soft_cap", None)
-    if cap is None:
-        config = getattr(getattr(model, "original_model", None), "config", None)
-        cap = getattr(config, "final_logit_softcapping", None)
-    return float(cap) if cap is not None and float(cap) > 0 else None
+    return anatomy_of(model).logit_softcap
 
 
 @dataclass(frozen=True)
@@ -145,7 +79,7 @@ class AttentionUpdate:
 
     resid_pre: Float[Tensor, "batch query d_model"]
     added: Float[Tensor, "batch query d_model"]
-    norm: FrozenNorm | None
+    norm: Norm | None
     """The post-attention norm (None where the o-projection output is added as it is)."""
     scale: Float[Tensor, "batch query"] | None
     """That norm's ``hook_scale`` per position (None without a norm)."""
@@ -157,7 +91,7 @@ class Readout:
 
     At position ``i`` the logit of token ``t`` is ``z_t = <N(x_i), W_U[:, t]> + b_U[t]`` (`logit`), ``x_i``
     the residual stream after the last block and ``N`` the final norm, ``N(x) = P(x) * g / s_i + b``
-    with its scale ``s_i`` frozen (`FrozenNorm`); a model that soft-caps shows ``c * tanh(z / c)``.
+    with its scale ``s_i`` frozen (`Norm`); a model that soft-caps shows ``c * tanh(z / c)``.
     Where a norm follows the attention (Gemma's ``ln1_post``) `post_norms` holds it per layer.
 
     Everything an analysis needs from the model between the residual stream and the logit is here:
@@ -175,8 +109,8 @@ class Readout:
         model_name: the model's class, for messages.
     """
 
-    final_norm: FrozenNorm | None
-    post_norms: tuple[FrozenNorm | None, ...]
+    final_norm: Norm | None
+    post_norms: tuple[Norm | None, ...]
     W_U: Float[Tensor, "d_model d_vocab"] | None
     b_U: Float[Tensor, " d_vocab"] | None
     softcap: float | None
@@ -247,10 +181,10 @@ class Readout:
         def cut(tensor: Tensor, hook: Any) -> Tensor:
             return tensor[:1, rows]
 
-        hooks: list[tuple[str, HookFn]] = [("unembed.hook_in", cut)] if self.cuts_unembedding else []
-        hooks.append(("unembed.hook_out", keep("logits", slice(None) if self.cuts_unembedding else rows)))
+        hooks: list[tuple[str, HookFn]] = [(UNEMBED_IN, cut)] if self.cuts_unembedding else []
+        hooks.append((UNEMBED_OUT, keep("logits", slice(None) if self.cuts_unembedding else rows)))
         if self.final_scale_hook:
-            hooks.append(("ln_final.hook_scale", keep("final_scale", rows)))
+            hooks.append((FINAL_SCALE, keep("final_scale", rows)))
         return hooks
 
     def direction(
@@ -373,8 +307,8 @@ class Readout:
 def readout(model: Model) -> Readout:
     """The model's `Readout`: its final norm, post-attention norms, unembedding, soft-cap and the hooks to read them.
 
-    Read from the model now (a few attribute reads and one look at its hooks): an analysis builds one
-    per call and passes it around, and a weight edited since is seen by the next call.
+    Its facts come from the model's `Anatomy` (read once), its unembedding weights from the model now: an
+    analysis builds one per call and passes it around, and a weight edited since is seen by the next call.
 
     Example:
         >>> import contribution_lens as cl
@@ -382,30 +316,24 @@ def readout(model: Model) -> Readout:
         >>> tuple(r.W_U.shape), r.softcap, r.post_norms[0], r.final_norm.centre  # RMSNorm: no centring
         ((576, 49152), None, None, False)
     """
-    total = n_layers(model)
-    names = model.hook_dict  # a bridge rebuilds it on every read: once here
-    post = [_post_attention_norm_name(model, layer) for layer in range(total)]
-    post_norms = tuple(
-        None if name is None else _frozen_norm(model.blocks[layer].get_submodule(name))
-        for layer, name in enumerate(post)
-    )
-    scales = tuple(None if name is None else f"{name}.hook_scale" for name in post)
-    unembed = getattr(model, "unembed", None)
-    W_U, b_U = (None, None) if unembed is None or "unembed.hook_out" not in names else _unembedding_weights(unembed)
+    facts = anatomy_of(model)
+    post = [layer.post_attention for layer in facts.layers]
+    scales = tuple(None if name is None else f"{name}.{SCALE}" for name in post)
+    W_U, b_U = _unembedding_weights(model) if facts.unembedding else (None, None)
     # Every layer's norm has the same name where there is one (the first layer's, as the capture asks).
     first = () if scales[0] is None else (scales[0],)
     return Readout(
-        final_norm=final_norm(model),
-        post_norms=post_norms,
+        final_norm=facts.final_norm,
+        post_norms=tuple(layer.post_norm for layer in facts.layers),
         W_U=W_U,
         b_U=b_U,
-        softcap=logit_softcap(model),
+        softcap=facts.logit_softcap,
         residual_capture=(RESID_PRE, RESID_POST, ATTN_OUT, *first),
         flow_capture=(RESID_PRE, *((ATTN_OUT, *first) if first else ())),
         model_name=type(model).__name__,
         post_scale_hooks=scales,
-        final_scale_hook=getattr(model, "ln_final", None) is not None and "ln_final.hook_scale" in names,
-        cuts_unembedding="unembed.hook_in" in names,
+        final_scale_hook=facts.final_norm is not None and FINAL_SCALE in facts.hook_names,
+        cuts_unembedding=UNEMBED_IN in facts.hook_names,
     )
 
 

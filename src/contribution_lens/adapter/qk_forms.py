@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from contribution_lens.adapter._model import Model, model_dtype
+from contribution_lens.adapter.anatomy import QK_K, QK_Q, ROTATED_K, ROTATED_Q, anatomy_of, block_hook
 from contribution_lens.adapter.attention import AttentionForm
 from contribution_lens.adapter.hooks import (
     PROBE_LENGTH,
@@ -61,7 +62,7 @@ def tiles_problem(model: Model) -> str | None:
 def _probe_forms(model: Model) -> dict[int, AttentionForm] | str:
     """`attention_forms` without its cache: a tiled probe pass, then the ordinary one to check it against."""
     total = n_layers(model)
-    d_vocab = int(getattr(model.cfg, "d_vocab", None) or PROBE_LENGTH + 1)
+    d_vocab = anatomy_of(model).d_vocab or PROBE_LENGTH + 1
     batch = to_token_batch(model, (torch.arange(PROBE_LENGTH) + 1) % d_vocab)
     received: dict[int, QueryKeys] = {}
     tiled_z: dict[int, Tensor | None] = {}
@@ -74,11 +75,11 @@ def _probe_forms(model: Model) -> dict[int, AttentionForm] | str:
     missing = [layer for layer in range(total) if layer not in received]
     if missing:
         return f"the attention of layers {missing} does not go through transformers' attention functions"
-    names = model.hook_dict
+    names = anatomy_of(model).hook_names
     forms = {}
     for layer, qk in received.items():
-        rotated = f"blocks.{layer}.attn.hook_rot_q" in names and f"blocks.{layer}.attn.hook_rot_k" in names
-        q_hook, k_hook = ("attn.hook_rot_q", "attn.hook_rot_k") if rotated else ("attn.hook_q", "attn.hook_k")
+        rotated = block_hook(layer, ROTATED_Q) in names and block_hook(layer, ROTATED_K) in names
+        q_hook, k_hook = (ROTATED_Q, ROTATED_K) if rotated else (QK_Q, QK_K)
         forms[layer] = AttentionForm(qk.scale, qk.softcap, qk.window, qk.causal, q_hook, k_hook)
     problem = _check_forms(model, batch, forms, tiled_z)
     return forms if problem is None else problem

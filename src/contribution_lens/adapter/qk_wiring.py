@@ -1,25 +1,36 @@
 """QK attribution's wiring: what one layer's scores read, and every component of the residual stream."""
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
 from contribution_lens.adapter._model import HookFn, Model
-from contribution_lens.adapter.forms import POST_LN, PRE_LN, block_forms
-from contribution_lens.adapter.hooks import RESID_PRE, LayerInputs, is_causal_model, values_heads_first
-from contribution_lens.adapter.logit_readout import (
+from contribution_lens.adapter.anatomy import (
     ATTN_OUT,
+    EMBED_NORM_SCALE,
+    EMBED_PARTS,
+    LN1_SCALE,
+    LN2_SCALE,
+    MLP_OUT,
+    POS_EMBED,
+    QK_COS,
+    QK_K,
+    QK_NORM_SCALES,
+    QK_Q,
+    QK_SCORES,
+    QK_SIN,
     RESID_POST,
-    FrozenNorm,
-    _frozen_norm,
-    _post_attention_norm_name,
-    captured_post_scale,
-    post_attention_norm,
-    residual_capture,
+    RESID_PRE,
+    SCALE,
+    Norm,
+    anatomy_of,
+    block_hook,
 )
+from contribution_lens.adapter.forms import POST_LN, PRE_LN, block_forms
+from contribution_lens.adapter.hooks import LayerInputs
+from contribution_lens.adapter.logit_readout import residual_capture
 
 # --- QK attribution: what one layer's scores read, and every component of the residual stream -----
 #
@@ -32,18 +43,6 @@ from contribution_lens.adapter.logit_readout import (
 # hook_attn_out``). In a post-LN block (BERT) the whole stream passes ``ln1`` and ``ln2``: those are
 # *stream norms*, each adding its bias as a component. `qk_plan` says which, `layer_writes` hands
 # each block's components over as they are produced, `target_reads` reads what the target layer did.
-
-QK_SCORES = "attn.hook_attn_scores"
-QK_Q, QK_K = "attn.hook_q", "attn.hook_k"
-QK_COS, QK_SIN = "attn.hook_cos", "attn.hook_sin"
-QK_NORM_SCALES = {"q": "attn.q_norm.hook_scale", "k": "attn.k_norm.hook_scale"}
-LN1_SCALE, LN2_SCALE, MLP_OUT = "ln1.hook_scale", "ln2.hook_scale", "hook_mlp_out"
-_EMBED_PARTS = {
-    "embed": "embed.hook_out",
-    "pos_embed": "pos_embed.hook_out",
-    "token_type_embed": "token_type_embed.hook_out",
-}
-_EMBED_NORM_SCALE = "embed_ln.hook_scale"
 
 
 @dataclass(frozen=True)
@@ -61,8 +60,8 @@ class QKForm:
     b_Q: Float[Tensor, "head d_head"] | None
     W_K: Float[Tensor, "kv_head d_model d_head"]
     b_K: Float[Tensor, "kv_head d_head"] | None
-    q_norm: FrozenNorm | None
-    k_norm: FrozenNorm | None
+    q_norm: Norm | None
+    k_norm: Norm | None
     rotary: bool
     scale: float
     softcap: float | None
@@ -79,61 +78,43 @@ class QKForm:
         return self.W_Q.shape[0] // self.W_K.shape[0]
 
 
-def architecture_name(model: Model) -> str:
-    """The checkpoint's architecture (``config.architectures[0]``), else the bridge's class name."""
-    name = getattr(model.cfg, "architecture", None) or getattr(model.cfg, "original_architecture", None)
-    return str(name) if name else type(model).__name__
-
-
 def _qk_refusal(model: Model, layer: int) -> str | None:
     """The attention form of ``layer`` whose scores cannot be split here, in words, or None."""
-    cfg, attn = model.cfg, model.blocks[layer].attn
-    hf = getattr(attn, "original_component", None)
-    rope = getattr(getattr(hf, "config", None), "rope_parameters", None)
+    facts = anatomy_of(model)
+    this = facts.layers[layer]
     forms = [
-        (cfg.positional_embedding_type == "alibi" or "alibi" in type(attn).__name__.lower(), "ALiBi position biases"),
-        (getattr(hf, "sinks", None) is not None, "learned attention-sink logits (an extra softmax column, GPT-OSS)"),
-        (values_heads_first(model, layer), "multi-head latent attention (compressed keys and values)"),
-        (bool(getattr(cfg, "rotary_adjacent_pairs", False) or getattr(cfg, "rotary_interleaved_cos_sin", False)),
-         "a rotary embedding on adjacent pairs (GLM, ERNIE, Cohere)"),
-        (isinstance(rope, dict) and rope.get("llama_4_scaling_beta") is not None,
-         "a position-dependent query scale (Llama 4 / Ministral 3)"),
-        (bool(getattr(cfg, "qk_norm_after_rope", False)), "a q/k norm after the rotary embedding"),
-        (getattr(attn, "_qk_norm_phase", None) == "pre_reshape", "a q/k norm over all heads together (OLMo 2)"),
-        (bool(getattr(cfg, "scale_attn_by_inverse_layer_idx", False)) and not hasattr(hf, "scaling"),
-         "scores scaled by the inverse layer index"),
-    ]  # fmt: skip
+        (this.alibi, "ALiBi position biases"),
+        (this.sinks, "learned attention-sink logits (an extra softmax column, GPT-OSS)"),
+        (this.values_heads_first, "multi-head latent attention (compressed keys and values)"),
+        (facts.rotary_adjacent_pairs, "a rotary embedding on adjacent pairs (GLM, ERNIE, Cohere)"),
+        (this.query_scale_by_position, "a position-dependent query scale (Llama 4 / Ministral 3)"),
+        (facts.qk_norm_after_rope, "a q/k norm after the rotary embedding"),
+        (this.qk_norm_over_heads, "a q/k norm over all heads together (OLMo 2)"),
+        (this.scale_by_inverse_layer, "scores scaled by the inverse layer index"),
+    ]
     for applies, form in forms:
         if applies:
             return form
-    if cfg.positional_embedding_type == "rotary" and f"blocks.{layer}.{QK_COS}" not in model.hook_dict:
-        if _native_rotary(model, layer) is None:
-            return "a rotary embedding whose angles the bridge does not expose (no attn.hook_cos)"
+    hooked = block_hook(layer, QK_COS) in facts.hook_names
+    if facts.positions == "rotary" and not hooked and this.native_rotary is None:
+        return "a rotary embedding whose angles the bridge does not expose (no attn.hook_cos)"
     return None
-
-
-def _native_rotary(model: Model, layer: int) -> Any:
-    """TransformerLens's native attention's rotary module (adjacent pairs, ``cos_cached``), or None."""
-    rotary = getattr(getattr(model.blocks[layer].attn, "original_component", None), "rotary", None)
-    return rotary if isinstance(getattr(rotary, "cos_cached", None), Tensor) else None
 
 
 def qk_form(model: Model, layer: int) -> QKForm:
     """`QKForm` of ``layer``, read from the model now; a form that cannot be split is refused, naming it."""
+    facts = anatomy_of(model)
     problem = _qk_refusal(model, layer)
     if problem is not None:
         raise ValueError(
-            f"qk_attribution cannot split the scores of {architecture_name(model)} layer {layer}: its attention "
+            f"qk_attribution cannot split the scores of {facts.name} layer {layer}: its attention "
             f"uses {problem}, which is not a sum of per-component terms this adapter reads"
         )
+    this = facts.layers[layer]
     attn = model.blocks[layer].attn
-    hf = getattr(attn, "original_component", None)
-    norms = {side: getattr(attn, f"{side}_norm", None) for side in ("q", "k")}
     d_head = int(attn.W_Q.shape[-1])
-    scale = getattr(hf, "scaling", None)
-    cap = getattr(hf, "attn_logit_softcapping", None)
-    hooked = f"blocks.{layer}.{QK_COS}" in model.hook_dict
-    native = None if hooked or model.cfg.positional_embedding_type != "rotary" else _native_rotary(model, layer)
+    rotary = facts.positions == "rotary"
+    native = None if block_hook(layer, QK_COS) in facts.hook_names or not rotary else this.native_rotary
 
     def bias(name: str) -> Tensor | None:
         value = getattr(attn, name, None)
@@ -145,13 +126,13 @@ def qk_form(model: Model, layer: int) -> QKForm:
         b_Q=bias("b_Q"),
         W_K=attn.W_K.detach(),
         b_K=bias("b_K"),
-        q_norm=None if norms["q"] is None else _frozen_norm(norms["q"]),
-        k_norm=None if norms["k"] is None else _frozen_norm(norms["k"]),
-        rotary=model.cfg.positional_embedding_type == "rotary",
-        scale=float(d_head**-0.5 if scale is None else scale),
-        softcap=float(cap) if cap is not None and float(cap) > 0 else None,
-        causal=is_causal_model(model),
-        architecture=architecture_name(model),
+        q_norm=this.q_norm,
+        k_norm=this.k_norm,
+        rotary=rotary,
+        scale=float(d_head**-0.5 if this.scale is None else this.scale),
+        softcap=this.softcap,
+        causal=facts.causal,
+        architecture=facts.name,
         rotary_adjacent=native is not None,
         rotary_tables=None if native is None else (native.cos_cached.detach(), native.sin_cached.detach()),
     )
@@ -165,7 +146,7 @@ class StreamNorm:
     """
 
     name: str
-    norm: FrozenNorm
+    norm: Norm
 
 
 @dataclass(frozen=True)
@@ -198,6 +179,7 @@ def qk_plan(model: Model, layer: int) -> QKPlan:
     Reads the block forms (`block_forms`, a probe pass the first time): call it before any pass.
     """
     forms = block_forms(model)
+    facts = anatomy_of(model)
     kinds = set()
     for earlier in range(layer + 1):
         form = forms[earlier]
@@ -207,30 +189,32 @@ def qk_plan(model: Model, layer: int) -> QKPlan:
             kinds.add("pre")
         else:
             raise ValueError(
-                f"qk_attribution cannot follow the residual stream of {architecture_name(model)}: layer {earlier} "
-                f"is {form}"
+                f"qk_attribution cannot follow the residual stream of {facts.name}: layer {earlier} is {form}"
             )
     post = kinds == {"post"}
     if len(kinds) > 1:
-        raise ValueError(f"qk_attribution cannot follow {architecture_name(model)}: it mixes pre-LN and post-LN blocks")
-    names = model.hook_dict
-    embed_norm = _EMBED_NORM_SCALE in names and getattr(model, "embed_ln", None) is not None
-    norms = [StreamNorm("embed_ln", _frozen_norm(model.embed_ln))] if embed_norm else []
+        raise ValueError(f"qk_attribution cannot follow {facts.name}: it mixes pre-LN and post-LN blocks")
+    names, this = facts.hook_names, facts.layers[layer]
+    embed_norm = facts.embed_norm is not None
+    norms = [_stream_norm("embed_ln", facts.embed_norm)] if embed_norm else []
     if post:
         for earlier in range(layer):
-            block = model.blocks[earlier]
-            norms += [StreamNorm(f"L{earlier}.ln1", _frozen_norm(block.ln1)),
-                      StreamNorm(f"L{earlier}.ln2", _frozen_norm(block.ln2))]  # fmt: skip
-    elif getattr(model.blocks[layer], "ln1", None) is not None and f"blocks.{layer}.{LN1_SCALE}" in names:
-        norms.append(StreamNorm(f"L{layer}.ln1", _frozen_norm(model.blocks[layer].ln1)))
+            block = facts.layers[earlier]
+            norms += [_stream_norm(f"L{earlier}.ln1", block.ln1), _stream_norm(f"L{earlier}.ln2", block.ln2)]
+    elif this.ln1 is not None and block_hook(layer, LN1_SCALE) in names:
+        norms.append(_stream_norm(f"L{layer}.ln1", this.ln1))
     capture = [*residual_capture(model), QK_SCORES, QK_Q, QK_K]
     capture += [LN1_SCALE, LN2_SCALE, MLP_OUT] if post else ([LN1_SCALE] if norms[int(embed_norm) :] else [])
-    rotary = model.cfg.positional_embedding_type == "rotary" and f"blocks.{layer}.{QK_COS}" in names
+    rotary = facts.positions == "rotary" and block_hook(layer, QK_COS) in names
     capture += [QK_COS, QK_SIN] if rotary else []
-    capture += [
-        name for side, name in QK_NORM_SCALES.items() if getattr(model.blocks[layer].attn, f"{side}_norm", None)
-    ]
+    capture += [QK_NORM_SCALES[side] for side, norm in (("q", this.q_norm), ("k", this.k_norm)) if norm is not None]
     return QKPlan(layer, post, tuple(norms), embed_norm, tuple(dict.fromkeys(capture)))
+
+
+def _stream_norm(name: str, norm: Norm | None) -> StreamNorm:
+    if norm is None:
+        raise ValueError(f"qk_attribution cannot follow the residual stream: {name} is not a norm this adapter reads")
+    return StreamNorm(name, norm)
 
 
 def embedding_hooks(model: Model, plan: QKPlan, store: dict[str, Tensor]) -> list[tuple[str, HookFn]]:
@@ -243,12 +227,12 @@ def embedding_hooks(model: Model, plan: QKPlan, store: dict[str, Tensor]) -> lis
     def keep(key: str) -> HookFn:
         return lambda tensor, hook: store.__setitem__(key, tensor.detach()[0])
 
-    names = model.hook_dict
+    facts = anatomy_of(model)
     if plan.embed_norm:
-        hooks = [(hook, keep(part)) for part, hook in _EMBED_PARTS.items() if hook in names]
-        return [*hooks, (_EMBED_NORM_SCALE, keep("embed_ln.scale"))]
-    if model.cfg.positional_embedding_type == "standard" and "hook_pos_embed" in names:
-        return [("hook_pos_embed", keep("pos_embed"))]
+        hooks = [(hook, keep(part)) for part, hook in EMBED_PARTS.items() if hook in facts.hook_names]
+        return [*hooks, (EMBED_NORM_SCALE, keep("embed_ln.scale"))]
+    if facts.positions == "learned" and POS_EMBED in facts.hook_names:
+        return [(POS_EMBED, keep("pos_embed"))]
     return []
 
 
@@ -266,14 +250,14 @@ class Write:
     value: Tensor
     stage: int
     W_O: Float[Tensor, "head d_head d_model"] | None = None
-    norm: FrozenNorm | None = None
+    norm: Norm | None = None
     scale: Float[Tensor, " pos"] | None = None
 
 
 def embedding_writes(model: Model, plan: QKPlan, layer: LayerInputs, store: dict[str, Tensor]) -> list[Write]:
     """The embedding's components (given layer 0's `LayerInputs`): ``embed``, ``pos_embed``, ..., its norm's bias."""
     if plan.embed_norm:
-        writes = [Write((part,), store[part], 0) for part in _EMBED_PARTS if part in store]
+        writes = [Write((part,), store[part], 0) for part in EMBED_PARTS if part in store]
         bias = plan.norms[0].norm.bias
         return writes + ([Write(("embed_ln.b",), bias, 1)] if bias is not None else [])
     first = layer.captured[RESID_PRE][0]
@@ -288,7 +272,7 @@ def layer_writes(model: Model, plan: QKPlan, layer: LayerInputs) -> list[Write]:
     heads = tuple(f"L{m}H{h}" for h in range(layer.W_O.shape[0]))
     z = layer.z if layer.z is not None else None
     if z is None:
-        raise ValueError(f"layer {m} of {architecture_name(model)} has no hook_z: its heads' outputs cannot be read")
+        raise ValueError(f"layer {m} of {anatomy_of(model).name} has no hook_z: its heads' outputs cannot be read")
     pre, post = layer.captured[RESID_PRE][0], layer.captured[RESID_POST][0]
     if plan.post_ln:
         # y = LN2(LN1(x + o) + mlp): the heads and b_O pass ln1 then ln2; ln1's bias and the MLP pass ln2.
@@ -297,13 +281,14 @@ def layer_writes(model: Model, plan: QKPlan, layer: LayerInputs) -> list[Write]:
         writes += _bias_writes(plan.norms[stage], stage + 1)
         writes.append(Write((f"L{m}.mlp",), layer.captured[MLP_OUT][0], stage + 1))
         return writes + _bias_writes(plan.norms[stage + 1], stage + 2)
-    norm = post_attention_norm(model, m)
-    scale = captured_post_scale(model, layer)
-    own = None if scale is None else scale[0]
+    this = anatomy_of(model).layers[m]
+    norm, name = this.post_norm, this.post_attention
+    own = None if name is None else layer.captured[f"{name}.{SCALE}"][0].reshape(-1)
     writes = [Write(heads, z[0], stage, W_O=layer.W_O, norm=norm, scale=own)]
     writes += [Write((f"L{m}.b_O",), layer.b_O, stage, norm=norm, scale=own)] if layer.b_O is not None else []
-    if norm is not None and norm.bias is not None:
-        writes.append(Write((f"L{m}.{_post_attention_norm_name(model, m)}.b",), norm.bias, stage))
+    bias = None if norm is None else norm.bias
+    if bias is not None:
+        writes.append(Write((f"L{m}.{name}.b",), bias, stage))
     mlp = post - pre - layer.captured[ATTN_OUT][0]
     return [*writes, Write((f"L{m}.mlp",), mlp, stage)]
 

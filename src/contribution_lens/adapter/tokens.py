@@ -8,6 +8,9 @@ tensors are used as given. Batches of texts are right-padded, so causal attentio
 tokens is the same as for each text alone.
 """
 
+import contextlib
+import hashlib
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -18,6 +21,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from contribution_lens.adapter._model import Model, _model_device
+from contribution_lens.adapter.anatomy import anatomy_of
 
 
 @dataclass(frozen=True)
@@ -59,8 +63,7 @@ def check_labels(str_tokens: Sequence[Sequence[str]], attention_mask: Tensor) ->
 
 
 def context_length(model: Model) -> int | None:
-    n_ctx = getattr(model.cfg, "n_ctx", None)
-    return None if n_ctx is None else int(n_ctx)
+    return anatomy_of(model).n_ctx
 
 
 def check_length(model: Model, length: int, what: str) -> None:
@@ -71,7 +74,7 @@ def check_length(model: Model, length: int, what: str) -> None:
 
 def check_token_ids(model: Model, tokens: Tensor) -> None:
     """Every id lies in the model's vocabulary ``[0, d_vocab)``."""
-    d_vocab = getattr(model.cfg, "d_vocab", None)
+    d_vocab = anatomy_of(model).d_vocab
     if tokens.numel() == 0 or d_vocab is None:
         return
     low, high = int(tokens.min()), int(tokens.max())
@@ -82,7 +85,7 @@ def check_token_ids(model: Model, tokens: Tensor) -> None:
 
 def _check_text_ids(model: Model, ids: Tensor, index: int) -> None:
     """A text's ids lie in the model's vocabulary: a tokenizer may hold added tokens the model has no row for."""
-    d_vocab = getattr(model.cfg, "d_vocab", None)
+    d_vocab = anatomy_of(model).d_vocab
     if d_vocab is None or ids.numel() == 0 or int(ids.max()) < int(d_vocab):
         return
     bad = int(ids.max())
@@ -93,7 +96,7 @@ def _check_text_ids(model: Model, ids: Tensor, index: int) -> None:
 
 
 def token_labels(model: Model, ids: Sequence[int]) -> list[str]:
-    tokenizer = getattr(model, "tokenizer", None)
+    tokenizer = anatomy_of(model).tokenizer
     if tokenizer is None:
         return [f"<{i}>" for i in ids]
     return [tokenizer.decode([i]) for i in ids]
@@ -101,17 +104,47 @@ def token_labels(model: Model, ids: Sequence[int]) -> list[str]:
 
 def start_ids(model: Model) -> set[int]:
     """The ids a text starts with where the tokenizer begins it (BOS, or ``[CLS]`` for BERT-style tokenizers)."""
+    return anatomy_of(model).start_ids()
+
+
+_IDENTITIES: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+def tokenizer_identity(model: Model) -> str:
+    """What token ids mean for ``model``: its vocabulary's size and hash, and the BOS it puts before a text.
+
+    ``"49152 tokens #5c1d3a9e07f2, BOS 1"``: the hash (BLAKE2b, 48 bits) is of every ``(id, token)`` pair of
+    the tokenizer's vocabulary, its added tokens included; ``BOS`` is the id texts start with by the model's
+    convention (`bos_to_prepend`), or ``none``. A model without a tokenizer reads bare ids:
+    ``"no tokenizer, BOS none"``. Two models whose identities are equal read every id list as the same text;
+    a task records its tokenizer's (``Task.tokenizer``) so that one built for another model is refused.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> tokenizer_identity(SimpleNamespace(cfg=SimpleNamespace(default_prepend_bos=False), tokenizer=None))
+        'no tokenizer, BOS none'
+    """
     tokenizer = getattr(model, "tokenizer", None)
-    ids = (getattr(tokenizer, name, None) for name in ("bos_token_id", "cls_token_id"))
-    return {int(i) for i in ids if isinstance(i, int)}
+    bos = bos_to_prepend(model)
+    convention = f"BOS {'none' if bos is None else bos}"
+    if tokenizer is None:
+        return f"no tokenizer, {convention}"
+    try:
+        vocabulary = _IDENTITIES.get(tokenizer)
+    except TypeError:  # a tokenizer that cannot be weakly referenced: hashed on every call
+        vocabulary = None
+    if vocabulary is None:
+        pairs = sorted((int(i), str(token)) for token, i in tokenizer.get_vocab().items())
+        digest = hashlib.blake2b("\n".join(f"{i}\t{token}" for i, token in pairs).encode(), digest_size=6)
+        vocabulary = f"{len(pairs)} tokens #{digest.hexdigest()}"
+        with contextlib.suppress(TypeError):
+            _IDENTITIES[tokenizer] = vocabulary
+    return f"{vocabulary}, {convention}"
 
 
 def pad_id(model: Model) -> int:
-    tokenizer = getattr(model, "tokenizer", None)
-    pad = None if tokenizer is None else tokenizer.pad_token_id
-    if pad is None:
-        pad = None if tokenizer is None else tokenizer.eos_token_id
-    return 0 if pad is None else int(pad)
+    """The id padding is written with: the tokenizer's pad id, else its EOS id, else 0."""
+    return anatomy_of(model).pad_id()
 
 
 def prepends_bos(model: Model, prepend_bos: Any = None) -> bool:
@@ -127,7 +160,7 @@ def prepends_bos(model: Model, prepend_bos: Any = None) -> bool:
         (False, True)
     """
     if prepend_bos is None:
-        return bool(getattr(getattr(model, "cfg", None), "default_prepend_bos", True))
+        return anatomy_of(model).prepends_bos
     if isinstance(prepend_bos, bool) or str(getattr(prepend_bos, "dtype", "")) in ("bool", "torch.bool"):
         if getattr(prepend_bos, "ndim", 0) == 0:
             return bool(prepend_bos)
@@ -144,10 +177,10 @@ def bos_to_prepend(model: Model, prepend_bos: Any = None) -> int | None:
     tokenizer has no BOS; ``prepend_bos=True`` on a tokenizer without one is refused.
     """
     wanted = prepends_bos(model, prepend_bos)
-    bos = getattr(getattr(model, "tokenizer", None), "bos_token_id", None)
+    bos = anatomy_of(model).bos_id()
     if wanted and bos is None and prepend_bos:
         raise ValueError("prepend_bos=True, but this model's tokenizer has no BOS token (bos_token_id is None)")
-    return int(bos) if wanted and bos is not None else None
+    return bos if wanted else None
 
 
 def to_token_batch(
@@ -196,7 +229,7 @@ def to_token_batch(
     texts = [inputs] if isinstance(inputs, str) else list(inputs)
     if not texts:
         raise ValueError("no input texts given")
-    if getattr(model, "tokenizer", None) is None:
+    if anatomy_of(model).tokenizer is None:
         raise ValueError("this model has no tokenizer: pass token ids instead of text")
     rows = []
     for index, text in enumerate(texts):

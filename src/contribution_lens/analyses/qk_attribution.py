@@ -91,18 +91,9 @@ class QKCell:
 
 
 @dataclass(frozen=True, eq=False)
-class QKAttribution(Saves):
-    """One layer's pre-softmax scores, for some heads and queries, split over upstream components.
-
-    ``query_parts[a, i, h]`` is ``scale q_i^a`` of head ``heads[h]`` at query ``queries[i]`` and
-    ``key_parts[b, j, kv_index[h]]`` is ``k_j^b`` at key ``j``, each with every norm applied at its
-    frozen scale and *before* the rotary embedding: the rotation ``R`` (angles ``cos``/``sin`` per
-    position, None without rotary) is applied when a term is asked for, ``<R_i q^a, R_j k^b> =
-    <q^a, R_i^T R_j k^b>``, so no ``[component position]`` tensor is rotated at all. Everything is
-    computed from the parts on demand: `scores`, `key_side`, `query_side`, `advantage`, `pairs`,
-    `cell`. A table for one head and one query is pandas; several give tensors with a leading head
-    axis (when several heads) and query axis (when several queries).
-    """
+class _QKParts:
+    """The fields of a `QKAttribution` (described there) and what every view of it is computed from: the fields'
+    checks, which heads, queries and keys a call selects, the rotation applied on demand, the raw terms."""
 
     tokens: Int[Tensor, " pos"]
     str_tokens: list[str]
@@ -183,6 +174,19 @@ class QKAttribution(Saves):
             raise ValueError(f"key {key} is not seen by query {query}{after}")
         return position
 
+    def _visible_keys(self, query_row: int) -> list[int]:
+        return torch.nonzero(self.visible[query_row]).flatten().tolist()
+
+    def _one_head(self, head: int | None) -> int:
+        if head is None and len(self.heads) > 1:
+            raise ValueError(f"this result holds heads {list(self.heads)}: pass head=")
+        return self._heads(head)[0]
+
+    def _one_query(self, query: int | None) -> int:
+        if query is None and len(self.queries) > 1:
+            raise ValueError(f"this result holds {len(self.queries)} queries: pass query=")
+        return self._queries(query)[0]
+
     def _shaped(self, tensor: Tensor, heads: list[int], queries: list[int]) -> Tensor:
         """Drop the head axis for one head and the query axis for one query (``tensor`` is ``[head query ...]``)."""
         if len(queries) == 1:
@@ -218,22 +222,7 @@ class QKAttribution(Saves):
         scores = torch.stack([q[queries, h] @ self._k(h).T for h in heads])
         return scores.masked_fill(~self.visible[queries], -torch.inf)
 
-    def score_table(self, head: int | None = None, query: int | Sequence[int] | None = None) -> Any:
-        """The rebuilt pre-softmax scores (before any soft-cap): `scores` for a chosen head and query."""
-        heads, queries = self._heads(head), self._queries(query)
-        scores = self._scores(heads, queries)
-        if len(heads) == 1 and len(queries) == 1:
-            keys = self._visible_keys(queries[0])
-            return pd.Series(scores[0, 0, keys].double().numpy(), index=pd.Index(keys, name="key"), name="score")
-        return self._shaped(scores, heads, queries)
-
-    @property
-    def scores(self) -> Any:
-        """``s_ij`` rebuilt from the terms (masked keys ``-inf``): a Series over keys for one head and query."""
-        return self.score_table()
-
-    def _visible_keys(self, query_row: int) -> list[int]:
-        return torch.nonzero(self.visible[query_row]).flatten().tolist()
+    # --- the raw terms --------------------------------------------------------------------------
 
     def _key_terms(self, h: int, queries: list[int]) -> Float[Tensor, "query component key"]:
         """``K_ij^b = <q_i, R_j k_j^b> = <R_j^T q_i, k_j^b>``: each query turned back by every key's angle."""
@@ -263,6 +252,37 @@ class QKAttribution(Saves):
         compute = self._key_terms if side == "key" else self._query_terms
         hidden = ~self.visible[queries][:, None, :]
         return torch.stack([compute(h, queries).masked_fill(hidden, 0.0) for h in heads])
+
+
+@dataclass(frozen=True, eq=False)
+class QKAttribution(_QKParts, Saves):
+    """One layer's pre-softmax scores, for some heads and queries, split over upstream components.
+
+    ``query_parts[a, i, h]`` is ``scale q_i^a`` of head ``heads[h]`` at query ``queries[i]`` and
+    ``key_parts[b, j, kv_index[h]]`` is ``k_j^b`` at key ``j``, each with every norm applied at its
+    frozen scale and *before* the rotary embedding: the rotation ``R`` (angles ``cos``/``sin`` per
+    position, None without rotary) is applied when a term is asked for, ``<R_i q^a, R_j k^b> =
+    <q^a, R_i^T R_j k^b>``, so no ``[component position]`` tensor is rotated at all. Everything is
+    computed from the parts on demand: `scores`, `key_side`, `query_side`, `advantage`, `pairs`,
+    `cell`. A table for one head and one query is pandas; several give tensors with a leading head
+    axis (when several heads) and query axis (when several queries).
+    """
+
+    # --- views: the scores, the terms and their advantages as tables -------------------------
+
+    def score_table(self, head: int | None = None, query: int | Sequence[int] | None = None) -> Any:
+        """The rebuilt pre-softmax scores (before any soft-cap): `scores` for a chosen head and query."""
+        heads, queries = self._heads(head), self._queries(query)
+        scores = self._scores(heads, queries)
+        if len(heads) == 1 and len(queries) == 1:
+            keys = self._visible_keys(queries[0])
+            return pd.Series(scores[0, 0, keys].double().numpy(), index=pd.Index(keys, name="key"), name="score")
+        return self._shaped(scores, heads, queries)
+
+    @property
+    def scores(self) -> Any:
+        """``s_ij`` rebuilt from the terms (masked keys ``-inf``): a Series over keys for one head and query."""
+        return self.score_table()
 
     def _table(self, values: Tensor, side: str, heads: list[int], queries: list[int]) -> Any:
         if len(heads) == 1 and len(queries) == 1:
@@ -326,16 +346,6 @@ class QKAttribution(Saves):
             index=pd.Index(self.query_components, name="query component"),
             columns=pd.Index(self.key_components, name="key component"),
         )
-
-    def _one_head(self, head: int | None) -> int:
-        if head is None and len(self.heads) > 1:
-            raise ValueError(f"this result holds heads {list(self.heads)}: pass head=")
-        return self._heads(head)[0]
-
-    def _one_query(self, query: int | None) -> int:
-        if query is None and len(self.queries) > 1:
-            raise ValueError(f"this result holds {len(self.queries)} queries: pass query=")
-        return self._queries(query)[0]
 
     def cell(self, query: int | None = None, key: int | None = None, head: int | None = None) -> QKCell:
         """Both sides' advantages of one score, computed for that cell alone (cheap: what the inspector calls).
@@ -615,7 +625,7 @@ def _reads(
 
 
 def _finish(
-    parts: Tensor, norm: adapter.FrozenNorm | None, norm_scale: Tensor | None, scale: float, n_heads: int
+    parts: Tensor, norm: adapter.Norm | None, norm_scale: Tensor | None, scale: float, n_heads: int
 ) -> Float[Tensor, "component pos head d_head"]:
     """A side's parts through its q/k norm (scale frozen per head and position) and, for queries, ``scale``."""
     parts = einops.rearrange(parts, "component pos (head d_head) -> component pos head d_head", head=n_heads)
@@ -883,9 +893,8 @@ class QKTape:
         norms' scales per position in the model's dtype, and the pattern's and scores' rows at 4
         bytes a number (some bridges upcast them); the embedding's parts once.
         """
-        cfg = model.cfg
-        n_heads, d_head = int(cfg.n_heads), int(cfg.d_head)
-        n_kv = int(getattr(cfg, "n_key_value_heads", None) or n_heads)
+        cfg, facts = model.cfg, adapter.anatomy_of(model)
+        n_heads, n_kv, d_head = facts.n_heads, facts.n_kv_heads, int(cfg.d_head)
         size = adapter.model_dtype(model).itemsize
         # Four residual vectors (the MLP's output too, in post-LN blocks); cos and sin are d_head wide
         # each; 8 for the norms' scales. The embedding's parts (BERT: three) are kept once.

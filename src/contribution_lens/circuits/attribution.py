@@ -22,7 +22,7 @@ from torch import Tensor
 
 from contribution_lens.adapter import Model
 from contribution_lens.circuits import interchange as ic
-from contribution_lens.circuits.registry import CircuitContext, CircuitMethod, register_circuit_method
+from contribution_lens.circuits.registry import CircuitContext, CircuitMethod
 from contribution_lens.circuits.task import Task
 
 GRADIENT_COPIES = 4.0
@@ -107,5 +107,3 @@ METHODS = (
     ),
     CircuitMethod("random", random_scores, "edge", "standard normal scores (control)", True),
 )
-for _method in METHODS:
-    register_circuit_method(_method)

@@ -84,9 +84,12 @@ def metric_pass(model: Model, task: Task, rows: Int[Tensor, " batch"], stream: A
 
     Only each prompt's last real position is unembedded (`circuit_pass`'s ``last``), and of it only
     the answer's and the foil's logits where the metric reads no other (`TWO_LOGITS`).
-    ``corrupted=True`` runs the counterfactual prompts.
+    ``corrupted=True`` runs the counterfactual prompts. A stream on MIB's graph (``stream.graph``
+    counted ``"mib"``) runs an ungrouped pass: every query head its own keys and values.
     """
     corrupted = options.pop("corrupted", False)
+    graph = getattr(stream, "graph", None)
+    options.setdefault("ungroup", isinstance(graph, Graph) and graph.counting == "mib")
     last = task.last[rows]
     read = check_metric(task)
     columns = torch.stack([task.answer[rows], task.foil[rows]], 1) if task.metric in TWO_LOGITS else None

@@ -8,12 +8,15 @@ default it is the logit difference
 
 and `Task.metric_values` offers two more (`METRICS`): the answer's probability ``softmax(z_p)[t_p]``,
 and the KL divergence ``KL(P_clean,p || P_p)`` of the run's next-token distribution from the clean
-run's. Built in: `Task.ioi` (Wang et al. 2023's indirect-object identification, MIB's ABC
-counterfactual), `Task.induction` (random tokens repeated, the first copy resampled) and
-`Task.capitals` (a country's capital, the country swapped), measured above chance on every bundled
-model (`docs/results.md`); users' own tasks come from a JSON-lines file (`Task.from_jsonl`).
-`task_report` says whether a model does a task: its clean accuracy (``m_p > 0``) and mean logit
-difference with a bootstrap interval, with a warning where that interval includes 0.
+run's. Built in: `Task.ioi` (Wang et al. 2023's indirect-object identification; its counterfactual
+MIB's default ``s2-io-flip`` or Wang et al.'s ``abc``, `IOI_COUNTERFACTUALS`), `Task.induction`
+(random tokens repeated, the first copy resampled) and `Task.capitals` (a country's capital, the
+country swapped), measured above chance on every bundled model (`docs/results.md`); users' own
+tasks come from a JSON-lines file (`Task.from_jsonl`). Every task names its counterfactual
+(``counterfactual``: what the corrupted prompts ask) and the part of a split it is
+(``part``: ``all``, or ``scoring`` and ``evaluation`` from `Task.split`). `task_report` says
+whether a model does a task: its clean accuracy (``m_p > 0``) and mean logit difference with a
+bootstrap interval, with a warning where that interval includes 0.
 
     >>> from contribution_lens.circuits.task import Task
     >>> from contribution_lens.loading import load_skeleton
@@ -22,24 +25,30 @@ difference with a bootstrap interval, with a warning where that interval include
     (True, 4)
 """
 
-import json
+import contextlib
+import contextvars
+import hashlib
 import os
 import random
-import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
-from pathlib import Path
 from typing import Any
 
 import einops
-import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from contribution_lens import adapter
+from contribution_lens._lazy import face
+from contribution_lens.circuits import task_builders
+from contribution_lens.circuits.checks import check_seed, check_task_fields, token_ids
+from contribution_lens.circuits.task_builders import CAPITALS_COUNTERFACTUALS as CAPITALS_COUNTERFACTUALS
+from contribution_lens.circuits.task_builders import CUSTOM as CUSTOM
+from contribution_lens.circuits.task_builders import INDUCTION_COUNTERFACTUALS as INDUCTION_COUNTERFACTUALS
+from contribution_lens.circuits.task_builders import IOI_COUNTERFACTUALS as IOI_COUNTERFACTUALS
+from contribution_lens.circuits.task_builders import Counterfactual as Counterfactual
+from contribution_lens.circuits.task_builders import check_counterfactual as check_counterfactual
 
 Model = Any  # a TransformerBridge
 
@@ -77,6 +86,70 @@ METRICS: dict[str, Callable[[Tensor, Tensor, Tensor, Tensor | None], Tensor]] = 
 """
 
 
+PARTS = ("all", "scoring", "evaluation")
+"""A task's ``part``: all its prompts, or one side of `Task.split`."""
+
+
+_DERIVED: contextvars.ContextVar[bool] = contextvars.ContextVar("derived", default=False)
+"""True while a task makes another of its own prompts (`Task.subset`, `Task.with_metric`): checked, not warned twice."""
+
+
+@contextlib.contextmanager
+def _derived() -> Iterator[None]:
+    token = _DERIVED.set(True)
+    try:
+        yield
+    finally:
+        _DERIVED.reset(token)
+
+
+def _warn_repeated(task: "Task") -> None:
+    """A warning where prompts repeat: an interval over prompts would count each repeat as new evidence."""
+    distinct = len(set(task.fingerprints().tolist()))
+    if distinct < len(task):
+        warnings.warn(
+            f"task {task.name!r}: {len(task)} prompts, {distinct} distinct: repeated prompts add no evidence, yet "
+            "an interval over prompts counts every repeat as if it did",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """Which prompts a result was computed on: the task, its counterfactual, the part of a split, and one
+    fingerprint a prompt (`Task.fingerprints`), so that two results can say whether they share prompts.
+
+    Example:
+        >>> import torch
+        >>> scored = Prompts("ioi", "s2-io-flip", "scoring", torch.tensor([1, 2, 3]))
+        >>> scored, scored.overlap(Prompts("ioi", "s2-io-flip", "evaluation", torch.tensor([3, 4])))
+        (Prompts(ioi, s2-io-flip, scoring part: 3 prompts), 1)
+    """
+
+    task: str
+    counterfactual: str
+    part: str
+    fingerprints: Int[Tensor, " prompt"]
+    tokenizer: str | None = None
+    """The tokenizer the prompts' ids are of (`contribution_lens.adapter.tokenizer_identity`; None: not recorded)."""
+
+    def __len__(self) -> int:
+        return int(self.fingerprints.shape[0])
+
+    def overlap(self, other: "Prompts") -> int:
+        """How many of ``other``'s prompts are among these."""
+        return int(torch.isin(other.fingerprints, self.fingerprints).sum())
+
+    @property
+    def label(self) -> str:
+        """``"scoring (32)"``: the part and its prompt count, as the results table shows it."""
+        return f"{self.part} ({len(self)})"
+
+    def __repr__(self) -> str:
+        return f"Prompts({self.task}, {self.counterfactual}, {self.part} part: {len(self)} prompts)"
+
+
 @dataclass(frozen=True)
 class Task:
     """Clean and corrupted token ids of equal shape, right-padded, one answer and one foil per prompt.
@@ -84,6 +157,16 @@ class Task:
     ``last[p]`` is the index of prompt ``p``'s last real token (where the metric is read); positions
     after it are padding (the model's pad id), which a causal model's earlier positions never see.
     Clean and corrupted have the same token count in every prompt, so one ``last`` serves both.
+    ``counterfactual`` names what the corrupted prompts ask (`IOI_COUNTERFACTUALS` and the other
+    built-in tasks' tables; `CUSTOM` for ids given or read from a file); ``part`` is ``all``, or the
+    ``scoring`` or ``evaluation`` side of `split`. ``tokenizer``: the identity of the tokenizer the
+    ids are of (`contribution_lens.adapter.tokenizer_identity`), which every task built from a model
+    records and every function that takes a model and a task compares with the model's; None for
+    ids given by hand (pass ``tokenizer=adapter.tokenizer_identity(model)`` to have them checked too).
+
+    Ids may be any integer tensor, NumPy array or nested lists; what the constructor cannot accept
+    is refused naming the field (`contribution_lens.circuits.checks.check_task_fields`), and repeated
+    prompts are warned about: they add no evidence, yet an interval over prompts counts each repeat.
 
     Example:
         >>> import torch
@@ -91,7 +174,7 @@ class Task:
         >>> task = Task("toy", ids, ids.flip(1), answer=torch.tensor([3, 4]), foil=torch.tensor([2, 2]),
         ...             last=torch.tensor([3, 2]))
         >>> task
-        Task('toy', 2 prompts of 3 to 4 tokens, metric logit_diff)
+        Task('toy', 2 prompts of 3 to 4 tokens, metric logit_diff, counterfactual custom)
         >>> task.attention_mask.tolist()
         [[True, True, True, True], [True, True, True, False]]
     """
@@ -103,37 +186,102 @@ class Task:
     foil: Int[Tensor, " prompt"]
     last: Int[Tensor, " prompt"]
     metric: str = "logit_diff"
+    counterfactual: str = CUSTOM
+    part: str = "all"
+    tokenizer: str | None = None
 
     def __post_init__(self) -> None:
-        if self.clean.ndim != 2 or self.clean.shape[0] == 0:
-            raise ValueError(
-                f"clean must be token ids [prompt pos] with at least one prompt, got {tuple(self.clean.shape)}"
-            )
-        if self.clean.shape != self.corrupted.shape:
-            raise ValueError(
-                f"clean and corrupted must have the same shape (one token count a prompt), "
-                f"got {tuple(self.clean.shape)} and {tuple(self.corrupted.shape)}"
-            )
-        for field in ("answer", "foil", "last"):
-            if tuple(getattr(self, field).shape) != (self.clean.shape[0],):
-                raise ValueError(
-                    f"{field} must hold one id a prompt, shape ({self.clean.shape[0]},), "
-                    f"got {tuple(getattr(self, field).shape)}"
-                )
-        if bool((self.answer == self.foil).any()):
-            raise ValueError("foil must differ from answer in every prompt")
-        if bool(((self.last < 0) | (self.last >= self.clean.shape[1])).any()):
-            raise ValueError(f"last must index a position of the prompts, 0..{self.clean.shape[1] - 1}")
-        if self.metric not in METRICS:
-            raise ValueError(f"metric must be one of {sorted(METRICS)}, got {self.metric!r}")
+        for field, ndim in (("clean", 2), ("corrupted", 2), ("answer", 1), ("foil", 1), ("last", 1)):
+            object.__setattr__(self, field, token_ids(getattr(self, field), field, ndim))
+        check_task_fields(self, METRICS, PARTS)
+        if not _DERIVED.get():
+            _warn_repeated(self)
 
     def __len__(self) -> int:
         return int(self.clean.shape[0])
 
     def __repr__(self) -> str:
         lengths = (self.last + 1).tolist()
+        part = "" if self.part == "all" else f", {self.part} part"
         return (
-            f"Task({self.name!r}, {len(self)} prompts of {min(lengths)} to {max(lengths)} tokens, metric {self.metric})"
+            f"Task({self.name!r}, {len(self)} prompts of {min(lengths)} to {max(lengths)} tokens, "
+            f"metric {self.metric}, counterfactual {self.counterfactual}{part})"
+        )
+
+    def subset(self, rows: Int[Tensor, " rows"], part: str | None = None) -> "Task":
+        """The prompts ``rows`` (indices, in that order) as a task of their own; ``part``: its `PARTS` name."""
+        with _derived():
+            return Task(
+                self.name, self.clean[rows], self.corrupted[rows], self.answer[rows], self.foil[rows],
+                self.last[rows], self.metric, self.counterfactual, self.part if part is None else part, self.tokenizer,
+            )  # fmt: skip
+
+    def fingerprints(self) -> Int[Tensor, " prompt"]:
+        """One 64-bit hash a prompt of its real clean and corrupted ids, answer and foil: equal prompts, equal hashes.
+
+        Example:
+            >>> import torch
+            >>> ids = torch.tensor([[1, 5], [1, 5], [2, 6]])
+            >>> task = Task("toy", ids, ids, torch.tensor([3, 3, 3]), torch.tensor([4, 4, 4]), Task.full_length(ids))
+            >>> hashes = task.fingerprints().tolist()
+            >>> hashes[0] == hashes[1] != hashes[2]
+            True
+        """
+        values = []
+        for row in range(len(self)):
+            end = int(self.last[row]) + 1
+            parts = (
+                self.clean[row, :end],
+                self.corrupted[row, :end],
+                self.answer[row : row + 1],
+                self.foil[row : row + 1],
+            )
+            digest = hashlib.blake2b(digest_size=8)
+            for part in parts:
+                digest.update(part.to(torch.int64).cpu().numpy().tobytes())
+                digest.update(b"|")
+            values.append(int.from_bytes(digest.digest(), "little", signed=True))
+        return torch.tensor(values, dtype=torch.int64)
+
+    @property
+    def prompts(self) -> Prompts:
+        """These prompts as results record them: the task's name, counterfactual, part and fingerprints."""
+        return Prompts(self.name, self.counterfactual, self.part, self.fingerprints(), self.tokenizer)
+
+    def split(self, fraction: float = 0.5, *, seed: int = 0) -> tuple["Task", "Task"]:
+        """Disjoint ``scoring`` and ``evaluation`` tasks: about ``fraction`` of the prompts scored, the rest evaluated.
+
+        As MIB scores circuits on its train split and evaluates them on another. Identical prompts
+        (equal `fingerprints`) go to the same side, so no prompt is in both; the distinct prompts
+        are shuffled with ``seed`` and the first ``round(fraction * distinct)`` (at least one, and
+        at least one left) are scored. Each side keeps the task's prompt order.
+
+        Example:
+            >>> import torch
+            >>> ids = torch.arange(12).reshape(6, 2)
+            >>> task = Task("toy", ids, ids + 1, torch.zeros(6, dtype=torch.long), torch.ones(6, dtype=torch.long),
+            ...             Task.full_length(ids))
+            >>> scoring, evaluation = task.split(0.5, seed=0)
+            >>> len(scoring), len(evaluation), scoring.part, evaluation.part
+            (3, 3, 'scoring', 'evaluation')
+        """
+        if isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction < 1:
+            raise ValueError(f"fraction must be a number in (0, 1) (the share of prompts scored), got {fraction!r}")
+        seed = check_seed(seed)
+        fingerprints = self.fingerprints().tolist()
+        distinct = list(dict.fromkeys(fingerprints))
+        if len(distinct) < 2:
+            raise ValueError(
+                f"task: {len(self)} prompts, {len(distinct)} distinct, cannot be split into two non-empty parts "
+                "with no prompt in both"
+            )
+        random.Random(seed).shuffle(distinct)
+        count = min(max(round(fraction * len(distinct)), 1), len(distinct) - 1)
+        scored = set(distinct[:count])
+        rows = torch.tensor([fp in scored for fp in fingerprints])
+        return (
+            self.subset(torch.nonzero(rows)[:, 0], "scoring"),
+            self.subset(torch.nonzero(~rows)[:, 0], "evaluation"),
         )
 
     @property
@@ -190,37 +338,38 @@ class Task:
 
     def with_metric(self, metric: str) -> "Task":
         """The same prompts read with another metric of `METRICS`."""
-        return Task(self.name, self.clean, self.corrupted, self.answer, self.foil, self.last, metric)
+        with _derived():
+            return Task(
+                self.name, self.clean, self.corrupted, self.answer, self.foil, self.last, metric, self.counterfactual,
+                self.part, self.tokenizer,
+            )  # fmt: skip
 
     @classmethod
-    def ioi(cls, model: Model, *, n: int = 64, seed: int = 0) -> "Task":
+    def ioi(cls, model: Model, *, n: int = 64, seed: int = 0, counterfactual: str = "s2-io-flip") -> "Task":
         """Indirect-object identification: "When Mary and John went to the store, John gave a drink to".
 
         Each prompt is one of Wang et al. (2023)'s fifteen templates, in the ABBA or BABA order (alternating),
         with two names that are one token each in the model's tokenizer (after the space the template
         gives them); the answer is the indirect object (``" Mary"``), the foil the subject (``" John"``).
-        The counterfactual is MIB's ABC: the three name slots filled with three other names, so
-        nothing in it says which name to give the answer to. Prompts whose clean and corrupted texts
+        The counterfactual (`IOI_COUNTERFACTUALS`) is MIB's default, ``"s2-io-flip"``: the subject's
+        second mention replaced by the indirect object ("When Mary and John went to the store, Mary
+        gave a drink to"), which asks for the other name; or ``"abc"`` (Wang et al.'s): the three name
+        slots filled with three other names, so nothing in it says which name to give the answer to.
+        The clean prompts are the same for both at one seed. Prompts whose clean and corrupted texts
         tokenise to different lengths are drawn again.
 
         Args:
             model: a causal language model with a tokenizer and an unembedding.
             n: the number of prompts.
             seed: the random seed of the templates, names, places and objects.
+            counterfactual: ``"s2-io-flip"`` or ``"abc"``.
         """
-        _check_model(model, tokenizer=True)
-        _check_count(n, "n")
-        names = _one_token_words(model, IOI_NAMES)
-        if len(names) < 5:
-            raise ValueError(f"model: its tokenizer has only {len(names)} of the IOI names as one token; 5 are needed")
-        rng = random.Random(seed)
-        prompts = []
-        for index in range(n):
-            prompts.append(_draw(partial(_ioi_prompt, model, names, rng, abba=index % 2 == 0), "ioi"))
-        return _assemble(model, "ioi", prompts)
+        return task_builders.ioi(cls, model, n=n, seed=seed, counterfactual=counterfactual)
 
     @classmethod
-    def induction(cls, model: Model, *, n: int = 64, length: int = 10, seed: int = 0) -> "Task":
+    def induction(
+        cls, model: Model, *, n: int = 64, length: int = 10, seed: int = 0, counterfactual: str = "first-copy-resampled"
+    ) -> "Task":
         """Induction: ``length`` random tokens, then the same again; the last one is to be predicted.
 
         Clean: ``r_1 .. r_L r_1 .. r_{L-1}`` (after BOS where the model prepends one); the answer is
@@ -235,26 +384,12 @@ class Task:
             n: the number of prompts.
             length: the number of tokens repeated, at least 2.
             seed: the random seed.
+            counterfactual: ``"first-copy-resampled"``, the one it offers (`INDUCTION_COUNTERFACTUALS`).
         """
-        _check_model(model, tokenizer=False)
-        _check_count(n, "n")
-        if isinstance(length, bool) or not isinstance(length, int) or length < 2:
-            raise ValueError(f"length must be an integer of at least 2 (tokens repeated), got {length!r}")
-        adapter.check_length(model, 2 * length + 1, f"length={length}: the prompt")
-        rng = random.Random(seed)
-        draw = _ordinary_tokens(model, rng)
-        bos = _bos(model)
-        prompts = []
-        for _ in range(n):
-            tokens = draw(3 * length + 1)
-            first, resampled, foil = tokens[:length], tokens[length : 2 * length], tokens[-1]
-            clean = [*bos, *first, *first[:-1]]
-            corrupted = [*bos, *resampled, *first[:-1]]
-            prompts.append((clean, corrupted, first[-1], foil))
-        return _assemble(model, "induction", prompts)
+        return task_builders.induction(cls, model, n=n, length=length, seed=seed, counterfactual=counterfactual)
 
     @classmethod
-    def capitals(cls, model: Model, *, n: int = 64, seed: int = 0) -> "Task":
+    def capitals(cls, model: Model, *, n: int = 64, seed: int = 0, counterfactual: str = "other-country") -> "Task":
         """A country's capital: "The capital of France is" -> ``" Paris"``, the foil another capital.
 
         Each prompt pairs two countries whose prompts tokenise to the same length and whose capitals
@@ -265,11 +400,12 @@ class Task:
             model: a causal language model with a tokenizer and an unembedding.
             n: the number of prompts.
             seed: the random seed of the pairs.
+            counterfactual: ``"other-country"``, the one it offers (`CAPITALS_COUNTERFACTUALS`).
         """
-        return _paired(model, "capitals", CAPITALS, n=n, seed=seed)
+        return task_builders.capitals(cls, model, n=n, seed=seed, counterfactual=counterfactual)
 
     @classmethod
-    def from_jsonl(cls, path: str | os.PathLike, model: Model, *, metric: str = "logit_diff") -> "Task":
+    def from_jsonl(cls, model: Model, path: Any, *, metric: str = "logit_diff") -> "Task":
         """A user's task: one JSON object a line, ``{"clean": ..., "corrupted": ..., "answer": ..., "foil": ...}``.
 
         All four fields are strings. ``clean`` and ``corrupted`` are texts tokenised as the model
@@ -277,7 +413,12 @@ class Task:
         are the next tokens compared at the end of the text, each exactly one token as written,
         leading space included (``" Mary"``), and different. Blank lines are skipped; other fields
         are ignored. The task is named after the file. Every line is checked before any is used,
-        and a bad one is refused naming its line number and field.
+        and a bad one is refused naming the file, its line number and the field: a line that is
+        not UTF-8 (the file is read as UTF-8, a byte-order mark and Windows line ends allowed), an
+        answer or foil that is not the token read after the clean text (``"Paris"`` without its
+        space), a prompt longer than the model's context. The model comes first, as in every call
+        (the earlier order, ``(path, model)``, still works with a ``FutureWarning``). ``path``: a
+        ``str`` or ``os.PathLike``.
 
         Example:
             >>> import json, tempfile
@@ -286,316 +427,31 @@ class Task:
             ...        "answer": " Paris", "foil": " Tokyo"}
             >>> path = tempfile.mkdtemp() + "/capitals.jsonl"
             >>> _ = open(path, "w").write(json.dumps(row) + "\\n")
-            >>> Task.from_jsonl(path, load_skeleton())
-            Task('capitals', 1 prompts of 6 to 6 tokens, metric logit_diff)
+            >>> Task.from_jsonl(load_skeleton(), path)
+            Task('capitals', 1 prompts of 6 to 6 tokens, metric logit_diff, counterfactual custom)
         """
-        _check_model(model, tokenizer=True)
+        if isinstance(model, str | os.PathLike):  # the order before the model came first, as in every other call
+            warnings.warn(
+                "Task.from_jsonl(path, model) is the earlier order: pass the model first, as every other call "
+                "does, Task.from_jsonl(model, path)",
+                FutureWarning,
+                stacklevel=2,
+            )
+            model, path = path, model
         if metric not in METRICS:
             raise ValueError(f"metric must be one of {sorted(METRICS)}, got {metric!r}")
-        file = Path(path)
-        if not file.is_file():
-            raise ValueError(f"path: no such file: {file}")
-        prompts = []
-        for number, line in enumerate(file.read_text(encoding="utf-8").splitlines(), start=1):
-            if line.strip():
-                prompts.append(_jsonl_prompt(model, line, f"{file}, line {number}"))
-        if not prompts:
-            raise ValueError(f"path: {file} holds no task line")
-        return _assemble(model, file.stem, prompts, metric=metric)
+        return task_builders.from_jsonl(cls, model, path, metric=metric)
 
 
-Prompt = tuple[list[int], list[int], int, int]
-"""One prompt as token ids: clean, corrupted (same length), answer, foil."""
-
-
-def _check_model(model: Model, *, tokenizer: bool) -> None:
-    """Refuse, before any pass, a model a circuit task cannot run on."""
-    if not adapter.is_causal_model(model):
-        raise ValueError(
-            "model: an encoder (bidirectional attention) has no next-token prediction to explain; "
-            "circuit tasks need a causal language model"
+_MOVED = ("IOI_TEMPLATES", "IOI_PLACES", "IOI_OBJECTS", "IOI_NAMES", "IOI_SLOTS", "CAPITALS")
+__getattr__, _ = face(
+    __name__,
+    {},
+    {
+        name: (
+            f"contribution_lens.circuits.task_builders:{name}",
+            f"use contribution_lens.circuits.task_builders.{name}",
         )
-    try:
-        adapter.unembedding(model)
-    except ValueError as error:
-        raise ValueError(f"model: {error}") from None
-    if tokenizer and getattr(model, "tokenizer", None) is None:
-        raise ValueError("model: this task is built from text and the model has no tokenizer")
-
-
-def _check_count(n: Any, name: str) -> None:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{name} must be a positive integer (the number of prompts), got {n!r}")
-
-
-def _bos(model: Model) -> list[int]:
-    bos = adapter.bos_to_prepend(model)
-    return [] if bos is None else [bos]
-
-
-def _encode(model: Model, text: str) -> list[int]:
-    """``text``'s ids without special tokens (BOS is the caller's, by the model's convention)."""
-    return list(model.tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def _one_token_words(model: Model, words: Sequence[str]) -> list[str]:
-    """The words that are one token each, with the leading space they are written with."""
-    return [word for word in words if len(_encode(model, word)) == 1]
-
-
-def _draw(make: Callable[[], Prompt | None], name: str, attempts: int = 200) -> Prompt:
-    """The first prompt ``make`` accepts (None: drawn again), refused after ``attempts`` tries."""
-    for _ in range(attempts):
-        prompt = make()
-        if prompt is not None:
-            return prompt
-    raise ValueError(
-        f"model: no {name} prompt with clean and corrupted of equal token counts in {attempts} draws "
-        "(its tokenizer splits the words differently)"
-    )
-
-
-def _texts_prompt(model: Model, clean: str, corrupted: str, answer: str, foil: str) -> Prompt | None:
-    """Token ids of one prompt, or None where the lengths differ or a word is not one token in context."""
-    bos = _bos(model)
-    clean_ids, corrupted_ids = [*bos, *_encode(model, clean)], [*bos, *_encode(model, corrupted)]
-    answer_ids, foil_ids = _encode(model, answer), _encode(model, foil)
-    if len(clean_ids) != len(corrupted_ids) or len(answer_ids) != 1 or len(foil_ids) != 1:
-        return None
-    # The answer must be the token the model reads after the clean text, not a merge across the boundary.
-    if [*bos, *_encode(model, clean + answer)] != [*clean_ids, answer_ids[0]]:
-        return None
-    return clean_ids, corrupted_ids, answer_ids[0], foil_ids[0]
-
-
-def _assemble(model: Model, name: str, prompts: Sequence[Prompt], *, metric: str = "logit_diff") -> Task:
-    """Right-pad the prompts with the model's pad id to one length and set ``last``."""
-    length = max(len(clean) for clean, *_ in prompts)
-    adapter.check_length(model, length, f"the longest {name} prompt")
-    clean = torch.full((len(prompts), length), adapter.pad_id(model), dtype=torch.long)
-    corrupted = clean.clone()
-    for row, (clean_ids, corrupted_ids, _, _) in enumerate(prompts):
-        clean[row, : len(clean_ids)] = torch.tensor(clean_ids)
-        corrupted[row, : len(corrupted_ids)] = torch.tensor(corrupted_ids)
-    answer = torch.tensor([prompt[2] for prompt in prompts])
-    foil = torch.tensor([prompt[3] for prompt in prompts])
-    last = torch.tensor([len(prompt[0]) - 1 for prompt in prompts])
-    adapter.check_token_ids(model, torch.cat([clean.flatten(), corrupted.flatten(), answer, foil]))
-    return Task(name, clean, corrupted, answer, foil, last, metric)
-
-
-# Wang et al. 2023's templates (their ioi_dataset.py, BABA form); {a} {b} are the first two names,
-# {s} the subject's repetition, {io} never appears: the prompt stops where it would be said.
-IOI_TEMPLATES: tuple[str, ...] = (
-    "Then, {a} and {b} went to the {place}. {s} gave a {object} to",
-    "Then, {a} and {b} had a lot of fun at the {place}. {s} gave a {object} to",
-    "Then, {a} and {b} were working at the {place}. {s} decided to give a {object} to",
-    "Then, {a} and {b} were thinking about going to the {place}. {s} wanted to give a {object} to",
-    "Then, {a} and {b} had a long argument, and afterwards {s} said to",
-    "After {a} and {b} went to the {place}, {s} gave a {object} to",
-    "When {a} and {b} got a {object} at the {place}, {s} decided to give it to",
-    "When {a} and {b} got a {object} at the {place}, {s} decided to give the {object} to",
-    "While {a} and {b} were working at the {place}, {s} gave a {object} to",
-    "While {a} and {b} were commuting to the {place}, {s} gave a {object} to",
-    "After the lunch, {a} and {b} went to the {place}. {s} gave a {object} to",
-    "Afterwards, {a} and {b} went to the {place}. {s} gave a {object} to",
-    "Then, {a} and {b} had a long argument. Afterwards {s} said to",
-    "The {place} {a} and {b} went to had a {object}. {s} gave it to",
-    "Friends {a} and {b} found a {object} at the {place}. {s} gave it to",
+        for name in _MOVED
+    },
 )
-IOI_PLACES = ("store", "garden", "restaurant", "school", "hospital", "office", "house", "station")
-IOI_OBJECTS = ("ring", "kiss", "bone", "basketball", "computer", "necklace", "drink", "snack")
-IOI_NAMES: tuple[str, ...] = tuple(
-    " " + name
-    for name in (
-        "Mary John Tom James Dan Sid Martin Amy Lisa Michael Alice Kate Paul Anna David Mark Sarah Peter "
-        "Emma Jack Laura Steve Chris Rachel George Jane Adam Eric Max Sam Ben Tim Joe Bob Jessica Henry "
-        "Sophie Daniel Charles Susan Robert Helen Frank Julia Lucy Jacob Andrew Carl Emily Anne"
-    ).split()
-)
-
-
-def _ioi_prompt(model: Model, names: Sequence[str], rng: random.Random, *, abba: bool) -> Prompt | None:
-    template = rng.choice(IOI_TEMPLATES)
-    place, thing = rng.choice(IOI_PLACES), rng.choice(IOI_OBJECTS)
-    io, s, c, d, e = (name.strip() for name in rng.sample(list(names), 5))
-    first, second = (io, s) if abba else (s, io)
-    clean = template.format(a=first, b=second, s=s, place=place, object=thing)
-    corrupted = template.format(a=c, b=d, s=e, place=place, object=thing)
-    return _texts_prompt(model, clean, corrupted, " " + io, " " + s)
-
-
-CAPITALS: tuple[tuple[str, str], ...] = tuple(
-    (f"The capital of {country} is", f" {capital}")
-    for country, capital in (
-        ("France", "Paris"), ("Germany", "Berlin"), ("Japan", "Tokyo"), ("Italy", "Rome"),
-        ("Spain", "Madrid"), ("Russia", "Moscow"), ("China", "Beijing"), ("Egypt", "Cairo"),
-        ("Greece", "Athens"), ("England", "London"), ("Canada", "Ottawa"), ("Austria", "Vienna"),
-        ("Poland", "Warsaw"), ("Ireland", "Dublin"), ("Portugal", "Lisbon"), ("Norway", "Oslo"),
-        ("Sweden", "Stockholm"), ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Cuba", "Havana"),
-        ("Thailand", "Bangkok"), ("Turkey", "Ankara"), ("Iran", "Tehran"), ("India", "Delhi"),
-        ("Denmark", "Copenhagen"), ("Finland", "Helsinki"), ("Hungary", "Budapest"), ("Belgium", "Brussels"),
-    )
-)  # fmt: skip
-"""(prompt, answer) pairs of `Task.capitals`."""
-
-
-def _paired(model: Model, name: str, items: Sequence[tuple[str, str]], *, n: int, seed: int) -> Task:
-    """Prompts of two items each: the first's text and answer (clean), the second's text and answer (foil)."""
-    _check_model(model, tokenizer=True)
-    _check_count(n, "n")
-    rng = random.Random(seed)
-    pairs = [
-        prompt
-        for (clean, answer) in items
-        for (corrupted, foil) in items
-        if answer != foil and (prompt := _texts_prompt(model, clean, corrupted, answer, foil)) is not None
-    ]
-    if not pairs:
-        raise ValueError(f"model: no {name} pair has clean and corrupted of equal token counts in its tokenizer")
-    rng.shuffle(pairs)
-    return _assemble(model, name, [pairs[index % len(pairs)] for index in range(n)])
-
-
-def _ordinary_tokens(model: Model, rng: random.Random) -> Callable[[int], list[int]]:
-    """A sampler of ``k`` distinct ordinary token ids (words that decode and encode back to one id)."""
-    tokenizer = getattr(model, "tokenizer", None)
-    d_vocab = int(model.cfg.d_vocab)
-    special = set() if tokenizer is None else {int(i) for i in tokenizer.all_special_ids}
-
-    # Words with their leading space where the tokenizer writes one (BPE), so the tokens read as words.
-    spaced = tokenizer is not None and tokenizer.decode(_encode(model, " the")).startswith(" ")
-    word = re.compile(r"^ [A-Za-z]{2,}$" if spaced else r"^[A-Za-z]{2,}$")
-
-    def ordinary(token: int) -> bool:
-        if tokenizer is None:
-            return True
-        if token in special or token >= len(tokenizer):
-            return False
-        text = tokenizer.decode([token])
-        return bool(word.match(text)) and _encode(model, text) == [token]
-
-    def draw(k: int) -> list[int]:
-        chosen: list[int] = []
-        for _ in range(200 * k):
-            token = rng.randrange(d_vocab)
-            if token not in chosen and ordinary(token):
-                chosen.append(token)
-                if len(chosen) == k:
-                    return chosen
-        raise ValueError(f"model: fewer than {k} ordinary tokens found in its vocabulary of {d_vocab}")
-
-    return draw
-
-
-_FIELDS = ("clean", "corrupted", "answer", "foil")
-
-
-def _jsonl_prompt(model: Model, line: str, where: str) -> Prompt:
-    """One line of a task file checked field by field; every refusal names ``where`` and the field."""
-    try:
-        row = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{where}: not a JSON object ({error.msg})") from None
-    if not isinstance(row, dict):
-        raise ValueError(f"{where}: not a JSON object with fields {', '.join(_FIELDS)}")
-    for field in _FIELDS:
-        if field not in row:
-            raise ValueError(f"{where}: field {field!r} is missing")
-        if not isinstance(row[field], str) or not row[field]:
-            raise ValueError(f"{where}: field {field!r} must be a non-empty string, got {row[field]!r}")
-    bos = _bos(model)
-    clean, corrupted = [*bos, *_encode(model, row["clean"])], [*bos, *_encode(model, row["corrupted"])]
-    if len(clean) != len(corrupted):
-        raise ValueError(
-            f"{where}: field 'corrupted' is {len(corrupted)} tokens long and field 'clean' {len(clean)}; "
-            "they must have the same token count"
-        )
-    ids = {}
-    for field in ("answer", "foil"):
-        tokens = _encode(model, row[field])
-        if len(tokens) != 1:
-            raise ValueError(f"{where}: field {field!r} ({row[field]!r}) is {len(tokens)} tokens; it must be one token")
-        ids[field] = tokens[0]
-    if ids["answer"] == ids["foil"]:
-        raise ValueError(f"{where}: field 'foil' is the same token as field 'answer' ({row['answer']!r})")
-    return clean, corrupted, ids["answer"], ids["foil"]
-
-
-@dataclass(frozen=True)
-class TaskReport:
-    """Whether a model does a task: clean accuracy and mean logit difference with a bootstrap interval.
-
-    ``logit_diff[p] = z_p(t_p) - z_p(f_p)`` on the clean prompts; ``accuracy`` the share with
-    ``logit_diff > 0``; ``low``, ``high`` the percentile bootstrap interval (``level``) of the mean
-    over prompts. ``done`` is ``low > 0``: the interval excludes 0 on the side of the answer.
-    """
-
-    task: str
-    logit_diff: Float[Tensor, " prompt"]
-    accuracy: float
-    mean: float
-    low: float
-    high: float
-    level: float = 0.95
-
-    @property
-    def done(self) -> bool:
-        return self.low > 0
-
-    def __repr__(self) -> str:
-        percent = round(100 * self.level)
-        return (
-            f"TaskReport({self.task!r}, {self.logit_diff.shape[0]} prompts: accuracy {self.accuracy:.3f}, "
-            f"logit difference {self.mean:.3f} [{self.low:.3f}, {self.high:.3f}] ({percent} %))"
-        )
-
-
-def bootstrap_mean_interval(
-    values: np.ndarray, *, resamples: int = 1000, seed: int = 0, level: float = 0.95
-) -> tuple[float, float]:
-    """The percentile bootstrap interval of ``values``'s mean (``resamples`` draws with replacement)."""
-    rng = np.random.default_rng(seed)
-    draws = rng.integers(0, len(values), size=(resamples, len(values)))
-    means = values[draws].mean(axis=1)
-    tail = (1 - level) / 2
-    return float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
-
-
-def task_report(
-    model: Model, task: Task, *, batch_size: int = 16, resamples: int = 1000, seed: int = 0, level: float = 0.95
-) -> TaskReport:
-    """Run the clean prompts and report the model's accuracy and mean logit difference on ``task``.
-
-    Warns (``UserWarning``) where the interval of the mean logit difference includes 0 or lies
-    below it: the model does not do the task, and a circuit found for it explains noise.
-    """
-    _check_model(model, tokenizer=False)
-    _check_count(batch_size, "batch_size")
-    _check_count(resamples, "resamples")
-    if not 0 < level < 1:
-        raise ValueError(f"level must lie in (0, 1), got {level!r}")
-    adapter.check_token_ids(model, torch.cat([task.clean.flatten(), task.answer, task.foil]))
-    diff = task.with_metric("logit_diff")
-    values = []
-    for start in range(0, len(task), batch_size):
-        rows = slice(start, start + batch_size)
-        batch = adapter.to_token_batch(model, task.clean[rows], attention_mask=task.attention_mask[rows])
-        logits = adapter.forward(model, batch)[:, : batch.tokens.shape[1]]
-        part = Task(
-            task.name, task.clean[rows], task.corrupted[rows], task.answer[rows], task.foil[rows], task.last[rows]
-        )
-        values.append(part.metric_values(logits).cpu())
-    logit_diff = torch.cat(values)
-    array = logit_diff.double().numpy()
-    low, high = bootstrap_mean_interval(array, resamples=resamples, seed=seed, level=level)
-    report = TaskReport(diff.name, logit_diff, float((array > 0).mean()), float(array.mean()), low, high, level)
-    if not report.done:
-        warnings.warn(
-            f"the model does not do the task {task.name!r}: the {round(100 * level)} % interval of its mean logit "
-            f"difference, [{low:.3g}, {high:.3g}], is not above 0 (accuracy {report.accuracy:.2f}); "
-            "a circuit found for it would explain noise",
-            UserWarning,
-            stacklevel=2,
-        )
-    return report

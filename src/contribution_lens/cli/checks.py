@@ -76,7 +76,7 @@ def device(option: str, name: str | None) -> str | None:
 
 def text_protocols(option: str, protocols: Sequence[str], choice_data: Sequence[str]) -> tuple[str, ...]:
     """Protocols that take every data set given: a text-only one (``prediction``) refuses multiple choice."""
-    from contribution_lens.faithfulness.protocols import PROTOCOLS
+    from contribution_lens.faithfulness.registry import PROTOCOLS
 
     text_only = [name for name in protocols if PROTOCOLS[name].text_only]
     if text_only and choice_data:

@@ -50,7 +50,7 @@ def add_options(
         if not meta.cli:
             continue
         default = (defaults or {}).get(f.name, f.default)
-        kwargs: dict[str, Any] = {"help": meta.help, "dest": f.name}
+        kwargs: dict[str, Any] = {"help": meta.help() if callable(meta.help) else meta.help, "dest": f.name}
         if isinstance(default, bool):
             kwargs.update(action="store_true", default=default)
         elif meta.many:

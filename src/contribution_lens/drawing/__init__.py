@@ -1,4 +1,4 @@
-"""Drawing: figures (`plot`) and self-contained pages (`html`) from tensors, tables and results.
+"""Drawing: figures (`plot`; the circuits' in `circuit_figures`) and self-contained pages (`html`) from results.
 
 Drawing sits *below* the results: a figure function takes a result by what it offers (its type named
 for type checkers only, under ``TYPE_CHECKING``) and knows no method registry, so every result's

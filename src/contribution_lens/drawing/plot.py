@@ -41,7 +41,10 @@ if TYPE_CHECKING:
 
 __getattr__, _ = face(
     __name__,
-    {},
+    {  # the circuits' figures, drawn in their own module of this layer
+        "circuit_figure": "contribution_lens.drawing.circuit_figures:circuit_figure",
+        "faithfulness_figure": "contribution_lens.drawing.circuit_figures:faithfulness_figure",
+    },
     {
         "compare_measures": (
             "contribution_lens.views.overview:compare_measures",

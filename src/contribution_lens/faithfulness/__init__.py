@@ -65,7 +65,7 @@ _EXPORTS = {
         for name in ("run", "plan_run", "RunPlan", "merge_records", "clean_run", "conditions")
     },
     **{name: f"{_HERE}.results:{name}" for name in ("FaithfulnessRun", "mean_over_ratios", "read_records")},
-    **{name: f"{_HERE}.protocols:{name}" for name in ("PROTOCOLS", "register_protocol")},
+    **{name: f"{_HERE}.registry:{name}" for name in ("PROTOCOLS", "register_protocol")},
     **{
         name: f"{_HERE}.removal:{name}"
         for name in ("RemovalProtocol", "CleanRun", "Condition", "masked_forward", "removal_edit",
@@ -136,7 +136,7 @@ __getattr__, __dir__ = face(__name__, _EXPORTS, _DEPRECATED)
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerly
     from contribution_lens.choices import MODES, RANKINGS
     from contribution_lens.faithfulness import data, protocols, removal, report, results, runner, settings, statistics
-    from contribution_lens.faithfulness.protocols import PROTOCOLS, register_protocol
+    from contribution_lens.faithfulness.registry import PROTOCOLS, register_protocol
     from contribution_lens.faithfulness.removal import (
         NOTHING_REMOVED,
         CleanRun,

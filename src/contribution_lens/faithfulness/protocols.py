@@ -24,7 +24,8 @@
   top ``1 - r`` of the tokens.
 
 A new protocol subclasses `RemovalProtocol` (``name``, ``description``, `keep`) and is added with
-`register_protocol`; the run, the CLI's ``--protocol`` and the reports then take it by name.
+`register_protocol` (`contribution_lens.faithfulness.registry`); the run, the CLI's ``--protocol`` and the
+reports then take it by name.
 """
 
 from collections.abc import Sequence
@@ -33,6 +34,7 @@ import torch
 from torch import Tensor
 
 from contribution_lens import adapter
+from contribution_lens.faithfulness.registry import PROTOCOLS, describe, register_protocol  # noqa: F401  (read here before)
 from contribution_lens.faithfulness.removal import CleanRun, Condition, RemovalProtocol, removal_keep_mask
 
 
@@ -117,21 +119,5 @@ class Prediction(RemovalProtocol):
         return clean.cache[condition]
 
 
-PROTOCOLS: dict[str, RemovalProtocol] = {}
-
-
-def register_protocol(protocol: RemovalProtocol) -> RemovalProtocol:
-    """Add a removal protocol to `PROTOCOLS` under its name (replacing one of the same name)."""
-    if not protocol.name:
-        raise ValueError("a removal protocol needs a name")
-    PROTOCOLS[protocol.name] = protocol
-    return protocol
-
-
-def describe(name: str) -> str:
-    """``"masking at every layer"`` for ``"every_layer"``; the name itself for unknown protocols."""
-    return PROTOCOLS[name].description if name in PROTOCOLS else name
-
-
-for _protocol in (EveryLayer(), OneLayer(), InputDeletion(), Prediction()):
-    register_protocol(_protocol)
+BUILT_IN = (EveryLayer(), OneLayer(), InputDeletion(), Prediction())
+"""The package's own protocols, in the order `PROTOCOLS` lists them."""

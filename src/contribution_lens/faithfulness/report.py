@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from contribution_lens.choices import MODES
 from contribution_lens.drawing import html, plot
 from contribution_lens.faithfulness import statistics
-from contribution_lens.faithfulness.protocols import describe
+from contribution_lens.faithfulness.registry import describe
 
 
 def verdict_sentence(row: Any, *, with_task: bool = False) -> str:

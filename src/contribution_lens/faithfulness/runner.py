@@ -39,7 +39,7 @@ from contribution_lens import adapter
 from contribution_lens.choices import Granularity
 from contribution_lens.engine import map_layers
 from contribution_lens.faithfulness import data
-from contribution_lens.faithfulness.protocols import PROTOCOLS
+from contribution_lens.faithfulness.registry import PROTOCOLS
 from contribution_lens.faithfulness.removal import NOTHING_REMOVED, CleanRun, Condition, LayerScores, masked_forward
 from contribution_lens.faithfulness.results import STATE, FaithfulnessRun, read_records, records_text
 from contribution_lens.faithfulness.settings import DataSettings, RunOptions, Settings, task_name

@@ -50,9 +50,17 @@ def _methods() -> tuple[str, ...]:
 
 
 def _protocols() -> tuple[str, ...]:
-    from contribution_lens.faithfulness.protocols import PROTOCOLS
+    from contribution_lens.faithfulness.registry import PROTOCOLS
 
     return tuple(PROTOCOLS)
+
+
+def _methods_help() -> str:
+    return f"comma-separated registered methods ({', '.join(_methods())}), or 'all' (the four measures and random)"
+
+
+def _protocols_help() -> str:
+    return f"comma-separated removal protocols ({', '.join(_protocols())}), or 'all' (each one: docs/faithfulness.md)"
 
 
 def _layers(value: Any) -> None:
@@ -66,9 +74,7 @@ class Settings:
 
     methods: tuple[str, ...] | str = option(
         "all",
-        "comma-separated registered methods, or 'all' (the four measures + random); kobayashi (the layer-level "
-        "norm), the peers alti, alti_rollout, value_zeroing (about one block pass per token and layer) and "
-        "grad_attention by name",
+        _methods_help,
         parse=parse_names,
         check=subset(_methods, all_word=True),
     )
@@ -91,10 +97,7 @@ class Settings:
     seed: int = option(0, "seed of the random control")
     protocols: tuple[str, ...] | str = option(
         ("every_layer",),
-        "comma-separated removal protocols, or 'all': every_layer (mask values at every scored layer), "
-        "one_layer (one scored layer at a time), input_deletion (delete keys from each query's view at every "
-        "layer, softmax renormalised), prediction (delete the input tokens of each text's last prediction, "
-        "ranked at that position, from every query at every layer; text data only)",
+        _protocols_help,
         flag="--protocol",
         parse=parse_names,
         check=subset(_protocols, all_word=True),

@@ -64,7 +64,7 @@ from torch import Tensor
 from contribution_lens import adapter
 from contribution_lens.decomposition import projected_values
 from contribution_lens.engine import map_layers
-from contribution_lens.methods.registry import Method, ScoreContext, normalise_rows, prepared_score
+from contribution_lens.methods.method import Method, ScoreContext, normalise_rows, prepared_score
 
 ALTI_MAX_ELEMENTS = 2**24
 """Largest ``[batch query key d_model]`` block ALTI builds (chunks of queries stay under it)."""
@@ -78,7 +78,7 @@ def alti_contributions(
     resid_pre: Float[Tensor, "batch query d_model"],
     valid: Bool[Tensor, "batch query key"],
     *,
-    norm: adapter.PostNorm | None = None,
+    norm: adapter.Norm | None = None,
     max_elements: int = ALTI_MAX_ELEMENTS,
 ) -> Float[Tensor, "batch query key"]:
     """ALTI ``c_ij`` of one attention block (see the module docstring), rows summing to 1.
@@ -121,7 +121,7 @@ def _transformed(
     b_O: Tensor | None,
     start: int,
     offset: int,
-    norm: adapter.PostNorm | None,
+    norm: adapter.Norm | None,
 ) -> tuple[Float[Tensor, "batch query key d_model"], Float[Tensor, "batch query d_model"]]:
     """``T'_i(x_j)`` and ``y_i`` for the queries ``start .. start + chunk`` (``offset``: key index of query 0)."""
     transformed = einops.einsum(alpha, vt, "batch head query key, batch head key d_model -> batch query key d_model")
@@ -132,13 +132,15 @@ def _transformed(
     if norm is None:
         return transformed, summed
     # Post-LN: the linear part of the LayerNorm (centring, gamma) and the query's 1 / sigma_i.
+    assert norm.eps is not None  # `adapter.post_norm` gives none without it
     sigma = (summed.var(-1, unbiased=False, keepdim=True) + norm.eps).sqrt()
-    gamma = norm.weight.to(transformed.dtype)
-    transformed = (transformed - transformed.mean(-1, keepdim=True)) * gamma / sigma[:, :, None]
+    gamma = norm.gain
+    centred = transformed - transformed.mean(-1, keepdim=True)
+    transformed = (centred if gamma is None else centred * gamma.to(transformed.dtype)) / sigma[:, :, None]
     return transformed, adapter.apply_post_norm(norm, summed)
 
 
-def block_norms(model: adapter.Model, layers: Sequence[int]) -> dict[int, adapter.PostNorm | None]:
+def block_norms(model: adapter.Model, layers: Sequence[int]) -> dict[int, adapter.Norm | None]:
     """Per layer, the LayerNorm ALTI maps each vector through (post-LN) or None (pre-LN).
 
     Refused, naming the form, where a layer's block is neither (`adapter.block_forms`).
@@ -155,7 +157,7 @@ def block_norms(model: adapter.Model, layers: Sequence[int]) -> dict[int, adapte
     return {layer: adapter.post_norm(model, layer) if forms[layer] == adapter.POST_LN else None for layer in layers}
 
 
-def alti_layer(layer: adapter.LayerInputs, norm: adapter.PostNorm | None) -> Float[Tensor, "batch query key"]:
+def alti_layer(layer: adapter.LayerInputs, norm: adapter.Norm | None) -> Float[Tensor, "batch query key"]:
     """`alti_contributions` of one layer, reading ``hook_resid_pre``, in the form ``norm`` says."""
     valid = layer.decompose().valid
     x = layer.captured[adapter.RESID_PRE]

@@ -15,7 +15,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from contribution_lens.adapter import LayerInputs
-from contribution_lens.methods.registry import Method, ScoreContext
+from contribution_lens.methods.method import Method, ScoreContext
 
 
 def text_seed(seed: int, token_ids: list[int], layer: int) -> int:

@@ -26,7 +26,8 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from contribution_lens.decomposition import MEASURES, Decomposition, Scope, decompose
-from contribution_lens.methods.registry import Method, available_methods, get_method
+from contribution_lens.methods.method import Method
+from contribution_lens.methods.registry import available_methods, get_method
 
 
 def attention(d: Decomposition) -> Float[Tensor, "batch head query key"]:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from contribution_lens import adapter
 from contribution_lens.losses import mean_token_nll
-from contribution_lens.methods.registry import Method, ScoreContext, prepared_score
+from contribution_lens.methods.method import Method, ScoreContext, prepared_score
 
 
 def attention_gradients(

@@ -36,7 +36,7 @@ from torch import Tensor
 
 from contribution_lens.adapter import LayerInputs
 from contribution_lens.decomposition import projected_values
-from contribution_lens.methods.registry import Method, ScoreContext
+from contribution_lens.methods.method import Method, ScoreContext
 
 
 def layer_norms(

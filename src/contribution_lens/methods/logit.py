@@ -20,7 +20,7 @@ from torch import Tensor
 
 from contribution_lens import adapter
 from contribution_lens.analyses.logit_attribution import attribute_positions
-from contribution_lens.methods.registry import Method, prepared_score
+from contribution_lens.methods.method import Method, prepared_score
 
 
 def last_prediction_scores(

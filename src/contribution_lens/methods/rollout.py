@@ -34,7 +34,7 @@ from torch import Tensor
 from contribution_lens import adapter, mixing
 from contribution_lens._lazy import face
 from contribution_lens.engine import map_layers
-from contribution_lens.methods.registry import Method, prepared_score
+from contribution_lens.methods.method import Method, prepared_score
 
 _MOVED = {
     name: (f"contribution_lens.mixing:{name}", f"use contribution_lens.mixing.{name}")

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from contribution_lens import adapter
 from contribution_lens.decomposition import valid_positions
-from contribution_lens.methods.registry import Method, normalise_rows, prepared_score
+from contribution_lens.methods.method import Method, normalise_rows, prepared_score
 
 VALUE_ZEROING_MAX_ELEMENTS = 2**24
 """Largest ``[variant head query key]`` pattern one value-zeroing block call may build."""

@@ -7,36 +7,40 @@ there: its score at each key split over the upstream components (``log alpha_ij 
 sum of advantages, `contribution_lens.qk_attribution`). MLPs, the embeddings and the logits have no
 attention pattern: a click on them opens nothing and says so.
 
-Live (`CircuitInspector` displayed in JupyterLab) the figure is a plotly ``FigureWidget`` whose
-clicks reach the kernel, which sets the inspector's ``layer``, ``head`` and ``query`` and sends the
-why row. Static (`CircuitInspector.write_html`) the page is the inspector's own
+Live (`CircuitInspector` displayed in JupyterLab) the view is one widget, the inspector's, which
+draws the circuit beside its view (``static/circuit.js``; above it on a narrow screen): a click sets
+the inspector's ``layer``, ``head`` and ``query`` and asks the kernel for the why row, and the
+inspector's answer is brought into sight. Its outputs are the circuit as an image, then the
+inspector's still and its widget; both images name the widget in their metadata, which hides them
+while it is live and keeps the still current (`contribution_lens.views.inspector.still`): with no
+kernel, a reopened notebook and an export show the circuit and the last view. Static
+(`CircuitInspector.write_html`) the page is the inspector's own
 (`contribution_lens.views.inspector.page`) holding the layers of the circuit's heads and their why
-rows at ``i``, with the circuit above it (``static/circuit.js``): every head opens offline.
+rows at ``i``, with the circuit beside it: every head opens offline.
 """
 
-import html
+import base64
+import json
 import math
 import re
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 import plotly.graph_objects as go
 
 from contribution_lens import adapter
 from contribution_lens.choices import as_count, as_index
-from contribution_lens.circuits.figures import circuit_figure
 from contribution_lens.circuits.graph import circuit_graph
 from contribution_lens.circuits.scoring import Circuit, CircuitScores, check_task
 from contribution_lens.circuits.task import Task
+from contribution_lens.drawing.circuit_figures import circuit_figure
 from contribution_lens.views.inspector import page
 from contribution_lens.views.inspector.subject import InspectorError
 from contribution_lens.views.inspector.widget import Inspector, inspect
 from contribution_lens.views.inspector.windows import DEFAULT_TOKENS
-
-if TYPE_CHECKING:
-    import ipywidgets
 
 MAX_EDGES = 200
 """The most edges drawn (the strongest by ``|score|``; all alike without scores): more hide the nodes."""
@@ -102,11 +106,12 @@ def chosen_circuit(
 def circuit_tables(
     circuit: Circuit, scores: CircuitScores | None = None, *, max_edges: int = MAX_EDGES
 ) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """The tables `contribution_lens.circuits.circuit_figure` draws: the circuit's nodes and its kept edges.
+    """The tables `contribution_lens.plot.circuit_figure` draws: the circuit's nodes and its kept edges.
 
     An edge ``writer -> input`` is drawn into each node reading that input (a key or value input of
     a KV group into each of its query heads), with the input's kind (q, k, v, or "" for an MLP's or
-    the logits'); only edges between nodes of the circuit are drawn, the ``max_edges`` strongest.
+    the logits') and its name (``edge``, so the figure counts edges and lines apart); only edges
+    between nodes of the circuit are drawn, the ``max_edges`` strongest.
     Scores (node and edge) come from ``scores``; without them nodes have none and edges score 1.
 
     Example:
@@ -128,8 +133,8 @@ def circuit_tables(
         score = 1.0 if scores is None or scores.edge_scores is None else float(scores.edge_scores[e])
         for reader in graph.input_nodes[int(inputs[e])]:
             if reader in kept_nodes:
-                rows.append((graph.writers[int(writers[e])], reader, kind, score))
-    edges = pd.DataFrame(rows, columns=["upstream", "downstream", "input", "score"])
+                rows.append((graph.writers[int(writers[e])], reader, kind, score, graph.edges[e]))
+    edges = pd.DataFrame(rows, columns=["upstream", "downstream", "input", "score", "edge"])
     edges = edges.iloc[edges["score"].abs().to_numpy().argsort(kind="stable")[::-1][:max_edges]]
     return nodes, edges.sort_index().reset_index(drop=True)
 
@@ -147,8 +152,8 @@ def node_targets(nodes: Sequence[str], query: int, prompt: int) -> dict[str, dic
         if head := _HEAD.match(node):
             layer, index = int(head.group(1)), int(head.group(2))
             note = (
-                f"{node} opened below at query {query}, prompt {prompt}'s final position (where the task's metric "
-                "is read), with its why panel: the head's score at each key split over the upstream components."
+                f"{node} opened in the inspector at query {query}, prompt {prompt}'s final position (where the task's "
+                "metric is read), with its why panel: the head's score at each key split over the upstream components."
             )
             targets[node] = {"layer": layer, "head": index, "note": note}
         else:
@@ -243,7 +248,6 @@ class CircuitInspector:
         self.prompt, self.query = prompt, query
         self._window = inspector.start, inspector.tokens  # the opening window: it ends at the final position
         self._targets = targets
-        self._widgets: tuple[go.FigureWidget, ipywidgets.HTML] | None = None
 
     @property
     def heads(self) -> list[str]:
@@ -299,9 +303,10 @@ class CircuitInspector:
             "prompt": self.prompt,
             "nodes": self._targets,
             "caption": (
-                f"Click a head of the circuit to open it below at query {self.query} (prompt {self.prompt}'s final "
-                "position) with its why panel; MLPs, embeddings and logits open nothing."
+                f"Click a head of the circuit to open it in the inspector at query {self.query} "
+                f"(prompt {self.prompt}'s final position) with its why panel; MLPs, embeddings and logits open nothing."
             ),
+            "window": {"start": self._window[0], "tokens": self._window[1]},
         }
 
     @property
@@ -331,34 +336,41 @@ class CircuitInspector:
         """
         return page.write(path, self.render_html(compact=compact))
 
-    def _clicked(self, trace: Any, points: Any, state: Any) -> None:
-        """A click on the live figure's node marker: the head opened, or why not, in the note."""
-        if not points.point_inds:
-            return
-        node = str(trace.text[points.point_inds[0]])
-        _, note = self._live()
-        if "layer" not in self._targets.get(node, {"layer": None}):
-            said = self._targets[node]["note"]  # a node that is no head says what it is, as on the page
-        else:
+    def circuit_image(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The circuit as an output (MIME bundle and metadata): a PNG (kaleido) and a line, naming the live widget.
+
+        What a notebook shows of the circuit where its widget cannot run (no kernel, an export); the
+        widget hides it while it is live. Without kaleido (or a Chromium) the line alone.
+        """
+        from contribution_lens.drawing import plot
+        from contribution_lens.views.inspector.still import RUN_AGAIN
+
+        data: dict[str, Any] = {"text/plain": f"The circuit ({self.circuit!r}). {RUN_AGAIN}"}
+        metadata: dict[str, Any] = {"contribution_lens": {"circuit": True, "widget": self.inspector.model_id}}
+        with tempfile.TemporaryDirectory(prefix="cl-circuit-") as folder:
             try:
-                said = self.open(node)
-            except InspectorError as refused:  # the inspector refused (it cannot show the head): why
-                said = str(refused)
-        note.value = html.escape(said)
-
-    def _live(self) -> "tuple[go.FigureWidget, ipywidgets.HTML]":
-        """The live figure (its node marker clickable) and the note under it, made once."""
-        if self._widgets is None:
-            import ipywidgets
-
-            figure = go.FigureWidget(self.figure)
-            nodes = next(trace for trace in figure.data if trace.name == "nodes")
-            nodes.on_click(self._clicked)
-            self._widgets = figure, ipywidgets.HTML(html.escape(self.page_data()["caption"]))
-        return self._widgets
+                png = plot.save_image(self.figure, Path(folder) / "circuit.png", scale=2).read_bytes()
+            except (RuntimeError, ValueError, OSError):
+                return data, metadata
+        data["image/png"] = base64.b64encode(png).decode("ascii")
+        metadata["image/png"] = {"width": int.from_bytes(png[16:20], "big") // 2}  # the IHDR width, at scale 2
+        return data, metadata
 
     def _ipython_display_(self, **kwargs: Any) -> None:
-        """The figure, the note of the last click, then the inspector (its still and its widget)."""
-        from IPython.display import display
+        """The circuit as an image, then the inspector (its still and its widget, which draws the circuit live).
 
-        display(*self._live(), self.inspector)
+        The circuit's image takes the place of the line of the pass that built the inspector in this
+        cell, where there is one, so that it comes first.
+        """
+        from IPython.display import display, update_display
+
+        inspector = self.inspector
+        if not inspector.circuit:
+            inspector.circuit = {**self.page_data(), "figure": json.loads(self.figure.to_json())}
+        data, metadata = self.circuit_image()
+        line = inspector.pass_line()
+        if line is None:
+            display(data, raw=True, metadata=metadata)
+        else:
+            update_display(data, raw=True, metadata=metadata, display_id=line)
+        display(inspector)

@@ -186,6 +186,55 @@ SAFE_TAGS = (
 
 
 _SCRIPT_OR_STYLE = re.compile(r"<(script|style)\b[^>]*>.*?</\1\s*>", flags=re.S | re.I)
+_CODE = re.compile(r"(<(pre|code)\b.*?</\2\s*>)", flags=re.S | re.I)
+_DISPLAY_MATH = re.compile(r"\$\$(.+?)\$\$", flags=re.S)
+# Pandoc's rule for inline maths: no space just inside the dollars, no digit just after the closing one ("$5 and $6").
+_INLINE_MATH = re.compile(r"(?<![\\$])\$(?![\s$])([^$]+?)(?<![\s\\])\$(?!\d)")
+MATHML_TAGS = (
+    *("math", "semantics", "annotation", "mrow", "mi", "mn", "mo", "ms", "mtext", "mspace", "msub", "msup"),
+    *("msubsup", "mfrac", "msqrt", "mroot", "mover", "munder", "munderover", "mtable", "mtr", "mtd", "mstyle"),
+    *("mpadded", "mphantom", "menclose", "merror", "mfenced"),
+)
+"""The MathML elements `clean_html` keeps: what `math_html` writes for the formulas of markdown."""
+MATHML_ATTRIBUTES = (
+    *("xmlns", "display", "mathvariant", "stretchy", "fence", "separator", "lspace", "rspace", "width", "height"),
+    *("depth", "accent", "accentunder", "linethickness", "columnalign", "rowspacing", "columnspacing"),
+    *("movablelimits", "symmetric", "largeop", "minsize", "maxsize", "form", "scriptlevel", "displaystyle"),
+    *("notation", "open", "close", "separators", "encoding"),
+)
+
+
+def math_html(text: str) -> str:
+    """``$...$`` and ``$$...$$`` formulas of rendered markdown as MathML, which a browser draws with no script.
+
+    A sanitized export (JupyterLab's default) keeps the formulas' TeX for a MathJax it loads from a CDN:
+    offline they stay ``$...$`` source. MathML needs no script and no network (``latex2mathml``, pure
+    Python; without it, or for a formula it cannot read, the TeX stays). Code (``<pre>``, ``<code>``) is
+    left as it is.
+
+    Example:
+        >>> math_html("<p>Weights $c_{ij}$ cost $5 and $6.</p>")[:60]
+        '<p>Weights <math xmlns="http://www.w3.org/1998/Math/MathML" '
+    """
+    try:
+        from latex2mathml.converter import convert
+    except ImportError:  # formulas stay TeX: MathJax draws them online
+        return text
+
+    def formula(display: str) -> Any:
+        def replace(match: re.Match) -> str:
+            try:
+                return str(convert(html_text.unescape(match.group(1)), display=display))
+            except Exception:  # a formula latex2mathml cannot read stays TeX
+                return match.group(0)
+
+        return replace
+
+    parts = _CODE.split(text)
+    for i in range(0, len(parts), 3):  # code at 1, 4, ...: its tag name at 2, 5, ...
+        converted = _DISPLAY_MATH.sub(formula("block"), parts[i])
+        parts[i] = _INLINE_MATH.sub(formula("inline"), converted)
+    return "".join(part for i, part in enumerate(parts) if i % 3 != 2)
 
 
 def clean_html(element: str | bytes) -> str:
@@ -197,9 +246,10 @@ def clean_html(element: str | bytes) -> str:
     keeps those as well (`SAFE_TAGS`) and is otherwise stricter: a ``<script>`` or ``<style>``
     element goes whole (nbconvert's escapes it into visible text: plotly.js's source, a
     DataFrame's CSS), no event handler or ``javascript:`` link gets through (bleach escapes any
-    other tag into text), and an image may only be ``data:``, ``http(s):`` or relative. The
-    package's Jupyter server config (``jupyter_server_config.d/contribution_lens.json``) makes it
-    the ``clean_html`` filter of JupyterLab's HTML export.
+    other tag into text), and an image may only be ``data:``, ``http(s):`` or relative. Formulas
+    become MathML (`math_html`), drawn offline. The package's Jupyter server extension
+    (`contribution_lens.views.server_extension`, enabled when the package is installed) makes it the
+    ``clean_html`` filter of JupyterLab's HTML export.
 
     Example:
         >>> clean_html("<h1 id='a'>Title</h1><p>Text<script>alert(1)</script> <iframe></iframe></p>")
@@ -209,13 +259,14 @@ def clean_html(element: str | bytes) -> str:
     from bleach.css_sanitizer import CSSSanitizer
 
     text = element.decode() if isinstance(element, bytes) else str(element)
-    text = _SCRIPT_OR_STYLE.sub("", text)
+    text = math_html(_SCRIPT_OR_STYLE.sub("", text))
     return bleach.clean(
         text,
-        tags={*bleach.ALLOWED_TAGS, *SAFE_TAGS},
+        tags={*bleach.ALLOWED_TAGS, *SAFE_TAGS, *MATHML_TAGS},
         attributes={
             **bleach.ALLOWED_ATTRIBUTES,
             "*": ["class", "id"],
+            **{tag: list(MATHML_ATTRIBUTES) for tag in MATHML_TAGS},
             "img": ["src", "alt", "title", "width", "height"],
             "th": ["align"],
             "td": ["align"],

@@ -83,8 +83,8 @@ def render(
     ``steps`` (`contribution_lens.views.inspector.steps.steps_payload`) adds the step control and
     the prediction view; ``why`` (``{"queries": [...], "rows": {"layer/head/query": row}}``, rows of
     `contribution_lens.views.inspector.why.why_row`) the *why* panel of those queries; ``circuit``
-    (`contribution_lens.views.circuit_view.CircuitInspector.page_data`) a circuit drawn above the
-    inspector, whose head nodes open that head (``static/circuit.js``).
+    (`contribution_lens.views.circuit_view.CircuitInspector.page_data`) a circuit drawn beside the
+    inspector (above it on a narrow page), whose head nodes open that head (``static/circuit.js``).
     """
     data = {
         "meta": meta,
@@ -103,8 +103,10 @@ def render(
             f"<script type='text/javascript'>{plotly.offline.get_plotlyjs()}</script>",
             f"</head><body><h1>{html.escape(title)}</h1>",
             f"<div class='cl-note cl-trust'>{TRUST_HINT}</div>",
-            "<div class='cl-circuit-root'></div>" if circuit else "",
-            "<div class='cl-page-root'></div>",
+            # A circuit beside the inspector (above it where the page is narrow): circuit.js, circuitPanes.
+            "<div class='cl-circuit-layout'><div class='cl-circuit-root'></div>" if circuit else "",
+            f"<div class='cl-page-root{' cl-circuit-answer' if circuit else ''}'></div>",
+            "</div>" if circuit else "",
             f"<script type='application/json' class='cl-data'>{blob}</script>",
             "<script type='module'>",
             module(),
@@ -112,7 +114,7 @@ def render(
             "const root = document.querySelector('.cl-page-root');",
             "const data = JSON.parse(document.querySelector('.cl-data').textContent);",
             "const shown = page(root, data);",
-            "if (data.circuit) circuitView(document.querySelector('.cl-circuit-root'), data.circuit, shown);",
+            "if (data.circuit) circuitView(document.querySelector('.cl-circuit-root'), data.circuit, shown, root);",
             "</script>",
             "</body></html>",
         ]

@@ -4,9 +4,11 @@ A widget output draws nothing once its kernel is gone: JupyterLab shows "Error d
 widget: model not found" for a notebook reopened without saved widget state, and an HTML export
 (nbconvert, JupyterLab's own, sanitized or not) has no widget manager. So displaying an
 inspector writes two outputs: first the still, an ``image/png`` under a display id, then the
-widget. While its kernel answers, the widget hides the still (the output just before its own)
-and keeps it current: each view it settles on (one second without a change) is sent to the
-kernel as a PNG of what it drew, and `Still.update` replaces the still through the display id.
+widget. The still's metadata names the widget (`bundle`'s ``widget``), so the widget finds it in
+its cell by identity, not by position (a cell may hold other outputs, a circuit's image among them).
+While its kernel answers, the widget hides the still and keeps it current: each view it settles on
+(one second without a change) is sent to the kernel as a PNG of what it drew, and `Still.update`
+replaces the still through the display id.
 A view changed from Python (``inspector.layer = 5`` in a later cell, or a notebook run with no
 browser at all) is drawn by kaleido after that cell (`Still.after_cell`), when kaleido is
 installed. The image carries one line saying to run the cell again; an ``image/png`` is what
@@ -47,18 +49,22 @@ def caption(state: dict[str, Any]) -> str:
 
 
 def bundle(
-    png: bytes | None, width: int | None, state: dict[str, Any], drawn_by: str = "kaleido"
+    png: bytes | None, width: int | None, state: dict[str, Any], drawn_by: str = "kaleido", widget: str | None = None
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The still's MIME bundle and metadata: ``image/png`` (when there is one) and the line as ``text/plain``.
 
     ``width`` is the image's width in CSS pixels (a front-end drawing is sent at the screen's
     pixel density); the metadata records under ``contribution_lens`` the view (``still``: every setting,
-    `contribution_lens.views.inspector.state.NAMES`)
-    and who drew it (``drawn_by``: ``"browser"``, the widget itself, or ``"kaleido"``, in the kernel).
+    `contribution_lens.views.inspector.state.NAMES`),
+    who drew it (``drawn_by``: ``"browser"``, the widget itself, or ``"kaleido"``, in the kernel) and
+    whose still it is (``widget``: the widget's model id), by which the widget finds it in its cell,
+    wherever it is there (a cell may hold other outputs between them).
     """
     line = f"{RUN_AGAIN} ({caption(state)}: its numbers come from the Python kernel.)"
     data: dict[str, Any] = {"text/plain": line}
     metadata: dict[str, Any] = {"contribution_lens": {"still": dict(state), "drawn_by": drawn_by if png else None}}
+    if widget is not None:
+        metadata["contribution_lens"]["widget"] = widget
     if png is not None:
         data["image/png"] = base64.b64encode(png).decode("ascii")
         if width:
@@ -102,7 +108,8 @@ class Still:
     """One inspector's still: its display id, the view it shows, and how to replace it.
 
     ``draw`` gives the current view's figure (`Export.view_figure`); ``state`` its settings (`ViewTraits.view_state`);
-    ``sent`` (when given) is called with each new still's bundle and metadata: the widget sends them
+    ``widget`` is the widget's model id, recorded in every still (`bundle`); ``sent`` (when given) is called with
+    each new still's bundle and metadata: the widget sends them
     to its front-end, which writes them into a notebook whose front-end never saw the still
     displayed (reopened while its kernel ran: the display id's update reaches no output there).
     """
@@ -112,9 +119,10 @@ class Still:
         state: Callable[[], dict[str, Any]],
         draw: Callable[[], "go.Figure"],
         sent: Callable[[dict[str, Any], dict[str, Any]], None] | None = None,
+        widget: str | None = None,
     ) -> None:
         self.display_id = f"cl-still-{uuid.uuid4().hex}"
-        self._state, self._draw, self._sent = state, draw, sent
+        self._state, self._draw, self._sent, self.widget = state, draw, sent, widget
         self.shown: dict[str, Any] | None = None
         """The view the still shows (None before it is displayed)."""
         self._hooked = False
@@ -134,7 +142,7 @@ class Still:
         png, width = self._kernel_drawing() or (None, None)
         if self.shown is not None and state != self.shown:
             self.update(png, width, state)  # earlier outputs show the same live widget, so the same view
-        data, metadata = bundle(png, width, state)
+        data, metadata = bundle(png, width, state, widget=self.widget)
         if into is not None and self.shown is None:
             self.display_id = into
             update_display(data, raw=True, metadata=metadata, display_id=self.display_id)
@@ -147,7 +155,7 @@ class Still:
         """Replace every output of this still with ``png`` of ``state`` (drawn by ``drawn_by``, see `bundle`)."""
         from IPython.display import update_display
 
-        data, metadata = bundle(png, width, state, drawn_by)
+        data, metadata = bundle(png, width, state, drawn_by, self.widget)
         update_display(data, raw=True, metadata=metadata, display_id=self.display_id)
         self.shown = dict(state)
         if self._sent is not None:

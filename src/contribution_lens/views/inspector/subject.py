@@ -67,9 +67,8 @@ class Subject:
         labels = [token_label(i, t) for i, t in enumerate(batch.str_tokens[0])]
         if steps is not None:
             steps.check_model(model, labels)
-        n_heads = int(model.cfg.n_heads)
-        n_kv_heads = int(getattr(model.cfg, "n_key_value_heads", None) or n_heads)
-        return cls(model, batch, labels, offered, steps, n_heads, n_kv_heads, adapter.is_causal_model(model))
+        facts = adapter.anatomy_of(model)
+        return cls(model, batch, labels, offered, steps, facts.n_heads, facts.n_kv_heads, facts.causal)
 
     def window(self, start: int, tokens: int) -> Window:
         """The token window of ``tokens`` queries from ``start`` (`token_window`)."""

@@ -145,7 +145,10 @@ class Inspector(ViewTraits):
     payload = traitlets.Dict().tag(sync=True)
     model_ref = traitlets.Unicode("").tag(sync=True)
     """The widget's own model id: a front-end without a kernel (restored from saved widget state, or its kernel
-    restarted) finds by it the still before each of its outputs, and writes the view it draws there."""
+    restarted) finds by it the stills of its outputs (their metadata names it), and writes the view it draws there."""
+    circuit = traitlets.Dict().tag(sync=True)
+    """A circuit drawn beside the view, whose head nodes open that head (`contribution_lens.inspect_circuit` sets it:
+    `contribution_lens.views.circuit_view.CircuitInspector.page_data`); empty for a plain inspector."""
 
     def __init__(self, subject: Subject, opening: dict[str, Any]) -> None:
         """The widget of ``subject`` opened on ``opening`` (both checked: build it with `inspect`)."""
@@ -158,7 +161,7 @@ class Inspector(ViewTraits):
         sent = {} if subject.steps is None else {"steps": steps_payload(subject.steps, subject.labels)}
         super().__init__(**opening, **sent)
         self.model_ref = self.model_id
-        self._still = still.Still(self.view_state, self._view_figure, self._send_still)
+        self._still = still.Still(self.view_state, self._view_figure, self._send_still, self.model_id)
         self._ready = True
         self._refresh_window()
         self.on_msg(self._on_message)
@@ -389,6 +392,16 @@ class Inspector(ViewTraits):
         else:
             self._still.update(*png, state, drawn_by="browser")
 
+    def pass_line(self) -> str | None:
+        """The display id of the line the first pass wrote in the cell running now, taken (None: there is none).
+
+        Displaying the inspector turns that line into its still; a view that displays something before
+        the inspector (a circuit's image) takes it instead, so that the cell's outputs keep their order.
+        """
+        line = None if self._last_pass is None else self._last_pass.cell_output()
+        self._last_pass = None
+        return line
+
     def _ipython_display_(self, **kwargs: Any) -> None:
         """Two outputs: the still (a PNG of the view, under a display id) and the live widget.
 
@@ -397,9 +410,7 @@ class Inspector(ViewTraits):
         """
         from IPython.display import display
 
-        line = None if self._last_pass is None else self._last_pass.cell_output()
-        self._still.display(into=line)  # the line of the pass that built it in this cell, where there is one
-        self._last_pass = None
+        self._still.display(into=self.pass_line())  # the line of the pass that built it in this cell, if any
         bundle = self._repr_mimebundle_(**kwargs)
         if bundle is not None:
             # Its text is what a front-end without the widget prints (an export, a reopened notebook): it names

@@ -75,8 +75,10 @@ export const TITLE_PX = 16;
  */
 export function titled(text, width, least) {
   const wrapped = wrapTitle(text, Math.max(120, width - 40), TITLE_PX);
+  // plotly sets a title of several lines 14 px higher than one line from the same anchor: it was cut at the top.
+  const pad = wrapped.text.includes("<br>") ? 8 + 14 : 8;
   return {
-    title: { text: wrapped.text, x: 0.02, xanchor: "left", y: 1, yref: "container", yanchor: "top", pad: { t: 8 }, font: { size: TITLE_PX } },
+    title: { text: wrapped.text, x: 0.02, xanchor: "left", y: 1, yref: "container", yanchor: "top", pad: { t: pad }, font: { size: TITLE_PX } },
     top: Math.max(least, wrapped.height + 40),
   };
 }

@@ -13,6 +13,7 @@
 //   types.js    the shapes of the payload, the state and the host (JSDoc only)
 
 import { stillCaption } from "./captions.js";
+import { circuitPanes, circuitView } from "./circuit.js";
 import { element } from "./controls.js";
 import { settingNames } from "./settings.js";
 import { mount } from "./view.js";
@@ -38,6 +39,9 @@ const SETTLE_MS = 1000;
 const UNDONE = "The change that needed it was undone: the menus show the view drawn.";
 /** The MIME type of a widget's output (its model_id names the widget). */
 const WIDGET_VIEW = "application/vnd.jupyter.widget-view+json";
+/** What a circuit's note says after a click no kernel answered. */
+const NO_KERNEL_CIRCUIT = "no kernel answered, so the inspector cannot open it: run the cell again to explore the circuit " +
+  "(the page of write_html needs no kernel).";
 
 /**
  * plotly.js, loaded once per notebook page: a widget that finds no globalThis.Plotly asks its kernel for
@@ -172,7 +176,11 @@ export function whyRows(model, kernel, onAnswer) {
     if (!asked.has(key) && !ask) return CLICK_A_CELL;
     if (!asked.has(key)) {
       asked.add(key);
-      model.send({ type: "why", key, layer, head, query });
+      try {
+        model.send({ type: "why", key, layer, head, query });
+      } catch (error) {
+        // A closed comm (the kernel is gone): the check below finds it missing.
+      }
     }
     kernel.check();
     if (!kernel.missing) return null;
@@ -228,8 +236,8 @@ function widgetHost(model, kernel, why, undo) {
 }
 
 /**
- * The output just before this widget's, where it is the inspector's still (widget.py writes the
- * still, then the widget, in one cell): JupyterLab's output area, or null elsewhere.
+ * The output just before this widget's, where it is the inspector's still (a notebook written before stills named
+ * their widget): JupyterLab's output area, or null elsewhere.
  * @param {HTMLElement} el
  * @returns {HTMLElement | null}
  */
@@ -239,6 +247,57 @@ function stillOutput(el) {
   if (!before) return null;
   const text = before.textContent || "";
   return before.querySelector(".jp-RenderedImage img") || text.includes(RUN_AGAIN) ? before : null;
+}
+
+/**
+ * Whether output `output` is this widget's own (its still, a circuit's image): its metadata names the widget, or,
+ * in a notebook written before stills named their widget, it is a still just before the widget's output `next`.
+ * @param {{metadata?: Record<string, any>}} output
+ * @param {{data?: Record<string, any>} | undefined} next
+ * @param {string} id the widget's model id
+ * @returns {boolean}
+ */
+export function ownOutput(output, next, id) {
+  const lens = (output.metadata || {}).contribution_lens;
+  if (!lens) return false;
+  if (lens.widget !== undefined) return lens.widget === id;
+  const view = next && next.data ? next.data[WIDGET_VIEW] : null;
+  return lens.still !== undefined && Boolean(view) && view.model_id === id;
+}
+
+/**
+ * This widget's own outputs in its cell as JupyterLab draws them (its still, a circuit's image), found by identity
+ * in the notebook's model (their metadata names the widget: a cell may hold other outputs between them); by
+ * position (the output just before the widget's) where there is no notebook model.
+ * @param {WidgetModel} model
+ * @param {HTMLElement} el
+ * @returns {HTMLElement[]}
+ */
+function ownOutputs(model, el) {
+  const child = el.closest(".jp-OutputArea-child");
+  const area = child ? child.parentElement : null;
+  const manager = model.widget_manager;
+  const notebook = manager && manager.context && manager.context.model;
+  if (child && area && notebook && notebook.cells) {
+    const children = [...area.children].filter((node) => node.classList.contains("jp-OutputArea-child"));
+    const index = children.indexOf(child);
+    const id = model.get("model_ref");
+    for (let c = 0; c < notebook.cells.length; c++) {
+      const outputs = notebook.cells.get(c).outputs;
+      if (!outputs || index >= outputs.length) continue;
+      const view = outputs.get(index).data[WIDGET_VIEW];
+      if (!view || view.model_id !== id) continue; // not this cell: its output there is not this widget
+      const mine = [];
+      for (let i = 0; i < outputs.length; i++) {
+        if (ownOutput(outputs.get(i), i + 1 < outputs.length ? outputs.get(i + 1) : undefined, id) && children[i]) {
+          mine.push(/** @type {HTMLElement} */ (children[i]));
+        }
+      }
+      return mine;
+    }
+  }
+  const before = stillOutput(el);
+  return before ? [before] : [];
 }
 
 /**
@@ -296,7 +355,7 @@ export function ownStill(model, state, drawn) {
   /** @type {Record<string, unknown>} */
   const data = { "text/plain": RUN_AGAIN + " (" + stillCaption(state) + ": its numbers come from the Python kernel.)" };
   /** @type {Record<string, unknown>} */
-  const metadata = { contribution_lens: { still: state, drawn_by: drawn ? "browser" : null } };
+  const metadata = { contribution_lens: { still: state, drawn_by: drawn ? "browser" : null, widget: model.get("model_ref") } };
   if (drawn) {
     data["image/png"] = drawn.png;
     metadata["image/png"] = { width: drawn.width };
@@ -361,8 +420,7 @@ function sameView(a, b) {
 }
 
 /**
- * The still of this widget written into JupyterLab's notebook model, every output of it (the output just
- * before each of the widget's own): what the kernel's update of its display id does, for a front-end that
+ * The still of this widget written into JupyterLab's notebook model, every output of it (found by `ownOutput`): what the kernel's update of its display id does, for a front-end that
  * did not see the still displayed (a notebook reopened while its kernel runs), whose file kept an older
  * view. True where a still was written; nothing happens elsewhere (no notebook model: the page, VS Code).
  * `keepView`: a still that already shows the same view, drawn, is kept (a widget without a kernel redrawing the
@@ -381,14 +439,15 @@ export function writeStill(model, still, keepView = false) {
   for (let c = 0; c < cells.length; c++) {
     const outputs = cells.get(c).outputs;
     if (!outputs) continue;
-    for (let i = 1; i < outputs.length; i++) {
-      const view = outputs.get(i).data[WIDGET_VIEW];
-      const before = outputs.get(i - 1);
+    for (let i = 0; i < outputs.length; i++) {
+      const before = outputs.get(i);
       const metadata = before.metadata || {};
-      if (!view || view.model_id !== still.model_id || !metadata.contribution_lens) continue;
+      // The widget's still, by identity (not its circuit's image): wherever it is in the cell.
+      const next = i + 1 < outputs.length ? outputs.get(i + 1) : undefined;
+      if (!ownOutput(before, next, still.model_id) || metadata.contribution_lens.still === undefined) continue;
       if (JSON.stringify(before.data) === JSON.stringify(still.data)) continue; // already this still
       if (keepView && sameView(metadata.contribution_lens, (still.metadata || {}).contribution_lens)) continue;
-      outputs.set(i - 1, { output_type: "display_data", data: still.data, metadata: still.metadata || {} });
+      outputs.set(i, { output_type: "display_data", data: still.data, metadata: still.metadata || {} });
       written = true;
     }
   }
@@ -428,6 +487,26 @@ export function drawnState(model, root) {
 }
 
 /**
+ * A circuit view's circuit, drawn in its pane beside the inspector: a click on a head sets the widget's view (back
+ * to the window it opened on where the query has left the window) and asks the kernel for its why row.
+ * @param {WidgetModel} model
+ * @param {{circuit: HTMLElement, inspector: HTMLElement}} panes
+ * @param {import("./circuit.js").CircuitData} circuit
+ * @param {Host} host
+ * @param {ReturnType<typeof kernelWatch>} kernel
+ */
+function liveCircuit(model, panes, circuit, host, kernel) {
+  /** @param {Partial<State>} partial */
+  const set = (partial) => {
+    const shown = model.get("meta").queries || [];
+    const back = circuit.window && !shown.includes(partial.query) ? circuit.window : {};
+    host.set(Object.assign({}, back, partial));
+  };
+  const missing = () => (kernel.checking ? null : kernel.missing ? NO_KERNEL_CIRCUIT : "");
+  return circuitView(panes.circuit, circuit, { set, why: host.why, missing }, panes.inspector);
+}
+
+/**
  * anywidget's entry point: the inspector in `el`, redrawn whenever a trait changes. While the
  * kernel answers, the still before it is hidden and kept current; when it stops answering, a line
  * above the view says so.
@@ -435,43 +514,54 @@ export function drawnState(model, root) {
  * @returns {Promise<() => void>} what undoes it
  */
 async function render({ model, el }) {
-  const line = element("div", { className: "cl-kernel" }, el);
+  // A circuit view (circuit_view.py) draws its circuit beside the inspector, which is drawn in its own pane.
+  const circuit = /** @type {import("./circuit.js").CircuitData | null} */ (model.get("circuit"));
+  const panes = circuit && circuit.figure ? circuitPanes(el) : null;
+  const root = panes ? panes.inspector : el;
+  const line = element("div", { className: "cl-kernel" }, root);
   /** @type {{refresh: () => Promise<unknown>} | null} */
   let view = null;
   let undone = false;
-  const drawn = drawnState(model, el);
+  const drawn = drawnState(model, root);
   const undo = () => {
     if (drawn.undo()) undone = true;
     line.textContent = kernel.missing ? NO_KERNEL + (undone ? " " + UNDONE : "") : "";
   };
+  // The live widget shows the view: its still and a circuit's image, found in its cell by identity, are hidden.
+  const hideOwn = () => {
+    if (kernel.answered) for (const output of ownOutputs(model, el)) output.style.display = "none";
+  };
   const kernel = kernelWatch(model, () => {
     if (!kernel.missing) undone = false;
     line.textContent = kernel.missing ? NO_KERNEL + (undone ? " " + UNDONE : "") : "";
-    const still = stillOutput(el);
-    if (still && kernel.answered) still.style.display = "none"; // the live widget shows the view
+    hideOwn();
     if (view) view.refresh();
   });
   // A pass under way in the kernel (progress.py): which layer it is on, "" once it ends.
-  const busy = element("div", { className: "cl-progress" }, el);
+  const busy = element("div", { className: "cl-progress" }, root);
   model.on("msg:custom", (message) => {
     if (!message) return;
     if (message.type === "progress") {
       busy.textContent = typeof message.text === "string" ? message.text : "";
     } else if (message.type === "still") {
       writeStill(model, message);
+      hideOwn(); // a still written anew is drawn anew
     }
   });
   kernel.check();
-  const waiting = element("div", { className: "cl-status", textContent: "waiting for the kernel…" }, el);
+  const waiting = element("div", { className: "cl-status", textContent: "waiting for the kernel…" }, root);
   await ensurePlotly(model, kernel);
   waiting.remove();
   const why = whyRows(model, kernel, () => view && view.refresh());
-  view = mount(el, widgetHost(model, kernel, why, undo));
-  const settled = stillKeeper(model, el, kernel);
+  const host = widgetHost(model, kernel, why, undo);
+  view = mount(root, host);
+  if (panes && circuit) liveCircuit(model, panes, circuit, host, kernel);
+  const settled = stillKeeper(model, root, kernel);
   const redraw = () =>
     /** @type {{refresh: () => Promise<unknown>}} */ (view).refresh().then(() => {
       drawn.drawn();
       settled();
+      hideOwn();
     });
   const names = [...settingNames(model.get("meta")), "payload", "meta", "error", "steps"];
   for (const name of names) model.on("change:" + name, redraw);

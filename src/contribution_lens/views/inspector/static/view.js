@@ -91,7 +91,7 @@ function outside(meta, entry, state) {
  */
 function available(root) {
   const width = root.getBoundingClientRect().width || (root.parentNode && /** @type {HTMLElement} */ (root.parentNode).clientWidth) || 900;
-  return Math.max(360, Math.floor(width) - 8);
+  return Math.max(300, Math.floor(width) - 8); // an output 368 px wide (a phone) scrolls no figure sideways
 }
 
 /** The narrowest output with the bars beside the heatmap (narrower, the heatmap keeps the width). */
@@ -182,7 +182,7 @@ function drawLayer(view, meta, state, shown) {
  * @param {HTMLElement} node
  * @returns {HTMLElement | null}
  */
-function scroller(node) {
+export function scroller(node) {
   for (let p = node.parentElement; p; p = p.parentElement) {
     const overflow = getComputedStyle(p).overflowY;
     if ((overflow === "auto" || overflow === "scroll") && p.scrollHeight > p.clientHeight) return p;

@@ -17,6 +17,8 @@ export const OTHER = "other components";
 /** What the panel says where the view is not one head (why.py's PICK_ONE_HEAD). */
 export const PICK_ONE_HEAD = "the why panel splits one head's scores: choose one head (not all heads, not a KV group)";
 const SIDES = /** @type {const} */ (["key_side", "query_side"]);
+/** The narrowest panel with the two sides beside each other (narrower: the query side under the key side). */
+const WHY_SIDE_BY_SIDE_PX = 760;
 const SIDE_NAMES = { key_side: "key side", query_side: "query side" };
 
 /**
@@ -131,16 +133,24 @@ export function drawWhy(view, meta, state) {
   caption.textContent = whyCaption(got, n, qLabel, kLabel) + (view.whyNote ? " " + view.whyNote : "");
   view.whyShown = { row: got, n };
   const axis = (/** @type {string} */ text, /** @type {number[]} */ domain, /** @type {string} */ anchor) =>
-    ({ title: { text }, domain, anchor, zeroline: true });
+    ({ title: { text, font: { size: 12 } }, domain, anchor, zeroline: true, automargin: true });
+  const width = Math.min(1000, view.drawnWidth);
+  // Side by side where both sides' labels and titles fit; one above the other on a narrow output (368, 620 px).
+  const stacked = width < WHY_SIDE_BY_SIDE_PX;
+  const chart = 60 + 22 * (got.top + 1);
+  const keyTitle = stacked ? "key side (sum " : "key side: A of the key's components (sum ";
+  const queryTitle = stacked ? "query side (sum " : "query side: A of the query's components (sum ";
+  const [left, right] = stacked ? [[0, 1], [0, 1]] : [[0, 0.44], [0.56, 1]];
+  const [upper, lower] = stacked ? [[0.56, 1], [0, 0.44]] : [[0, 1], [0, 1]];
   const layout = {
     showlegend: false,
-    width: Math.min(1000, view.drawnWidth),
-    height: 110 + 22 * (got.top + 1),
-    margin: { t: 30, l: 10 },
-    xaxis: axis("key side: A of the key's components (sum " + fmt(got.key_side[n].total) + ")", [0, 0.44], "y"),
-    xaxis2: axis("query side: A of the query's components (sum " + fmt(got.query_side[n].total) + ")", [0.56, 1], "y2"),
-    yaxis: { autorange: "reversed", type: "category", automargin: true, anchor: "x" },
-    yaxis2: { autorange: "reversed", type: "category", automargin: true, anchor: "x2" },
+    width,
+    height: stacked ? 50 + 2 * chart + 40 : 50 + chart,
+    margin: { t: 30, l: 10, r: 10 },
+    xaxis: axis(keyTitle + fmt(got.key_side[n].total) + ")", left, "y"),
+    xaxis2: axis(queryTitle + fmt(got.query_side[n].total) + ")", right, "y2"),
+    yaxis: { autorange: "reversed", type: "category", automargin: true, anchor: "x", domain: upper },
+    yaxis2: { autorange: "reversed", type: "category", automargin: true, anchor: "x2", domain: lower },
   };
   return plot(figure, whyTraces(got, n), layout, (event) => whyClicked(view, meta, event));
 }

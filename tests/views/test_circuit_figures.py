@@ -1,11 +1,11 @@
-"""The circuit figure and the faithfulness curves: the drawn traces' data and hover text."""
+"""The circuits' figures (`contribution_lens.drawing.circuit_figures`): the drawn traces' data and hover text."""
 
 import pandas as pd
 import plotly.colors
 import plotly.graph_objects as go
 import pytest
 
-from contribution_lens.circuits.figures import INPUTS, circuit_figure, curves_figure, node_position
+from contribution_lens.drawing.circuit_figures import INPUTS, circuit_figure, faithfulness_figure, node_position
 
 N_LAYERS, N_HEADS = 2, 3
 
@@ -65,10 +65,11 @@ def test_circuit_figure_draws_each_given_edge_once_with_its_hover_text() -> None
             "L1H1 → logits<br>score=1.5",
         ]
     )
-    assert figure.layout.title.text.startswith("IOI: 7 edges")
+    assert figure.layout.annotations[0].text.startswith("IOI: 7 edges")
     # The nodes: every one given, with its score in its hover text, coloured on a scale centred at 0.
     nodes = next(t for t in figure.data if t.name == "nodes")
-    assert list(nodes.text) == list(NODES["node"])
+    assert list(nodes.customdata) == list(NODES["node"])
+    assert list(nodes.text) == ["embed", "H0", "H2", "mlp", "H1", "mlp", "logits"]  # each row's tick names its layer
     assert "L1H1<br>score=1.5" in nodes.hovertext and nodes.marker.cmid == 0
     assert nodes.marker.cmin == -nodes.marker.cmax == -1.5
 
@@ -108,7 +109,7 @@ def test_a_pruned_circuit_draws_only_its_edges() -> None:
     figure = circuit_figure(NODES.iloc[:0], top, n_layers=N_LAYERS, n_heads=N_HEADS)
     assert {t.name for t in lines(figure)} == {"L0H2 → L1H1", "L1H1 → logits"}
     nodes = next(t for t in figure.data if t.name == "nodes")
-    assert sorted(nodes.text) == ["L0H2", "L1H1", "logits"]  # the ends of the edges, without scores
+    assert sorted(nodes.customdata) == ["L0H2", "L1H1", "logits"]  # the ends of the edges, without scores
     assert all(text.endswith("score: none") for text in nodes.hovertext)
     assert [t.name for t in figure.data if t.x == (None,)] == ["into a head's key (k)", "into an MLP or the logits"]
 
@@ -143,8 +144,8 @@ CURVES = pd.DataFrame(
 )
 
 
-def test_curves_figure_draws_each_method_with_its_band_on_a_log_axis() -> None:
-    figure = curves_figure(CURVES.sample(frac=1.0, random_state=0))  # any row order
+def test_faithfulness_figure_draws_each_method_with_its_band_on_a_log_axis() -> None:
+    figure = faithfulness_figure(CURVES.sample(frac=1.0, random_state=0))  # any row order
     assert figure.layout.xaxis.type == "log"
     curves = {t.name: t for t in figure.data if t.mode == "lines+markers"}
     assert set(curves) == {"eap", "random"}
@@ -162,10 +163,34 @@ def test_curves_figure_draws_each_method_with_its_band_on_a_log_axis() -> None:
 
 
 @pytest.mark.usefixtures("as_a_user")
-def test_curves_figure_refuses_bad_tables() -> None:
-    with pytest.raises(ValueError, match="curves lacks the column"):
-        curves_figure(CURVES.drop(columns="low"))
-    with pytest.raises(ValueError, match=r"curves: every fraction must lie in \(0, 1\], got \[0.0"):
-        curves_figure(CURVES.assign(fraction=0.0))
-    with pytest.raises(TypeError, match="curves must be a pandas DataFrame"):
-        curves_figure(CURVES.to_dict())
+def test_faithfulness_figure_refuses_bad_tables() -> None:
+    with pytest.raises(ValueError, match="table lacks the column"):
+        faithfulness_figure(CURVES.drop(columns="low"))
+    with pytest.raises(ValueError, match=r"table: every fraction must lie in \(0, 1\], got \[0.0"):
+        faithfulness_figure(CURVES.assign(fraction=0.0))
+    with pytest.raises(TypeError, match="table must be a pandas DataFrame"):
+        faithfulness_figure(CURVES.to_dict())
+
+
+def test_only_the_layers_that_hold_a_node_have_a_row_and_the_title_counts_edges_and_lines() -> None:
+    # Failed before: every layer of the model had a row (1,590 px for a circuit in layers 0, 13-29 of SmolLM2), and a
+    # circuit of 40 edges was titled "40 edges ...: 60 edges" without saying why.
+    nodes = pd.DataFrame({"node": ["embed", "L3H1", "L3H2", "L7.mlp", "logits"], "score": [0.1, 0.5, 0.4, -0.2, 0.0]})
+    edges = pd.DataFrame(
+        [("embed", "L3H1", "k", 0.3, "embed->L3KV0<k>"), ("embed", "L3H2", "k", 0.3, "embed->L3KV0<k>"),
+         ("L3H1", "L7.mlp", "", 0.2, "L3H1->L7.mlp"), ("L7.mlp", "logits", "", -0.4, "L7.mlp->logits")],
+        columns=["upstream", "downstream", "input", "score", "edge"],
+    )  # fmt: skip
+    figure = circuit_figure(nodes, edges, n_layers=12, n_heads=4, title="A circuit")
+    assert list(figure.layout.yaxis.ticktext) == ["embed", "L3", "L7 mlp", "logits"]  # L7 holds no head
+    nodes_drawn = next(t for t in figure.data if t.name == "nodes")
+    heights = dict(zip(nodes_drawn.customdata, nodes_drawn.y, strict=True))
+    assert heights == {"embed": 0.0, "L3H1": 1.0, "L3H2": 1.0, "L7.mlp": 2.5, "logits": 3.0}
+    assert figure.layout.height < 450  # four rows, not twelve
+    title = figure.layout.annotations[0].text
+    assert title.replace("<br>", " ").startswith("A circuit: 3 edges drawn as 4 lines (an edge into a key or value")
+    assert all(len(line) <= 46 for line in title.split("<br>")), title
+    # Without the edge column, the lines are the edges.
+    assert circuit_figure(nodes, edges.drop(columns="edge"), n_layers=12, n_heads=4, title="T").layout.annotations[
+        0
+    ].text == ("T: 4 edges")
