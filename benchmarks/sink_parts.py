@@ -69,6 +69,10 @@ def parts_of(model: Any, tokens: torch.Tensor, layer: int) -> dict[str, Callable
             tail.add(d, rows.is_sink, rows.queries, tile.start)
         tail.result()
 
+    def decompose_all(scope: str) -> list:
+        layer = fresh()  # one layer's key side and reading, shared by its tiles as in the analysis
+        return [layer.decompose_rows(scope, tile) for tile in tiles]
+
     n_layers = adapter.n_layers(model)
     output, reading = caught.output_without_bias(), caught.inter_reading()
     return {
@@ -76,9 +80,9 @@ def parts_of(model: Any, tokens: torch.Tensor, layer: int) -> dict[str, Callable
         "sink rows": lambda: sink_rows(fresh()),
         "geometry": lambda: rows.geometry(),
         "factors": lambda: [rows.factors(scope, z=caught.z, output=output, reading=reading) for scope in cl.Scope],
-        "decompose inter": lambda: [fresh().decompose_rows("inter", tile) for tile in tiles],
+        "decompose inter": lambda: decompose_all("inter"),
         "quantiles inter": lambda: quantiles("inter"),
-        "decompose intra": lambda: [fresh().decompose_rows("intra", tile) for tile in tiles],
+        "decompose intra": lambda: decompose_all("intra"),
         "quantiles intra": lambda: quantiles("intra"),
         "_n_layers": lambda: n_layers,
     }
