@@ -41,7 +41,7 @@ import contribution_lens as cl
 SRC = Path(cl.__file__).parent
 PACKAGE = "contribution_lens"
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("maths", ("_lazy", "_registry", "_settings", "files", "choices", "losses", "decomposition", "qk")),
+    ("maths", ("_lazy", "_registry", "_settings", "files", "choices", "losses", "decomposition", "qk", "tiles")),
     ("adapter", ("adapter",)),
     ("engine", ("engine", "mixing", "interventions", "loading", "processes")),
     ("drawing", ("drawing",)),

@@ -19,7 +19,8 @@ CORE_FOLDERS = ("adapter",)
 TESTS_OF = {"drawing": "views"}
 """Where a subpackage's tests are, where that is not ``tests/<subpackage>``."""
 CORE = (
-    "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "processes", "qk"
+    "choices", "decomposition", "engine", "files", "interventions", "loading", "losses", "mixing", "processes", "qk",
+    "tiles",
 )  # fmt: skip
 
 

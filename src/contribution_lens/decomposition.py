@@ -252,12 +252,21 @@ def valid_positions(
     batch: int = 1,
     causal: bool = True,
     device: torch.device | str | None = None,
+    first_query: int | None = None,
 ) -> Bool[Tensor, "batch query key"]:
     """Where key ``j`` is visible from query ``i``: ``j <= i`` (if causal) and neither is padding.
 
-    Queries are taken to be the last ``query`` of the ``key`` positions, as in a KV cache.
+    Queries are the positions ``first_query .. first_query + query - 1``; by default the last ``query`` of
+    the ``key`` positions, as in a KV cache (and as a causal tile of queries with the keys up to its last).
+
+    Example:
+        >>> valid_positions(2, 3, first_query=0).int().tolist()  # queries 0 and 1 of three keys
+        [[[1, 0, 0], [1, 1, 0]]]
     """
-    positions_q = torch.arange(key - query, key, device=device)
+    first = key - query if first_query is None else first_query
+    if not 0 <= first <= key - query:
+        raise ValueError(f"queries {first}..{first + query - 1} are not positions of the {key} keys")
+    positions_q = torch.arange(first, first + query, device=device)
     positions_k = torch.arange(key, device=device)
     if causal:
         visible = positions_k[None, :] <= positions_q[:, None]
@@ -268,7 +277,7 @@ def valid_positions(
         if attention_mask.shape != (batch, key):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected {(batch, key)}")
         keep = attention_mask.to(device=visible.device, dtype=torch.bool)
-        visible = visible & keep[:, None, :] & keep[:, key - query :, None]
+        visible = visible & keep[:, None, :] & keep[:, first : first + query, None]
     return visible
 
 
@@ -539,58 +548,171 @@ def decompose_layer(
     ``output`` is ``o_i = sum_h o_i^h`` (the o-projection's output less ``b_O``) where the model
     already computed it; it saves the inter scope one ``[query d_model]`` contraction per head.
     ``gram`` is `head_gram` of ``W_O`` computed earlier (used where its dtype is the accumulation's).
+    Queries are the last ``query`` of the ``key`` positions (`valid_positions`). It is `KeySide.of` the
+    layer's keys, then `KeySide.decompose` of every query at once.
 
     The result may hold ``pattern`` itself as ``attention`` (no copy where no cast or mask is
     needed): the model never writes to its hook outputs, a user may.
     """
-    batch, n_heads, n_query, n_key = pattern.shape
-    acc = accumulation_dtype(dtype, pattern, v, W_O)
-    z = _precise_z(z, acc)  # before z is scaled and cast below, which would hide its precision
-    valid = valid_positions(
-        n_query, n_key, attention_mask=attention_mask, batch=batch, causal=causal, device=pattern.device
+    keys = KeySide.of(
+        v, W_O, dtype=accumulation_dtype(dtype, pattern, v, W_O), attention_mask=attention_mask, gram=gram
     )
-    alpha, values, weights = _masked_inputs(pattern, v, W_O, valid, attention_mask, acc)
-    # Every weight is invariant to the scale of v (per text) and of W_O, but their squared norms
-    # overflow (v ~ 1e19 in float32) or underflow (v ~ 1e-23): both are brought near 1 by powers
-    # of two, which is exact, and the norms are scaled back at the end.
-    v_scale, w_scale = _unit_scale(values, (1, 2, 3)), _unit_scale(weights, (0, 1, 2))
-    values, weights = values * v_scale[:, None, None, None], weights * w_scale
-    if z is not None:
-        z = z.to(device=alpha.device, dtype=acc) * v_scale[:, None, None, None]
-    # alpha and the values are masked already; a given z still loses the rows of queries that see nothing.
-    z_g = einops.rearrange(
-        head_outputs(alpha, values, valid=None if attention_mask is None or z is None else valid, z=z, dtype=acc),
-        "batch query (kv_head group) d_head -> batch kv_head group query d_head",
-        kv_head=v.shape[2],
-    )
-    if output is not None:
-        output = output.to(device=alpha.device, dtype=acc) * (v_scale * w_scale)[:, None, None]
-    n_kv_heads = v.shape[2]
-    if gram is None or gram.dtype != acc:
-        gram = head_gram(weights)
-    else:
-        gram = gram * w_scale.square()
-    gram_g = einops.rearrange(gram, "(kv_head group) d_head e_head -> kv_head group d_head e_head", kv_head=n_kv_heads)
-    v_gram = einops.einsum(
-        values, gram_g, "batch key kv_head d_head, kv_head group d_head e_head -> batch kv_head group key e_head"
-    )
-    value_norm_sq = einops.einsum(
-        v_gram, values, "batch kv_head group key e_head, batch key kv_head e_head -> batch kv_head group key"
-    )
-    if scope == Scope.INTRA:
-        dot, output_norm_sq = _intra_products(z_g, v_gram, gram_g)
-    else:
-        dot, output_norm_sq = _inter_products(z_g, values, weights, output, attention_mask, n_heads)
-    cosine, value_norm, output_norm = _cosine_and_norms(dot, value_norm_sq, output_norm_sq)
-    unscale = einops.rearrange(v_scale * w_scale, "batch -> batch 1 1")
-    value_norm, output_norm = value_norm / unscale, output_norm / unscale
-    if attention_mask is None and causal and n_query == n_key:
-        cosine.tril_()  # several times faster than a broadcast boolean fill
-    else:
-        cosine.masked_fill_(~einops.rearrange(valid, "batch query key -> batch 1 query key"), 0)
-    return Decomposition(
-        attention=alpha, cosine=cosine, value_norm=value_norm, output_norm=output_norm, valid=valid, scope=scope
-    )
+    return keys.decompose(pattern, scope=scope, causal=causal, z=z, output=output)
+
+
+@dataclass(frozen=True, eq=False)
+class KeySide:
+    """What every query of one layer reads of its keys, computed once: each query's weights then follow from its
+    own row of the pattern, its ``z`` and its output alone (`decompose`), a tile of queries at a time or all at once.
+
+    Every weight is invariant to the scale of ``v`` (per text) and of ``W_O``, but their squared norms
+    overflow (``v ~ 1e19`` in float32) or underflow (``v ~ 1e-23``): both are brought near 1 by powers of
+    two (``v_scale``, ``w_scale``), which is exact, and the norms are scaled back at the end.
+
+    Example:
+        >>> v, W_O = torch.randn(1, 5, 2, 8), torch.randn(4, 8, 16)
+        >>> future = torch.ones(5, 5).triu(1).bool()
+        >>> pattern = torch.softmax(torch.randn(1, 4, 5, 5).masked_fill(future, -torch.inf), -1)
+        >>> keys = KeySide.of(v, W_O, dtype=torch.float32)
+        >>> whole = keys.decompose(pattern, scope=Scope.INTER, causal=True)
+        >>> tile = keys.decompose(pattern[:, :, 2:4, :4], scope=Scope.INTER, causal=True, first_query=2)  # queries 2, 3
+        >>> torch.allclose(tile.cosine, whole.cosine[:, :, 2:4, :4])
+        True
+    """
+
+    values: Float[Tensor, "batch key kv_head d_head"]
+    """``v`` in the accumulation dtype, 0 at padded keys, times ``v_scale``."""
+    weights: Float[Tensor, "head d_head d_model"]
+    """``W_O`` in the accumulation dtype, times ``w_scale``."""
+    gram_g: Float[Tensor, "kv_head group d_head e_head"]
+    v_gram: Float[Tensor, "batch kv_head group key e_head"]
+    value_norm_sq: Float[Tensor, "batch kv_head group key"]
+    values_t: Float[Tensor, "batch kv_head d_head key"]
+    """``values`` with the keys last, contiguous: the right operand of the inter scope's products of a tile."""
+    v_gram_t: Float[Tensor, "batch kv_head group e_head key"]
+    """``v_gram`` with the keys last, contiguous: the right operand of the intra scope's."""
+    v_scale: Float[Tensor, " batch"]
+    w_scale: Float[Tensor, ""]
+    attention_mask: Bool[Tensor, "batch key"] | None
+    dtype: torch.dtype
+
+    @classmethod
+    def of(
+        cls,
+        v: Float[Tensor, "batch key kv_head d_head"],
+        W_O: Float[Tensor, "head d_head d_model"],
+        *,
+        dtype: torch.dtype,
+        attention_mask: Bool[Tensor, "batch key"] | None = None,
+        gram: Float[Tensor, "head d_head e_head"] | None = None,
+    ) -> "KeySide":
+        """The key side of values ``v`` through ``W_O`` (``gram``: `head_gram` of ``W_O`` where the caller has it)."""
+        values, weights = v.to(dtype=dtype), W_O.to(device=v.device, dtype=dtype)
+        if attention_mask is not None:
+            real = einops.rearrange(attention_mask.to(device=v.device, dtype=torch.bool), "batch key -> batch key 1 1")
+            values = torch.where(real, values, 0)
+        v_scale, w_scale = _unit_scale(values, (1, 2, 3)), _unit_scale(weights, (0, 1, 2))
+        values, weights = values * v_scale[:, None, None, None], weights * w_scale
+        n_kv_heads = v.shape[2]
+        gram = head_gram(weights) if gram is None or gram.dtype != dtype else gram * w_scale.square()
+        gram_g = einops.rearrange(
+            gram, "(kv_head group) d_head e_head -> kv_head group d_head e_head", kv_head=n_kv_heads
+        )
+        v_gram = einops.einsum(
+            values, gram_g, "batch key kv_head d_head, kv_head group d_head e_head -> batch kv_head group key e_head"
+        )
+        value_norm_sq = einops.einsum(
+            v_gram, values, "batch kv_head group key e_head, batch key kv_head e_head -> batch kv_head group key"
+        )
+        mask = None if attention_mask is None else attention_mask.to(device=v.device, dtype=torch.bool)
+        values_t = einops.rearrange(values, "batch key kv_head d_head -> batch kv_head d_head key").contiguous()
+        v_gram_t = einops.rearrange(v_gram, "batch kv group key e_head -> batch kv group e_head key").contiguous()
+        return cls(values, weights, gram_g, v_gram, value_norm_sq, values_t, v_gram_t, v_scale, w_scale, mask, dtype)
+
+    def reading(
+        self,
+        z: Float[Tensor, "batch query head d_head"] | None,
+        output: Float[Tensor, "batch query d_model"] | None,
+        first_query: int = 0,
+    ) -> tuple[Tensor, Tensor]:
+        """`inter_reading` of queries ``first_query ..`` (``z`` and ``output`` theirs), scaled as `decompose` scales.
+
+        One product of every query's output with ``W_O`` (``[query d_model] x [d_model head d_head]``):
+        a layer read a tile of queries at a time computes it once and hands `decompose` each tile's rows.
+        """
+        n_kv_heads, n_heads = self.values.shape[2], self.weights.shape[0]
+        if output is not None:
+            output = (
+                output.to(device=self.values.device, dtype=self.dtype) * (self.v_scale * self.w_scale)[:, None, None]
+            )
+            z_g = output.new_empty(output.shape[0], n_kv_heads, 0, output.shape[1], 0)  # the layout alone
+        elif z is not None:
+            scaled = z.to(device=self.values.device, dtype=self.dtype) * self.v_scale[:, None, None, None]
+            z_g = einops.rearrange(scaled, "batch query (kv g) d -> batch kv g query d", kv=n_kv_heads)
+        else:
+            raise ValueError("the inter scope's reading needs the heads' outputs z or the layer's output")
+        n_query = z_g.shape[3]
+        real_q = None if self.attention_mask is None else self.attention_mask[:, first_query : first_query + n_query]
+        return inter_reading(_layer_output(z_g, self.weights, output, real_q), self.weights, n_kv_heads, n_heads)
+
+    def decompose(
+        self,
+        pattern: Float[Tensor, "batch head query key"],
+        *,
+        scope: Scope,
+        causal: bool,
+        first_query: int | None = None,
+        z: Float[Tensor, "batch query head d_head"] | None = None,
+        output: Float[Tensor, "batch query d_model"] | None = None,
+        reading: tuple[Tensor, Tensor] | None = None,
+    ) -> Decomposition:
+        """The `Decomposition` of the queries whose pattern rows are ``pattern``, over its first ``key`` keys.
+
+        ``first_query``: the position of the first row (default: the last rows of the keys, as a
+        causal tile of queries with the keys up to its last one); ``z`` and ``output`` those rows'
+        (as in `decompose_layer`); ``reading``: those rows of `reading` (the inter scope), where the
+        caller computed it for the whole layer at once. A row's numbers are those of the whole
+        layer's decomposition.
+        """
+        batch, n_heads, n_query, n_key = pattern.shape
+        acc = self.dtype
+        first = n_key - n_query if first_query is None else first_query
+        mask = None if self.attention_mask is None else self.attention_mask[:, :n_key]
+        valid = valid_positions(
+            n_query, n_key, attention_mask=mask, batch=batch, causal=causal, device=pattern.device, first_query=first
+        )
+        # Zero masked entries first: a model may leave NaN rows for fully padded queries. A causal pattern
+        # already holds exact zeros at future keys: no copy of it where nothing else needs masking.
+        alpha = pattern if mask is None and pattern.dtype == acc else torch.where(valid[:, None], pattern.to(acc), 0)
+        values, v_scale, w_scale = self.values[:, :n_key], self.v_scale, self.w_scale
+        z = _precise_z(z, acc)  # before z is scaled and cast, which would hide its precision
+        if z is not None:
+            z = z.to(device=alpha.device, dtype=acc) * v_scale[:, None, None, None]
+        # alpha and the values are masked already; a given z still loses the rows of queries that see nothing.
+        z_g = einops.rearrange(
+            head_outputs(alpha, values, valid=None if mask is None or z is None else valid, z=z, dtype=acc),
+            "batch query (kv_head group) d_head -> batch kv_head group query d_head",
+            kv_head=values.shape[2],
+        )
+        if output is not None:
+            output = output.to(device=alpha.device, dtype=acc) * (v_scale * w_scale)[:, None, None]
+        if scope == Scope.INTRA:
+            dot, output_norm_sq = _intra_products(z_g, self.v_gram_t[..., :n_key], self.gram_g)
+        else:
+            real_q = None if mask is None else self.attention_mask[:, first : first + n_query]  # type: ignore[index]
+            dot, output_norm_sq = _inter_products(
+                z_g, self.values_t[..., :n_key], self.weights, output, real_q, n_heads, reading
+            )
+        cosine, value_norm, output_norm = _cosine_and_norms(dot, self.value_norm_sq[..., :n_key], output_norm_sq)
+        unscale = einops.rearrange(v_scale * w_scale, "batch -> batch 1 1")
+        value_norm, output_norm = value_norm / unscale, output_norm / unscale
+        if mask is None and causal:
+            cosine.tril_(first)  # several times faster than a broadcast boolean fill
+        else:
+            cosine.masked_fill_(~einops.rearrange(valid, "batch query key -> batch 1 query key"), 0)
+        return Decomposition(
+            attention=alpha, cosine=cosine, value_norm=value_norm, output_norm=output_norm, valid=valid, scope=scope
+        )
 
 
 def _unit_scale(x: Tensor, dims: tuple[int, ...]) -> Tensor:
@@ -602,31 +724,6 @@ def _unit_scale(x: Tensor, dims: tuple[int, ...]) -> Tensor:
     _, exponent = torch.frexp(peak)
     limit = int(math.log2(torch.finfo(x.dtype).max)) - 2
     return torch.pow(2.0, -exponent.clamp(-limit, limit).to(x.dtype))
-
-
-def _masked_inputs(
-    pattern: Tensor, v: Tensor, W_O: Tensor, valid: Tensor, attention_mask: Tensor | None, acc: torch.dtype
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Pattern, values and ``W_O`` in the accumulation dtype, zero wherever padding or a hidden key is."""
-    device = pattern.device
-    if attention_mask is None and pattern.dtype == acc:
-        # A causal pattern already holds exact zeros at future keys: no copy of the pattern.
-        alpha = pattern
-    else:
-        # Zero masked entries first: a model may leave NaN rows for fully padded queries.
-        alpha = torch.where(einops.rearrange(valid, "batch query key -> batch 1 query key"), pattern.to(acc), 0)
-    values = v.to(device=device, dtype=acc)
-    if attention_mask is not None:
-        real = einops.rearrange(attention_mask.to(device=device, dtype=torch.bool), "batch key -> batch key 1 1")
-        values = torch.where(real, values, 0)
-    return alpha, values, W_O.to(device=device, dtype=acc)
-
-
-def _real_query_rows(attention_mask: Tensor | None, n_query: int, device: torch.device) -> Tensor | None:
-    """``[batch query]`` True at real queries (the last ``n_query`` positions), None without padding."""
-    if attention_mask is None:
-        return None
-    return attention_mask.to(device=device, dtype=torch.bool)[:, attention_mask.shape[1] - n_query :]
 
 
 def _precise_z(z: Tensor | None, acc: torch.dtype) -> Tensor | None:
@@ -689,11 +786,12 @@ def head_outputs(
     return einops.rearrange(grouped, "batch query kv_head group d_head -> batch query (kv_head group) d_head")
 
 
-def _intra_products(z_g: Tensor, v_gram: Tensor, gram_g: Tensor) -> tuple[Tensor, Tensor]:
-    """``<o_i^h, vt_j^h> = z_i^h G^h v_j^h`` and ``||o_i^h||^2 = z_i^h G^h z_i^h``, grouped by kv head."""
-    dot = einops.einsum(
-        z_g, v_gram, "batch kv_head group query e_head, batch kv_head group key e_head -> batch kv_head group query key"
-    )
+def _intra_products(z_g: Tensor, v_gram_t: Tensor, gram_g: Tensor) -> tuple[Tensor, Tensor]:
+    """``<o_i^h, vt_j^h> = z_i^h G^h v_j^h`` and ``||o_i^h||^2 = z_i^h G^h z_i^h``, grouped by kv head.
+
+    ``v_gram_t`` is ``[batch kv_head group e_head key]`` (keys last: one matrix product a head).
+    """
+    dot = torch.matmul(z_g, v_gram_t)
     z_gram = einops.einsum(
         z_g, gram_g, "batch kv_head group query d_head, kv_head group d_head e_head -> batch kv_head group query e_head"
     )
@@ -704,32 +802,57 @@ def _intra_products(z_g: Tensor, v_gram: Tensor, gram_g: Tensor) -> tuple[Tensor
 
 
 def _inter_products(
-    z_g: Tensor, values: Tensor, weights: Tensor, output: Tensor | None, attention_mask: Tensor | None, n_heads: int
+    z_g: Tensor,
+    values_t: Tensor,
+    weights: Tensor,
+    output: Tensor | None,
+    real_q: Tensor | None,
+    n_heads: int,
+    reading: tuple[Tensor, Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``<o_i, vt_j^h> = (o_i W_O^h^T) v_j^h`` and ``||o_i||^2`` repeated over heads, grouped by kv head.
 
+    ``values_t`` is ``[batch kv_head d_head key]``; ``reading``: `inter_reading` of these queries where
+    the caller has it (computed once for a layer), else computed here from ``output`` (or ``z_g``).
+    """
+    if reading is None:
+        reading = inter_reading(_layer_output(z_g, weights, output, real_q), weights, z_g.shape[1], n_heads)
+    output_back, output_norm_sq = reading
+    batch, n_kv_heads, group, n_query, d_head = output_back.shape
+    dot = torch.matmul(output_back.reshape(batch, n_kv_heads, group * n_query, d_head), values_t).view(
+        batch, n_kv_heads, group, n_query, values_t.shape[-1]
+    )
+    return dot, output_norm_sq
+
+
+def _layer_output(z_g: Tensor, weights: Tensor, output: Tensor | None, real_q: Tensor | None) -> Tensor:
+    """``o_i``: the given ``output`` (0 at padded queries, ``real_q`` False), else ``sum_h z_i^h W_O^h``."""
+    if output is None:
+        W_O_g = einops.rearrange(
+            weights, "(kv_head group) d_head d_model -> kv_head group d_head d_model", kv_head=z_g.shape[1]
+        )
+        return einops.einsum(
+            z_g, W_O_g, "batch kv_head group query d_head, kv_head group d_head d_model -> batch query d_model"
+        )
+    output = output.to(device=z_g.device, dtype=z_g.dtype)
+    if real_q is not None:
+        output = torch.where(einops.rearrange(real_q.to(z_g.device), "batch query -> batch query 1"), output, 0)
+    return output
+
+
+def inter_reading(
+    output: Float[Tensor, "batch query d_model"], weights: Float[Tensor, "head d_head d_model"], n_kv_heads: int,
+    n_heads: int,
+) -> tuple[Float[Tensor, "batch kv_head group query d_head"], Float[Tensor, "batch kv_head group query"]]:  # fmt: skip
+    """``o_i W_O^h^T`` per head and ``||o_i||^2``: what the inter scope reads of its queries, grouped by kv head.
+
     ``o_i`` lives in d_model once per query; it is pulled back through each head's ``W_O``.
     """
-    n_kv_heads = z_g.shape[1]
     W_O_g = einops.rearrange(
         weights, "(kv_head group) d_head d_model -> kv_head group d_head d_model", kv_head=n_kv_heads
     )
-    if output is None:
-        output = einops.einsum(
-            z_g, W_O_g, "batch kv_head group query d_head, kv_head group d_head d_model -> batch query d_model"
-        )
-    else:
-        output = output.to(device=z_g.device, dtype=z_g.dtype)
-        real_q = _real_query_rows(attention_mask, z_g.shape[3], z_g.device)
-        if real_q is not None:
-            output = torch.where(einops.rearrange(real_q, "batch query -> batch query 1"), output, 0)
     output_back = einops.einsum(
         output, W_O_g, "batch query d_model, kv_head group d_head d_model -> batch kv_head group query d_head"
-    )
-    dot = einops.einsum(
-        output_back,
-        values,
-        "batch kv_head group query d_head, batch key kv_head d_head -> batch kv_head group query key",
     )
     output_norm_sq = einops.repeat(
         einops.einsum(output, output, "batch query d_model, batch query d_model -> batch query"),
@@ -737,7 +860,7 @@ def _inter_products(
         kv_head=n_kv_heads,
         group=n_heads // n_kv_heads,
     )
-    return dot, output_norm_sq
+    return output_back, output_norm_sq
 
 
 def _cosine_and_norms(dot: Tensor, value_norm_sq: Tensor, output_norm_sq: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -27,6 +27,9 @@ from contribution_lens.adapter import as_index
 from contribution_lens.files import Saves
 
 T = TypeVar("T")
+WHOLE_PATTERN_BYTES = 1 << 30
+"""Where ``qk="auto"`` runs a pass in tiles: one layer's pattern in float32 would pass this (SmolLM2's 9 heads:
+past 5,461 tokens; 2.4 GB a layer at 8,192). Below it the pass keeps the model's own pattern."""
 
 
 class LayerResults(Saves, Mapping[int, T], Generic[T]):
@@ -193,6 +196,7 @@ def map_layers(
     keep_logits: bool = False,
     whole_pass: bool = False,
     extra_hooks: Sequence[tuple[str, adapter.HookFn]] = (),
+    qk: str | None = None,
 ) -> LayerResults[T]:
     """Run ``fn`` on every requested layer during one forward pass; keep only what it returns.
 
@@ -220,43 +224,63 @@ def map_layers(
         whole_pass: run the whole pass without keeping its logits (for ``extra_hooks`` that
             read the final norm or the unembedding, and may cut its rows).
         extra_hooks: further ``(hook name, function)`` pairs active during the pass.
+        qk: ``"record"``: ``fn`` also gets each layer's queries and keys (``layer.qk``); ``"tiles"``: the
+            pass runs attention a tile of queries at a time and holds no pattern, which ``fn`` then
+            reads a tile at a time (``layer.tiles()``, ``layer.pattern_rows(tile)``,
+            ``layer.decompose_rows(scope, tile)``; `contribution_lens.adapter.layer_hooks`). Either
+            needs a model whose attention goes through transformers (`contribution_lens.adapter.attention_forms`).
+            ``"auto"``: ``"tiles"`` where one layer's pattern would pass `WHOLE_PATTERN_BYTES` and the
+            model allows it, else the ordinary pass (for an ``fn`` that reads the pattern in tiles).
     """
     wanted = adapter.check_layers(model, layers)
-    batch = (
-        inputs
-        if isinstance(inputs, adapter.TokenBatch)
-        else adapter.to_token_batch(model, inputs, attention_mask=attention_mask, prepend_bos=prepend_bos)
-    )
+    batch = _token_batch(model, inputs, attention_mask, prepend_bos)
     adapter.is_causal_model(model)  # an unknown attention_dir fails before the pass
+    if qk == "auto":
+        qk = "tiles" if not pattern_fits(model, batch) and adapter.tiles_problem(model) is None else None
+    forms = None if qk is None else adapter.attention_forms(model)  # its probe pass, before this one
     results: dict[int, T] = {}
 
     def on_layer(layer: adapter.LayerInputs) -> None:
         results[layer.layer] = fn(layer)
 
     logits = None
-    with adapter.layer_hooks(
-        model,
-        batch,
-        wanted,
-        on_layer,
-        edit=edit,
-        capture=capture,
-        stop_after_last=not (keep_logits or whole_pass),
-        extra=extra_hooks,
-    ):
+    hooks = adapter.layer_hooks(
+        model, batch, wanted, on_layer, edit=edit, capture=capture, stop_after_last=not (keep_logits or whole_pass),
+        extra=extra_hooks, qk=qk, forms=forms,
+    )  # fmt: skip
+    with hooks:
         try:
             logits = adapter.forward(model, batch)
         except adapter.StopForward:
             pass
-    missing = [layer for layer in wanted if layer not in results]
-    if missing:
+    if missing := [layer for layer in wanted if layer not in results]:
         raise RuntimeError(f"the forward pass never reached the hooks of layers {missing}")
     return LayerResults(
-        results,
-        tokens=batch.tokens,
-        attention_mask=batch.attention_mask,
-        str_tokens=batch.str_tokens,
-        n_layers=adapter.n_layers(model),
-        logits=logits if keep_logits else None,
-        bos_first=batch.bos_first,
-    )
+        results, tokens=batch.tokens, attention_mask=batch.attention_mask, str_tokens=batch.str_tokens,
+        n_layers=adapter.n_layers(model), logits=logits if keep_logits else None, bos_first=batch.bos_first,
+    )  # fmt: skip
+
+
+def _token_batch(
+    model: adapter.Model,
+    inputs: str | Sequence[str] | Tensor | adapter.TokenBatch,
+    attention_mask: Tensor | None,
+    prepend_bos: bool | None,
+) -> adapter.TokenBatch:
+    """`map_layers`'s ``inputs`` as a batch of token ids (a batch already made is used as it is)."""
+    if isinstance(inputs, adapter.TokenBatch):
+        return inputs
+    return adapter.to_token_batch(model, inputs, attention_mask=attention_mask, prepend_bos=prepend_bos)
+
+
+def pattern_fits(model: adapter.Model, batch: adapter.TokenBatch) -> bool:
+    """Whether one layer's pattern of ``batch``, in float32, fits `WHOLE_PATTERN_BYTES` (else read it in tiles)."""
+    texts, length = batch.tokens.shape
+    return texts * int(model.cfg.n_heads) * length * length * 4 <= WHOLE_PATTERN_BYTES
+
+
+def tiles_mode(tiles: bool | None) -> str | None:
+    """The ``qk`` of `map_layers` for an analysis's ``tiles``: True ``"tiles"``, False None, None ``"auto"``."""
+    if tiles is not None and not isinstance(tiles, bool):
+        raise ValueError(f"tiles must be True, False or None (the length decides), got {tiles!r}")
+    return "auto" if tiles is None else "tiles" if tiles else None

@@ -528,6 +528,6 @@ def test_a_layers_arrays_are_c_contiguous() -> None:
 
     model = tiny_bridge("gqa", n_layers=1)
     both = cl.map_layers(model, torch.arange(12)[None], lambda i: (i.decompose("inter"), i.decompose("intra")))[0]
-    arrays = payload.layer_arrays(*both, n_kv_heads=2)
+    arrays = payload.window_arrays(*both, windows.token_window(12, start=4, tokens=6), n_kv_heads=2)
     assert arrays.attention.flags.c_contiguous
     assert all(codes.flags.c_contiguous for codes in arrays.codes.values())

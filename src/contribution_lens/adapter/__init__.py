@@ -7,10 +7,13 @@ QK wiring. This face is what the rest of the package uses (``from contribution_l
   one type for every norm), soft-caps, name, sizes, positional scheme, attention form per layer (`Layer`),
   hook names (the constants every module uses) and BOS convention;
 * `tokens`: texts and ids to a right-padded `TokenBatch` with the model's BOS convention (`to_token_batch`);
+* `attention`: each layer's attention as queries and keys (`AttentionForm`) and the pass that runs attention a
+  tile of queries at a time, never holding a pattern (`tiled_attention`);
 * `hooks`: hook names, ``W_O``/``b_O``, `LayerInputs`, and the only code that wires hooks (`hooked`,
   `layer_hooks`, `forward`), with the check a model is loaded with (`attention_problem`);
 * `forms`: the form of the attention block for ALTI, pre-LN or post-LN (`block_forms`);
 * `logit_readout`: the readout between the residual stream and the logit (`Readout`, `readout`);
+* `qk_forms`: each layer's `AttentionForm`, learned and checked on a probe (`attention_forms`, `tiles_problem`);
 * `qk_wiring`: what the QK split reads (`qk_form`, `qk_plan`, `layer_writes`, `target_reads`);
 * `circuit_wiring`: where each node of a circuit graph writes and reads the stream (`circuit_pass`,
   `embedding_pass`, `layout`, `hidden_bias_path`).
@@ -41,6 +44,7 @@ from contribution_lens.adapter.anatomy import (
     block_hook,
     read_norm,
 )
+from contribution_lens.adapter.attention import AttentionForm, tiled_attention
 from contribution_lens.adapter.circuit_wiring import (
     READS,
     WRITES,
@@ -56,6 +60,7 @@ from contribution_lens.adapter.circuit_wiring import (
 from contribution_lens.adapter.forms import POST_LN, PRE_LN, apply_post_norm, block_forms, post_norm
 from contribution_lens.adapter.hooks import (
     PROBE_LENGTH,
+    QK_MODES,
     LayerFn,
     LayerInputs,
     PatternEdit,
@@ -97,6 +102,7 @@ from contribution_lens.adapter.logit_readout import (
     residual_capture,
     unembedding,
 )
+from contribution_lens.adapter.qk_forms import attention_forms, tiles_problem
 from contribution_lens.adapter.qk_wiring import (
     QKForm,
     QKPlan,
@@ -139,6 +145,7 @@ __all__ = [
     "PROBE_LENGTH",
     "QK_COS",
     "QK_K",
+    "QK_MODES",
     "QK_NORM_SCALES",
     "QK_Q",
     "QK_SCORES",
@@ -148,6 +155,7 @@ __all__ = [
     "RESID_PRE",
     "WRITES",
     "Anatomy",
+    "AttentionForm",
     "AttentionUpdate",
     "HookFn",
     "Layer",
@@ -170,6 +178,7 @@ __all__ = [
     "apply_post_norm",
     "architecture_name",
     "as_index",
+    "attention_forms",
     "attention_problem",
     "attention_update",
     "block_calls",
@@ -225,6 +234,8 @@ __all__ = [
     "stream_scales",
     "target_reads",
     "target_writes",
+    "tiled_attention",
+    "tiles_problem",
     "to_token_batch",
     "token_labels",
     "tokenizer_identity",

@@ -47,6 +47,8 @@ O_OUT = "attn.o.hook_out"
 ATTN_HOOK_OUT = "attn.hook_out"
 QK_SCORES = "attn.hook_attn_scores"
 QK_Q, QK_K, QK_V = "attn.hook_q", "attn.hook_k", "attn.hook_v"
+ROTATED_Q, ROTATED_K = "attn.hook_rot_q", "attn.hook_rot_k"
+"""The queries and keys after the rotary embedding, where the bridge rotates them (what the pattern is made of)."""
 QK_COS, QK_SIN = "attn.hook_cos", "attn.hook_sin"
 QK_NORM_SCALES = {"q": "attn.q_norm.hook_scale", "k": "attn.k_norm.hook_scale"}
 LN1_IN, LN1_OUT, LN1_SCALE = "ln1.hook_in", "ln1.hook_out", "ln1.hook_scale"

@@ -21,7 +21,7 @@ or goes through the functions here. The hooks read, per layer ``l``:
 import threading
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +30,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
+from contribution_lens import tiles as tiling
 from contribution_lens.adapter._model import HookFn, Model, model_dtype
 from contribution_lens.adapter.anatomy import (
     ATTN_HOOK_OUT,
@@ -42,17 +43,19 @@ from contribution_lens.adapter.anatomy import (
     anatomy_of,
     block_hook,
 )
+from contribution_lens.adapter.attention import AttentionForm, tiled_attention
 from contribution_lens.adapter.tokens import TokenBatch, to_token_batch
 from contribution_lens.choices import as_index
 from contribution_lens.decomposition import (
     Decomposition,
+    KeySide,
     Scope,
     accumulation_dtype,
-    decompose_layer,
     head_gram,
     head_outputs,
     valid_positions,
 )
+from contribution_lens.tiles import QueryKeys, Tile, query_tiles
 
 
 def pattern_hook(layer: int) -> str:
@@ -243,7 +246,90 @@ class LayerInputs:
     """What `gram` reads, when first asked for (None: no Gram matrix)."""
     captured: dict[str, Tensor] = field(default_factory=dict)
     """Extra per-layer hooks asked for with ``capture`` (e.g. ``"hook_resid_pre"``), by relative name."""
+    qk: QueryKeys | None = field(default=None, repr=False)
+    """The layer's queries and keys as they enter ``q k^T`` (`contribution_lens.tiles.QueryKeys`), where the
+    pass kept them (``record_qk``) or ran in tiles; then ``pattern`` may be a shape alone (`whole`)."""
     _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def whole(self) -> bool:
+        """Whether ``pattern`` holds the pattern; else (a pass in tiles) it is a shape on the meta device, and the
+        pattern is read a tile of queries at a time (`pattern_rows`, recomputed from `qk`)."""
+        return not self.pattern.is_meta
+
+    def tiles(self, budget: int | None = None) -> list[Tile]:
+        """The layer's queries in tiles of ``budget`` bytes a pattern-sized tensor (default
+        `contribution_lens.tiles.TILE_BYTES`; `contribution_lens.tiles.query_tiles`).
+
+        A per-layer function that reads the pattern tile by tile (`pattern_rows`, `decompose_rows`)
+        works whether the pass kept the pattern or not: it then never holds a whole one.
+        """
+        batch, heads, n_query, n_key = self.pattern.shape
+        budget = tiling.TILE_BYTES if budget is None else budget
+        return query_tiles(n_query, n_key, heads=heads, batch=batch, causal=self.causal, budget=budget)
+
+    def pattern_rows(self, tile: Tile) -> Float[Tensor, "batch head row key"]:
+        """The pattern's rows of ``tile``'s queries over its keys: cut from ``pattern``, or recomputed from `qk`."""
+        if self.whole:
+            return self.pattern[:, :, tile.queries, : tile.keys]
+        if self.qk is None:
+            raise ValueError(f"layer {self.layer} kept neither its pattern nor its queries and keys")
+        return self.qk.pattern(tile)
+
+    def key_side(self, dtype: torch.dtype | str | None = None) -> KeySide:
+        """What every query reads of the layer's keys (`contribution_lens.decomposition.KeySide`), computed once."""
+        tensors = (self.v, self.W_O) if not self.whole else (self.pattern, self.v, self.W_O)
+        acc = accumulation_dtype(dtype, *tensors)
+        key = ("key_side", acc)
+        if key not in self._cache:
+            self._cache[key] = KeySide.of(self.v, self.W_O, dtype=acc, attention_mask=self.padding_mask, gram=self.gram)
+        return self._cache[key]
+
+    def decompose_rows(
+        self,
+        scope: Scope | str,
+        tile: Tile,
+        *,
+        pattern: Tensor | None = None,
+        dtype: torch.dtype | str | None = None,
+    ) -> Decomposition:
+        """The `Decomposition` of ``tile``'s queries over its keys: the rows of `decompose`'s.
+
+        ``pattern``: those rows of the pattern where the caller has them already (`pattern_rows`).
+        """
+        rows = self.pattern_rows(tile) if pattern is None else pattern
+        n_key = self.pattern.shape[-1]
+        first = n_key - self.pattern.shape[2] + tile.start
+        z = None if self.z is None else self.z[:, first : first + tile.rows]
+        output = self.output_without_bias(slice(first, first + tile.rows))
+        scope = Scope.of(scope)
+        reading = None
+        if scope == Scope.INTER:
+            back, norm_sq = self._reading(dtype)
+            reading = (back[..., tile.queries, :], norm_sq[..., tile.queries])
+        return self.key_side(dtype).decompose(
+            rows, scope=scope, causal=self.causal, first_query=first, z=z, output=output, reading=reading
+        )
+
+    def _reading(self, dtype: torch.dtype | str | None = None) -> tuple[Tensor, Tensor]:
+        """`contribution_lens.decomposition.KeySide.reading` of every query of the layer, computed once."""
+        keys = self.key_side(dtype)
+        key = ("reading", keys.dtype)
+        if key not in self._cache:
+            first = self.pattern.shape[-1] - self.pattern.shape[2]
+            z = None if self.z is None else self.z[:, first:]
+            self._cache[key] = keys.reading(z, self.output_without_bias(slice(first, None)), first)
+        return self._cache[key]
+
+    def inter_reading(self, dtype: torch.dtype | str | None = None) -> Float[Tensor, "batch head query d_head"]:
+        """``o_i W_O^h^T`` per head (``o_i`` the layer's output less ``b_O``): ``<o_i, x W_O^h> = inter_reading . x``.
+
+        What the inter scope's weights read of each query, computed once a layer (the decomposition's,
+        brought back from its exact power-of-two scaling).
+        """
+        keys = self.key_side(dtype)
+        back = self._reading(dtype)[0] / (keys.v_scale * keys.w_scale.square())[:, None, None, None, None]
+        return einops.rearrange(back, "batch kv group query d -> batch (kv group) query d")
 
     @property
     def causal(self) -> bool:
@@ -295,28 +381,29 @@ class LayerInputs:
         dtype = None if dtype is None else accumulation_dtype(dtype)
         key = ("decompose", scope, dtype)
         if key not in self._cache:
-            self._cache[key] = decompose_layer(
+            if not self.whole:
+                raise ValueError(
+                    f"layer {self.layer} was read in tiles: its pattern was never held whole, so it has no whole "
+                    "decomposition; read it a tile at a time (layer.tiles(), layer.decompose_rows(scope, tile))"
+                )
+            self._cache[key] = self.key_side(dtype).decompose(
                 self.pattern,
-                self.v,
-                self.W_O,
                 scope=scope,
                 causal=self.causal,
-                attention_mask=self.padding_mask,
-                dtype=dtype,
                 z=self.head_outputs(dtype),
                 output=self.output_without_bias(),
-                gram=self.gram,
             )
         return self._cache[key]
 
-    def output_without_bias(self) -> Float[Tensor, "batch query d_model"] | None:
-        """``sum_h z^h W_O^h`` read off ``hook_out``, where that is at least float32 (else None).
+    def output_without_bias(self, queries: slice = slice(None)) -> Float[Tensor, "batch query d_model"] | None:
+        """``sum_h z^h W_O^h`` read off ``hook_out`` (at ``queries``), where that is at least float32 (else None).
 
         A half-precision ``hook_out`` is rounded once more than the float32 sum of ``z W_O``.
         """
         if self.hook_out is None or self.hook_out.dtype not in (torch.float32, torch.float64):
             return None
-        return self.hook_out if self.b_O is None else self.hook_out - self.b_O
+        out = self.hook_out[:, queries]
+        return out if self.b_O is None else out - self.b_O
 
 
 LayerFn = Callable[[LayerInputs], Any]
@@ -344,17 +431,29 @@ def has_capture(model: Model, layers: Sequence[int], capture: Sequence[str]) -> 
     return True
 
 
-def _layer_inputs(model: Model, batch: TokenBatch, layer: int, slot: dict[str, Tensor]) -> LayerInputs:
-    """What one layer offers, from the tensors its hooks caught."""
+def _layer_inputs(
+    model: Model, batch: TokenBatch, layer: int, slot: dict[str, Any], form: "AttentionForm | None" = None
+) -> LayerInputs:
+    """What one layer offers, from the tensors its hooks caught (and its queries and keys, where ``form`` says how)."""
     W_O, b_O = output_weights(model, layer)
+    qk = slot.get("qk")
+    if form is not None and "q" in slot:
+        dtype = slot["pattern"].dtype if "pattern" in slot else None
+        padding = batch.attention_mask.to(torch.bool) if batch.padded else None
+        qk = form.query_keys(slot["q"], slot["k"], padding, dtype=dtype)
+    if "pattern" in slot:
+        pattern = slot["pattern"]
+    else:  # a pass in tiles holds no pattern: its shape alone, on the meta device (`LayerInputs.whole`)
+        assert qk is not None, f"layer {layer} caught neither its pattern nor its queries and keys"
+        pattern = torch.empty(qk.shape, device="meta", dtype=qk.q.dtype)
     return LayerInputs(
         gram_of=lambda: layer_gram(model, layer, W_O),
         layer=layer,
-        pattern=slot["pattern"],
+        pattern=pattern,
         v=slot["v"],
         W_O=W_O,
         b_O=b_O,
-        z=_per_head(slot.get("z"), slot["pattern"].shape[1]),
+        z=_per_head(slot.get("z"), pattern.shape[1]),
         hook_out=slot.get("hook_out"),
         tokens=batch.tokens,
         attention_mask=batch.attention_mask,
@@ -362,6 +461,7 @@ def _layer_inputs(model: Model, batch: TokenBatch, layer: int, slot: dict[str, T
         cfg=model.cfg,
         bos_first=batch.bos_first,
         captured={k.split(":", 1)[1]: t for k, t in slot.items() if k.startswith("captured:")},
+        qk=qk,
     )
 
 
@@ -444,6 +544,10 @@ def hooked(model: Model, fwd_hooks: Sequence[tuple[str, HookFn]]) -> Iterator[No
             yield
 
 
+QK_MODES = ("record", "tiles")
+"""How a pass reads each layer's queries and keys (`layer_hooks`' ``qk``; `contribution_lens.adapter.attention`)."""
+
+
 @contextmanager
 def layer_hooks(
     model: Model,
@@ -455,52 +559,86 @@ def layer_hooks(
     capture: Sequence[str] = (),
     stop_after_last: bool = False,
     extra: Sequence[tuple[str, HookFn]] = (),
+    qk: str | None = None,
+    forms: "dict[int, AttentionForm] | None" = None,
+    receive: Callable[[int, QueryKeys], None] | None = None,
 ) -> Iterator[None]:
     """The one place that wires hooks: call ``fn(LayerInputs)`` for each layer in the forward pass.
 
-    Per layer the hooks read ``hook_v``, ``hook_pattern`` (after ``edit``, if given, has
-    replaced it), ``hook_z`` and ``attn.hook_out`` where the model has them, and any
-    ``capture`` names relative to ``blocks.{l}``; ``fn`` runs once all have fired, whatever
-    their order. Nothing is kept afterwards: only one layer's activations are alive at a time.
-    With ``stop_after_last``, `StopForward` is raised after the last layer's ``fn``. ``extra``
-    (hook name, function) pairs are attached with them, after them.
+    Per layer the hooks read ``hook_v``, ``hook_pattern`` (after ``edit``, if given, has replaced it), ``hook_z``
+    and ``attn.hook_out`` where the model has them, and any ``capture`` names relative to ``blocks.{l}``; ``fn``
+    runs once all have fired, whatever their order. Nothing is kept afterwards: only one layer's activations
+    are alive at a time. With ``stop_after_last``, `StopForward` is raised after the last layer's ``fn``.
+    ``extra`` (hook name, function) pairs are attached with them, after them.
+
+    ``qk`` (`QK_MODES`): ``"record"`` also reads each layer's queries and keys into
+    `LayerInputs.qk`; ``"tiles"`` runs attention a tile of queries at a time
+    (`contribution_lens.adapter.attention.tiled_attention`): ``LayerInputs.pattern`` is then its
+    shape alone and ``fn`` reads the pattern through ``LayerInputs.pattern_rows``. ``forms``: each
+    layer's `contribution_lens.adapter.attention.AttentionForm` (``contribution_lens.adapter.attention_forms``,
+    learned on a probe that cannot run inside another pass: needed to record); ``receive(layer, qk)``
+    sees each tiled layer's queries and keys.
     """
+    _check_qk(qk, edit, forms)
     known = check_hooks(model, layers)
     _check_capture(known, layers, capture)
     optional = [("z", z_hook), ("hook_out", lambda layer: output_hook(layer, known=known))]
-    pending: dict[int, dict[str, Tensor]] = {}
+    pending: dict[int, dict[str, Any]] = {}
     last = max(layers)
 
     def slots(layer: int) -> list[tuple[str, str]]:
-        names = [("v", value_hook(layer, known=known)), ("pattern", pattern_hook(layer))]
+        names = [("v", value_hook(layer, known=known))]
+        names += [] if qk == "tiles" else [("pattern", pattern_hook(layer))]
         names += [(kind, make(layer)) for kind, make in optional if make(layer) in known]
+        if qk == "record" and forms is not None:
+            names += [("q", block_hook(layer, forms[layer].q_hook)), ("k", block_hook(layer, forms[layer].k_hook))]
         return names + [(f"captured:{name}", block_hook(layer, name)) for name in capture]
 
-    def capture_hook(layer: int, kind: str, needed: int) -> HookFn:
+    needed = {layer: len(slots(layer)) + (qk == "tiles") for layer in layers}
+
+    def fill(layer: int, kind: str, value: Any) -> None:
+        slot = pending.setdefault(layer, {})
+        slot[kind] = value
+        if len(slot) == needed[layer]:
+            form = None if forms is None or qk != "record" else forms[layer]
+            fn(_layer_inputs(model, batch, layer, pending.pop(layer), form))
+            if stop_after_last and layer == last:
+                raise StopForward
+
+    def capture_hook(layer: int, kind: str) -> HookFn:
         def hook(tensor: Tensor, hook: Any) -> Tensor | None:
             replaced = None
             if kind == "pattern" and edit is not None:
                 replaced = _edited(edit, layer, tensor, pending.get(layer, {}))
-            slot = pending.setdefault(layer, {})
             kept = (tensor if replaced is None else replaced).detach()
-            slot[kind] = read_values(model, layer, kept) if kind == "v" else kept
-            if len(slot) == needed:
-                fn(_layer_inputs(model, batch, layer, pending.pop(layer)))
-                if stop_after_last and layer == last:
-                    raise StopForward
+            fill(layer, kind, read_values(model, layer, kept) if kind == "v" else kept)
             return replaced
 
         return hook
 
-    fwd_hooks = []
-    for layer in layers:
-        names = slots(layer)
-        fwd_hooks += [(name, capture_hook(layer, kind, len(names))) for kind, name in names]
+    def received(layer: int, found: QueryKeys) -> None:
+        if receive is not None:
+            receive(layer, found)
+        if layer in needed:
+            fill(layer, "qk", found)
+
+    fwd_hooks = [(name, capture_hook(layer, kind)) for layer in layers for kind, name in slots(layer)]
+    in_tiles = tiled_attention(model, batch, received) if qk == "tiles" else nullcontext()
     try:
-        with hooked(model, [*fwd_hooks, *extra]):
+        with hooked(model, [*fwd_hooks, *extra]), in_tiles:
             yield
     finally:
         pending.clear()
+
+
+def _check_qk(qk: str | None, edit: PatternEdit | None, forms: "dict[int, AttentionForm] | None") -> None:
+    """`layer_hooks`'s ``qk`` against its other arguments, before any hook is attached."""
+    if qk is not None and qk not in QK_MODES:
+        raise ValueError(f"qk must be one of {QK_MODES} or None, got {qk!r}")
+    if qk == "tiles" and edit is not None:
+        raise ValueError("a pass in tiles holds no pattern to edit: run pattern edits with qk=None")
+    if qk == "record" and forms is None:
+        raise ValueError("qk='record' needs the layers' forms (contribution_lens.adapter.attention_forms)")
 
 
 def forward(

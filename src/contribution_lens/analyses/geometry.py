@@ -21,7 +21,7 @@ from transformer_lens import ActivationCache
 from contribution_lens import adapter
 from contribution_lens.choices import as_index, as_indices
 from contribution_lens.decomposition import MEASURES, Decomposition, Factor, Scope, accumulation_dtype, decompose
-from contribution_lens.engine import LayerResults, map_layers
+from contribution_lens.engine import LayerResults, map_layers, tiles_mode
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -281,47 +281,91 @@ def layer_disagreement(d: Decomposition, attention_mask: Tensor, sink: int | Ten
       largest contribution.
 
     ``sink`` is one key position, or one per text (``[batch]``, as `sink_positions` finds them).
-    Raises for a batch whose texts all have one token: no query then sees another key.
+    Raises for a batch whose texts all have one token: no query then sees another key. The sums
+    are `Disagreement`'s, which `layer_summary` adds a tile of queries at a time.
     """
-    if int(attention_mask.sum(-1).max()) < 2:
-        raise ValueError(
-            "a layer summary compares each query's attention with its contributions over the keys it sees: "
-            "it needs a text of at least two tokens (with prepend_bos=False a one-word text has one)"
+    summary = Disagreement(attention_mask, sink, d.shape[-1])
+    summary.add(d)
+    return summary.result()
+
+
+class Disagreement:
+    """`layer_disagreement`'s sums over one layer's queries, added a tile of queries at a time (`add`), then `result`.
+
+    Each sum runs over the queries a tile holds, in float64; the means and shares come at the end, so
+    the numbers do not depend on how the queries were tiled (beyond float64's rounding).
+    """
+
+    def __init__(self, attention_mask: Tensor, sink: int | Tensor, n_key: int) -> None:
+        if int(attention_mask.sum(-1).max()) < 2:
+            raise ValueError(
+                "a layer summary compares each query's attention with its contributions over the keys it sees: "
+                "it needs a text of at least two tokens (with prepend_bos=False a one-word text has one)"
+            )
+        batch, device = attention_mask.shape[0], attention_mask.device
+        self.attention_mask, self.sink = attention_mask.to(torch.bool), sink
+        self.column = (
+            torch.full((batch,), _sink_position(sink, n_key), device=device)
+            if not isinstance(sink, Tensor)
+            else sink.to(device, torch.long)
         )
-    batch, _, n_query, n_key = d.shape
-    column = (
-        torch.full((batch,), _sink_position(sink, n_key), device=d.attention.device)
-        if not isinstance(sink, Tensor)
-        else sink.to(d.attention.device, torch.long)
-    )
-    at_sink = einops.repeat(column, "batch -> batch query 1", query=n_query)
-    real_query = attention_mask.to(d.attention.device) & d.valid.gather(2, at_sink)[..., 0]  # a new tensor
-    real_query[torch.arange(batch), column] = False  # the sink attending to itself says nothing
-    if not bool(real_query.any()):
-        shown = int(column[0]) if isinstance(sink, int) or not isinstance(sink, Tensor) else column.tolist()
-        raise ValueError(
-            f"no real query other than the sink sees key {shown} (causal attention: only later tokens see it; "
-            "padding sees nothing): choose an earlier sink position"
-        )
-    # Head by head: a long text's summary never holds a second full [batch head query key] tensor.
-    attention = torch.zeros_like(d.attention[:, 0])
-    contribution = torch.zeros_like(attention)
-    negative, attended = 0, 0
-    for head in range(d.shape[1]):
-        alpha, weight = d.attention[:, head], d.head_contribution(head)
-        attention += alpha
-        contribution += weight
-        seen = alpha > 0
-        attended += int(seen.sum())
-        negative += int(seen.logical_and_(weight < 0).sum())
-    attention /= d.shape[1]
-    agree = attention.argmax(-1) == contribution.argmax(-1)
-    return {
-        "sink_attention": _mean(attention.gather(2, at_sink)[..., 0][real_query]),
-        "sink_contribution": _mean(contribution.gather(2, at_sink)[..., 0][real_query]),
-        "negative_share": negative / attended if attended else float("nan"),
-        "top1_agreement": _mean(agree[real_query].float()),
-    }
+        self.sums = torch.zeros(6, dtype=torch.float64)
+        """Sink attention, sink contribution, real queries, negative triples, attended triples, agreeing queries."""
+
+    def add(self, d: Decomposition, first_query: int | None = None) -> None:
+        """Add the queries of ``d``: a layer's decomposition, or a tile's whose first query is ``first_query``."""
+        _, heads, n_query, n_key = d.shape
+        first = n_key - n_query if first_query is None else first_query
+        device = d.attention.device
+        column = self.column.to(device)
+        reached = column < n_key  # a causal tile's keys may end before the sink
+        at_sink = einops.repeat(torch.where(reached, column, 0), "batch -> batch query 1", query=n_query)
+        positions = torch.arange(first, first + n_query, device=device)
+        real_query = self.attention_mask.to(device)[:, first : first + n_query] & d.valid.gather(2, at_sink)[..., 0]
+        # The sink attending to itself says nothing.
+        real_query &= reached[:, None] & (positions[None, :] != column[:, None])
+        # Head by head: a long text's summary never holds a second full [batch head query key] tensor.
+        attention = torch.zeros_like(d.attention[:, 0])
+        contribution = torch.zeros_like(attention)
+        negative, attended = 0, 0
+        for head in range(heads):
+            alpha, weight = d.attention[:, head], d.head_contribution(head)
+            attention += alpha
+            contribution += weight
+            seen = alpha > 0
+            attended += int(seen.sum())
+            negative += int(seen.logical_and_(weight < 0).sum())
+        attention /= heads
+        agree = attention.argmax(-1) == contribution.argmax(-1)
+        found = [attention.gather(2, at_sink)[..., 0][real_query], contribution.gather(2, at_sink)[..., 0][real_query]]
+        self.sums += torch.tensor(
+            [*(float(x.double().sum()) for x in found), float(real_query.sum()), negative, attended,
+             float(agree[real_query].sum())],
+            dtype=torch.float64,
+        )  # fmt: skip
+
+    def result(self) -> dict[str, float]:
+        """The four numbers of `layer_disagreement`; raises where no real query but the sink sees the sink."""
+        sink_attention, sink_contribution, queries, negative, attended, agree = self.sums.tolist()
+        if not queries:
+            shown = self.column.tolist() if isinstance(self.sink, Tensor) else self.sink
+            raise ValueError(
+                f"no real query other than the sink sees key {shown} (causal attention: only later tokens see it; "
+                "padding sees nothing): choose an earlier sink position"
+            )
+        return {
+            "sink_attention": sink_attention / queries,
+            "sink_contribution": sink_contribution / queries,
+            "negative_share": negative / attended if attended else float("nan"),
+            "top1_agreement": agree / queries,
+        }
+
+
+def _found_sink(layer: adapter.LayerInputs) -> Tensor:
+    """Per text, the key of largest attention share in ``layer`` (as `sink_positions` finds it), read in tiles."""
+    from contribution_lens.analyses.sinks import layer_sink_shares
+
+    return layer_sink_shares(layer).argmax(-1)
 
 
 def _sink_position(sink: int, n_key: int) -> int:
@@ -339,10 +383,6 @@ def _sink_position(sink: int, n_key: int) -> int:
     return sink
 
 
-def _mean(values: Tensor) -> float:
-    return values.mean().item() if values.numel() else float("nan")
-
-
 def layer_summary(
     model: adapter.Model,
     inputs: str | Sequence[str] | Tensor,
@@ -351,11 +391,15 @@ def layer_summary(
     scope: Scope | str = Scope.INTER,
     sink: int | None = None,
     prepend_bos: bool | None = None,
+    tiles: bool | None = None,
 ) -> pd.DataFrame:
     """`Geometry.layer_summary` without keeping any layer: memory of one layer at a time.
 
     ``sink`` as in `Geometry.layer_summary` (None: 0 after a BOS, else found per layer and text);
-    ``prepend_bos``: prepend the tokenizer's BOS to texts (None: the model's own choice).
+    ``prepend_bos``: prepend the tokenizer's BOS to texts (None: the model's own choice). Each layer
+    is read a tile of queries at a time; ``tiles=True`` runs the pass itself in tiles, holding no
+    pattern (`contribution_lens.adapter.tiled_attention`: what a 32,768-token text needs), ``False``
+    keeps the model's own, None (default) decides by the length (`contribution_lens.engine.WHOLE_PATTERN_BYTES`).
 
     Example:
         >>> import contribution_lens as cl
@@ -367,11 +411,15 @@ def layer_summary(
     scope = Scope.of(scope)
 
     def summarise(layer: adapter.LayerInputs) -> dict[str, float]:
-        d = layer.decompose(scope)
         mask = layer.attention_mask
-        return layer_disagreement(d, mask, sink_positions(d, sink, layer.bos_first, mask))
+        found = sink if sink is not None or layer.bos_first else _found_sink(layer)
+        summary = Disagreement(mask, 0 if found is None else found, layer.pattern.shape[-1])
+        for tile in layer.tiles():
+            summary.add(layer.decompose_rows(scope, tile), tile.start)
+        return summary.result()
 
-    results = map_layers(model, inputs, summarise, layers=layers, prepend_bos=prepend_bos)
+    mode = tiles_mode(tiles)
+    results = map_layers(model, inputs, summarise, layers=layers, prepend_bos=prepend_bos, qk=mode)
     return pd.DataFrame([{"layer": layer, **row} for layer, row in results.items()]).set_index("layer")
 
 

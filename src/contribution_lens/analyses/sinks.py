@@ -26,14 +26,14 @@ import einops
 import numpy as np
 import pandas as pd
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Bool, Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from contribution_lens import adapter
 from contribution_lens.choices import as_index
 from contribution_lens.decomposition import Decomposition, Factor, Scope, head_gram, is_causal
-from contribution_lens.engine import LayerResults, map_layers
+from contribution_lens.engine import LayerResults, map_layers, tiles_mode
 
 if TYPE_CHECKING:
     import plotly.graph_objects as go
@@ -66,7 +66,7 @@ class SinkLayer:
     sinks: Bool[Tensor, "batch key"]
     """The sink keys."""
     factors: dict[Scope, dict[str, Float[Tensor, " head"]]] = field(default_factory=dict)
-    """Sink vs tail factors per scope (see `part_factors`); empty where `sink_analysis` did not ask."""
+    """Sink vs tail factors per scope (see `SinkRows.factors`); empty where `sink_analysis` did not ask."""
 
     @property
     def beta_star(self) -> Float[Tensor, "batch head query"]:
@@ -134,24 +134,60 @@ def sink_shares(
     0 also for a key that no real query other than its own attends to: under causal attention the
     last token is seen by itself alone, and its "share" is its own query's self-attention, which can
     be the largest on a text without BOS; nothing could sink attention into it (a text of one token
-    keeps its share).
+    keeps its share). The sums are `SinkShares`', which `layer_sink_shares` adds a tile at a time.
     """
-    batch, _, n_query, n_key = pattern.shape
-    real = (
-        torch.ones(batch, n_key, dtype=torch.bool, device=pattern.device)
-        if attention_mask is None
-        else attention_mask.to(pattern.device, torch.bool)
-    )
-    alpha = torch.where(real[:, None, None, :] & real[:, None, -n_query:, None], pattern.float(), 0)
-    received = einops.reduce(alpha, "batch head query key -> batch key", "mean") * n_query
-    seen_by = einops.reduce((alpha > 0).float(), "batch head query key -> batch key", "max")
-    viewers = einops.reduce((alpha > 0).float(), "batch head query key -> batch head key", "sum").amax(1).clamp_min(1)
-    # The key's own query is the diagonal (queries are the last n_query positions).
-    positions = torch.arange(n_key, device=pattern.device)
-    own = positions[None, :] == positions[n_key - n_query :, None]
-    others = einops.reduce(((alpha > 0) & ~own).float(), "batch head query key -> batch key", "max") > 0
-    others = others | ~others.any(-1, keepdim=True)
-    return torch.where((seen_by > 0) & real & others, received / viewers, 0)
+    batch, heads, _, n_key = pattern.shape
+    shares = SinkShares(batch, heads, n_key, attention_mask, pattern.device)
+    shares.add(pattern)
+    return shares.result()
+
+
+class SinkShares:
+    """`sink_shares`' sums over a layer's queries, added a tile of queries at a time (`add`), then `result`."""
+
+    def __init__(
+        self, batch: int, heads: int, n_key: int, attention_mask: Bool[Tensor, "batch key"] | None, device: torch.device
+    ) -> None:
+        self.real = (
+            torch.ones(batch, n_key, dtype=torch.bool, device=device)
+            if attention_mask is None
+            else attention_mask.to(device, torch.bool)
+        )
+        self.heads = heads
+        self.received = torch.zeros(batch, n_key, device=device)
+        self.seen_by = torch.zeros(batch, n_key, dtype=torch.bool, device=device)
+        self.viewers = torch.zeros(batch, heads, n_key, device=device)
+        self.others = torch.zeros(batch, n_key, dtype=torch.bool, device=device)
+
+    def add(self, pattern: Float[Tensor, "batch head row key"], first_query: int | None = None) -> None:
+        """Add the rows of queries ``first_query ..`` (default: the last rows) over the first keys."""
+        n_query, n_key = pattern.shape[-2:]
+        first = self.real.shape[1] - n_query if first_query is None else first_query
+        real = self.real[:, :n_key]
+        real_q = self.real[:, first : first + n_query]
+        alpha = torch.where(real[:, None, None, :] & real_q[:, None, :, None], pattern.float(), 0)
+        attended = alpha > 0
+        self.received[:, :n_key] += einops.reduce(alpha, "batch head query key -> batch key", "sum")
+        self.seen_by[:, :n_key] |= einops.reduce(attended, "batch head query key -> batch key", "max")
+        self.viewers[..., :n_key] += einops.reduce(attended.float(), "batch head query key -> batch head key", "sum")
+        # The key's own query is the diagonal.
+        positions = torch.arange(n_key, device=pattern.device)
+        own = positions[None, :] == torch.arange(first, first + n_query, device=pattern.device)[:, None]
+        self.others[:, :n_key] |= einops.reduce(attended & ~own, "batch head query key -> batch key", "max")
+
+    def result(self) -> Float[Tensor, "batch key"]:
+        others = self.others | ~self.others.any(-1, keepdim=True)
+        viewers = self.viewers.amax(1).clamp_min(1)
+        return torch.where(self.seen_by & self.real & others, self.received / self.heads / viewers, 0)
+
+
+def layer_sink_shares(layer: adapter.LayerInputs) -> Float[Tensor, "batch key"]:
+    """`sink_shares` of one layer, read a tile of queries at a time (`contribution_lens.adapter.LayerInputs.tiles`)."""
+    batch, heads, _, n_key = layer.pattern.shape
+    shares = SinkShares(batch, heads, n_key, layer.padding_mask, layer.v.device)
+    for tile in layer.tiles():
+        shares.add(layer.pattern_rows(tile), tile.start + n_key - layer.pattern.shape[2])
+    return shares.result()
 
 
 def detect_sinks(
@@ -166,12 +202,20 @@ def detect_sinks(
     that can see it (0 for a key no query but its own sees). Where no key passes the threshold the
     key of largest share is the sink, so every text has one.
     """
+    _check_epsilon(epsilon)
+    return sinks_of_shares(sink_shares(pattern, attention_mask=attention_mask), epsilon)
+
+
+def _check_epsilon(epsilon: float) -> None:
     if not 0 < epsilon < 1:
         raise ValueError(f"epsilon must lie in (0, 1), got {epsilon}")
-    share = sink_shares(pattern, attention_mask=attention_mask)
+
+
+def sinks_of_shares(share: Float[Tensor, "batch key"], epsilon: float) -> Bool[Tensor, "batch key"]:
+    """`detect_sinks` from the keys' shares: those above ``epsilon``, else the largest."""
     sinks = share > epsilon
     fallback = torch.zeros_like(sinks)
-    fallback[torch.arange(pattern.shape[0]), share.argmax(-1)] = True
+    fallback[torch.arange(share.shape[0]), share.argmax(-1)] = True
     return torch.where(sinks.any(-1, keepdim=True), sinks, fallback)
 
 
@@ -191,96 +235,192 @@ def sink_layer(
     The sink is ``sinks`` (positions, or a ``[batch key]`` mask) or else the first ``k`` positions.
     ``causal``: whether the pattern is causal (None: read from the pattern, one pass over it).
     ``gram``: ``head_gram`` of ``W_O`` in float32 where the caller has it (`LayerInputs.gram`).
+    `SinkRows` with every query at once: `sink_analysis` adds them a tile of queries at a time.
     """
-    batch, n_heads, n_query, n_key = pattern.shape
+    batch, _, n_query, n_key = pattern.shape
     if n_query != n_key:
         raise ValueError("sink analysis needs the full square pattern")
     is_sink = sink_mask(sinks, k, batch, n_key, pattern.device)
-    real = (
-        torch.ones(batch, n_key, dtype=torch.bool, device=pattern.device)
-        if attention_mask is None
-        else attention_mask.to(pattern.device, torch.bool)
-    )
-    is_sink = is_sink & real
-    valid = einops.rearrange(real, "batch key -> batch 1 1 key") & einops.rearrange(
-        real, "batch query -> batch 1 query 1"
-    )
-    # Padding may hold anything (NaN too): zeroed where there is some, else the pattern is used as it is.
-    alpha = pattern.float() if attention_mask is None else torch.where(valid, pattern.float(), 0)
-    group = n_heads // v.shape[2]
-    values = torch.where(einops.rearrange(real, "batch key -> batch key 1 1"), v.float(), 0)
-    values = einops.repeat(values, "batch key kv_head d_head -> batch (kv_head group) key d_head", group=group)
-    gram = head_gram(W_O.float()) if gram is None else gram.float()
-
-    sink_ratio, z_sink, z_tail = _sink_and_tail_outputs(alpha, values, is_sink)
-    z_out = z_sink + z_tail
-    sink_mean, tail_mean = _unit_mass_directions(alpha, is_sink, sink_ratio, z_sink, z_tail)
-    # x G once per vector x, each then read by every <x, y>_G it enters: the same products, in the
-    # same order, as the three-operand einsum (which contracts x with G first), without repeating them.
-    sink_g, tail_g, out_g, z_sink_g, z_tail_g = (
-        einops.einsum(x, gram, "b h q d, h d e -> b h q e") for x in (sink_mean, tail_mean, z_out, z_sink, z_tail)
-    )
-    dot = "b h q e, b h q e -> b h q"
-    sink_sq = einops.einsum(sink_g, sink_mean, dot)
-    tail_sq = einops.einsum(tail_g, tail_mean, dot)
-    cross = einops.einsum(sink_g, tail_mean, dot)
-    out_sq = einops.einsum(out_g, z_out, dot).clamp_min(0)
-
-    s_t = einops.einsum(z_sink_g, z_tail, dot)
-    sink_tail_cosine = _cosine(s_t, einops.einsum(z_sink_g, z_sink, dot), einops.einsum(z_tail_g, z_tail, dot))
-    sink_token_cosine = _sink_token_cosine(values, gram, is_sink)
-    keys = real & ~is_sink
-    causal = is_causal(pattern) if causal is None else causal
-    queries = _sink_and_tail_queries(valid[:, 0], real, is_sink, keys, causal)
-    cone_cosine = _cone_cosine(tail_mean, tail_sq, z_out, out_sq, gram, queries)
-
-    if sinks is not None and not isinstance(sinks, Tensor) and not bool(queries.any()):
-        raise ValueError(
-            f"no real query sees both a sink key (sinks={sinks!r}) and a tail key: every statistic "
-            "would be empty (under causal attention only later tokens see a sink: choose earlier positions)"
-        )
-    q_mask = einops.rearrange(queries, "b q -> b 1 q")
-    zero = torch.zeros((), device=pattern.device)
-    return SinkLayer(
-        sink_ratio=torch.where(q_mask, sink_ratio, zero),
-        output_norm=torch.where(q_mask, out_sq.sqrt(), zero),
-        sink_sq=torch.where(q_mask, sink_sq, zero),
-        tail_sq=torch.where(q_mask, tail_sq, zero),
-        cross=torch.where(q_mask, cross, zero),
-        sink_tail_cosine=torch.where(q_mask, sink_tail_cosine, zero),
-        sink_token_cosine=torch.where(einops.rearrange(keys, "b k -> b 1 k"), sink_token_cosine, zero),
-        cone_cosine=torch.where(q_mask, cone_cosine, zero),
-        queries=queries,
-        keys=keys,
-        sinks=is_sink,
-    )
+    rows = SinkRows(v, W_O, is_sink, attention_mask=attention_mask, gram=gram)
+    rows.add(pattern, causal=is_causal(pattern) if causal is None else causal)
+    return rows.geometry(sinks)
 
 
-def _sink_and_tail_outputs(
-    alpha: Float[Tensor, "b h q k"], values: Float[Tensor, "b h k d"], is_sink: Bool[Tensor, "b k"]
-) -> tuple[Float[Tensor, "b h q"], Float[Tensor, "b h q d"], Float[Tensor, "b h q d"]]:
-    """``a_i = sum_{j in sink} alpha_ij``, ``z_sink = sum_{j in sink} alpha_ij v_j`` and ``z_tail`` (the other keys).
+class SinkRows:
+    """`sink_layer` and the sink/tail factors of one layer, its queries added a tile at a time (`add`).
 
-    The pattern times the values of the part's keys alone: the sink's from its few columns, the
-    tail's from masked values; the pattern is never copied.
+    For each query ``i`` and part ``P`` (the sink keys, the tail keys) one product of its row of the
+    pattern with the keys reads ``z_P = sum_{j in P} alpha_ij v_j`` (the sink and tail outputs through
+    ``d_head``), ``u_P = sum_{j in P} alpha_ij v_j / ||vt_j||``, ``sum_{j in P} alpha_ij ||vt_j||`` and the
+    part's mass ``sum_{j in P} alpha_ij``; with whether the query sees a sink key and a tail key, that is
+    all the row is read for. The geometry (`geometry`) and each scope's factors (`factors`) then read
+    these ``[batch head query (d_head)]`` tensors, never the pattern: with ``o`` the scope's output,
+    ``cos_ij ||vt_j|| = <o, vt_j> / ||o||``, so ``sum_{j in P} alpha_ij cos_ij ||vt_j|| = <o, z_P W_O> / ||o||``
+    and ``sum_{j in P} alpha_ij cos_ij = <o, u_P W_O> / ||o||``, every inner product through ``d_head``.
     """
-    sink_keys = is_sink.to(values.dtype)
-    columns = is_sink.any(0).nonzero().squeeze(1)
-    alpha_sink = alpha.index_select(3, columns) * sink_keys[:, None, None, columns]
-    z_sink = einops.einsum(alpha_sink, values.index_select(2, columns), "b h q k, b h k d -> b h q d")
-    z_tail = einops.einsum(alpha, values * (1 - sink_keys[:, None, :, None]), "b h q k, b h k d -> b h q d")
-    return alpha_sink.sum(-1), z_sink, z_tail
+
+    def __init__(
+        self,
+        v: Float[Tensor, "batch key kv_head d_head"],
+        W_O: Float[Tensor, "head d_head d_model"],
+        is_sink: Bool[Tensor, "batch key"],
+        *,
+        attention_mask: Bool[Tensor, "batch key"] | None = None,
+        gram: Float[Tensor, "head d_head e_head"] | None = None,
+    ) -> None:
+        batch, n_key, n_kv, d_head = v.shape
+        n_heads, device = W_O.shape[0], v.device
+        self.real = (
+            torch.ones(batch, n_key, dtype=torch.bool, device=device)
+            if attention_mask is None
+            else attention_mask.to(device, torch.bool)
+        )
+        self.masked, self.W_O = attention_mask is not None, W_O
+        self.is_sink = is_sink.to(device) & self.real
+        values = torch.where(einops.rearrange(self.real, "batch key -> batch key 1 1"), v.float(), 0)
+        self.values = einops.repeat(
+            values, "batch key kv_head d_head -> batch (kv_head group) key d_head", group=n_heads // n_kv
+        )
+        self.gram = head_gram(W_O.float()) if gram is None else gram.float()
+        self.value_norm = einops.einsum(self.values, self.gram, self.values, "b h k d, h d e, b h k e -> b h k")
+        self.value_norm = self.value_norm.clamp_min(0).sqrt()
+        inverse = torch.where(self.value_norm > 0, 1 / self.value_norm.where(self.value_norm > 0, 1), 0)
+        # Per key: v_j, v_j / ||vt_j||, ||vt_j||, 1: one product with a row reads every sum of its part.
+        per_key = torch.cat([self.values, self.values * inverse[..., None], self.value_norm[..., None],
+                             torch.ones_like(self.value_norm)[..., None]], -1)  # fmt: skip
+        self.tail_keys = per_key * (self.real & ~self.is_sink).float()[:, None, :, None]
+        self.sink_keys = per_key * self.is_sink.float()[:, None, :, None]
+        self.sink_columns = self.is_sink.any(0).nonzero().squeeze(1)
+        self.parts = {part: torch.zeros(batch, n_heads, n_key, 2 * d_head + 2, device=device) for part in PARTS}
+        """Per part and query: ``z_P``, ``u_P``, ``sum alpha ||vt||``, ``sum alpha`` (`SinkRows`)."""
+        self.queries = torch.zeros(batch, n_key, dtype=torch.bool, device=device)
+
+    def add(
+        self, pattern: Float[Tensor, "batch head row key"], *, causal: bool, first_query: int | None = None
+    ) -> None:
+        """Add the rows of queries ``first_query ..`` (default: the last rows), over the first keys of the text."""
+        n_query, n_key = pattern.shape[-2:]
+        first = n_key - n_query if first_query is None else first_query
+        rows = slice(first, first + n_query)
+        real_q = self.real[:, rows]
+        valid = self.real[:, None, None, :n_key] & real_q[:, None, :, None]
+        # Padding may hold anything (NaN too): zeroed where there is some, else the pattern is used as it is.
+        alpha = pattern.float() if not self.masked else torch.where(valid, pattern.float(), 0)
+        columns = self.sink_columns[self.sink_columns < n_key]
+        # The sink's few columns alone; the tail's from every key, the sink's zeroed in the right operand.
+        self.parts["sink"][:, :, rows] = alpha.index_select(3, columns) @ self.sink_keys.index_select(2, columns)
+        self.parts["tail"][:, :, rows] = alpha @ self.tail_keys[:, :, :n_key]
+        visible = valid[:, 0]
+        if causal:
+            visible = visible & torch.ones(n_query, n_key, dtype=torch.bool, device=visible.device).tril(first)
+        is_sink = self.is_sink[:, :n_key]
+        keys = self.real[:, :n_key] & ~is_sink
+        sees = (visible & is_sink[:, None, :]).any(-1) & (visible & keys[:, None, :]).any(-1)
+        self.queries[:, rows] = real_q & ~self.is_sink[:, rows] & sees
+
+    def _part(self, part: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """``z_P``, ``u_P``, ``sum alpha ||vt||`` and the mass of ``part``, per query."""
+        d_head = self.values.shape[-1]
+        found = self.parts[part]
+        return found[..., :d_head], found[..., d_head : 2 * d_head], found[..., -2], found[..., -1]
+
+    def factors(
+        self, scope: Scope, *, z: Tensor | None = None, output: Tensor | None = None, reading: Tensor | None = None
+    ) -> dict[str, Float[Tensor, " head"]]:
+        """The sink vs tail factors of ``scope`` per head, each a mean over the sink layer's queries.
+
+        For a part ``P`` and query ``i``: attention ``sum_{j in P} alpha_ij`` and contribution
+        ``sum_{j in P} c_ij`` are summed over the part's keys; relative norm and cosine are their
+        attention-weighted means ``sum_{j in P} alpha_ij x_ij / sum_{j in P} alpha_ij``. ``o`` is the
+        heads' output ``z`` (``[batch query head d_head]``, the model's ``hook_z``; default the sum of
+        the parts) through ``W_O`` (intra), or the layer's ``output`` (``[batch query d_model]``, the
+        o-projection's less ``b_O``; default ``sum_h z^h W_O^h``) (inter), read through each head as
+        ``reading`` ``[batch head query d_head]`` where the caller has it (``o W_O^h^T``,
+        `contribution_lens.adapter.LayerInputs.inter_reading`).
+        """
+        parts = {part: self._part(part) for part in PARTS}
+        z_out = parts["sink"][0] + parts["tail"][0]
+        heads_z = z_out if z is None else einops.rearrange(z.float(), "b q h d -> b h q d")
+        if scope == Scope.INTRA:
+            reading = einops.einsum(heads_z, self.gram, "b h q d, h d e -> b h q e")  # <o^h, x W_O^h> = z G x
+            norm = einops.einsum(reading, heads_z, "b h q e, b h q e -> b h q").clamp_min(0).sqrt()
+        else:
+            W_O = self.W_O.to(heads_z.dtype)
+            o = einops.einsum(heads_z, W_O, "b h q d, h d m -> b q m") if output is None else output.float()
+            if reading is None:
+                reading = einops.einsum(o, W_O, "b q m, h d m -> b h q d")  # <o, x W_O^h> = (o W_O^h^T) x
+            reading = reading.float()
+            norm = einops.repeat(o.norm(dim=-1), "b q -> b h q", h=heads_z.shape[1])
+        q_mask = einops.rearrange(self.queries, "b q -> b 1 q")
+        reading, norm = torch.where(q_mask[..., None], reading, 0), torch.where(q_mask, norm, 0)
+        inverse_norm = torch.where(norm != 0, 1 / norm.where(norm != 0, 1), 0)
+        q_weight = q_mask.to(norm.dtype)
+        n_queries = q_weight.sum((0, 2)).clamp_min(1)
+        means: dict[str, Tensor] = {}
+        for part, (z_part, u_part, value_norms, mass) in parts.items():
+            cosines = einops.einsum(reading, u_part, "b h q d, b h q d -> b h q") * inverse_norm
+            weighted = einops.einsum(reading, z_part, "b h q d, b h q d -> b h q") * inverse_norm
+            per_query = {
+                Factor.ATTENTION: mass,
+                Factor.RELATIVE_NORM: value_norms * inverse_norm / mass.clamp_min(1e-30),
+                Factor.COSINE: cosines / mass.clamp_min(1e-30),
+                Factor.CONTRIBUTION: weighted * inverse_norm,
+            }
+            for factor in Factor:
+                means[f"{part}_{factor}"] = (per_query[factor] * q_weight).sum((0, 2)) / n_queries
+        return means
+
+    def geometry(self, sinks: Sequence[int] | Tensor | None = None) -> SinkLayer:
+        """The `SinkLayer` of every query added (``sinks``: the positions asked for, named where no query sees them)."""
+        gram, queries = self.gram, self.queries
+        (z_sink, _, _, sink_ratio), (z_tail, _, _, tail_ratio) = self._part("sink"), self._part("tail")
+        z_out = z_sink + z_tail
+        sink_mean, tail_mean = _unit_mass_directions(tail_ratio, sink_ratio, z_sink, z_tail)
+        # x G once per vector x, each then read by every <x, y>_G it enters: the same products, in the
+        # same order, as the three-operand einsum (which contracts x with G first), without repeating them.
+        sink_g, tail_g, out_g, z_sink_g, z_tail_g = (
+            einops.einsum(x, gram, "b h q d, h d e -> b h q e") for x in (sink_mean, tail_mean, z_out, z_sink, z_tail)
+        )
+        dot = "b h q e, b h q e -> b h q"
+        sink_sq = einops.einsum(sink_g, sink_mean, dot)
+        tail_sq = einops.einsum(tail_g, tail_mean, dot)
+        cross = einops.einsum(sink_g, tail_mean, dot)
+        out_sq = einops.einsum(out_g, z_out, dot).clamp_min(0)
+        s_t = einops.einsum(z_sink_g, z_tail, dot)
+        sink_tail_cosine = _cosine(s_t, einops.einsum(z_sink_g, z_sink, dot), einops.einsum(z_tail_g, z_tail, dot))
+        sink_token_cosine = _sink_token_cosine(self.values, gram, self.is_sink)
+        keys = self.real & ~self.is_sink
+        cone_cosine = _cone_cosine(tail_mean, tail_sq, z_out, out_sq, gram, queries)
+        if sinks is not None and not isinstance(sinks, Tensor) and not bool(queries.any()):
+            raise ValueError(
+                f"no real query sees both a sink key (sinks={sinks!r}) and a tail key: every statistic "
+                "would be empty (under causal attention only later tokens see a sink: choose earlier positions)"
+            )
+        q_mask = einops.rearrange(queries, "b q -> b 1 q")
+        zero = torch.zeros((), device=queries.device)
+        return SinkLayer(
+            sink_ratio=torch.where(q_mask, sink_ratio, zero),
+            output_norm=torch.where(q_mask, out_sq.sqrt(), zero),
+            sink_sq=torch.where(q_mask, sink_sq, zero),
+            tail_sq=torch.where(q_mask, tail_sq, zero),
+            cross=torch.where(q_mask, cross, zero),
+            sink_tail_cosine=torch.where(q_mask, sink_tail_cosine, zero),
+            sink_token_cosine=torch.where(einops.rearrange(keys, "b k -> b 1 k"), sink_token_cosine, zero),
+            cone_cosine=torch.where(q_mask, cone_cosine, zero),
+            queries=queries,
+            keys=keys,
+            sinks=self.is_sink,
+        )
 
 
 def _unit_mass_directions(
-    alpha: Tensor, is_sink: Tensor, sink_ratio: Tensor, z_sink: Tensor, z_tail: Tensor
+    tail_ratio: Tensor, sink_ratio: Tensor, z_sink: Tensor, z_tail: Tensor
 ) -> tuple[Float[Tensor, "b h q d"], Float[Tensor, "b h q d"]]:
     """``S = s_i / a_i`` and ``U = t_i / (tail mass)``, 0 where a part has no mass.
 
     The tail's own mass, not ``1 - a_i``: where ``a_i`` rounds to 1 in float32, ``1 - a_i`` is 0 while
     the tail still holds (tiny) attention, and ``t_i / 1e-30`` overflowed ``||U||^2`` to NaN.
     """
-    tail_ratio = einops.einsum(alpha, (~is_sink).to(alpha.dtype), "b h q k, b k -> b h q")
     sink_mean = z_sink / sink_ratio.clamp_min(1e-30)[..., None]
     tail_mean = torch.where(tail_ratio[..., None] > 0, z_tail / tail_ratio.clamp_min(1e-38)[..., None], 0)
     return sink_mean, tail_mean
@@ -304,16 +444,6 @@ def _sink_token_cosine(
     return _cosine(token_dot, sink_value_sq[..., None], token_sq)
 
 
-def _sink_and_tail_queries(
-    visible: Bool[Tensor, "b q k"], real: Tensor, is_sink: Tensor, keys: Tensor, causal: bool
-) -> Bool[Tensor, "b q"]:
-    """Real non-sink queries that see at least one sink key and one tail key (causally, if ``causal``)."""
-    n_query, n_key = visible.shape[-2:]
-    if causal:
-        visible = visible & torch.ones(n_query, n_key, dtype=torch.bool, device=visible.device).tril()
-    return real & ~is_sink & (visible & is_sink[:, None, :]).any(-1) & (visible & keys[:, None, :]).any(-1)
-
-
 def _cone_cosine(
     tail_mean: Tensor, tail_sq: Tensor, z_out: Tensor, out_sq: Tensor, gram: Tensor, queries: Tensor
 ) -> Float[Tensor, "b h q"]:
@@ -326,198 +456,212 @@ def _cone_cosine(
     return _cosine(cone_dot, out_sq, einops.repeat(axis_sq, "b h -> b h q", q=z_out.shape[2]))
 
 
-def part_factors(
-    d: Decomposition,
-    is_sink: Bool[Tensor, "batch key"],
-    queries: Bool[Tensor, "batch query"],
-    pairs: "TailPairs | None" = None,
-    quantiles: dict[str, Float[Tensor, " head"]] | None = None,
-) -> dict[str, Float[Tensor, " head"]]:
-    """Sink vs tail factors per head, each a mean over the sink layer's ``queries``.
+QUANTILES = (10, 50, 90)
+"""The percentiles of the tail's cosine and relative norm that `sink_analysis` reports (`TailQuantiles`)."""
+TAIL_KEPT_BYTES = 512 << 20
+"""The most bytes of tail pairs one scope of one layer keeps between the quantiles' two sweeps (`TailQuantiles`):
+SmolLM2 at 2,048 tokens needs about 170 MB; past it the second sweep reads the tiles again."""
 
-    For a part ``P`` (the sink keys, or the others) and query ``i``: attention ``sum_{j in P} alpha_ij``
-    and contribution ``sum_{j in P} c_ij`` are summed over the part's keys; relative norm and cosine
-    are their attention-weighted means ``sum_{j in P} alpha_ij x_ij / sum_{j in P} alpha_ij``. Since
-    ``c_ij = alpha_ij cos_ij ||vt_j|| / ||o_i||`` and ``relative_norm_ij = ||vt_j|| / ||o_i||``, every
-    sum is a product of a pattern-sized tensor (``alpha`` or ``alpha cos``) with per-key weights: one
-    batched matrix product, no masked copy. Keys ``sink_*`` and ``tail_*``, plus
-    ``tail_cosine_q10/q50/q90`` and ``tail_relative_norm_q10/q50/q90``: the distribution over
-    (query, tail key) pairs with ``alpha > 0``, as ``torch.quantile`` gives it (`tail_quantiles`;
-    ``pairs``: those pairs where the caller has them already, `TailPairs.of`; ``quantiles``: the
-    quantiles themselves, where `tail_quantiles` found them for several decompositions at once;
-    ``{}`` leaves them out).
+
+class TailQuantiles:
+    """`QUANTILES` of ``cos_ij`` and of ``||vt_j|| / ||o_i||`` per head over one layer's tail pairs, in one scope.
+
+    A pair is a query of the sink layer's ``queries`` and a key it sees that is not a sink, in any
+    text of the batch, where the head gives it attention (``alpha > 0``). The decompositions of the
+    layer's queries come a tile at a time (`add`): each tile's values are counted in their bins
+    (`TileQuantiles`, pairs only) where they lie, in the cache, and kept while they fit ``kept_bytes``;
+    `result` then reads the kept values of the bins that hold the quantiles. Where they do not fit
+    (long texts), the tiles must come once more (`collect`, unless `swept`). The relative norm is
+    ``Decomposition.relative_norm`` bit for bit; the numbers are ``torch.quantile``'s.
+    """
+
+    def __init__(
+        self, heads: int, dtype: torch.dtype, device: torch.device, *, items: int, kept_bytes: int | None = None
+    ) -> None:
+        fractions, bits = [p / 100 for p in QUANTILES], stream_bits(items)
+        self.found = {
+            name: TileQuantiles(heads, fractions, dtype, device, domain, bits) for name, domain in FACTORS.items()
+        }
+        self.kept: list[dict[str, tuple[Tensor, Tensor]]] | None = []
+        self.room = TAIL_KEPT_BYTES if kept_bytes is None else kept_bytes
+
+    @staticmethod
+    def values(
+        d: Decomposition, is_sink: Bool[Tensor, "batch key"], queries: Bool[Tensor, "batch query"], first_query: int
+    ) -> tuple[dict[str, Float[Tensor, "head item"]], Bool[Tensor, "head item"]]:
+        """Each factor of ``d`` (queries from ``first_query``) ``[head (batch query key)]``, and where a pair is not."""
+        n_query, n_key = d.shape[2:]
+        pairs = d.valid & (~is_sink[:, :n_key])[:, None, :] & queries[:, first_query : first_query + n_query, None]
+        left_out = torch.le(d.attention, 0).logical_or_(~pairs[:, None])
+        output_norm = d.output_norm[..., None]
+        relative_norm = d.value_norm[:, :, None, :] / output_norm
+        if not bool((output_norm != 0).all()):  # Decomposition.relative_norm's 0 where ||o|| = 0
+            relative_norm = torch.where(output_norm != 0, relative_norm, 0)
+        rows = "b h q k -> h (b q k)"
+        found = {"cosine": einops.rearrange(d.cosine, rows), "relative_norm": einops.rearrange(relative_norm, rows)}
+        return found, einops.rearrange(left_out, rows)
+
+    @property
+    def swept(self) -> bool:
+        """Whether the first sweep kept every value: `result` then needs no second sweep over the tiles."""
+        return self.kept is not None
+
+    def add(self, d: Decomposition, is_sink: Tensor, queries: Tensor, first_query: int | None = None) -> None:
+        """The first sweep: one tile's decomposition (queries from ``first_query``, default the last rows)."""
+        first = queries.shape[1] - d.shape[2] if first_query is None else first_query
+        found, left_out = self.values(d, is_sink, queries, first)
+        bins = {name: self.found[name].add(values, left_out) for name, values in found.items()}
+        if self.kept is not None:
+            self.room -= sum(found[name].nbytes + bins[name].nbytes for name in found)
+            self.kept = [*self.kept, {name: (found[name], bins[name]) for name in found}] if self.room >= 0 else None
+
+    def collect(self, d: Decomposition, is_sink: Tensor, queries: Tensor, first_query: int | None = None) -> None:
+        """The second sweep, where the first could not keep the values: every tile once more, as `add` saw them."""
+        first = queries.shape[1] - d.shape[2] if first_query is None else first_query
+        found, left_out = self.values(d, is_sink, queries, first)
+        for name, values in found.items():
+            self.found[name].collect(values, self.found[name].bins(values, left_out))
+
+    def result(self) -> dict[str, Float[Tensor, " head"]]:
+        """``tail_{cosine,relative_norm}_q{10,50,90}`` per head."""
+        for tile in self.kept or []:
+            for name, (values, bins) in tile.items():
+                self.found[name].collect(values, bins)
+        self.kept = None
+        out: dict[str, Tensor] = {}
+        for name, quantiles in self.found.items():
+            found = quantiles.result()
+            out |= {f"tail_{name}_q{p}": found[index] for index, p in enumerate(QUANTILES)}
+        return out
+
+
+FACTORS = {"cosine": "unit", "relative_norm": "non-negative"}
+"""The factors whose tail distribution `TailQuantiles` describes, and where their values lie (`order_bins`)."""
+
+
+STREAM_BITS = 16
+"""At most ``2**STREAM_BITS`` bins a row (`TileQuantiles`): a bin then spans 1/65,536 of [-1, 1] for a cosine,
+1/128 of a norm's magnitude."""
+
+
+def stream_bits(items: int) -> int:
+    """Bits of the bins for ``items`` values a row: about 8 values a bin, from ``2**10`` to ``2**STREAM_BITS`` bins."""
+    return min(STREAM_BITS, max(10, math.ceil(math.log2(max(items, 1) / 8))))
+
+
+def order_bins(values: Tensor, domain: str = "any", bits: int = STREAM_BITS) -> Tensor:
+    """Each value's bin, an int32 in ``[0, 2**bits)`` that never decreases with the value (finite values).
+
+    ``domain``: ``"unit"`` for values in [-1, 1] (cosines: equal bins of the interval), ``"non-negative"``
+    (ratios of norms: the float's bits, read as an integer, which grows with a non-negative float, from
+    ``2**-32`` to ``2**32``: 64 octaves of ``2**(bits - 6)`` bins each), else ``"any"``: the top bits
+    of the float with a negative one's lower bits flipped, so that they fall as it falls. A value off
+    its domain lands in the first or last bin: the bins still never decrease.
 
     Example:
-        >>> import torch
-        >>> from contribution_lens.decomposition import decompose
-        >>> pattern = torch.tensor([[[[1.0, 0.0, 0.0], [0.5, 0.5, 0.0], [0.5, 0.25, 0.25]]]])
-        >>> v = torch.tensor([[[[1.0, 0.0]], [[0.0, 1.0]], [[0.0, 2.0]]]])
-        >>> d = decompose(pattern, v, torch.eye(2)[None], scope="intra")
-        >>> sink = torch.tensor([[True, False, False]])
-        >>> f = part_factors(d, sink, torch.tensor([[False, True, True]]))
-        >>> round(f["sink_attention"].item(), 3), round((f["sink_contribution"] + f["tail_contribution"]).item(), 3)
-        (0.5, 1.0)
+        >>> order_bins(torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0]), "unit").tolist()
+        [0, 16383, 32767, 49151, 65535]
+        >>> bins = order_bins(torch.tensor([-2.0, -1e-30, -0.0, 0.0, 3.0]))
+        >>> bool((bins[1:] >= bins[:-1]).all())
+        True
     """
-    if quantiles is None:
-        quantiles = tail_quantiles([d], pairs or TailPairs.of(d.attention, d.valid, is_sink, queries))[0]
-    return _factor_means([d], is_sink, queries)[0] | quantiles
+    top = (1 << bits) - 1
+    if domain == "unit":
+        half = top / 2
+        return values.clamp(-1, 1).mul_(half).add_(half).to(torch.int32)
+    integer, width, mantissa = (torch.int64, 64, 52) if values.dtype == torch.float64 else (torch.int32, 32, 23)
+    raw = values.contiguous().view(integer)
+    if domain == "non-negative":
+        low = torch.tensor(2.0**-32, dtype=values.dtype).view(integer).item()
+        return raw.sub(low).bitwise_right_shift_(mantissa - (bits - 6)).clamp_(0, top).to(torch.int32)
+    ordered = raw ^ ((raw >> (width - 1)) & torch.iinfo(integer).max)
+    return ((ordered >> (width - bits)) + (1 << (bits - 1))).to(torch.int32)
 
 
-def _factor_means(
-    decompositions: Sequence[Decomposition], is_sink: Bool[Tensor, "batch key"], queries: Bool[Tensor, "batch query"]
-) -> list[dict[str, Float[Tensor, " head"]]]:
-    """`part_factors` without the quantiles, for decompositions of one layer (its scopes).
+class TileQuantiles:
+    """``torch.quantile`` (linear interpolation) of each row's kept values, the items of the rows seen a part at a time.
 
-    The attention sums read only ``alpha`` and ``||vt_j||``, which every scope of a layer shares:
-    where they are the same tensors they are summed once.
-    """
-    first = decompositions[0]
-    alpha = first.attention
-    q_weight = einops.rearrange(queries.to(alpha.dtype), "b q -> b 1 q")
-    n_queries = q_weight.sum((0, 2)).clamp_min(1)
-    sink_keys = is_sink.to(alpha.dtype)
-    key_weights = None
-    out = []
-    for d in decompositions:
-        if key_weights is None or d.attention is not alpha or not torch.equal(d.value_norm, first.value_norm):
-            key_weights = _key_weights(d, sink_keys)
-            with_attention = einops.einsum(d.attention, key_weights, "b h q k, b h k part -> b h q part")
-        with_cosine = _weighted_cosine_sums(d.attention, d.cosine, key_weights)
-        inverse_norm = torch.where(d.output_norm != 0, 1 / torch.where(d.output_norm != 0, d.output_norm, 1), 0)
-        means: dict[str, Tensor] = {}
-        for index, part in enumerate(PARTS):
-            mass = with_attention[..., index]
-            per_query = {
-                Factor.ATTENTION: mass,
-                Factor.RELATIVE_NORM: with_attention[..., 2 + index] * inverse_norm / mass.clamp_min(1e-30),
-                Factor.COSINE: with_cosine[..., index] / mass.clamp_min(1e-30),
-                Factor.CONTRIBUTION: with_cosine[..., 2 + index] * inverse_norm,
-            }
-            for factor in Factor:
-                means[f"{part}_{factor}"] = (per_query[factor] * q_weight).sum((0, 2)) / n_queries
-        out.append(means)
-    return out
-
-
-QUERY_BLOCK_BYTES = 1 << 20
-"""How much of ``alpha cos`` `_weighted_cosine_sums` builds at once: a block that stays in the cache."""
-
-
-def _weighted_cosine_sums(
-    alpha: Float[Tensor, "b h q k"], cosine: Float[Tensor, "b h q k"], key_weights: Float[Tensor, "b h k part"]
-) -> Float[Tensor, "b h q part"]:
-    """``sum_j alpha_ij cos_ij w_jp``, a block of queries at a time.
-
-    The product ``alpha cos`` is pattern-sized: built whole, it is a fresh allocation (a first
-    touch of every page) read back from memory; built a block of queries at a time into one
-    buffer, it stays in the cache. Each query's sum is the same matrix product either way.
-    """
-    batch, heads, n_query, n_key = alpha.shape
-    rows = max(1, QUERY_BLOCK_BYTES // max(1, batch * heads * n_key * alpha.element_size()))
-    out = alpha.new_empty(batch, heads, n_query, key_weights.shape[-1])
-    buffer = alpha.new_empty(batch, heads, min(rows, n_query), n_key)
-    for start in range(0, n_query, rows):
-        block = slice(start, start + rows)
-        product = torch.mul(alpha[:, :, block], cosine[:, :, block], out=buffer[:, :, : out[:, :, block].shape[2]])
-        torch.matmul(product, key_weights, out=out[:, :, block])
-    return out
-
-
-def _key_weights(d: Decomposition, sink_keys: Float[Tensor, "batch key"]) -> Float[Tensor, "batch head key part"]:
-    """Per-key weights of the parts: 1 on the sink's keys, 1 on the others, then ``||vt_j||`` on each."""
-    n_heads = d.attention.shape[1]
-    value_norm = d.value_norm.to(d.attention.dtype)
-    return torch.stack(
-        [
-            einops.repeat(sink_keys, "b k -> b h k", h=n_heads),
-            einops.repeat(1 - sink_keys, "b k -> b h k", h=n_heads),
-            value_norm * sink_keys[:, None],
-            value_norm * (1 - sink_keys[:, None]),
-        ],
-        dim=-1,
-    )
-
-
-QUANTILES = (10, 50, 90)
-"""The percentiles of the tail's cosine and relative norm that `part_factors` reports."""
-
-
-@dataclass(frozen=True)
-class TailPairs:
-    """The (query, tail key) pairs of one layer whose cosine and relative norm `tail_quantiles` describes.
-
-    A pair is a query in ``queries`` and a key it sees that is not a sink, in any text of the
-    batch; ``keep`` (``[head pair]``, None when every pair is kept) leaves out the pairs a head
-    gives no attention. The same for both scopes: built once per layer.
+    With ``n`` kept values ``x_(0) <= ... <= x_(n-1)`` in a row and ``r = f (n - 1)``, the quantile is
+    ``x_(floor r) + (r - floor r) (x_(ceil r) - x_(floor r))``, computed as ``torch.quantile`` computes it
+    (``r`` in the values' dtype, ``torch.lerp``), so the result is the same to the bit. Only the order
+    statistics at ``floor r`` and ``ceil r`` are found, without sorting a row: the first sweep (`add`)
+    counts each row's values in `STREAM_BITS` bins that never decrease with the value (`order_bins`),
+    which names the bins holding the wanted order statistics and their ranks there; the second
+    (`collect`: the same parts, or the values and bins `add` returned) keeps the values of those bins
+    alone, sorted at the end. Memory: the counts and those values, whatever the number of items. A row
+    with nothing kept gives 0; values must be finite.
     """
 
-    at: Int[Tensor, " pair"]
-    """Flat ``(b q k)`` index of each pair."""
-    key: Int[Tensor, " pair"]
-    """Flat ``(b k)`` index of its key."""
-    query: Int[Tensor, " pair"]
-    """Flat ``(b q)`` index of its query."""
-    keep: Bool[Tensor, "head pair"] | None
+    def __init__(
+        self,
+        n_rows: int,
+        fractions: Sequence[float],
+        dtype: torch.dtype,
+        device: torch.device,
+        domain: str = "any",
+        bits: int = STREAM_BITS,
+    ) -> None:
+        self.fractions, self.dtype, self.domain, self.bits = list(fractions), dtype, domain, bits
+        self.spare = n_rows << bits
+        self.counts = torch.zeros(self.spare + 1, dtype=torch.int64, device=device)  # a spare bin for what is left out
+        self.offsets = torch.arange(n_rows, device=device, dtype=torch.int32)[:, None] << bits
+        self.candidates: list[tuple[Tensor, Tensor]] = []
+        self._targets: tuple[Tensor, Tensor, Tensor, Tensor] | None = None
 
-    @classmethod
-    def of(
-        cls,
-        attention: Float[Tensor, "batch head query key"],
-        valid: Bool[Tensor, "batch query key"],
-        is_sink: Bool[Tensor, "batch key"],
-        queries: Bool[Tensor, "batch query"],
-    ) -> "TailPairs":
-        pairs = valid & (~is_sink)[:, None, :] & queries[:, :, None]
-        b, q, k = pairs.nonzero(as_tuple=True)
-        n_query, n_key = pairs.shape[1:]
-        at = (b * n_query + q) * n_key + k
-        attended = einops.rearrange(attention, "b h q k -> h (b q k)").index_select(1, at) > 0
-        return cls(at, b * n_key + k, b * n_query + q, None if bool(attended.all()) else attended)
+    def bins(self, values: Float[Tensor, "row item"], left_out: Bool[Tensor, "row item"] | None) -> Tensor:
+        """Each item's bin among all rows' (the spare one where ``left_out``)."""
+        flat = order_bins(values.to(self.dtype), self.domain, self.bits).add_(self.offsets)
+        return flat if left_out is None else flat.masked_fill_(left_out, self.spare)
 
-    def gather(self, tensor: Float[Tensor, "batch head query key"]) -> Float[Tensor, "head pair"]:
-        return einops.rearrange(tensor, "b h q k -> h (b q k)").index_select(1, self.at)
+    def add(self, values: Float[Tensor, "row item"], left_out: Bool[Tensor, "row item"] | None) -> Tensor:
+        """The first sweep: count a part's values (but those ``left_out``) in their bins; returns the bins."""
+        if self._targets is not None:
+            raise RuntimeError("add after collect: the bins of the order statistics are fixed once collecting starts")
+        flat = self.bins(values, left_out)
+        self.counts += torch.bincount(flat.flatten(), minlength=self.spare + 1)
+        return flat
 
+    def _plan(self) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Per row, the ranks, the wanted order statistics, their bins and their ranks within those bins."""
+        if self._targets is None:
+            counts = self.counts[: self.spare].view(-1, 1 << self.bits)
+            cumulative = counts.cumsum(1)
+            n = cumulative[:, -1]
+            fractions = torch.tensor(self.fractions, dtype=self.dtype, device=counts.device)
+            ranks = fractions[:, None] * (n - 1).clamp_min(0)
+            below, above = ranks.to(torch.int64), ranks.ceil().to(torch.int64)
+            wanted = einops.rearrange(
+                torch.stack([below, above]), "end fraction row -> row (end fraction)"
+            ).contiguous()
+            bin_of = torch.searchsorted(cumulative, wanted, right=True).clamp_max((1 << self.bits) - 1)
+            before = torch.where(bin_of > 0, cumulative.gather(1, (bin_of - 1).clamp_min(0)), 0)
+            self._targets = (ranks, below, bin_of + self.offsets.long(), wanted - before)
+        return self._targets
 
-def tail_quantiles(
-    decompositions: Sequence[Decomposition], pairs: TailPairs
-) -> list[dict[str, Float[Tensor, " head"]]]:
-    """Per decomposition and head, `QUANTILES` of ``cos_ij`` and of ``||vt_j|| / ||o_i||`` over the tail ``pairs``.
-
-    The relative norm is gathered from its two factors, never built pattern-sized; it is bit for
-    bit what ``Decomposition.relative_norm`` holds at those pairs. Each factor of each decomposition
-    is one `masked_quantiles` call on its ``[head pair]`` rows, gathered into one reused buffer: the
-    quantiles are exact whatever the rows a call holds, and a call whose rows fit in the cache is
-    faster than one over every factor at once (1.6x on SmolLM2 at 512 tokens, one thread).
-    """
-    n_heads, n_pairs = decompositions[0].cosine.shape[1], pairs.at.numel()
-    rows = decompositions[0].cosine.new_empty(n_heads, n_pairs)
-    fractions = [p / 100 for p in QUANTILES]
-    out: list[dict[str, Tensor]] = []
-    for d in decompositions:
-        found = {}
-        torch.index_select(einops.rearrange(d.cosine, "b h q k -> h (b q k)"), 1, pairs.at, out=rows)
-        found["cosine"] = masked_quantiles(rows, pairs.keep, fractions)
-        torch.index_select(einops.rearrange(d.value_norm, "b h k -> h (b k)"), 1, pairs.key, out=rows)
-        output_norm = einops.rearrange(d.output_norm, "b h q -> h (b q)")
-        if bool((output_norm != 0).all()):
-            rows.div_(output_norm.index_select(1, pairs.query))
-        else:  # Decomposition.relative_norm's 0 where ||o|| = 0
-            gathered = output_norm.index_select(1, pairs.query)
-            rows.copy_(torch.where(gathered != 0, rows / gathered.where(gathered != 0, 1), 0))
-        found["relative_norm"] = masked_quantiles(rows, pairs.keep, fractions)
-        out.append(
-            {
-                f"tail_{name}_q{p}": quantiles[index]
-                for name, quantiles in found.items()
-                for index, p in enumerate(QUANTILES)
-            }
+    def collect(self, values: Float[Tensor, "row item"], bins: Tensor) -> None:
+        """The second sweep: keep a part's values whose bin (`bins`' or `add`'s) holds a wanted order statistic."""
+        _, _, targets, _ = self._plan()
+        table = torch.zeros(self.spare + 1, dtype=torch.uint8, device=bins.device)
+        table[targets.flatten()] = 1
+        at = table.index_select(0, bins.flatten()).nonzero().squeeze(1)  # a lookup: one pass, whatever the targets
+        self.candidates.append(
+            (values.to(self.dtype).flatten().index_select(0, at), bins.flatten().index_select(0, at))
         )
-    return out
 
-
-def _bin_bits(items: int) -> int:
-    """``b`` with about 8 values a bin in ``2**b`` bins (at least ``2**12``, at most ``2**18``)."""
-    return min(18, max(12, math.ceil(math.log2(max(items, 1) / 8))))
+    def result(self) -> Float[Tensor, "fraction row"]:
+        """The quantiles, ``[fraction row]``, once both sweeps saw every part."""
+        ranks, below, targets, within = self._plan()
+        values = torch.cat([c[0] for c in self.candidates]) if self.candidates else ranks.new_zeros(0)
+        bins = torch.cat([c[1] for c in self.candidates]).long() if self.candidates else targets.new_zeros(0)
+        # Sorted by value, then (stably) by bin: each bin's values in order, bins in order.
+        by_value, order = values.sort(stable=True)
+        groups, regroup = bins[order].sort(stable=True)
+        ordered = by_value[regroup]
+        at = torch.searchsorted(groups, targets) + within
+        picked = ordered[at.clamp(0, max(ordered.numel() - 1, 0))] if ordered.numel() else ranks.new_zeros(at.shape)
+        picked = einops.rearrange(picked, "row (end fraction) -> end fraction row", end=2)
+        n = self.counts[: self.spare].view(-1, 1 << self.bits).sum(1)
+        return torch.where(n > 0, torch.lerp(picked[0], picked[1], ranks - below), 0)
 
 
 def masked_quantiles(
@@ -525,15 +669,8 @@ def masked_quantiles(
 ) -> Float[Tensor, "fraction row"]:
     """``torch.quantile(values[r][keep[r]], f)`` (linear interpolation) for every row and fraction, exactly.
 
-    With ``n`` kept values ``x_(0) <= ... <= x_(n-1)`` in a row and ``r = f (n - 1)``, the quantile
-    is ``x_(floor r) + (r - floor r) (x_(ceil r) - x_(floor r))``, computed as ``torch.quantile``
-    computes it (``r`` in the values' dtype, ``torch.lerp``), so the result is the same to the bit.
-    Only the order statistics at ``floor r`` and ``ceil r`` are found, without sorting a row: each
-    value gets a bin that never decreases with the value (the bits of ``x - min``, a non-negative
-    float, read as an integer and shifted into about ``items / 8`` bins), the
-    cumulative counts of the bins give the bin and the rank inside it of each order statistic, and
-    only the values in those few bins are sorted. A row with nothing kept gives 0. Values must be
-    finite.
+    `TileQuantiles` with every item at once: only the order statistics at ``floor r`` and ``ceil r``
+    are found, without sorting a row (the values of the few bins that hold them are sorted).
 
     Example:
         >>> import torch
@@ -542,60 +679,11 @@ def masked_quantiles(
         >>> [[round(x, 4) for x in row] for row in found.tolist()]  # rows: fractions; columns: rows of values
         [[2.0, 0.25], [2.8, 2.95]]
     """
-    n_rows, bin_bits = values.shape[0], _bin_bits(values.shape[1])
-    bins = 1 << bin_bits
-    values = values if values.dtype == torch.float64 else values.to(torch.float32)
-    integer = torch.int64 if values.dtype == torch.float64 else torch.int32
-    low = (values if keep is None else torch.where(keep, values, torch.inf)).amin(1, keepdim=True)
-    # x - min is a non-negative float (or inf): its bits, read as an integer, grow with it. Below
-    # 2**-24 of the widest row's span all is one bin (else most bins would go to exponents no
-    # value has); then one right shift for every row brings the widest to at most `_bin_bits` bins:
-    # log-spaced, so a heavy tail does not crowd the bulk into a few bins. In place: each new
-    # tensor costs a first touch of its memory, as much as the arithmetic.
-    difference = values - low
-    span = float((difference if keep is None else torch.where(keep, difference, 0)).max())
-    floor_here = torch.tensor(span * 2.0**-24, dtype=values.dtype)  # on the CPU, for the Python numbers below
-    floor = floor_here.to(values.device)
-    binned = difference.clamp_min_(floor).view(integer)
-    binned -= floor.view(integer)
-    widest = float(torch.tensor(span, dtype=values.dtype).view(integer) - floor_here.view(integer))
-    binned >>= max(0, math.frexp(widest + 1)[1] - bin_bits)
-    binned += torch.arange(n_rows, device=values.device, dtype=integer)[:, None] * bins
-    if keep is not None:
-        binned.masked_fill_(~keep, n_rows * bins)  # one spare bin past the rows' for what is left out
-    counts = torch.bincount(binned.flatten(), minlength=n_rows * bins + 1)[: n_rows * bins].reshape(n_rows, bins)
-    cumulative = counts.cumsum(1)
-    n = cumulative[:, -1]
-    ranks = torch.tensor(list(fractions), dtype=values.dtype, device=values.device)[:, None] * (n - 1).clamp_min(0)
-    below, above = ranks.to(torch.int64), ranks.ceil().to(torch.int64)
-    wanted = einops.rearrange(torch.stack([below, above]), "end fraction row -> row (end fraction)").contiguous()
-    bin_of = torch.searchsorted(cumulative, wanted, right=True).clamp_max(bins - 1)  # [row target]
-    before = torch.where(bin_of > 0, cumulative.gather(1, (bin_of - 1).clamp_min(0)), 0)
-    targets = bin_of + torch.arange(n_rows, device=values.device)[:, None] * bins
-    candidates = _values_in_bins(values, binned, targets, n_rows * bins + 1)
-    # A target's value: its bin's first candidate plus its rank inside the bin.
-    distinct = torch.unique(targets)
-    sizes = counts.flatten()[distinct]
-    at = (sizes.cumsum(0) - sizes)[torch.searchsorted(distinct, targets)] + (wanted - before)
-    found = (
-        candidates[at.clamp(0, max(candidates.numel() - 1, 0))] if candidates.numel() else values.new_zeros(at.shape)
-    )
-    found = einops.rearrange(found, "row (end fraction) -> end fraction row", end=2)
-    result = torch.lerp(found[0], found[1], ranks - below)
-    return torch.where(n > 0, result, 0)
-
-
-def _values_in_bins(
-    values: Float[Tensor, "row item"], binned: Int[Tensor, "row item"], targets: Int[Tensor, "row target"], n_bins: int
-) -> Float[Tensor, " candidate"]:
-    """The values whose bin (of ``n_bins``) is one of their row's ``targets``, sorted by bin, then by value."""
-    wanted = torch.zeros(n_bins, dtype=torch.uint8, device=binned.device)
-    wanted[targets.flatten()] = 1
-    hit = wanted.index_select(0, binned.flatten()).view(binned.shape)  # a lookup: one pass, whatever the targets
-    rows, items = hit.nonzero(as_tuple=True)
-    candidates, order = values[rows, items].sort(stable=True)
-    _, regroup = binned[rows, items][order].sort(stable=True)
-    return candidates[regroup]
+    dtype = torch.float64 if values.dtype == torch.float64 else torch.float32
+    quantiles = TileQuantiles(values.shape[0], fractions, dtype, values.device, bits=stream_bits(values.shape[1]))
+    bins = quantiles.add(values, None if keep is None else ~keep)
+    quantiles.collect(values, bins)
+    return quantiles.result()
 
 
 class SinkAnalysis(LayerResults[SinkLayer]):
@@ -614,7 +702,7 @@ class SinkAnalysis(LayerResults[SinkLayer]):
 
     @property
     def factors(self) -> dict[Scope, dict[int, dict[str, Tensor]]]:
-        """``factors[scope][layer][name]`` -> ``[head]`` (see `part_factors`)."""
+        """``factors[scope][layer][name]`` -> ``[head]`` (see `SinkRows.factors`)."""
         scopes = next(iter(self.values())).factors
         return {scope: {layer: s.factors[scope] for layer, s in self.items()} for scope in scopes}
 
@@ -747,6 +835,7 @@ def sink_analysis(
     attention_mask: Tensor | None = None,
     prepend_bos: bool | None = None,
     progress: bool = False,
+    tiles: bool | None = None,
 ) -> SinkAnalysis:
     """Sink geometry and sink/tail factors of every requested layer in one forward pass.
 
@@ -757,7 +846,7 @@ def sink_analysis(
             share exceeds ``epsilon`` (Gu et al.'s threshold; see `detect_sinks`), which finds
             an encoder's ``[CLS]``/``[SEP]`` and the sink of a text without BOS.
         epsilon: the threshold for ``sinks="auto"``.
-        scopes: the scopes whose sink/tail factors are computed (`part_factors`).
+        scopes: the scopes whose sink/tail factors are computed (`SinkRows.factors`).
         quantiles: the scopes (of ``scopes``) whose tail distributions are computed too: the
             factors ``tail_cosine_q10/q50/q90`` and ``tail_relative_norm_q10/q50/q90``
             (`tail_quantiles`). None (default): the inter scope, where it is computed;
@@ -767,6 +856,10 @@ def sink_analysis(
         prepend_bos: prepend the tokenizer's BOS to texts; None: the model's own choice
             (``cfg.default_prepend_bos``).
         progress: show a progress bar ("sink analysis"), one step a layer.
+        tiles: each layer is read a tile of queries at a time; True runs the pass itself in tiles,
+            holding no pattern (`contribution_lens.adapter.tiled_attention`: what a 32,768-token text
+            needs), False keeps the model's own, None (default) decides by the length
+            (`contribution_lens.engine.WHOLE_PATTERN_BYTES`).
 
     Example:
         >>> import contribution_lens as cl
@@ -786,32 +879,67 @@ def sink_analysis(
     wanted = [Scope.of(scope) for scope in scopes]
     described = _quantile_scopes(quantiles, wanted)
     positions = None if isinstance(sinks, str) else sinks
+    _check_epsilon(epsilon)
+    mode = tiles_mode(tiles)  # a bad value is refused before the pass
+    tiles_mode(tiles)  # a bad value is refused before the pass
 
     def on_layer(layer: adapter.LayerInputs) -> SinkLayer:
-        mask = layer.padding_mask
         find = isinstance(sinks, str) or (sinks is None and k is None and not layer.bos_first)
-        chosen = detect_sinks(layer.pattern, epsilon=epsilon, attention_mask=mask) if find else positions
-        geometry = sink_layer(
-            layer.pattern, layer.v, layer.W_O, k=k or 1, sinks=chosen, attention_mask=mask, causal=layer.causal,
-            gram=layer.gram,
-        )  # fmt: skip
-        decompositions = {scope: layer.decompose(scope) for scope in wanted}
-        found: dict[Scope, dict[str, Tensor]] = {scope: {} for scope in wanted}
-        if described:
-            first = decompositions[described[0]]  # the pairs are the same in every scope
-            pairs = TailPairs.of(first.attention, first.valid, geometry.sinks, geometry.queries)
-            found.update(zip(described, tail_quantiles([decompositions[s] for s in described], pairs), strict=True))
-        means = _factor_means(list(decompositions.values()), geometry.sinks, geometry.queries)
-        factors = {scope: m | found[scope] for scope, m in zip(decompositions, means, strict=True)}
+        chosen = sinks_of_shares(layer_sink_shares(layer), epsilon) if find else positions
+        batch, _, _, n_key = layer.pattern.shape
+        is_sink = sink_mask(chosen, k or 1, batch, n_key, layer.v.device)
+        analysed = analyse_layer(layer, is_sink, wanted, described, named=chosen)
         bar.update()
-        return replace(geometry, factors=factors)
+        return analysed
 
     total = len(adapter.check_layers(model, layers))
     with tqdm(total=total, desc="sink analysis", unit="layer", disable=not progress) as bar:
         results = map_layers(
-            model, inputs, on_layer, layers=layers, attention_mask=attention_mask, prepend_bos=prepend_bos
-        )
+            model, inputs, on_layer, layers=layers, attention_mask=attention_mask, prepend_bos=prepend_bos, qk=mode,
+        )  # fmt: skip
     return SinkAnalysis.from_results(results, k=k or 1)
+
+
+def analyse_layer(
+    layer: adapter.LayerInputs,
+    is_sink: Bool[Tensor, "batch key"],
+    scopes: Sequence[Scope],
+    described: Sequence[Scope],
+    *,
+    named: Sequence[int] | Tensor | None = None,
+) -> SinkLayer:
+    """`sink_analysis` of one layer: its `SinkRows` (geometry, each scope's factors) and its `TailQuantiles`.
+
+    The pattern is read a tile of queries at a time (`contribution_lens.adapter.LayerInputs.tiles`),
+    whether the pass kept it or it is recomputed from the queries and keys: no tensor holds it whole.
+    Only the scopes whose tail distributions are asked for (``described``) are decomposed, a tile at
+    a time, once, or twice where the pairs outgrow `TAIL_KEPT_BYTES`.
+    """
+    batch, heads, n_query, n_key = layer.pattern.shape
+    offset, acc = n_key - n_query, layer.key_side().dtype
+    rows = SinkRows(layer.v, layer.W_O, is_sink, attention_mask=layer.padding_mask, gram=layer.gram)
+    items = batch * n_query * (n_key + 1) // 2 if layer.causal else batch * n_query * n_key  # the pairs, about
+    tails = {scope: TailQuantiles(heads, acc, layer.v.device, items=items) for scope in described}
+    tiles = layer.tiles()
+    for tile in tiles:
+        alpha = layer.pattern_rows(tile)
+        rows.add(alpha, causal=layer.causal, first_query=tile.start + offset)
+        for scope, tail in tails.items():
+            d = layer.decompose_rows(scope, tile, pattern=alpha)
+            tail.add(d, rows.is_sink, rows.queries, tile.start + offset)
+    for scope, tail in tails.items():
+        for tile in [] if tail.swept else tiles:  # the second sweep, where the pairs were too many to keep
+            tail.collect(layer.decompose_rows(scope, tile), rows.is_sink, rows.queries, tile.start + offset)
+    geometry = rows.geometry(named)
+    output = layer.output_without_bias()
+    # The inter scope's reading of each query, which its decomposition computed already where it was asked for.
+    reading = layer.inter_reading() if Scope.INTER in described and output is not None else None
+    factors = {
+        scope: rows.factors(scope, z=layer.z, output=output, reading=reading)
+        | (tails[scope].result() if scope in tails else {})
+        for scope in scopes
+    }
+    return replace(geometry, factors=factors)
 
 
 def _quantile_scopes(quantiles: Sequence[str] | None, scopes: Sequence[Scope]) -> list[Scope]:

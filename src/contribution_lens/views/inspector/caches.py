@@ -1,25 +1,31 @@
-"""What an inspector keeps between views: each layer's payload of the precomputed windows, and the *why* splits.
+"""What an inspector keeps between views: each layer's payloads, what the first pass kept, and the *why* splits.
 
-`LayerCache` holds every layer's payload of the windows the last pass cut (the shown one and
-the half-overlapping windows of its size, `PRECOMPUTE_BYTES` at most beyond it): a layer or
-window switch among them sends what is ready. `WhyCache` holds the QK tape that pass recorded
+`LayerCache` holds what the first pass kept of every layer (its queries and keys, not its pattern)
+and every layer's payload of the windows computed so far, the shown one's first, then those a
+thread computes ahead of the view (the half-overlapping windows of its size, `PRECOMPUTE_BYTES` at
+most beyond it): a layer or window switch among them sends what is ready, any other is cut from
+the records without a pass. `WhyCache` holds the QK tape that pass recorded
 (`contribution_lens.analyses.qk_attribution.QKTape`, `WHY_TAPE_BYTES` at most), the last
 `WHY_KEPT` heads' splits and every *why* row computed, so a repeated click costs nothing.
 """
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from contribution_lens import adapter
 from contribution_lens.analyses.qk_attribution import QKAttribution, QKTape, qk_attribution
-from contribution_lens.views.inspector.compute import compute_windows
+from contribution_lens.engine import WHOLE_PATTERN_BYTES, pattern_fits
+from contribution_lens.views.inspector.background import Prefetch
+from contribution_lens.views.inspector.compute import Records, compute_windows, window_payload_of
 from contribution_lens.views.inspector.payload import payload_bytes
 from contribution_lens.views.inspector.progress import Progress
-from contribution_lens.views.inspector.subject import Subject
+from contribution_lens.views.inspector.subject import InspectorError, Subject
 from contribution_lens.views.inspector.why import row_key, why_row
 from contribution_lens.views.inspector.windows import Window, window_starts
 
 PRECOMPUTE_BYTES = 400_000_000
-"""The most payload bytes one pass precomputes beyond the window shown (other windows of the same size)."""
+"""The most payload bytes computed ahead of the view beyond the window shown (other windows of the same size)."""
 WHY_KEPT = 3
 """The (layer, head) splits the *why* panel keeps: a click on another query of one of them computes no pass."""
 WHY_TAPE_BYTES = 1_000_000_000
@@ -58,14 +64,20 @@ class WhyCache:
         A tape not holding ``queries`` (another window) is recorded again, in a pass of its own,
         for the ``shown`` window and them: one pass, and then no pass for any other head there.
         """
-        tape = self.tape
+        subject, tape = self._subject, self.tape
+        if not pattern_fits(subject.model, subject.batch):
+            raise InspectorError(
+                f"the why panel splits the scores the model computes, which at {len(subject.labels):,} tokens "
+                f"it cannot hold (one layer's pattern would pass {WHOLE_PATTERN_BYTES / 1e9:.1f} GB): "
+                "inspect a shorter text"
+            )
         if tape is None or not tape.covers(layer, queries):
             fresh = self.plan([sorted(set(shown.queries) | set(queries))])
             if fresh is not None:  # else the tape kept still serves the queries it holds
                 self.tape = tape = fresh.run()
         if tape is not None and tape.covers(layer, queries):
             return tape.attribution(layer, head, queries)
-        return qk_attribution(self._subject.model, self._subject.batch.tokens[0], layer, head, queries)
+        return qk_attribution(subject.model, subject.batch.tokens[0], layer, head, queries)
 
     def row(self, layer: int, head: int, query: int, window: Window) -> dict[str, Any]:
         """The *why* row of (``layer``, ``head``, ``query``) over ``window``'s keys, computed once (values checked)."""
@@ -97,28 +109,89 @@ class WhyCache:
 
 
 class LayerCache:
-    """Every layer's payload of the windows one pass cut: the shown window's size only."""
+    """Every layer's payload of the windows computed so far, and what the first pass kept to compute the rest.
+
+    The first pass (`first_pass`) decomposes the layer it is asked for and keeps every layer's inputs
+    without its pattern (`records`: the queries and keys instead, `compute.keep`); any other layer
+    or window is then cut from them, with no pass (`payload`), by the view when it asks or ahead of
+    it by a `background.Prefetch` (`prefetch`). A model whose layers cannot be read as queries and
+    keys (`contribution_lens.adapter.tiles_problem`) keeps no records: its pass decomposes every
+    layer and cuts every window of `to_precompute` at once, and a window of another size runs
+    another pass. A text whose layers' patterns would not fit (`contribution_lens.engine.pattern_fits`)
+    runs its pass in tiles (no pattern is ever held); the *why* panel then keeps no tape.
+    """
 
     def __init__(self, subject: Subject, why: WhyCache, progress: Reporter) -> None:
         self._subject, self._why, self._progress = subject, why, progress
         self.computed: dict[str, dict[int, dict[str, Any]]] = {}
         """By window key, each layer's payload."""
+        self.records: Records = {}
+        """What the first pass kept of each layer (empty before it, and for a model that keeps nothing)."""
+        self.lock = threading.RLock()
+        """Held while a payload is computed: by the view's thread or the prefetching one, one at a time."""
+        self.prefetching: Prefetch | None = None
+
+    @property
+    def qk(self) -> str | None:
+        """How the first pass reads the layers' queries and keys: ``"record"``, ``"tiles"``, or None (not at all)."""
+        subject = self._subject
+        if adapter.tiles_problem(subject.model) is not None:
+            return None
+        return "record" if pattern_fits(subject.model, subject.batch) else "tiles"
+
+    def ready(self, window: Window, layer: int) -> bool:
+        """Whether ``layer``'s payload of ``window`` is here (a switch to it only sends it)."""
+        return layer in self.computed.get(window.key, {})
 
     def payload(self, window: Window, layer: int, shown: Window, tokens: int) -> dict[str, Any]:
-        """``layer``'s payload of ``window``; where it is not here, one pass around the ``shown`` window of ``tokens``.
+        """``layer``'s payload of ``window``: kept, else cut from the records, else from the first pass."""
+        with self.lock:
+            found = self.computed.get(window.key, {}).get(layer)
+            if found is None:
+                if layer in self.records:
+                    found = window_payload_of(self.records[layer], window)
+                    self.computed.setdefault(window.key, {})[layer] = found
+                else:
+                    self.first_pass(window, layer, shown, tokens)
+                    found = self.computed[window.key][layer]
+            return found
 
-        The pass cuts every window of `to_precompute` and records the *why* tape of their
-        queries where it fits (else the shown window's): windows of an earlier size are dropped.
+    def first_pass(self, window: Window, layer: int, shown: Window, tokens: int) -> None:
+        """The one pass: ``layer``'s payload of ``window`` and every layer's record (or every window, keeping none).
+
+        It records the *why* tape of the precomputed windows' queries where it fits (else the shown
+        window's). Without records, windows of an earlier size are dropped.
         """
-        if window.key not in self.computed:
-            subject, windows = self._subject, self.to_precompute(shown, tokens)
-            every = sorted({query for each in windows for query in each.queries})
-            self._why.tape = tape = self._why.plan([every, shown.queries])
+        subject, windows, mode = self._subject, self.to_precompute(shown, tokens), self.qk
+        every = sorted({query for each in windows for query in each.queries})
+        self._why.tape = tape = None if mode == "tiles" else self._why.plan([every, shown.queries])
+        if mode is None:
             computed = compute_windows(
                 subject.model, subject.batch, subject.layers, windows, progress=self._progress(), tape=tape
             )
             self.computed = {w.key: {layer: computed[layer][w.key] for layer in subject.layers} for w in windows}
-        return self.computed[window.key][layer]
+            return
+        records: Records = {}
+        computed = compute_windows(
+            subject.model, subject.batch, subject.layers, [window], progress=self._progress(), tape=tape,
+            records=records, shown=layer, qk=mode,
+        )  # fmt: skip
+        self.records = records
+        self.computed.setdefault(window.key, {})[layer] = computed[layer][window.key]
+
+    def prefetch(self, shown: Window, layer: int, tokens: int) -> None:
+        """Compute in a thread the shown window's other layers (nearest ``layer`` first), then its size's other windows.
+
+        The thread of an earlier view is stopped; nothing happens before the first pass or without records.
+        """
+        if self.prefetching is not None:
+            self.prefetching.stop()
+        if not self.records:
+            return
+        layers = sorted(self._subject.layers, key=lambda other: (abs(other - layer), other))
+        items = [(window, other) for window in self.to_precompute(shown, tokens) for other in layers]
+        todo = [item for item in items if not self.ready(*item)]
+        self.prefetching = Prefetch(lambda item: self.payload(item[0], item[1], shown, tokens), todo).start()
 
     def to_precompute(self, shown: Window, tokens: int) -> list[Window]:
         """The shown window first, then the other half-overlapping windows of its size, nearest first, within budget."""
@@ -135,12 +208,18 @@ class LayerCache:
         return chosen
 
     def page_payloads(self, window: Window, layers: Sequence[int], compact: bool) -> dict[int, dict[str, Any]]:
-        """Each layer's payload of ``window``: those computed already, else from one more pass (not kept)."""
+        """Each layer's payload of ``window``: kept, or cut from the records, else from one more pass (not kept)."""
+        if self.records and all(layer in self.records for layer in layers):
+            with self.lock:
+                if compact:
+                    return {layer: window_payload_of(self.records[layer], window, compact=True) for layer in layers}
+                return {layer: self.payload(window, layer, window, len(window.queries)) for layer in layers}
         cached = None if compact else self.computed.get(window.key)
-        if cached is not None:
+        if cached is not None and all(layer in cached for layer in layers):
             return {layer: cached[layer] for layer in layers}
         subject = self._subject
         computed = compute_windows(
-            subject.model, subject.batch, list(layers), [window], progress=self._progress(), compact=compact
-        )
+            subject.model, subject.batch, list(layers), [window], progress=self._progress(), compact=compact,
+            qk=None if pattern_fits(subject.model, subject.batch) else "tiles",
+        )  # fmt: skip
         return {layer: by_window[window.key] for layer, by_window in computed.items()}

@@ -18,7 +18,7 @@ from torch import Tensor
 
 from contribution_lens import adapter
 from contribution_lens.choices import SCOPES
-from contribution_lens.views.inspector.payload import LayerArrays, outside_shares, window_cells
+from contribution_lens.views.inspector.payload import LayerArrays
 from contribution_lens.views.inspector.windows import Window
 
 
@@ -87,6 +87,9 @@ def unit_factors(inputs: adapter.LayerInputs, index: int = 0) -> dict[str, np.nd
 def compact_payload(arrays: LayerArrays, factors: dict[str, np.ndarray], window: Window) -> dict[str, Any]:
     """A layer of a compact page: one zlib stream (base64) of attention in one byte, cosines as unit vectors.
 
+    ``arrays`` are the window's (`contribution_lens.views.inspector.payload.window_arrays`), ``factors``
+    the layer's `unit_factors` at every position.
+
     Holds, for the window: ``attention`` (``round(a * 255)``, ``|a_hat - a| <= 0.5/255``),
     the norms, contribution totals and shares outside the window exact (float32), and per head and position the unit
     vectors of `unit_factors` in int8 with a float32 scale each (their cosines within
@@ -95,14 +98,13 @@ def compact_payload(arrays: LayerArrays, factors: dict[str, np.ndarray], window:
     does. ``layout`` names each array's codec, byte offset and length in the inflated stream.
     """
     keys, queries = np.asarray(window.keys), np.asarray(window.queries)
-    attention = arrays.attention[:, window_cells(arrays, window)]
     parts: dict[str, tuple[np.ndarray, str]] = {
-        "attention": (np.rint(np.clip(attention, 0, 1) * 255).astype(np.uint8), "attention8"),
-        "value_norm": (arrays.codes["value_norm"][:, keys], "exact"),
+        "attention": (np.rint(np.clip(arrays.attention, 0, 1) * 255).astype(np.uint8), "attention8"),
+        "value_norm": (arrays.codes["value_norm"], "exact"),
     }
     for name in ("output_norm_intra", "output_norm_inter", "total_inter", "total_intra"):
-        parts[name] = (np.asarray(arrays.codes[name][..., queries], dtype=np.float32), "exact")
-    for name, values in outside_shares(arrays, window).items():
+        parts[name] = (np.asarray(arrays.codes[name], dtype=np.float32), "exact")
+    for name, values in arrays.outside.items():
         parts[name] = (values, "exact")
     for name, positions in (("key", keys), ("query_intra", queries), ("query_inter", queries)):
         codes, scale = vectors8(factors[name][:, positions])

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from jaxtyping import Float
 from plotly.colors import get_colorscale
 from torch import Tensor
 
@@ -134,49 +133,42 @@ def combine_products(attention: np.ndarray, products: dict[str, np.ndarray], n_g
 
 @dataclass(frozen=True)
 class LayerArrays:
-    """One layer over the whole text, coded once: windows are cuts of it (`window_payload`).
+    """One layer's numbers for one token window, coded (`window_arrays`): what `window_payload` sends.
 
-    ``codes`` holds each array of `ARRAYS` in its codec (``codecs``): by cell ``[*head cell]``
-    (the displayable (query, key) pairs of the text, row-major), by query ``[*head query]``
-    (`PER_QUERY`) or by key (``value_norm [head key]``); ``cell [query key]`` numbers the cells
-    (-1 where not displayable); ``attention [head cell]`` is kept in float32 for the compact codec
-    and, with ``contribution`` (``{scope: [head cell]}``, float32), for `outside_shares`.
+    ``codes`` holds each array of `ARRAYS` in its codec (``codecs``): by cell ``[*head cell]`` (the
+    window's displayable (query, key) cells, row-major), by query ``[*head query]`` (`PER_QUERY`, the
+    window's queries) or by key (``value_norm [head key]``, the window's keys); ``attention
+    [head cell]`` is kept in float32 for the compact codec, ``contribution`` (``{scope: [head cell]}``,
+    float32) beside it, and ``outside`` the shares of the keys the window does not show (`outside_shares`).
     """
 
     codes: dict[str, np.ndarray]
     codecs: dict[str, str]
-    cell: np.ndarray
     attention: np.ndarray
     kv_groups: list[list[int]]
     contribution: dict[str, np.ndarray]
+    outside: dict[str, np.ndarray]
 
 
 def _numpy(tensor: Tensor) -> np.ndarray:
     return tensor.detach().to("cpu", torch.float32).numpy()
 
 
-def _cells(values: Float[Tensor, "batch head query key"], cells: Tensor, index: int) -> np.ndarray:
-    """``[head cell]``: the text's displayable cells, row-major (index_select keeps them C-contiguous)."""
-    return _numpy(values[index].flatten(-2).index_select(1, cells))
-
-
 def _scope_arrays(
-    d: Decomposition, cells: Tensor, attention: np.ndarray, value_norm: np.ndarray, groups: list[list[int]],
-    index: int,
+    d: Decomposition, cells: Tensor, rows: Tensor, attention: np.ndarray, value_norm: np.ndarray, window: Window,
+    groups: list[list[int]], index: int,
 ) -> dict[str, np.ndarray]:  # fmt: skip
-    """One scope's arrays of `ARRAYS`: per-head cosines and norms, totals, and the combined heads."""
+    """One scope's arrays of `ARRAYS` for the window: per-head cosines and norms, totals, and the combined heads."""
     scope, n_heads = str(d.scope), attention.shape[0]
-    valid = d.valid[index].cpu().numpy()
-    query_of, key_of = np.nonzero(valid)
-    cosine = _cells(d.cosine, cells, index)
-    output_norm = _numpy(d.output_norm[index])
+    query_of, key_of = np.nonzero(window.mask)
+    cosine = _numpy(d.cosine[index].flatten(-2).index_select(1, cells))
+    output_norm = _numpy(d.output_norm[index].index_select(1, rows))
     out = output_norm[:, query_of]
     relative_norm = np.divide(value_norm[:, key_of], out, out=np.zeros_like(out), where=out > 0)
     products = {"relative_norm": attention * relative_norm, "cosine": attention * cosine}
     products["contribution"] = products["relative_norm"] * cosine
-    # Cells are row-major: each query's cells are one run, summed in one reduceat.
-    row_starts = np.concatenate([[0], np.cumsum(valid.sum(1))[:-1]])
-    total = np.add.reduceat(products["contribution"], row_starts, axis=1)
+    # Each query's contribution over every key it sees, in the window or not: its whole row.
+    total = _numpy(d.contribution[index].index_select(1, rows).sum(-1))
     arrays = {
         f"contribution_{scope}": products["contribution"],
         f"cosine_{scope}": cosine,
@@ -196,31 +188,47 @@ def _scope_arrays(
     return arrays
 
 
-def layer_arrays(
-    inter: Decomposition, intra: Decomposition, n_kv_heads: int | None = None, *, index: int = 0
+def window_arrays(
+    inter: Decomposition,
+    intra: Decomposition,
+    window: Window,
+    *,
+    first_query: int | None = None,
+    n_kv_heads: int | None = None,
+    index: int = 0,
 ) -> LayerArrays:
-    """Everything a payload of this layer needs, for every query and key, coded (`LayerArrays`)."""
+    """Everything a payload of ``window`` needs, coded (`LayerArrays`), from decompositions of rows holding its queries.
+
+    ``inter`` and ``intra`` are the decompositions of queries ``first_query ..`` (default: the last
+    rows of their keys; a layer's whole decomposition, or a tile's) over keys holding the window's:
+    the window's cells are cut from them, each query's total and its shares outside the window read
+    its whole row.
+    """
     if inter.scope != Scope.INTER or intra.scope != Scope.INTRA:
         raise ValueError(
-            f"layer_payload takes the inter then the intra decomposition, got {inter.scope}, {intra.scope}"
+            f"window_arrays takes the inter then the intra decomposition, got {inter.scope}, {intra.scope}"
         )
-    n_heads = inter.shape[1]
+    n_heads, n_rows, n_keys = inter.shape[1:]
+    first = n_keys - n_rows if first_query is None else first_query
     groups = kv_groups(n_heads, n_heads if n_kv_heads is None else n_kv_heads)
-    valid = inter.valid[index].cpu().numpy()
-    if not valid.any(1).all():
+    queries, keys = np.asarray(window.queries) - first, np.asarray(window.keys)
+    if queries.min() < 0 or queries.max() >= n_rows or keys.max() >= n_keys:
+        raise ValueError(f"window {window.key} is not within queries {first}..{first + n_rows - 1} of {n_keys} keys")
+    if not inter.valid[index].index_select(0, torch.from_numpy(queries)).any(1).all():
         raise ValueError("every query must see at least one key")
-    cells = torch.from_numpy(np.flatnonzero(valid))
-    cell = np.full(valid.shape, -1, dtype=np.int64)
-    cell[valid] = np.arange(cells.numel())
-    attention = _cells(inter.attention, cells, index)
-    value_norm = _numpy(inter.value_norm[index])
+    query_of, key_of = np.nonzero(window.mask)
+    cells = torch.from_numpy(queries[query_of] * n_keys + keys[key_of])
+    rows = torch.from_numpy(queries)
+    attention = _numpy(inter.attention[index].flatten(-2).index_select(1, cells))
+    value_norm = _numpy(inter.value_norm[index][:, keys])
     arrays = {"attention": attention, "value_norm": value_norm}
     for d in (inter, intra):
-        arrays |= _scope_arrays(d, cells, attention, value_norm, groups, index)
+        arrays |= _scope_arrays(d, cells, rows, attention, value_norm, window, groups, index)
     contribution = {scope: arrays.pop(f"contribution_{scope}") for scope in SCOPES}
     codecs = {name: codec_for(name, values) for name, values in arrays.items()}
     codes = {name: quantise(values, codecs[name]) for name, values in arrays.items()}
-    return LayerArrays(codes, codecs, cell, attention, groups, contribution)
+    outside = outside_shares({"inter": inter, "intra": intra}, window, first, index)
+    return LayerArrays(codes, codecs, attention, groups, contribution, outside)
 
 
 def outside_keys(window: Window, n: int) -> list[int]:
@@ -236,12 +244,15 @@ def outside_keys(window: Window, n: int) -> list[int]:
     return [j for j in range(last + 1) if j not in shown]
 
 
-def outside_shares(arrays: LayerArrays, window: Window) -> dict[str, np.ndarray]:
+def outside_shares(
+    decompositions: dict[str, Decomposition], window: Window, first_query: int, index: int = 0
+) -> dict[str, np.ndarray]:
     """Per head and query of the window, attention and contribution on the keys it does not show, ``[head query]``.
 
     ``A_i^h = sum_{j not shown} alpha_ij^h`` and ``C_i^h = sum_{j not shown} c_ij^h`` in each scope
-    (``j`` over the query's keys outside the window, `outside_keys`): with the window's own cells
-    they make the whole row (``sum_j alpha_ij^h = 1``). Summed in float64 from the float32 numbers.
+    (``j`` over the query's keys outside the window): with the window's own cells they make the
+    whole row (``sum_j alpha_ij^h = 1``). Summed in float64 from the float32 numbers of the rows
+    (queries from ``first_query``) of ``decompositions`` (``{scope: Decomposition}``).
 
     Example:
         >>> import torch
@@ -250,37 +261,28 @@ def outside_shares(arrays: LayerArrays, window: Window) -> dict[str, np.ndarray]
         >>> future = torch.ones(5, 5, dtype=torch.bool).triu(1)
         >>> pattern = torch.softmax(torch.zeros(1, 1, 5, 5).masked_fill(future, -torch.inf), -1)
         >>> v, W_O = torch.randn(1, 5, 1, 4), torch.randn(1, 4, 8)
-        >>> arrays = layer_arrays(*[decompose(pattern, v, W_O, scope=s) for s in ("inter", "intra")])
-        >>> shares = outside_shares(arrays, token_window(5, start=3, tokens=2))  # keys 1, 2 are outside
+        >>> both = {s: decompose(pattern, v, W_O, scope=s) for s in ("inter", "intra")}
+        >>> shares = outside_shares(both, token_window(5, start=3, tokens=2), first_query=0)  # keys 1, 2 are outside
         >>> [round(float(x), 4) for x in shares["outside_attention"][0]]  # queries 3 and 4 attend evenly
         [0.5, 0.4]
     """
-    n_heads = arrays.attention.shape[0]
-    keys = outside_keys(window, arrays.cell.shape[1])
-    ids = arrays.cell[np.ix_(window.queries, keys)]  # [query key], -1 where the key is after the query
-    named = {"outside_attention": arrays.attention} | {f"outside_{s}": arrays.contribution[s] for s in SCOPES}
-    if not keys:
-        return {name: np.zeros((n_heads, len(window.queries)), dtype=np.float32) for name in named}
-    shown = ids >= 0
-    return {
-        name: np.where(shown, values[:, np.where(shown, ids, 0)], 0.0).sum(-1, dtype=np.float64).astype(np.float32)
-        for name, values in named.items()
-    }
-
-
-def window_cells(arrays: LayerArrays, window: Window) -> np.ndarray:
-    """The numbers (in ``arrays.cell``) of the window's displayable cells, row-major over (query, key)."""
-    return arrays.cell[np.ix_(window.queries, window.keys)][window.mask]
+    inter = decompositions["inter"]
+    n_keys = inter.shape[-1]
+    keys = torch.tensor([j for j in outside_keys(window, n_keys) if j < n_keys], dtype=torch.long)
+    rows = torch.tensor(window.queries) - first_query
+    named = {"outside_attention": inter.attention} | {f"outside_{s}": d.contribution for s, d in decompositions.items()}
+    out = {}
+    for name, values in named.items():
+        # Only the keys each query sees count (0 elsewhere in every factor): a query's row sums its own.
+        part = values[index].index_select(1, rows).index_select(2, keys).to(torch.float32)
+        out[name] = part.sum(-1, dtype=torch.float64).to(torch.float32).numpy()
+    return out
 
 
 def window_payload(arrays: LayerArrays, window: Window) -> dict[str, Any]:
-    """The window's cells of `layer_arrays`, each array base64 in its codec (named in ``codecs``)."""
-    ids, queries, keys = window_cells(arrays, window), np.asarray(window.queries), np.asarray(window.keys)
-    out: dict[str, Any] = {}
-    for name, codes in arrays.codes.items():
-        cut = codes[:, keys] if name == "value_norm" else codes[..., queries] if name in PER_QUERY else codes[..., ids]
-        out[name] = to_base64(cut, arrays.codecs[name])
-    out |= {name: to_base64(values, "exact") for name, values in outside_shares(arrays, window).items()}
+    """The window's `window_arrays`, each array base64 in its codec (named in ``codecs``)."""
+    out: dict[str, Any] = {name: to_base64(codes, arrays.codecs[name]) for name, codes in arrays.codes.items()}
+    out |= {name: to_base64(values, "exact") for name, values in arrays.outside.items()}
     codecs = {**arrays.codecs, **dict.fromkeys(OUTSIDE, "exact")}
     return {**out, "codecs": codecs, "kv_groups": arrays.kv_groups}
 
@@ -302,7 +304,7 @@ def layer_payload(
         >>> len(base64.b64decode(p["attention"]))  # 2 heads x 6 causal cells x 2 bytes
         24
     """
-    return window_payload(layer_arrays(inter, intra, n_kv_heads, index=index), window)
+    return window_payload(window_arrays(inter, intra, window, n_kv_heads=n_kv_heads, index=index), window)
 
 
 def payload_bytes(window: Window, n_heads: int, n_kv_heads: int) -> int:

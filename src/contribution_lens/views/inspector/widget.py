@@ -266,8 +266,22 @@ class Inspector(ViewTraits):
                 self.view = "heatmap"
 
     def _layer_payload(self, window: Window, layer: int) -> dict[str, Any]:
-        """``layer``'s payload of ``window`` (`LayerCache.payload`: a pass around the shown window if not here)."""
-        return self._payloads.payload(window, layer, self.window, self.tokens)
+        """``layer``'s payload of ``window`` (`LayerCache.payload`: the first pass if nothing is here yet).
+
+        One not computed yet is computed now (from what the first pass kept, no pass): the status
+        line says so meanwhile, since the view waits for it.
+        """
+        cache = self._payloads
+        waits = cache.records and not cache.ready(window, layer)
+        if waits:
+            ready = sum(cache.ready(window, other) for other in self._subject.layers)
+            text = f"inspector: layer {layer} is not decomposed yet ({ready} of {len(self._subject.layers)} ready)"
+            self.send({"type": "progress", "text": text})
+        try:
+            return cache.payload(window, layer, self.window, self.tokens)
+        finally:
+            if waits:
+                self.send({"type": "progress", "text": ""})
 
     def _refresh_window(self) -> None:
         window = self.window
@@ -283,6 +297,8 @@ class Inspector(ViewTraits):
         window = self.window
         payload = self._layer_payload(window, self.layer)
         self.payload = {**payload, "layer": self.layer, "key": f"{window.key}/{self.layer}"}
+        # The view's neighbours next, in a thread, while the kernel stays free for the front-end.
+        self._payloads.prefetch(window, self.layer, self.tokens)
 
     def _on_message(self, widget: Any, content: dict, buffers: list) -> None:
         kind = content.get("type")
