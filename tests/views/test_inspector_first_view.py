@@ -124,3 +124,25 @@ def test_a_model_whose_attention_is_its_own_decomposes_every_layer_in_its_pass(c
     assert len(counted["payloads"]) == 3 * len(planned)
     assert all(inspector._payloads.ready(window, layer) for window in planned for layer in range(3))
     assert windows.token_window(24, tokens=8).key in inspector._payloads.computed
+
+
+def test_the_interpreter_exits_cleanly_while_a_prefetch_thread_computes() -> None:
+    """A daemon thread killed inside torch's kernels at exit aborted the process (exit 134, "terminate called
+    without an active exception"): a notebook's kernel or a test session ending while an inspector computed ahead."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        """
+        import torch
+        from contribution_lens.views.inspector.background import Prefetch
+        a = torch.randn(400, 400)
+        def work(_):
+            for _ in range(20):
+                a @ a
+        Prefetch(work, range(1000)).start()  # the interpreter ends at once, the thread mid-item
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-500:])

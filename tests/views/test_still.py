@@ -137,7 +137,7 @@ def test_a_pass_in_a_cell_leaves_no_progress_widget_and_empties_its_line(model, 
     # Failed before: the first view's pass wrote a tqdm progress widget into the inspector's cell (reopened, a
     # second "Error displaying widget: model not found"; exported, "inspector: layers: 0%| | 0/30"), and the
     # widget's text named the view it opened on beside a still of a later one.
-    from contribution_lens.views.inspector import compute, progress, widget
+    from contribution_lens.views.inspector import compute, progress, widget, writing
 
     class Shell:  # a kernel running a cell
         def __init__(self) -> None:
@@ -146,6 +146,7 @@ def test_a_pass_in_a_cell_leaves_no_progress_widget_and_empties_its_line(model, 
 
     monkeypatch.setattr(progress, "kernel_shell", Shell)
     monkeypatch.setattr(widget, "kernel_shell", Shell)
+    monkeypatch.setattr(writing, "kernel_shell", Shell)
     monkeypatch.setattr(progress, "QUIET_S", 0.0)  # the tiny model's pass is quicker than the quiet second
     monkeypatch.setattr(compute, "tqdm", None)  # any text or widget bar would fail here
     monkeypatch.setattr(still, "kernel_png", lambda figure: (b"png", 10))
@@ -163,5 +164,5 @@ def test_a_pass_in_a_cell_leaves_no_progress_widget_and_empties_its_line(model, 
     (kind, still_data, _, still_id), (_, widget_data, _, _) = shown
     assert kind == "update" and still_id == line_id == inspector._still.display_id
     assert "L1, head 2, contribution (inter), query 9" in still_data["text/plain"]
-    assert widget_data["text/plain"] == widget.WIDGET_TEXT and export.WIDGET_VIEW in widget_data
+    assert widget_data["text/plain"] == writing.WIDGET_TEXT and export.WIDGET_VIEW in widget_data
     assert "L1, head 2, contribution (inter), query 9" in repr(inspector)

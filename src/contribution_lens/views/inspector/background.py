@@ -10,7 +10,9 @@ meanwhile gets the other core; it holds no hook and runs no pass, and never touc
 traits or comm (the kernel's thread sends what it computed, when the view asks).
 """
 
+import atexit
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,6 +20,9 @@ import torch
 
 ENABLED = True
 """Whether an inspector computes ahead in a thread (else each payload when its view asks for it)."""
+
+_RUNNING: "weakref.WeakSet[Prefetch]" = weakref.WeakSet()
+"""The threads started and not yet finished, which the interpreter's exit stops first (`_stop_all`)."""
 
 
 class Prefetch:
@@ -44,6 +49,7 @@ class Prefetch:
 
     def start(self) -> "Prefetch":
         if ENABLED:
+            _RUNNING.add(self)
             self._thread.start()
         return self
 
@@ -73,3 +79,16 @@ class Prefetch:
             self.error = error
         finally:
             torch.set_num_threads(before)  # what this thread changed for threads started after it
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Stop every running thread and wait for the item it is on: a daemon thread killed inside torch's
+    kernels at the interpreter's exit aborts the process ("terminate called without an active exception")."""
+    running = list(_RUNNING)
+    # The thread and event themselves: at exit the runtime type checks of the methods may no longer run.
+    for worker in running:
+        worker._stopped.set()
+    for worker in running:
+        if worker._thread.is_alive():
+            worker._thread.join(timeout=120)
