@@ -19,7 +19,7 @@ soft-cap and the masks of each layer.
     >>> whole = torch.softmax((q @ k.repeat_interleave(2, 1).mT * 8**-0.5).masked_fill(future, -torch.inf), -1)
     >>> tiles = query_tiles(6, 6, heads=4, causal=True, budget=256, min_rows=1)
     >>> [(t.start, t.stop, t.keys) for t in tiles]
-    [(0, 4, 4), (4, 6, 6)]
+    [(0, 1, 1), (1, 2, 2), (2, 3, 3), (3, 4, 4), (4, 5, 5), (5, 6, 6)]
     >>> all(torch.allclose(qk.pattern(t), whole[:, :, t.start : t.stop, : t.keys]) for t in tiles)
     True
 """
@@ -80,7 +80,7 @@ def query_tiles(
 
     Example:
         >>> [(t.start, t.stop, t.keys) for t in query_tiles(4, 4, heads=1, causal=True, budget=16, min_rows=1)]
-        [(0, 2, 2), (2, 3, 3), (3, 4, 4)]
+        [(0, 1, 1), (1, 2, 2), (2, 3, 3), (3, 4, 4)]
     """
     cells = max(1, budget // max(1, batch * heads * itemsize))
     offset, tiles, start = n_key - n_query, [], 0

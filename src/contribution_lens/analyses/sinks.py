@@ -340,7 +340,9 @@ class SinkRows:
         """
         parts = {part: self._part(part) for part in PARTS}
         z_out = parts["sink"][0] + parts["tail"][0]
-        heads_z = z_out if z is None else einops.rearrange(z.float(), "b q h d -> b h q d")
+        # A half-precision hook_z is the parts' sum rounded once more: o built from it would make the intra
+        # weights sum to 1 only to that rounding (2e-4 in bfloat16), so there it is the parts' float32 sum.
+        heads_z = z_out if z is None or z.dtype.itemsize < 4 else einops.rearrange(z.float(), "b q h d -> b h q d")
         if scope == Scope.INTRA:
             reading = einops.einsum(heads_z, self.gram, "b h q d, h d e -> b h q e")  # <o^h, x W_O^h> = z G x
             norm = einops.einsum(reading, heads_z, "b h q e, b h q e -> b h q").clamp_min(0).sqrt()
