@@ -102,6 +102,29 @@ def check_sizes(fractions: Any) -> tuple[float, ...]:
         >>> check_sizes([0.1, 0.01])
         (0.01, 0.1)
     """
+    values = _shares(fractions)
+    if not values:
+        raise ValueError("fractions must hold at least one size (a share in (0, 1]), got none")
+    return values
+
+
+def check_fractions(fractions: Any) -> tuple[float, ...]:
+    """The sizes of a curve, sorted (as `check_sizes`): at least two, 1 (the whole model) among them.
+
+    CPR and CMD are trapezoid areas over the fractions up to the whole model, so a curve without 1
+    would be another area than MIB's and a curve of one size has none.
+    """
+    values = _shares(fractions)
+    if 1.0 not in values or len(values) < 2:
+        raise ValueError(
+            "fractions must hold at least two sizes, 1 (the whole model) among them: CPR and CMD are areas over "
+            f"the fractions up to 1; got {values}"
+        )
+    return values
+
+
+def _shares(fractions: Any) -> tuple[float, ...]:
+    """A sequence of shares in (0, 1], each once, sorted (empty where it is empty: each caller says what it needs)."""
     if isinstance(fractions, str) or not isinstance(fractions, Sequence | np.ndarray | Tensor):
         raise ValueError(f"fractions must be a sequence of shares of the edges (or nodes) kept, got {fractions!r}")
     values = []
@@ -112,36 +135,12 @@ def check_sizes(fractions: Any) -> tuple[float, ...]:
             raise ValueError(
                 f"fractions: {fraction!r} is not a number in (0, 1] (a share of edges or nodes kept)"
             ) from None
-    if not values:
-        raise ValueError("fractions must hold at least one size (a share in (0, 1]), got none")
     seen: set[float] = set()
     for value in values:
         if value in seen:
             raise ValueError(f"fractions: {value:g} is given twice; give each size once")
         seen.add(value)
     return tuple(sorted(values))
-
-
-def check_fractions(fractions: Any) -> tuple[float, ...]:
-    """The sizes of a curve, sorted (`check_sizes`): at least two, 1 (the whole model) among them.
-
-    CPR and CMD are trapezoid areas over the fractions up to the whole model, so a curve without 1
-    would be another area than MIB's and a curve of one size has none.
-    """
-    values = check_sizes(fractions) if not _empty(fractions) else ()
-    if 1.0 not in values or len(values) < 2:
-        raise ValueError(
-            "fractions must hold at least two sizes, 1 (the whole model) among them: CPR and CMD are areas over "
-            f"the fractions up to 1; got {tuple(values)}"
-        )
-    return values
-
-
-def _empty(fractions: Any) -> bool:
-    """An empty sequence (the curve's own message says what it needs)."""
-    return (
-        isinstance(fractions, Sequence | np.ndarray | Tensor) and not isinstance(fractions, str) and not len(fractions)
-    )
 
 
 def check_level(level: Any) -> str:
