@@ -23,7 +23,7 @@ export const CONFIG = { displaylogo: false, responsive: false, showSendToCloud: 
  * @param {HTMLElement} node
  * @param {object[]} traces
  * @param {object} layout
- * @param {(event: any) => void} onClick
+ * @param {(event: any) => void} [onClick] a figure without one draws and takes no clicks
  * @returns {Promise<unknown>}
  */
 export function plot(node, traces, layout, onClick) {
@@ -32,7 +32,7 @@ export function plot(node, traces, layout, onClick) {
   const config = CONFIG;
   if (gd.data) return Plotly.react(node, traces, layout, config);
   const drawn = Plotly.newPlot(node, traces, layout, config);
-  gd.on("plotly_click", onClick);
+  if (onClick) gd.on("plotly_click", onClick);
   return drawn;
 }
 
