@@ -35,8 +35,13 @@ lint: $(STAMP)
 types: $(STAMP)
 	$(VENV)/bin/mypy
 
+# The suite in TEST_WORKERS processes (pytest-xdist), each test file in one of them (its module fixtures built
+# once), each process with one torch thread: most tests are short passes that one thread runs as fast as two,
+# and two processes each with two threads spend the second core waiting. TEST_WORKERS=0 runs it in this process:
+# pytest prints each run's time, so `make test` beside `make test TEST_WORKERS=0` measures the gain.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The documentation site, into site/: --strict turns every warning (a broken link or anchor, a page
 # missing from the nav, an API entry that does not resolve) into a failure.
