@@ -1,7 +1,15 @@
 """Helpers shared by several test files: small inputs and a method run the way the harnesses run it."""
 
 import ast
+import contextlib
+import os
+import secrets
 import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import einops
@@ -191,3 +199,44 @@ def authors_inputs(model, batch, layers: list[int]) -> dict[int, dict[str, torch
         got["dense_weight"] = o_proj.weight.detach()
         got["dense_bias"] = None if o_proj.bias is None else o_proj.bias.detach()
     return caught
+
+
+@contextlib.contextmanager
+def jupyter_running(app: str, root: Path, home: Path, *options: str, env: dict[str, str] | None = None):
+    """``jupyter {app}`` (``lab`` or ``server``) serving ``root`` on a free port with a fresh token and an empty user
+    config under ``home``: yields ``{"url", "token", "root"}`` once it answers, stops it (and its kernels) after.
+
+    One start-up for every test file that needs a running Jupyter: JupyterLab's and the server's exports are
+    tested as a user meets them, through the server's own endpoints.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    token = secrets.token_hex(16)
+    environment = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
+    environment.update(env or {})
+    log_path = home / f"{app}.log"
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "jupyter", app, "--allow-root", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+             f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}", *options],
+            cwd=root, env=environment, stdout=subprocess.DEVNULL, stderr=log,
+        )  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            for _ in range(120):
+                try:
+                    urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+                    break
+                except OSError:
+                    time.sleep(0.5)
+            else:
+                pytest.fail(f"jupyter {app} did not start: " + log_path.read_text()[-2000:])
+            yield {"url": url, "token": token, "root": root}
+        finally:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:  # a kernel still starting (a notebook reopened) holds it up
+                process.kill()
+                process.wait(30)

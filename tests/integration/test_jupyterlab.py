@@ -10,10 +10,6 @@ import base64
 import json
 import os
 import re
-import secrets
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -24,7 +20,7 @@ import pytest
 
 from conftest import ARTIFACTS
 from contribution_lens.views.inspector.still import caption
-from helpers import CHROMIUM, CHROMIUM_FLAGS
+from helpers import CHROMIUM, CHROMIUM_FLAGS, jupyter_running
 
 TESTS = Path(__file__).resolve().parents[1]
 pytestmark = [
@@ -51,12 +47,6 @@ page = inspector.write_html("tour.html")
 Markdown("[head 1, cosine, intra](tour.html#layer=2&head=1&factor=cosine&scope=intra)")"""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     pytest.importorskip("jupyterlab", reason="needs jupyterlab (pip install jupyterlab)")
@@ -65,35 +55,13 @@ def lab(tmp_path_factory):
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(SETUP), nbformat.v4.new_code_cell(SHARE)])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(notebook, folder / "inspect.ipynb")
-    port, token = free_port(), secrets.token_hex(16)
     home = tmp_path_factory.mktemp("home")
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"),
-               JUPYTERLAB_SETTINGS_DIR=str(home / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"),
+    env = dict(JUPYTERLAB_SETTINGS_DIR=str(home / "settings"), JUPYTERLAB_WORKSPACES_DIR=str(home / "workspaces"),
                PYTHONPATH=os.pathsep.join([str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]))  # fmt: skip
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--allow-root", "--ip=127.0.0.1", "--no-browser", f"--port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={folder}", "--LabApp.expose_app_in_browser=True",
-         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
-        cwd=folder, env=env, stdout=subprocess.DEVNULL, stderr=open(home / "lab.log", "w"),
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("JupyterLab did not start: " + (home / "lab.log").read_text()[-2000:])
-        yield {"url": url, "token": token, "folder": folder}
-    finally:
-        server.terminate()
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:  # a kernel still starting (a notebook reopened) holds it up
-            server.kill()
-            server.wait(30)
+    options = ("--LabApp.expose_app_in_browser=True", "--LabApp.news_url=",
+               "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate")  # fmt: skip
+    with jupyter_running("lab", folder, home, *options, env=env) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -302,7 +270,7 @@ def test_explained_answer_steps_and_opens_a_head_in_jupyterlab(page) -> None:
 
 def test_shared_page_opens_from_the_notebook_link_in_jupyterlab(page, lab) -> None:
     page.wait_for_selector(".jp-RenderedMarkdown a", timeout=120_000)
-    assert (lab["folder"] / "tour.html").is_file()  # beside the notebook, so the relative link resolves
+    assert (lab["root"] / "tour.html").is_file()  # beside the notebook, so the relative link resolves
     page.click(".jp-RenderedMarkdown a")
     page.wait_for_selector(".jp-HTMLViewer iframe", timeout=60_000)
     page.evaluate("window.jupyterapp.commands.execute('htmlviewer:trust-html')")
@@ -531,7 +499,7 @@ def test_one_cell_holds_its_still_and_widget_and_a_live_reopen_keeps_the_still_c
         view = kernel(page, "import json; print(json.dumps(inspector.view_state()))")
         pytest.fail(f"no browser still of layer {layer} in cell 0: {page.evaluate(STILLS)}; the kernel's view: {view}")
     page.evaluate(f"async () => await ({PANEL}).context.save()")
-    saved = json.loads((lab["folder"] / "inspect.ipynb").read_text())
+    saved = json.loads((lab["root"] / "inspect.ipynb").read_text())
     stills = [o for o in saved["cells"][0]["outputs"] if "contribution_lens" in o.get("metadata", {})]
     view = json.loads(kernel(page, "import json; print(json.dumps(inspector.view_state()))"))
     assert len(stills) == 1 and stills[0]["metadata"]["contribution_lens"]["still"] == view, (stills, view)
@@ -625,7 +593,7 @@ def test_stills_exports_a_restarted_kernel_and_a_reopened_notebook_in_jupyterlab
         f"async () => {{ const panel = {PANEL}; window.jupyterapp.shell.activateById(panel.id);"
         " await panel.context.save(); }"
     )
-    saved = (lab["folder"] / "inspect.ipynb").read_text()
+    saved = (lab["root"] / "inspect.ipynb").read_text()
     assert saved.count("plotly.js v") <= 1, "plotly.js is embedded more than once"
     outputs = [out for cell in json.loads(saved)["cells"] for out in cell.get("outputs", [])]
     by = [out for out in outputs if out.get("metadata", {}).get("contribution_lens", {}).get("drawn_by") == "browser"]
@@ -698,7 +666,7 @@ def test_a_shut_down_kernel_and_saved_widget_state_in_jupyterlab(page, lab) -> N
     live = drawn(page, "d.shown && d.status === '' && d.kernel === ''", FIRST, timeout=120_000)
     page.wait_for_function(f"({STILLS})().some((s) => s.cell === 0 && s.by === 'browser')", timeout=60_000)
     page.evaluate(f"async () => await ({PANEL}).context.save()")
-    saved = json.loads((lab["folder"] / "inspect.ipynb").read_text())
+    saved = json.loads((lab["root"] / "inspect.ipynb").read_text())
     assert WIDGET_STATE in saved["metadata"].get("widgets", {}), "the widget state was not saved with the notebook"
     # Kernel > Shut Down Kernel (its menu's command; a confirmation, where asked, accepted), then a click.
     page.evaluate("window.jupyterapp.commands.execute('kernelmenu:shutdown')")
@@ -762,7 +730,7 @@ def test_a_new_kernel_draws_again_and_a_view_drawn_without_a_kernel_is_its_still
         timeout=30_000,
     )
     page.evaluate(f"async () => await ({PANEL}).context.save()")
-    saved = json.loads((lab["folder"] / "inspect.ipynb").read_text())
+    saved = json.loads((lab["root"] / "inspect.ipynb").read_text())
     stills = [o for o in saved["cells"][0]["outputs"] if "contribution_lens" in o.get("metadata", {})]
     assert len(stills) == 1, stills
     view = stills[0]["metadata"]["contribution_lens"]["still"]

@@ -173,7 +173,7 @@ def test_the_circuit_views_still_follows_every_click_live_reopened_and_without_a
     )
     save(page)
     view = json.loads(kernel(page, "import json; print(json.dumps(view.inspector.view_state()))"))
-    saved = json.loads((lab["folder"] / "inspect.ipynb").read_text())
+    saved = json.loads((lab["root"] / "inspect.ipynb").read_text())
     (circuit_cell,) = [c for c in saved["cells"] if "cl.inspect_circuit(" in "".join(c["source"])]
     (still,) = [o for o in circuit_cell["outputs"] if "still" in o.get("metadata", {}).get("contribution_lens", {})]
     assert still["metadata"]["contribution_lens"]["still"] == view and "image/png" in still["data"], view

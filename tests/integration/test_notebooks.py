@@ -23,7 +23,7 @@ import pytest
 
 import contribution_lens as cl
 from conftest import ARTIFACTS
-from helpers import CHROMEDRIVER, CHROMIUM, NEEDS_CHROMIUM
+from helpers import CHROMEDRIVER, CHROMIUM, NEEDS_CHROMIUM, jupyter_running
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK_DIR = ROOT / "notebooks"
@@ -672,41 +672,10 @@ def inspector_cells(notebook: nbformat.NotebookNode) -> list[str]:
 def server(tmp_path_factory):
     """One Jupyter server for every lesson's export, as installed (its extensions as `jupyter_server_config.d` enables
     them), with an empty user config: ``{"url", "token", "root"}``."""
-    import os
-    import secrets
-    import socket
-    import subprocess
-    import sys
-    import urllib.request
-
     pytest.importorskip("jupyter_server", reason="needs jupyter_server (the dev extras)")
     root, home = tmp_path_factory.mktemp("served"), tmp_path_factory.mktemp("server-home")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    token = secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(home / "config"), JUPYTER_RUNTIME_DIR=str(home / "runtime"))
-    log = open(home / "server.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "server", "--allow-root", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}"],
-        cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=log,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(120):
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.5)
-        else:
-            pytest.fail("the Jupyter server did not start: " + (home / "server.log").read_text()[-2000:])
-        yield {"url": url, "token": token, "root": root}
-    finally:
-        process.terminate()
-        process.wait(30)
-        log.close()
+    with jupyter_running("server", root, home) as running:
+        yield running
 
 
 def server_export(server: dict, notebook: nbformat.NotebookNode, name: str) -> str:
