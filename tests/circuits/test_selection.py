@@ -63,6 +63,8 @@ def test_cpr_cmd_and_the_absolute_area_are_mibs_trapezoids_of_hand_chosen_curves
     table = curve.table
     assert list(table["selection"]) == [*["signed"] * 10, *["absolute"] * 10]
     assert table["faithfulness"].tolist() == pytest.approx(SIGNED + ABSOLUTE)
+    # Counts are counts: a table a notebook shows reads 70 edges, not 70.0 (kept as float64 in the result's tensors).
+    assert table["chosen"].dtype.kind == "i" and table["edges"].dtype.kind == "i", table.dtypes
     low, high = curve.cpr_interval
     assert low <= curve.cpr <= high
 

@@ -399,8 +399,8 @@ class CircuitCurve(Saves):
             {
                 "selection": [name for name in SELECTIONS for _ in range(sizes)],
                 "fraction": self.fractions.repeat(len(SELECTIONS)).numpy(),
-                "chosen": self.chosen.flatten().numpy(),
-                "edges": self.edges.flatten().numpy(),
+                "chosen": self.chosen.round().long().flatten().numpy(),  # counts, kept as float64 beside f
+                "edges": self.edges.round().long().flatten().numpy(),
                 "faithfulness": f.flatten().numpy(),
                 "low": interval[..., 0].flatten().numpy(),
                 "high": interval[..., 1].flatten().numpy(),
