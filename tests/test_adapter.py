@@ -128,6 +128,8 @@ def test_the_readout_of_bloom_takes_no_norm_after_its_attention(tmp_path) -> Non
     model = cl.load_model(str(architectures.build("BloomForCausalLM", tmp_path / "bloom")))
     readout = adapter.readout(model)
     assert readout.post_norms == (None, None) and readout.flow_capture == ("hook_resid_pre",)
-    assert adapter.circuit_wiring._weights(model, 0, torch.float32).post_name is None
+    assert (
+        adapter.circuit_wiring._weights(model, adapter.anatomy_of(model).layers[0], 0, torch.float32).post_name is None
+    )
     explained = cl.logit_attribution(model, architectures.TEXT)
     assert_close(torch.tensor(explained.total()), torch.tensor(explained.logit).double(), rtol=1e-5, atol=1e-5)

@@ -68,6 +68,8 @@ from contribution_lens.adapter.anatomy import (
     RESID_PRE,
     SCALE,
     UNEMBED_IN,
+    Anatomy,
+    Layer,
     Norm,
     Z,
     anatomy_of,
@@ -174,9 +176,10 @@ def ungrouping_refusal(model: Model) -> str | None:
     return None
 
 
-def layout(model: Model) -> Layout:
-    """The `Layout` of ``model``: layers, heads, key heads and whether it has learned positions."""
-    facts = anatomy_of(model)
+def layout(model: Model | Anatomy) -> Layout:
+    """The `Layout` of ``model`` (or of its `Anatomy`): layers, heads, key heads and whether it has learned
+    positions."""
+    facts = model if isinstance(model, Anatomy) else anatomy_of(model)
     return Layout(
         n_layers=facts.n_layers,
         n_heads=facts.n_heads,
@@ -243,7 +246,7 @@ def _up(tensor: Tensor) -> Tensor:
     return tensor if tensor.dtype == torch.float64 else tensor.float()
 
 
-def _weights(model: Model, layer: int, dtype: torch.dtype) -> _LayerWeights:
+def _weights(model: Model, facts: Layer, layer: int, dtype: torch.dtype) -> _LayerWeights:
     attn = model.blocks[layer].attn
 
     def bias(name: str) -> Tensor | None:
@@ -251,7 +254,6 @@ def _weights(model: Model, layer: int, dtype: torch.dtype) -> _LayerWeights:
         return _up(value.detach()) if isinstance(value, Tensor) else None
 
     W_O, b_O = output_weights(model, layer)
-    facts = anatomy_of(model).layers[layer]
     ln1 = facts.ln1
     assert ln1 is not None  # `circuit_refusal` asks for ln1's hooks
     return _LayerWeights(
@@ -397,11 +399,11 @@ def _norm_vjp(
 
 
 def _layer_hooks(
-    model: Model, layer: int, stream: Stream, dtype: torch.dtype, frozen: bool = False, group: int = 1
+    model: Model, facts: Layer, layer: int, stream: Stream, dtype: torch.dtype, frozen: bool = False, group: int = 1
 ) -> list[tuple[str, HookFn]]:
-    """The hooks of layer ``layer``; ``group`` > 1: its k and v computed one a query head (`_ungrouped_weights`)."""
-    weights = _ungrouped_weights(_weights(model, layer, dtype), group)
-    facts = anatomy_of(model).layers[layer]
+    """The hooks of layer ``layer`` (``facts``: its anatomy); ``group`` > 1: its k and v computed one a query head
+    (`_ungrouped_weights`)."""
+    weights = _ungrouped_weights(_weights(model, facts, layer, dtype), group)
     kept: dict[str, Tensor] = {}
     edited = {"attention_in": False}  # whether this pass replaced the layer's attention input (`read_shared`)
     if frozen:
@@ -531,11 +533,11 @@ def _repeated(tensor: Tensor, n_kv_heads: int, group: int) -> Tensor:
 
 
 @contextmanager
-def _ungrouped_attention(model: Model, group: int) -> Iterator[None]:
+def _ungrouped_attention(model: Model, anatomy: Anatomy, group: int) -> Iterator[None]:
     """Every attention takes the keys and values handed to it as one a query head, for one pass (`Layer.ungrouping`)."""
     changed: list[tuple[Any, str, Any]] = []
     if group > 1:
-        for layer, facts in enumerate(anatomy_of(model).layers):
+        for layer, facts in enumerate(anatomy.layers):
             settings = facts.ungrouping
             if settings is None:
                 raise ValueError(f"edges: layer {layer}'s attention cannot be ungrouped ({ungrouping_refusal(model)})")
@@ -605,25 +607,27 @@ def circuit_pass(
     are read one per query head and the attention uses one key and value head a query head (the
     module docstring; MIB's ungrouped graph).
     """
+    anatomy = anatomy_of(model)  # every fact of the model the pass wires, read here and handed down
     dtype = model_dtype(model)
-    shape = layout(model)
+    shape = layout(anatomy)
     group = shape.n_heads // shape.n_kv_heads if ungroup else 1
-    hooks = freezing_hooks(model, norms=freeze_norms, patterns=freeze_patterns)
-    hooks += _embedding_hooks(model, stream)
-    for layer in range(shape.n_layers):
-        hooks += _layer_hooks(model, layer, stream, dtype, frozen=freeze_norms, group=group)
+    hooks = freezing_hooks(anatomy, norms=freeze_norms, patterns=freeze_patterns)
+    hooks += _embedding_hooks(anatomy, stream)
+    for layer, facts in enumerate(anatomy.layers):
+        hooks += _layer_hooks(model, facts, layer, stream, dtype, frozen=freeze_norms, group=group)
     hooks.append((FINAL_IN, _final_hook(stream)))
     if patterns is not None:
         hooks += [(block_hook(layer, PATTERN), _keeper(patterns, layer)) for layer in range(shape.n_layers)]
     found: dict[str, Tensor] = {}
-    if last is not None and UNEMBED_IN in anatomy_of(model).hook_names:
-        read = _at_positions(last) if columns is None else _columns_at(model, last, columns, found)
+    if last is not None and UNEMBED_IN in anatomy.hook_names:
+        cap = anatomy.logit_softcap
+        read = _at_positions(last) if columns is None else _columns_at(model, cap, last, columns, found)
         hooks.append((UNEMBED_IN, read))
     with (
         hooked(model, hooks),
         _weights_need_no_gradient(model),
-        _skipped_work(model, stream),
-        _ungrouped_attention(model, group),
+        _skipped_work(model, anatomy, stream),
+        _ungrouped_attention(model, anatomy, group),
         warnings.catch_warnings(),
     ):
         # A detached hook_scale counts as an edit: the bridge then rebuilds the norm's output from it.
@@ -668,7 +672,7 @@ def _replaces(stream: Stream, layer: int) -> bool:
 
 
 @contextmanager
-def _skipped_work(model: Model, stream: Stream) -> Iterator[None]:
+def _skipped_work(model: Model, anatomy: Anatomy, stream: Stream) -> Iterator[None]:
     """The products whose result ``stream`` replaces are skipped for one pass.
 
     An MLP whose output the stream supplies (its ``supplies("mlp", layer)``) hands zeros through its
@@ -684,7 +688,7 @@ def _skipped_work(model: Model, stream: Stream) -> Iterator[None]:
     """
     supplies = getattr(stream, "supplies", None)
     skipped: list[tuple[Any, Callable[..., Tensor]]] = []
-    for layer, facts in enumerate(anatomy_of(model).layers):
+    for layer, facts in enumerate(anatomy.layers):
         block = model.blocks[layer]
         if supplies is not None and supplies("mlp", layer) and "mlp" in facts.skippable:
             skipped.append((block.mlp, _zeros_through(block.mlp)))
@@ -738,7 +742,7 @@ def embedding_pass(model: Model, tokens: Int[Tensor, "batch pos"], stream: Strea
             pass
 
 
-def _embedding_hooks(model: Model, stream: Stream) -> list[tuple[str, HookFn]]:
+def _embedding_hooks(model: Model | Anatomy, stream: Stream) -> list[tuple[str, HookFn]]:
     """``stream.write`` at the embeddings: ``embed``, and ``pos_embed`` where the model has learned positions."""
     kinds = ("embed", "pos_embed") if layout(model).pos_embed else ("embed",)
     return [(EMBED_PARTS[kind], _embedding_hook(stream, kind)) for kind in kinds]
@@ -758,13 +762,12 @@ def _at_positions(last: Tensor) -> HookFn:
     return hook
 
 
-def _columns_at(model: Model, last: Tensor, columns: Tensor, found: dict[str, Tensor]) -> HookFn:
+def _columns_at(model: Model, cap: float | None, last: Tensor, columns: Tensor, found: dict[str, Tensor]) -> HookFn:
     """``z[b, c] = x_b . W_U[:, columns[b, c]] (+ b_U)`` at each prompt's ``last``, kept in ``found``; then stop.
 
     The soft-cap ``cap * tanh(z / cap)`` (Gemma 2) is what the model applies after the unembedding.
     """
     W_U, b_U = unembedding(model)
-    cap = anatomy_of(model).logit_softcap
 
     def hook(tensor: Tensor, hook: Any) -> None:
         rows = torch.arange(tensor.shape[0], device=tensor.device)
@@ -790,9 +793,10 @@ def _detach(tensor: Tensor, hook: Any) -> Tensor:
     return tensor.detach()
 
 
-def freezing_hooks(model: Model, *, norms: bool, patterns: bool) -> list[tuple[str, HookFn]]:
-    """Hooks that detach every norm's scale (``norms``) and every attention pattern (``patterns``)."""
-    names = sorted(anatomy_of(model).hook_names)
+def freezing_hooks(model: Model | Anatomy, *, norms: bool, patterns: bool) -> list[tuple[str, HookFn]]:
+    """Hooks that detach every norm's scale (``norms``) and every attention pattern (``patterns``) of ``model``
+    (or of its `Anatomy`)."""
+    names = sorted((model if isinstance(model, Anatomy) else anatomy_of(model)).hook_names)
     chosen = [name for name in names if norms and name.endswith(f".{SCALE}")]
     chosen += [name for name in names if patterns and name.endswith(PATTERN)]
     return [(name, _detach) for name in chosen]
