@@ -535,14 +535,18 @@ _KEY = "_contribution_lens_anatomy"
 def anatomy_of(model: Model) -> Anatomy:
     """The model's `Anatomy`: built on the first call, then the same object, kept on the model.
 
-    A model that takes no attribute (a stand-in object) gets a new one each call.
+    A model that takes no attribute (a stand-in object) gets a new one each call; an `Anatomy` is its own (a
+    function that takes a model takes the anatomy a caller already read).
 
     Example:
         >>> import contribution_lens as cl
         >>> model = cl.load_model()
-        >>> anatomy_of(model) is anatomy_of(model), anatomy_of(model).logit_softcap
-        (True, None)
+        >>> facts = anatomy_of(model)
+        >>> anatomy_of(model) is facts, anatomy_of(facts) is facts, facts.logit_softcap
+        (True, True, None)
     """
+    if isinstance(model, Anatomy):
+        return model
     own = getattr(model, "__dict__", None)  # not setattr: a bridge hands attributes on to the model it wraps
     kept = own.get(_KEY) if isinstance(own, dict) else None
     if kept is None:

@@ -179,7 +179,7 @@ def ungrouping_refusal(model: Model) -> str | None:
 def layout(model: Model | Anatomy) -> Layout:
     """The `Layout` of ``model`` (or of its `Anatomy`): layers, heads, key heads and whether it has learned
     positions."""
-    facts = model if isinstance(model, Anatomy) else anatomy_of(model)
+    facts = anatomy_of(model)
     return Layout(
         n_layers=facts.n_layers,
         n_heads=facts.n_heads,
@@ -796,7 +796,7 @@ def _detach(tensor: Tensor, hook: Any) -> Tensor:
 def freezing_hooks(model: Model | Anatomy, *, norms: bool, patterns: bool) -> list[tuple[str, HookFn]]:
     """Hooks that detach every norm's scale (``norms``) and every attention pattern (``patterns``) of ``model``
     (or of its `Anatomy`)."""
-    names = sorted((model if isinstance(model, Anatomy) else anatomy_of(model)).hook_names)
+    names = sorted(anatomy_of(model).hook_names)
     chosen = [name for name in names if norms and name.endswith(f".{SCALE}")]
     chosen += [name for name in names if patterns and name.endswith(PATTERN)]
     return [(name, _detach) for name in chosen]
